@@ -1,0 +1,125 @@
+"""CompileConfig: every knob of the backend, validated once, also buildable from `options=`."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+DUMP_DIR_ENV = "ASCEND_COMPILE_DUMP_DIR"
+
+KERNEL_POLICIES = ("pa_max_batch", "pa_batch_sizes", "auto", "pa", "fia")
+RUNTIMES = ("auto", "sim", "eager")
+INNER_COMPILERS = ("eager",)
+SIM_OVERFLOW = ("write", "raise")
+
+
+def default_capture_sizes() -> tuple[int, ...]:
+    """vLLM's default: 1, 2, 4, then steps of 8 up to 256."""
+    return (1, 2, 4) + tuple(range(8, 257, 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileConfig:
+    """Options of the `ascend_graph` backend (DESIGN.md §6).
+
+    Attributes:
+        capture_sizes: the buckets: padded token counts that each get their own captured graph.
+        max_model_len: the longest sequence (KV length) any step may have; workspaces are sized for
+            every length up to it, and longer ones are refused. Required for graphs with attention.
+        kernel_policy: how a bucket's attention kernel is chosen for decode-only steps:
+            "pa_max_batch" (PA up to `pa_max_batch`), "pa_batch_sizes" (PA exactly for
+            `pa_batch_sizes`, like vLLM-Ascend's pa_shape_list), "auto" (time both kernels at
+            compile time on the target runtime, keep the faster), "pa" or "fia" (always).
+            Steps with several query tokens per sequence always use FIA: PA is decode-only.
+        pa_max_batch: the threshold of "pa_max_batch".
+        pa_batch_sizes: the explicit PA buckets of "pa_batch_sizes".
+        auto_seq_len: the context length "auto" times the kernels at (default min(1024, max_model_len)).
+        workspace_seq_len: None sizes workspaces for the exact maximum over [1, max_model_len]; an
+            int pins one length instead (the SEQ_LEN_WITH_MAX_PA_WORKSPACE way; may under-size).
+        share_workspace: one workspace slot for all buckets (True) or one per bucket.
+        runtime: "auto" (the simulator for CPU graphs, eager elsewhere), "sim" (the CPU
+            ACL-graph simulator), "eager" (no graphs: each bucket graph runs directly).
+        inner_compiler: how the non-attention ops run inside a graph: "eager".
+        clone_outputs: return copies of the graph's static outputs (False: views that the next
+            step overwrites).
+        capture_all: capture every bucket's decode graph at the first call instead of on first use.
+        sim_overflow: what the simulator does when a kernel needs more workspace than it got:
+            "write" past the buffer, like the device, or "raise".
+        dump_dir: write every stage of every bucket and a plan.json here (env ASCEND_COMPILE_DUMP_DIR).
+    """
+
+    capture_sizes: tuple[int, ...] = dataclasses.field(default_factory=default_capture_sizes)
+    max_model_len: int | None = None
+    kernel_policy: str = "pa_max_batch"
+    pa_max_batch: int = 16
+    pa_batch_sizes: tuple[int, ...] = ()
+    auto_seq_len: int | None = None
+    workspace_seq_len: int | None = None
+    share_workspace: bool = True
+    runtime: str = "auto"
+    inner_compiler: str = "eager"
+    clone_outputs: bool = True
+    capture_all: bool = False
+    sim_overflow: str = "write"
+    dump_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.capture_sizes)
+        if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+            raise ValueError(f"capture_sizes: expected a non-empty list of positive ints, got {self.capture_sizes!r}")
+        object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
+        object.__setattr__(self, "pa_batch_sizes", tuple(sorted(set(self.pa_batch_sizes))))
+        _check_optional_positive("max_model_len", self.max_model_len)
+        _check_optional_positive("auto_seq_len", self.auto_seq_len)
+        _check_optional_positive("workspace_seq_len", self.workspace_seq_len)
+        _check_positive("pa_max_batch", self.pa_max_batch)
+        if any(not isinstance(s, int) or s < 1 for s in self.pa_batch_sizes):
+            raise ValueError(f"pa_batch_sizes: expected positive ints, got {self.pa_batch_sizes!r}")
+        _check_choice("kernel_policy", self.kernel_policy, KERNEL_POLICIES)
+        _check_choice("runtime", self.runtime, RUNTIMES)
+        _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
+        _check_choice("sim_overflow", self.sim_overflow, SIM_OVERFLOW)
+        for name in ("share_workspace", "clone_outputs", "capture_all"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.max_model_len and self.workspace_seq_len and self.workspace_seq_len > self.max_model_len:
+            raise ValueError(
+                f"workspace_seq_len: expected at most max_model_len ({self.max_model_len}), got {self.workspace_seq_len}"
+            )
+        if self.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
+            object.__setattr__(self, "dump_dir", os.environ[DUMP_DIR_ENV])
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "CompileConfig":
+        """A config from `torch.compile(..., options=...)`; unknown keys are an error listing the valid ones."""
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"options: unknown option(s) {unknown}; valid options are {valid}")
+        for key in ("capture_sizes", "pa_batch_sizes"):
+            if key in options and not isinstance(options[key], (list, tuple)):
+                raise ValueError(f"{key}: expected a list of ints, got {options[key]!r}")
+        return cls(**options)
+
+    @property
+    def auto_timing_seq_len(self) -> int:
+        """The context length the "auto" policy times kernels at."""
+        if self.auto_seq_len is not None:
+            return self.auto_seq_len
+        return min(1024, self.max_model_len or 1024)
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def _check_optional_positive(name: str, value: Any) -> None:
+    if value is not None:
+        _check_positive(name, value)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")

@@ -1,0 +1,40 @@
+"""Exceptions shared by every layer.
+
+They live at the bottom of the package so that the simulator (runtime/) can react to a kernel's
+workspace error without importing the op library above it.
+"""
+from __future__ import annotations
+
+
+class AscendCompileError(RuntimeError):
+    """Base class of every error this package raises on purpose."""
+
+
+class WorkspaceTooSmall(AscendCompileError):
+    """A kernel was handed less workspace than its host-side tiling needs.
+
+    Raised before the kernel writes anything, so a caller (the simulator emulating a device
+    overrun) may retry it with a larger view of the same memory.
+    """
+
+    def __init__(self, kernel: str, needed: int, given: int, arg_name: str = "workspace") -> None:
+        self.kernel = kernel
+        self.needed = needed
+        self.given = given
+        self.arg_name = arg_name
+        super().__init__(
+            f"{kernel}: workspace too small: needs {needed} bytes for these sequence lengths, "
+            f"given {given} bytes (argument '{arg_name}')"
+        )
+
+
+class CaptureError(AscendCompileError):
+    """Something was done during graph capture that a device graph cannot record."""
+
+
+class ReplayError(AscendCompileError):
+    """A captured graph could not be replayed as recorded (e.g. an event never recorded)."""
+
+
+class TaskUpdateMismatch(AscendCompileError):
+    """A task update issued other ops than the task group it replaces."""

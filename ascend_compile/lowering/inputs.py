@@ -1,0 +1,99 @@
+"""One step's inputs: host conversions (once per input), bucket choice, and padding by role.
+
+Padding rules live here and nowhere else: `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
+extended so the padded tokens belong to padded (empty) sequences, block tables and batch data 0.
+A bucket graph is captured for `bucket` tokens and as many sequences.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role, evaluate
+from ..passes.select_kernels import HOST_ENDS, HOST_LIST
+
+
+@dataclasses.dataclass
+class Step:
+    """What the runner knows about one call before it picks a graph."""
+
+    args: Sequence[Any]
+    symbols: dict
+    tokens: int
+    num_seqs: int
+    decode: bool
+    seq_lens: dict[str, list[int]]  # host copies, per seq_lens input
+    query_start_loc: dict[str, list[int]]  # host copies, per query_start_loc input
+    host: dict[tuple[str, str], list[int]] = dataclasses.field(default_factory=dict)  # padded kernel lists
+
+
+def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int) -> Step:
+    """Host conversions of one step (one `tolist()` per length input) and its checks."""
+    symbols = signature.actual_symbols(args)
+    tokens = evaluate(signature.tokens, symbols)
+    seq_lens, starts = {}, {}
+    num_seqs = 0
+    for spec in signature.by_role(Role.SEQ_LENS):
+        lens = args[spec.index].tolist()
+        longest = max(lens, default=0)
+        if longest > max_model_len:
+            raise ValueError(
+                f"seq_lens: a sequence of length {longest} exceeds max_model_len={max_model_len}, the longest "
+                f"the graphs' workspaces were sized for; compile with a larger max_model_len"
+            )
+        seq_lens[spec.name] = lens
+        num_seqs = len(lens)
+    decode = True
+    for spec in signature.by_role(Role.QUERY_START_LOC):
+        loc = args[spec.index].tolist()
+        starts[spec.name] = loc
+        decode = decode and all(b - a == 1 for a, b in zip(loc, loc[1:]))
+    return Step(args, symbols, tokens, num_seqs, decode, seq_lens, starts)
+
+
+def choose_bucket(buckets: Sequence[int], tokens: int) -> int | None:
+    """The smallest bucket holding `tokens`, or None when the step is larger than every bucket."""
+    i = bisect.bisect_left(buckets, tokens)
+    return buckets[i] if i < len(buckets) else None
+
+
+def padded_start_loc(loc: Sequence[int], tokens: int, bucket: int) -> list[int]:
+    """`query_start_loc` for `bucket` sequences: padded tokens go one each to padded sequences."""
+    extra = [min(tokens + j, bucket) for j in range(1, bucket + 2 - len(loc))]
+    return list(loc) + extra
+
+
+def host_value(step: Step, source: str, kind: str, bucket: int) -> list[int]:
+    """The padded host list a kernel argument takes for `bucket`."""
+    if kind == HOST_LIST:
+        lens = step.seq_lens[source]
+        return lens + [0] * (bucket - len(lens))
+    if kind == HOST_ENDS:
+        return padded_start_loc(step.query_start_loc[source], step.tokens, bucket)[1:]
+    raise ValueError(f"kind: unknown host conversion {kind!r}")
+
+
+def padded_shape(spec: InputSpec, padded: dict) -> tuple[int, ...]:
+    return tuple(evaluate(d, padded) for d in spec.shape)
+
+
+def copy_padded(spec: InputSpec, value: torch.Tensor, dest: torch.Tensor, step: Step, bucket: int) -> None:
+    """Copy one input into its padded static buffer, writing the padding by the input's role."""
+    if spec.role is Role.QUERY_START_LOC:
+        loc = padded_start_loc(step.query_start_loc[spec.name], step.tokens, bucket)
+        dest.copy_(torch.tensor(loc, dtype=dest.dtype), non_blocking=True)
+        return
+    if any(a > p for a, p in zip(value.shape, dest.shape)):
+        raise ValueError(
+            f"{spec.name}: shape {tuple(value.shape)} does not fit the graph's padded shape {tuple(dest.shape)}"
+            + (" (block_table is wider than max_model_len / block_size)" if spec.role is Role.BLOCK_TABLE else "")
+        )
+    dest[tuple(slice(0, n) for n in value.shape)].copy_(value, non_blocking=True)
+    pad = PAD_VALUE.get(spec.role, 0)
+    for dim, (actual, full) in enumerate(zip(value.shape, dest.shape)):
+        if actual < full:
+            region = tuple(slice(0, value.shape[d]) for d in range(dim)) + (slice(actual, None),)
+            dest[region].fill_(pad)

@@ -1,0 +1,263 @@
+"""The runner: what `torch.compile` calls each step.
+
+Per call: read the step (one host conversion per length input), pick the bucket and its graph
+(decode or mixed), copy the inputs into the graph's static buffers padded by role, launch the
+replay, apply the update table, synchronize, unpad and (by default) clone the outputs. Steps larger
+than every bucket run the original graph eagerly. Parameters, buffers and KV caches are used in
+place; their addresses are checked every step and a graph whose inputs moved is re-captured.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from ..config import CompileConfig
+from ..passes import dump
+from ..passes.fx_utils import is_op
+from ..passes.pipeline import RewrittenGraphs
+from ..passes.roles import GraphSignature, Role, evaluate
+from ..passes.workspaces import GraphKey
+from ..runtime.base import Runtime
+from . import capture as capture_mod
+from .inputs import Step, choose_bucket, copy_padded, host_value, padded_shape, read_step
+
+log = logging.getLogger("ascend_compile")
+
+COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH, Role.SCALAR)
+IN_PLACE_ROLES = (Role.KV_CACHE, Role.STATIC)
+
+
+def _host_inputs(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """(runner input, conversion) of each host-list placeholder a bucket graph appends."""
+    return [
+        (n.meta["ascend_host_of"]["input"], n.meta["ascend_host_of"]["kind"])
+        for n in gm.graph.nodes
+        if n.op == "placeholder" and "ascend_host_of" in n.meta
+    ]
+
+
+def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool) -> tuple:
+    result = []
+    for out, shape in zip(outputs, shapes):
+        if isinstance(out, torch.Tensor) and shape is not None:
+            actual = [evaluate(d, symbols) for d in shape]
+            view = out
+            for dim, n in enumerate(actual):
+                if view.shape[dim] != n:
+                    view = view.narrow(dim, 0, n)
+            out = view.clone() if clone else view
+        result.append(out)
+    return tuple(result)
+
+
+class BucketGraph:
+    """One captured graph: its static buffers, device graph, outputs and update table."""
+
+    def __init__(self, artifact: "CompiledArtifact", key: GraphKey) -> None:
+        self.artifact = artifact
+        self.key = key
+        self.gm = artifact.rewritten.graphs[key]
+        self.host_inputs = _host_inputs(self.gm)
+        sig = artifact.signature
+        self.padded = sig.padded_symbols(key.bucket, artifact.rewritten.max_blocks)
+        runtime = artifact.runtime
+        self.buffers: dict[int, torch.Tensor] = {}
+        for spec in sig.inputs:
+            if spec.role in COPIED_ROLES:
+                dtype = self.gm.graph.find_nodes(op="placeholder")[spec.index].meta["example_value"].dtype
+                self.buffers[spec.index] = runtime.empty(padded_shape(spec, self.padded), dtype)
+        self.graph = None
+        self.outputs = None
+        self.table: capture_mod.UpdateTable | None = None
+        self.addresses: dict[int, int] = {}
+        self.capture_seconds = 0.0
+
+    def graph_args(self, step_args: Sequence[Any]) -> list[Any]:
+        """Arguments of the bucket graph: static buffers, in-place inputs, padded symbols."""
+        args = []
+        for spec in self.artifact.signature.inputs:
+            if spec.index in self.buffers:
+                args.append(self.buffers[spec.index])
+            elif spec.role is Role.SYMINT:
+                args.append(evaluate(spec.expr, self.padded))
+            else:
+                args.append(step_args[spec.index])
+        return args
+
+    def capture(self, step_args: Sequence[Any]) -> None:
+        """Capture with an all-padding step in the buffers (nothing depends on capture-time values)."""
+        art = self.artifact
+        start = time.perf_counter()
+        bucket = self.key.bucket
+        for spec in art.signature.inputs:
+            if spec.index in self.buffers:
+                buf = self.buffers[spec.index]
+                if spec.role is Role.QUERY_START_LOC:
+                    buf.copy_(torch.arange(bucket + 1, dtype=buf.dtype))
+                elif spec.role is Role.SCALAR:
+                    buf.copy_(step_args[spec.index])
+                else:
+                    buf.fill_(-1 if spec.role is Role.SLOT_MAPPING else 0)
+        host = [list(range(1, bucket + 1)) if kind == "ends" else [0] * bucket for _, kind in self.host_inputs]
+        args = self.graph_args(step_args) + host
+        self.graph, outputs, self.table = capture_mod.capture_graph(self.gm, art.runtime, args, art.workspace_for)
+        self.outputs = outputs
+        self.addresses = {
+            spec.index: step_args[spec.index].data_ptr()
+            for spec in art.signature.inputs
+            if spec.role in IN_PLACE_ROLES and isinstance(step_args[spec.index], torch.Tensor)
+        }
+        self.capture_seconds = time.perf_counter() - start
+        art.stats["captures"] += 1
+        log.info("ascend_compile: captured %s in %.3f s (%d update entries)", self.key, self.capture_seconds, len(self.table.entries))
+
+    def moved_inputs(self, step_args: Sequence[Any]) -> list[str]:
+        names = {s.index: s.name for s in self.artifact.signature.inputs}
+        return [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
+
+    def run(self, step: Step) -> Any:
+        art = self.artifact
+        for spec in art.signature.inputs:
+            if spec.index in self.buffers:
+                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+        self.graph.replay()
+        art.stats["updates"] += self.table.apply(art.runtime, lambda src, kind: step.host[(src, kind)])
+        art.runtime.synchronize()
+        art.stats["replays"] += 1
+        return self.outputs
+
+    def run_eager(self, step: Step) -> Any:
+        """Run the bucket graph directly (a runtime without graphs), workspaces from the artifact."""
+        art = self.artifact
+        for spec in art.signature.inputs:
+            if spec.index in self.buffers:
+                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+        host = [step.host[(src, kind)] for src, kind in self.host_inputs]
+        env_ws = {n: art.workspace_for(n) for n in self.gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
+        return fx.Interpreter(self.gm).run(*self.graph_args(step.args), *host, initial_env=env_ws)
+
+    def memory(self) -> dict[str, int]:
+        static = sum(b.numel() * b.element_size() for b in self.buffers.values())
+        outs = sum(o.numel() * o.element_size() for o in (self.outputs or ()) if isinstance(o, torch.Tensor))
+        return {"static_inputs_bytes": static, "outputs_bytes": outs}
+
+
+class CompiledArtifact:
+    """The callable dynamo runs in place of the graph; owns graphs, buffers and workspace slots."""
+
+    def __init__(self, rewritten: RewrittenGraphs, runtime: Runtime, config: CompileConfig) -> None:
+        self.rewritten = rewritten
+        self.signature: GraphSignature = rewritten.signature
+        self.runtime = runtime
+        self.config = config
+        self.lock = threading.Lock()
+        self.graphs: dict[GraphKey, BucketGraph] = {}
+        self.workspaces: dict[str, torch.Tensor] = {}
+        self.stats: collections.Counter = collections.Counter()
+        self._fallback_logged = False
+        for slot in rewritten.plan.slots.values():
+            self.workspaces[slot.name] = runtime.empty((slot.nbytes,), torch.uint8)
+        self.write_plan()
+
+    def workspace_for(self, node: fx.Node) -> torch.Tensor:
+        """The artifact-owned tensor of the slot a workspace node stands for."""
+        return self.workspaces[node.meta["ascend_workspace_slot"]["name"]]
+
+    def __call__(self, *args: Any) -> Any:
+        with self.lock:
+            return self._step(args)
+
+    def _step(self, args: Sequence[Any]) -> Any:
+        max_len = self.config.max_model_len
+        step = read_step(self.signature, args, max_len)
+        self.stats["steps"] += 1
+        self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
+        bucket = choose_bucket(self.rewritten.buckets, step.tokens)
+        if bucket is None:
+            return self._fallback(args, step)
+        key = self.rewritten.key_for(bucket, step.decode)
+        step.host = {
+            (src, kind): host_value(step, src, kind, bucket)
+            for src, kind in _host_inputs(self.rewritten.graphs[key])
+        }
+        graph = self._graph(key, args)
+        if not self.runtime.supports_graphs:
+            outputs = graph.run_eager(step)
+            return _unpad(outputs, self.signature.outputs, step.symbols, clone=False)
+        outputs = graph.run(step)
+        return _unpad(outputs, self.signature.outputs, step.symbols, clone=self.config.clone_outputs)
+
+    def _graph(self, key: GraphKey, args: Sequence[Any]) -> BucketGraph:
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = BucketGraph(self, key)
+        if not self.runtime.supports_graphs:
+            return graph
+        if graph.graph is not None:
+            moved = graph.moved_inputs(args)
+            if moved:
+                log.warning("ascend_compile: inputs %s moved since %s was captured: re-capturing", moved, key)
+                self.stats["recaptures"] += 1
+                graph = self.graphs[key] = BucketGraph(self, key)
+        if graph.graph is None:
+            if self.config.capture_all and self.stats["captures"] == 0:
+                self.capture_all(args)
+            else:
+                graph.capture(args)
+            self.write_plan()
+        return self.graphs[key]
+
+    def capture_all(self, args: Sequence[Any]) -> None:
+        """Capture every bucket's decode graph now (with a progress bar when tqdm is installed)."""
+        keys = [k for k in self.rewritten.graphs if k.decode]
+        try:
+            from tqdm import tqdm
+
+            keys = tqdm(keys, desc="ascend_compile capture", unit="graph", mininterval=1.0, delay=1.0)
+        except ImportError:
+            pass
+        for key in keys:
+            graph = self.graphs.get(key) or BucketGraph(self, key)
+            self.graphs[key] = graph
+            if graph.graph is None:
+                graph.capture(args)
+
+    def _fallback(self, args: Sequence[Any], step: Step) -> Any:
+        if not self._fallback_logged:
+            log.info(
+                "ascend_compile: %d tokens exceed the largest bucket %d: running eagerly",
+                step.tokens, self.rewritten.buckets[-1],
+            )
+            self._fallback_logged = True
+        self.stats["eager_fallbacks"] += 1
+        return self.rewritten.original(*args)
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes held by this artifact: workspace slots, static buffers and outputs per graph, pool."""
+        report = {
+            "workspace_bytes": {name: t.numel() for name, t in self.workspaces.items()},
+            "graphs": {str(k): g.memory() for k, g in self.graphs.items() if g.graph is not None},
+        }
+        stats = getattr(self.runtime, "memory_stats", None)
+        if stats is not None:
+            report["pool"] = stats()
+        return report
+
+    def describe(self) -> dict[str, Any]:
+        plan = self.rewritten.describe()
+        plan["runtime"] = self.runtime.describe()
+        plan["config"] = {k: v for k, v in vars(self.config).items()}
+        for key, graph in self.graphs.items():
+            if graph.table is not None:
+                plan["graphs"][str(key)]["update_table"] = graph.table.describe()
+                plan["graphs"][str(key)]["capture_seconds"] = round(graph.capture_seconds, 4)
+        return plan
+
+    def write_plan(self) -> None:
+        dump.dump_plan(self.rewritten.graph_dir, self.describe())

@@ -1,0 +1,183 @@
+"""Reference PA and FIA kernels in pure torch: split-K attention over a paged KV cache.
+
+They run on any device and define the semantics every device kernel must match. Both really use
+their workspace: each split's partial output and log-sum-exp are written there, and the reduce
+reads them back from there, so a short or corrupted workspace changes the result.
+
+Workspace layout (float32), query tokens in order, for each token whose sequence has `S > 1`
+splits: `S * H * D` partial outputs (split-major), then `S * H` log-sum-exps. Tokens of sequences
+with one split write their output directly and take no workspace. See `tiling.py` for the sizes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import WorkspaceTooSmall
+from . import tiling
+
+#: Test hook: called with the float32 workspace between the split and the reduce phases.
+between_split_and_reduce: Callable[[torch.Tensor], None] | None = None
+
+
+def _gather_split_kv(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_idx: torch.Tensor,
+) -> torch.Tensor:
+    """Cache rows at logical positions `kv_idx [B, S, C]` of each sequence -> `[B, S, C, KVH, D]`."""
+    block_size = cache.shape[1]
+    batch = torch.arange(kv_idx.shape[0], device=kv_idx.device).view(-1, 1, 1)
+    blocks = block_table.long()[batch, kv_idx // block_size]
+    return cache[blocks, kv_idx % block_size].float()
+
+
+def split_k_attention(
+    kernel: str,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_starts: Sequence[int],
+    query_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    scale: float,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Causal split-K attention of each sequence's query tokens over its paged KV, into `out`."""
+    shape = tiling.AttentionShape.of(query, key_cache)
+    needed = tiling.workspace_nbytes(kernel, shape, kv_lens, query_lens)
+    if workspace.numel() < needed:
+        raise WorkspaceTooSmall(kernel, needed, workspace.numel())
+    out.zero_()
+    device = query.device
+    num_seqs = len(kv_lens)
+    if num_seqs == 0 or max(kv_lens) == 0:
+        return
+    heads, dim = shape.num_heads, shape.head_dim
+    kv_heads = shape.num_kv_heads
+    group = heads // kv_heads
+
+    kv = torch.tensor(list(kv_lens), dtype=torch.int64, device=device)
+    ql = torch.tensor(list(query_lens), dtype=torch.int64, device=device)
+    qs = torch.tensor(list(query_starts), dtype=torch.int64, device=device)
+    splits = tiling.splits_for(kernel, kv).clamp(min=1)
+    chunk = torch.div(kv + splits - 1, splits, rounding_mode="floor").clamp(min=1)
+    max_splits = int(splits.max())
+    max_chunk = int(chunk.max())
+    max_q = max(int(ql.max()), 1)
+
+    # Logical KV positions of every (sequence, split, slot).
+    s_idx = torch.arange(max_splits, device=device).view(1, -1, 1)
+    c_idx = torch.arange(max_chunk, device=device).view(1, 1, -1)
+    kv_idx = s_idx * chunk.view(-1, 1, 1) + c_idx
+    kv_valid = (c_idx < chunk.view(-1, 1, 1)) & (kv_idx < kv.view(-1, 1, 1)) & (s_idx < splits.view(-1, 1, 1))
+    kv_idx = torch.where(kv_valid, kv_idx, torch.zeros_like(kv_idx))
+    keys = _gather_split_kv(key_cache, block_table, kv_idx)
+    values = _gather_split_kv(value_cache, block_table, kv_idx)
+
+    # Queries padded per sequence: [B, Q, KVH, G, D].
+    q_pos = torch.arange(max_q, device=device).view(1, -1)
+    q_valid = (q_pos < ql.view(-1, 1)) & (kv.view(-1, 1) > 0)
+    tok = torch.where(q_valid, qs.view(-1, 1) + q_pos, torch.zeros_like(q_pos))
+    q = query[tok].float().view(num_seqs, max_q, kv_heads, group, dim)
+
+    scores = torch.einsum("bqkgd,bsckd->bkgqsc", q, keys) * scale
+    position = (kv - ql).view(-1, 1) + q_pos  # absolute position of each query token
+    allowed = kv_valid.view(num_seqs, 1, max_splits, max_chunk) & (
+        kv_idx.view(num_seqs, 1, max_splits, max_chunk) <= position.view(num_seqs, max_q, 1, 1)
+    )
+    allowed = allowed.view(num_seqs, 1, 1, max_q, max_splits, max_chunk)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m_safe)
+    denom = p.sum(dim=-1)
+    partial = torch.einsum("bkgqsc,bsckd->bkgqsd", p, values) / denom.clamp(min=1e-30).unsqueeze(-1)
+    lse = torch.where(denom > 0, m_safe.squeeze(-1) + torch.log(denom.clamp(min=1e-30)), float("-inf"))
+
+    # [B, Q, S, H, D] and [B, Q, S, H]
+    partial = partial.permute(0, 3, 4, 1, 2, 5).reshape(num_seqs, max_q, max_splits, heads, dim)
+    lse = lse.permute(0, 3, 4, 1, 2).reshape(num_seqs, max_q, max_splits, heads)
+
+    multi = (splits > 1).view(-1, 1) & q_valid  # tokens whose partials go through the workspace
+    if bool(multi.any()):
+        _through_workspace(workspace, multi, splits, partial, lse, heads, dim)
+
+    combined = torch.softmax(lse, dim=2).nan_to_num(0.0)
+    result = (combined.unsqueeze(-1) * partial).sum(dim=2)
+    out[tok[q_valid]] = result[q_valid].to(out.dtype)
+
+
+def _through_workspace(
+    workspace: torch.Tensor,
+    multi: torch.Tensor,
+    splits: torch.Tensor,
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    heads: int,
+    dim: int,
+) -> None:
+    """Write the partials of multi-split tokens to the workspace, then read them back in place."""
+    device = partial.device
+    max_splits = partial.shape[2]
+    tok_splits = splits.view(-1, 1).expand_as(multi)[multi]  # [N] splits per workspace token
+    tok_floats = tok_splits * heads * (dim + 1)
+    tok_off = torch.cumsum(tok_floats, 0) - tok_floats
+    total = int(tok_floats.sum())
+    ws = workspace[: total * 4].view(torch.float32)
+
+    rows = multi.unsqueeze(-1) & (torch.arange(max_splits, device=device) < splits.view(-1, 1, 1))
+    token_of_row = torch.cumsum(multi.flatten().long(), 0).view_as(multi).unsqueeze(-1).expand_as(rows)[rows] - 1
+    split_of_row = torch.arange(max_splits, device=device).expand_as(rows)[rows]
+    base = tok_off[token_of_row]
+    out_idx = (base + split_of_row * heads * dim).unsqueeze(1) + torch.arange(heads * dim, device=device)
+    lse_idx = (base + tok_splits[token_of_row] * heads * dim + split_of_row * heads).unsqueeze(1) + torch.arange(
+        heads, device=device
+    )
+    ws[out_idx] = partial[rows].reshape(-1, heads * dim)
+    ws[lse_idx] = lse[rows]
+    if between_split_and_reduce is not None:
+        between_split_and_reduce(ws)
+    partial[rows] = ws[out_idx].view(-1, heads, dim)
+    lse[rows] = ws[lse_idx]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: Sequence[int],
+    scale: float,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """PA: one query token per sequence (decode), split-K flash decoding with PA's tiling."""
+    num = query.shape[0]
+    split_k_attention(
+        tiling.PA, query, key_cache, value_cache, block_table,
+        list(range(num)), [1] * num, context_lens, scale, workspace, out,
+    )
+
+
+def fused_infer_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_ends: Sequence[int],
+    kv_lens: Sequence[int],
+    query_lens: Sequence[int],
+    scale: float,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """FIA: TND layout, any number of query tokens per sequence, causal among them."""
+    starts = [end - n for end, n in zip(query_ends, query_lens)]
+    split_k_attention(
+        tiling.FIA, query, key_cache, value_cache, block_table,
+        starts, query_lens, kv_lens, scale, workspace, out,
+    )

@@ -1,0 +1,142 @@
+"""Host-side tiling and workspace sizes of the attention kernels.
+
+Both reference kernels are split-K: a sequence's KV range is cut into `splits` chunks, each chunk's
+partial output and log-sum-exp go to the workspace, and a reduce combines them. The number of splits
+is decided on the host from the sequence's length, as Ascend's tiling does, so the workspace a call
+needs depends on the lengths it is given.
+
+Workspace formula (bytes, float32 partials), for one query token attending `L` keys:
+
+    per_token(L) = splits(L) * H * (D + 1) * 4    if splits(L) > 1 else 0
+
+and a call needs the sum of `per_token(kv_len)` over its query tokens (one token per sequence for PA).
+The need of a call is a sum of independent per-token terms, so the worst case for a graph of `T`
+query tokens is `T * max_L per_token(L)`; that is what `max_workspace` computes, by a vectorised scan.
+
+`splits(L)` is deliberately not monotonic: PA switches to long-sequence tiling (larger chunks, fewer
+splits) above `PA_LONG_SEQ`, so its need peaks at an interior length and falls after it, the way
+Ascend's PA workspace did (DESIGN.md §7 case 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+PA = "paged_attention"
+FIA = "fused_infer_attention"
+
+PA_CHUNK_TOKENS = 256
+PA_LONG_SEQ = 4096
+PA_LONG_CHUNK_TOKENS = 2048
+PA_MAX_SPLITS = 16
+
+FIA_CHUNK_TOKENS = 1024
+FIA_MAX_SPLITS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """The static shape of an attention call that its tiling and workspace depend on."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @classmethod
+    def of(cls, query: torch.Tensor, key_cache: torch.Tensor) -> "AttentionShape":
+        """The shape of a call from its query `[T, H, D]` and key cache `[NB, BS, KVH, D]`."""
+        return cls(
+            num_heads=int(query.shape[1]),
+            num_kv_heads=int(key_cache.shape[2]),
+            head_dim=int(query.shape[2]),
+            block_size=int(key_cache.shape[1]),
+        )
+
+
+def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
+    return torch.div(a + b - 1, b, rounding_mode="floor")
+
+
+def pa_splits(kv_lens: torch.Tensor) -> torch.Tensor:
+    """Number of KV splits PA uses for each length (0 for an empty sequence)."""
+    chunk = torch.where(kv_lens > PA_LONG_SEQ, PA_LONG_CHUNK_TOKENS, PA_CHUNK_TOKENS)
+    return _ceil_div(kv_lens, chunk).clamp(max=PA_MAX_SPLITS)
+
+
+def fia_splits(kv_lens: torch.Tensor) -> torch.Tensor:
+    """Number of KV splits FIA uses for each length (0 for an empty sequence)."""
+    return _ceil_div(kv_lens, FIA_CHUNK_TOKENS).clamp(max=FIA_MAX_SPLITS)
+
+
+SplitsFn = Callable[[torch.Tensor], torch.Tensor]
+_SPLITS: dict[str, SplitsFn] = {PA: pa_splits, FIA: fia_splits}
+
+
+def register_tiling(kernel: str, splits: SplitsFn) -> None:
+    """Declare the split rule of a kernel so its workspace can be sized and scanned.
+
+    `splits` maps a tensor of KV lengths to the number of split-K chunks for each; the workspace
+    then follows the formula of this module.
+    """
+    _SPLITS[kernel] = splits
+
+
+def splits_for(kernel: str, kv_lens: torch.Tensor) -> torch.Tensor:
+    """Split counts of `kernel` for each KV length."""
+    try:
+        fn = _SPLITS[kernel]
+    except KeyError:
+        raise ValueError(f"kernel: unknown kernel {kernel!r}; known: {sorted(_SPLITS)}") from None
+    return fn(kv_lens.to(torch.int64))
+
+
+def per_token_nbytes(kernel: str, shape: AttentionShape, kv_lens: torch.Tensor) -> torch.Tensor:
+    """Workspace bytes one query token of each KV length needs (vectorised over `kv_lens`)."""
+    splits = splits_for(kernel, kv_lens)
+    record = shape.num_heads * (shape.head_dim + 1) * 4
+    return torch.where(splits > 1, splits * record, torch.zeros_like(splits))
+
+
+def workspace_nbytes(
+    kernel: str,
+    shape: AttentionShape,
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int] | None = None,
+) -> int:
+    """Exact workspace bytes a call of `kernel` needs for these host-side lengths.
+
+    `seq_lens` are the KV lengths per sequence; `query_lens` the query tokens per sequence
+    (1 each when omitted: decode).
+    """
+    kv = torch.tensor(list(seq_lens), dtype=torch.int64)
+    per = per_token_nbytes(kernel, shape, kv)
+    if query_lens is not None:
+        if len(query_lens) != len(seq_lens):
+            raise ValueError(
+                f"query_lens: expected one entry per sequence ({len(seq_lens)}), got {len(query_lens)}"
+            )
+        per = per * torch.tensor(list(query_lens), dtype=torch.int64)
+    return int(per.sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceMax:
+    """The worst-case workspace of one kernel over a range of lengths."""
+
+    nbytes: int
+    per_token_nbytes: int
+    argmax_len: int
+
+
+def max_workspace(
+    kernel: str, shape: AttentionShape, num_tokens: int, max_model_len: int
+) -> WorkspaceMax:
+    """Exact maximum workspace for `num_tokens` query tokens over every length in [1, max_model_len]."""
+    lens = torch.arange(1, max_model_len + 1, dtype=torch.int64)
+    per = per_token_nbytes(kernel, shape, lens)
+    idx = int(torch.argmax(per))
+    peak = int(per[idx])
+    return WorkspaceMax(nbytes=num_tokens * peak, per_token_nbytes=peak, argmax_len=idx + 1)

@@ -1,0 +1,118 @@
+"""Argument checks shared by the attention ops: each bad input gets its own clear message.
+
+Shape, dtype and device checks need no data; checks on lengths use the host-side lists the kernels
+take anyway; the block-id check reads the block table, which the reference kernels gather from.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def _fail(arg: str, expected: str, got: object) -> None:
+    raise ValueError(f"{arg}: expected {expected}, got {got}")
+
+
+def check_attention_tensors(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_seqs: int,
+) -> None:
+    """Shapes, dtypes and devices of query, caches and block table."""
+    if query.dim() != 3:
+        _fail("query", "a [T, H, D] tensor", f"shape {tuple(query.shape)}")
+    if key_cache.dim() != 4:
+        _fail("key_cache", "a [num_blocks, block_size, KVH, D] tensor", f"shape {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        _fail("value_cache", f"the shape of key_cache {tuple(key_cache.shape)}", tuple(value_cache.shape))
+    heads, dim = query.shape[1], query.shape[2]
+    kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != dim:
+        _fail("key_cache", f"head dim {dim} (the query's)", key_cache.shape[3])
+    if kv_heads == 0 or heads % kv_heads != 0:
+        _fail("query", f"a head count that is a multiple of the KV head count {kv_heads}", heads)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != query.dtype:
+            _fail(name, f"dtype {query.dtype} (the query's)", cache.dtype)
+    if block_table.dtype != torch.int32:
+        _fail("block_table", "dtype torch.int32", block_table.dtype)
+    if block_table.dim() != 2 or block_table.shape[0] != num_seqs:
+        _fail("block_table", f"a [{num_seqs}, max_blocks] tensor", f"shape {tuple(block_table.shape)}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table)):
+        if t.device != query.device:
+            _fail(name, f"device {query.device} (the query's)", t.device)
+
+
+def check_int32_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
+    """A 1-D int32 tensor of the given length on the given device."""
+    if t.dtype != torch.int32:
+        _fail(name, "dtype torch.int32", t.dtype)
+    if t.dim() != 1 or t.shape[0] != length:
+        _fail(name, f"a 1-D tensor of length {length}", f"shape {tuple(t.shape)}")
+    if t.device != device:
+        _fail(name, f"device {device} (the query's)", t.device)
+
+
+def check_lengths(
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    max_blocks: int,
+    block_size: int,
+    arg: str,
+) -> None:
+    """Every KV length fits its block-table row and covers its query tokens."""
+    capacity = max_blocks * block_size
+    for i, (kv, q) in enumerate(zip(seq_lens, query_lens)):
+        if kv < 0:
+            _fail(arg, "non-negative lengths", f"{kv} for sequence {i}")
+        if kv > capacity:
+            _fail(
+                arg,
+                f"lengths of at most {capacity} (block_table rows hold {max_blocks} blocks of {block_size})",
+                f"{kv} for sequence {i}",
+            )
+        if kv > 0 and q > kv:
+            _fail(arg, f"a length covering the sequence's {q} query tokens", f"{kv} for sequence {i}")
+
+
+def query_lens_from_ends(ends: Sequence[int], num_tokens: int, arg: str) -> list[int]:
+    """Per-sequence query lengths from cumulative query ends, checked (non-decreasing, last == T)."""
+    lens = []
+    prev = 0
+    for i, end in enumerate(ends):
+        if end < prev:
+            _fail(arg, "non-decreasing cumulative query offsets", f"{end} after {prev} at index {i}")
+        lens.append(end - prev)
+        prev = end
+    if prev != num_tokens:
+        _fail(arg, f"offsets ending at the number of query tokens {num_tokens}", f"last offset {prev}")
+    return lens
+
+
+def query_lens_from_start_loc(query_start_loc: Sequence[int], num_tokens: int) -> list[int]:
+    """Per-sequence query lengths from `query_start_loc` (starts at 0, non-decreasing, ends at T)."""
+    if not query_start_loc or query_start_loc[0] != 0:
+        _fail("query_start_loc", "offsets starting at 0", list(query_start_loc[:1]))
+    return query_lens_from_ends(query_start_loc[1:], num_tokens, "query_start_loc")
+
+
+def check_block_ids(
+    block_table: torch.Tensor, seq_lens: Sequence[int], block_size: int, num_blocks: int, arg: str
+) -> None:
+    """Every block a sequence uses is a valid index into the cache."""
+    if not seq_lens:
+        return
+    used = torch.tensor([(n + block_size - 1) // block_size for n in seq_lens], device=block_table.device)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    in_use = cols.unsqueeze(0) < used.unsqueeze(1)
+    bad = in_use & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(v) for v in bad.nonzero()[0])
+        _fail(
+            arg,
+            f"block ids in [0, {num_blocks}) for every block a sequence uses",
+            f"block {int(block_table[row, col])} at row {row}, column {col}",
+        )

@@ -1,0 +1,90 @@
+"""Find the attention nodes of a graph, bringing other runtimes' attention ops onto the contract.
+
+`ascend.attention` is found as is. Another runtime registers its own op with an adapter
+(`register_attention_op`); `find_attention` calls the adapter to rewrite each such node into an
+`ascend.attention` node, so every later pass sees one kind of attention node.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from .fx_utils import example_value, is_op
+
+#: An adapter inserts, before `node`, the nodes that bring its arguments onto the contract of
+#: `ascend.attention`, calls `ascend.attention` on them, makes the result take the place of the
+#: node's output (its users, or the output buffer it writes), and returns the new attention node.
+Adapter = Callable[[fx.Graph, fx.Node], fx.Node]
+
+_ADAPTERS: dict[Any, Adapter] = {}
+
+
+def register_attention_op(op: Any, adapter: Adapter) -> None:
+    """Declare another runtime's attention op (an OpOverloadPacket or OpOverload) and its adapter."""
+    if op is torch.ops.ascend.attention:
+        raise ValueError("op: ascend.attention is built in and needs no adapter")
+    _ADAPTERS[op] = adapter
+
+
+def unregister_attention_op(op: Any) -> None:
+    """Forget an op declared with `register_attention_op`."""
+    _ADAPTERS.pop(op, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionArgs:
+    """The FX arguments of one `ascend.attention` node, by name."""
+
+    query: fx.Node
+    key_cache: fx.Node
+    value_cache: fx.Node
+    block_table: fx.Node
+    seq_lens: fx.Node
+    query_start_loc: fx.Node
+    scale: float
+
+    @classmethod
+    def of(cls, node: fx.Node) -> "AttentionArgs":
+        names = [f.name for f in dataclasses.fields(cls)]
+        bound = dict(zip(names, node.args))
+        bound.update(node.kwargs)
+        return cls(**bound)
+
+
+def _adapter_for(node: fx.Node) -> Adapter | None:
+    if node.op != "call_function":
+        return None
+    for op, adapter in _ADAPTERS.items():
+        if is_op(node, op):
+            return adapter
+    return None
+
+
+def find_attention(gm: fx.GraphModule) -> list[fx.Node]:
+    """All `ascend.attention` nodes of `gm`, after rewriting registered foreign ops into them."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        adapter = _adapter_for(node)
+        if adapter is None:
+            continue
+        with graph.inserting_before(node):
+            new = adapter(graph, node)
+        if not is_op(new, torch.ops.ascend.attention):
+            raise TypeError(f"adapter for {node.target}: expected it to return an ascend.attention node, got {new.target}")
+        new.meta.setdefault("example_value", _fake_attention_value(new))
+        if node.users:
+            raise ValueError(f"adapter for {node.target}: node {node.name} still has users {list(node.users)}")
+        new.meta["ascend_adapted_from"] = f"{node.target} ({node.name})"
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return [n for n in graph.nodes if is_op(n, torch.ops.ascend.attention)]
+
+
+def _fake_attention_value(node: fx.Node) -> Any:
+    query = example_value(AttentionArgs.of(node).query)
+    return None if query is None else query.new_empty(query.shape)
+

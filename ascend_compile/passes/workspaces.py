@@ -1,0 +1,191 @@
+"""Plan attention workspaces for the worst case, and insert them into bucket graphs.
+
+The attention nodes of one graph run one after another on one stream, so they share one
+workspace slot; graphs of different buckets never replay at once, so by default one slot serves
+every bucket too, sized to the largest need. Each need is the exact maximum of
+`workspace_nbytes` over every length in [1, max_model_len] (or, pinned, at one length), and the
+plan keeps what per-bucket and per-layer workspaces would reserve, so the saving is visible.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+from torch import fx
+
+from ..ops import tiling
+from .fx_utils import is_op
+
+KERNEL_OPS = (torch.ops.ascend.paged_attention, torch.ops.ascend.fused_infer_attention)
+WORKSPACE_ARG = {torch.ops.ascend.paged_attention: 6, torch.ops.ascend.fused_infer_attention: 7}
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphKey:
+    """Which graph of a compiled artifact: a bucket, for decode-only or for mixed steps."""
+
+    bucket: int
+    decode: bool
+
+    def __str__(self) -> str:
+        return f"b{self.bucket}.{'decode' if self.decode else 'mixed'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSite:
+    """One kernel node of one bucket graph, as the planner sees it."""
+
+    node: str
+    kernel: str
+    shape: tiling.AttentionShape
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeNeed:
+    node: str
+    kernel: str
+    nbytes: int
+    argmax_len: int
+    exact_nbytes: int
+    exact_argmax_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    """One workspace slot: its bytes, the length that needs them, and whether it covers every length."""
+
+    name: str
+    nbytes: int
+    argmax_len: int
+    sized_for: str  # the graph key and node whose need sets the size
+    exact_nbytes: int  # the true worst case over [1, max_model_len]
+    exact_argmax_len: int
+
+    @property
+    def undersized(self) -> bool:
+        return self.nbytes < self.exact_nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspacePlan:
+    """Workspace slots of a compiled artifact and what other schemes would cost."""
+
+    max_model_len: int
+    pinned_seq_len: int | None
+    shared: bool
+    slots: dict[str, SlotPlan]
+    graph_slot: dict[str, str]
+    needs: dict[str, tuple[NodeNeed, ...]]
+    schemes: dict[str, int]
+
+    def slot_for(self, key: GraphKey) -> SlotPlan:
+        return self.slots[self.graph_slot[str(key)]]
+
+    def warnings(self) -> list[str]:
+        """Why a pinned plan can fail at replay."""
+        out = []
+        for slot in self.slots.values():
+            if slot.undersized:
+                out.append(
+                    f"{slot.name}: workspace_seq_len={self.pinned_seq_len} gives {slot.nbytes} bytes, but length "
+                    f"{slot.exact_argmax_len} needs {slot.exact_nbytes}: steps near that length overrun the workspace"
+                )
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "pinned_seq_len": self.pinned_seq_len,
+            "shared": self.shared,
+            "slots": {
+                name: dataclasses.asdict(slot) | {"undersized": slot.undersized} for name, slot in self.slots.items()
+            },
+            "graph_slot": dict(self.graph_slot),
+            "needs": {key: [dataclasses.asdict(n) for n in needs] for key, needs in self.needs.items()},
+            "schemes_bytes": dict(self.schemes),
+            "warnings": self.warnings(),
+        }
+
+
+def kernel_sites(gm: fx.GraphModule) -> list[KernelSite]:
+    """The PA/FIA nodes of a graph rewritten by `select_kernels`."""
+    return [
+        KernelSite(n.name, n.meta["ascend_kernel"]["kernel"], n.meta["ascend_shape"])
+        for n in gm.graph.nodes
+        if any(is_op(n, op) for op in KERNEL_OPS)
+    ]
+
+
+def node_need(site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len: int | None) -> NodeNeed:
+    """Bytes a kernel node needs in a graph of `tokens` query tokens."""
+    exact = tiling.max_workspace(site.kernel, site.shape, tokens, max_model_len)
+    if pinned_seq_len is None:
+        nbytes, argmax = exact.nbytes, exact.argmax_len
+    else:
+        lens = torch.tensor([pinned_seq_len])
+        nbytes = tokens * int(tiling.per_token_nbytes(site.kernel, site.shape, lens)[0])
+        argmax = pinned_seq_len
+    return NodeNeed(site.node, site.kernel, nbytes, argmax, exact.nbytes, exact.argmax_len)
+
+
+def plan_workspaces(
+    graphs: Iterable[tuple[GraphKey, list[KernelSite]]],
+    max_model_len: int,
+    pinned_seq_len: int | None = None,
+    shared: bool = True,
+) -> WorkspacePlan:
+    """One slot per graph (or one for all graphs), each sized to the largest need it serves."""
+    needs: dict[str, tuple[NodeNeed, ...]] = {}
+    for key, sites in graphs:
+        needs[str(key)] = tuple(node_need(s, key.bucket, max_model_len, pinned_seq_len) for s in sites)
+
+    def slot_from(name: str, keys: list[str]) -> SlotPlan:
+        candidates = [(key, need) for key in keys for need in needs[key]]
+        if not candidates:
+            return SlotPlan(name, 0, 0, "", 0, 0)
+        key, top = max(candidates, key=lambda kn: kn[1].nbytes)
+        _, worst = max(candidates, key=lambda kn: kn[1].exact_nbytes)
+        return SlotPlan(name, top.nbytes, top.argmax_len, f"{key}:{top.node}", worst.exact_nbytes, worst.exact_argmax_len)
+
+    if shared:
+        slot = slot_from("attn_workspace", list(needs))
+        slots = {slot.name: slot}
+        graph_slot = {key: slot.name for key in needs}
+    else:
+        slots, graph_slot = {}, {}
+        for key in needs:
+            slot = slot_from(f"attn_workspace_{key}", [key])
+            slots[slot.name] = slot
+            graph_slot[key] = slot.name
+    per_bucket = sum(max((n.nbytes for n in ns), default=0) for ns in needs.values())
+    per_layer = sum(n.nbytes for ns in needs.values() for n in ns)
+    shared_bytes = max((s.nbytes for s in slots.values()), default=0) if shared else per_bucket
+    schemes = {"shared": shared_bytes, "per_bucket": per_bucket, "per_layer": per_layer}
+    return WorkspacePlan(max_model_len, pinned_seq_len, shared, slots, graph_slot, needs, schemes)
+
+
+def insert_workspaces(gm: fx.GraphModule, key: GraphKey, plan: WorkspacePlan) -> fx.Node | None:
+    """Give every kernel node of `gm` the graph's planned workspace slot (one `ascend.workspace` node)."""
+    graph = gm.graph
+    kernels = [n for n in graph.nodes if any(is_op(n, op) for op in KERNEL_OPS)]
+    if not kernels:
+        return None
+    slot = plan.slot_for(key)
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    old = []
+    for node in kernels:
+        index = WORKSPACE_ARG[node.target.overloadpacket]
+        old.append(node.args[index])
+    device = old[0].args[1]
+    with graph.inserting_after(last_input):
+        workspace = graph.call_function(torch.ops.ascend.workspace.default, (slot.nbytes, device))
+    workspace.meta["ascend_workspace_slot"] = dataclasses.asdict(slot) | {"undersized": slot.undersized}
+    for node, previous in zip(kernels, old):
+        index = WORKSPACE_ARG[node.target.overloadpacket]
+        node.update_arg(index, workspace)
+        if not previous.users:
+            graph.erase_node(previous)
+    graph.lint()
+    gm.recompile()
+    return workspace

@@ -1,0 +1,112 @@
+"""The device-graph runtime interface every backend device implements (DESIGN.md §5).
+
+Lowering talks only to this interface: capture a graph, group the tasks of one kernel call,
+update a group's host arguments before a replay, order updates and replay with external events,
+and allocate static memory that lives as long as the compiled artifact.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+
+class TaskHandle:
+    """Opaque handle to a captured task group, returned by `Runtime.task_group_end`."""
+
+
+class ExternalEvent(abc.ABC):
+    """An event a graph waits on, recorded from outside it (the update stream)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Inside capture: make the graph wait here until the event is recorded."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Inside capture: clear the event so the next replay waits for a fresh record."""
+
+    @abc.abstractmethod
+    def record(self) -> None:
+        """Outside capture (after an update): release the graph's wait."""
+
+
+class DeviceGraph(abc.ABC):
+    """One captured graph."""
+
+    @abc.abstractmethod
+    def capture(self) -> ContextManager[None]:
+        """Context in which the ops issued are recorded into this graph."""
+
+    @abc.abstractmethod
+    def replay(self) -> None:
+        """Launch the recorded work. May return before it finishes: call `Runtime.synchronize`."""
+
+
+class Runtime(abc.ABC):
+    """A device that can capture and replay graphs (or, with `supports_graphs` False, cannot)."""
+
+    name: str = "base"
+    supports_graphs: bool = True
+    #: True where kernels take host-side lengths frozen at capture (sim, npu) and need task
+    #: updates; False where kernels read lengths from device buffers (cuda).
+    needs_task_updates: bool = True
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The torch device tensors of this runtime live on."""
+
+    @abc.abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Static memory owned by the caller for as long as it holds the tensor."""
+
+    @abc.abstractmethod
+    def graph(self) -> DeviceGraph:
+        """A new, empty graph whose captures share this runtime's graph memory pool."""
+
+    @abc.abstractmethod
+    def event(self, name: str) -> ExternalEvent:
+        """A new external event; `name` appears in errors (use the FX node's name)."""
+
+    @abc.abstractmethod
+    def task_group_begin(self) -> None:
+        """Inside capture: start grouping the tasks issued next."""
+
+    @abc.abstractmethod
+    def task_group_end(self) -> TaskHandle:
+        """Inside capture: close the group and return its handle."""
+
+    @abc.abstractmethod
+    def task_update_begin(self, handle: TaskHandle) -> None:
+        """Outside capture: the ops issued next replace the group's tasks (same number, same kinds)."""
+
+    @abc.abstractmethod
+    def task_update_end(self) -> None:
+        """Finish the update started by `task_update_begin`."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all launched work, replays included."""
+
+    def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor on the same memory that does not keep it allocated.
+
+        Only used to reproduce the historical workspace-lifetime bug (DESIGN.md §7 case 3).
+        """
+        return tensor
+
+    @contextlib.contextmanager
+    def task_update(self, handle: TaskHandle) -> Iterator[None]:
+        """`task_update_begin` / `task_update_end` as a context."""
+        self.task_update_begin(handle)
+        try:
+            yield
+        finally:
+            self.task_update_end()
+
+    def describe(self) -> dict[str, Any]:
+        """What the dump records about this runtime."""
+        return {"name": self.name, "device": str(self.device), "graphs": self.supports_graphs}
