@@ -127,10 +127,10 @@ def _(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq
 
 @torch.library.custom_op("ascend::workspace", mutates_args=())
 def workspace(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A fresh uint8 scratch buffer of `nbytes` for the attention kernels."""
+    """A fresh, zeroed uint8 scratch buffer of `nbytes` for the attention kernels."""
     if nbytes < 0:
         raise ValueError(f"nbytes: expected a non-negative byte count, got {nbytes}")
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
 @workspace.register_fake

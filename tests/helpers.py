@@ -1,0 +1,75 @@
+"""Shared test helpers: a dense softmax reference and random paged-attention problems."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def dense_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale):
+    """Plain masked softmax over the gathered blocks, one sequence at a time, in float32."""
+    heads, dim = query.shape[1], query.shape[2]
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for b, length in enumerate(seq_lens):
+        start, end = query_start_loc[b], query_start_loc[b + 1]
+        if length == 0 or end == start:
+            continue
+        blocks = block_table[b, : (length + block_size - 1) // block_size].long()
+        keys = key_cache[blocks].reshape(-1, kv_heads, dim)[:length].float()
+        values = value_cache[blocks].reshape(-1, kv_heads, dim)[:length].float()
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+        q = query[start:end].float()
+        n = end - start
+        scores = torch.einsum("qhd,lhd->hql", q, keys) * scale
+        pos = torch.arange(length - n, length).view(-1, 1)
+        scores = scores.masked_fill(torch.arange(length).view(1, -1) > pos, float("-inf"))
+        out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), values)
+    return out
+
+
+@dataclasses.dataclass
+class Problem:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: list
+    query_lens: list
+    scale: float
+
+    @property
+    def query_start_loc(self) -> list:
+        loc = [0]
+        for n in self.query_lens:
+            loc.append(loc[-1] + n)
+        return loc
+
+    def tensors(self):
+        return (
+            torch.tensor(self.seq_lens, dtype=torch.int32),
+            torch.tensor(self.query_start_loc, dtype=torch.int32),
+        )
+
+    def dense(self):
+        return dense_attention(self.query, self.key_cache, self.value_cache, self.block_table,
+                               self.seq_lens, self.query_start_loc, self.scale)
+
+
+def make_problem(seq_lens, query_lens=None, heads=4, kv_heads=2, dim=16, block_size=16, max_blocks=None,
+                 dtype=torch.float32, seed=0) -> Problem:
+    """Random query and caches; each sequence gets its own shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = list(query_lens) if query_lens is not None else [1] * len(seq_lens)
+    max_blocks = max_blocks or max(1, max((n + block_size - 1) // block_size for n in seq_lens))
+    num_blocks = max_blocks * len(seq_lens) + 3
+    perm = torch.randperm(num_blocks, generator=gen)[: max_blocks * len(seq_lens)]
+    block_table = perm.view(len(seq_lens), max_blocks).to(torch.int32)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
+    return Problem(query, key_cache, value_cache, block_table, list(seq_lens), query_lens, dim**-0.5)
