@@ -30,7 +30,8 @@ def _device_of(gm: fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-def _policy(config: CompileConfig, gm: fx.GraphModule, device: torch.device) -> KernelPolicy:
+def kernel_policy(config: CompileConfig, gm: fx.GraphModule, device: torch.device) -> KernelPolicy:
+    """The kernel policy of `config`; for "auto", timing the real kernels on `device`."""
     timer = None
     if config.kernel_policy == "auto":
         query = example_value(AttentionArgs.of(find_attention(gm)[0]).query)
@@ -52,7 +53,7 @@ def _policy(config: CompileConfig, gm: fx.GraphModule, device: torch.device) -> 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig) -> Callable[..., Any]:
     """Compile one dynamo graph: the rewritten bucket graphs behind a runner."""
     device = _device_of(gm)
-    rewritten = rewrite_buckets(gm, config, _policy(config, gm, device))
+    rewritten = rewrite_buckets(gm, config, kernel_policy(config, gm, device))
     if rewritten is None:
         log.info("ascend_compile: graph has no attention: running it as traced")
         return gm.forward

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from .fx_utils import example_value, is_op
+from .fx_utils import fill_fake_values, is_op
 
 #: An adapter inserts, before `node`, the nodes that bring its arguments onto the contract of
 #: `ascend.attention`, calls `ascend.attention` on them, makes the result take the place of the
@@ -74,17 +74,12 @@ def find_attention(gm: fx.GraphModule) -> list[fx.Node]:
             new = adapter(graph, node)
         if not is_op(new, torch.ops.ascend.attention):
             raise TypeError(f"adapter for {node.target}: expected it to return an ascend.attention node, got {new.target}")
-        new.meta.setdefault("example_value", _fake_attention_value(new))
         if node.users:
             raise ValueError(f"adapter for {node.target}: node {node.name} still has users {list(node.users)}")
         new.meta["ascend_adapted_from"] = f"{node.target} ({node.name})"
         graph.erase_node(node)
+        fill_fake_values(graph)
     graph.lint()
     gm.recompile()
     return [n for n in graph.nodes if is_op(n, torch.ops.ascend.attention)]
-
-
-def _fake_attention_value(node: fx.Node) -> Any:
-    query = example_value(AttentionArgs.of(node).query)
-    return None if query is None else query.new_empty(query.shape)
 

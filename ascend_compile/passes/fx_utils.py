@@ -50,3 +50,25 @@ def is_op(node: fx.Node, op: Any) -> bool:
         return True
     packet = getattr(target, "overloadpacket", None)
     return packet is not None and packet is op
+
+
+def fill_fake_values(graph: fx.Graph) -> None:
+    """Give nodes a pass inserted (e.g. an adapter's views) the fake values later passes read.
+
+    Runs each such node's target on its arguments' fake values, in the graph's fake mode.
+    """
+    values = [example_value(n) for n in graph.nodes]
+    fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return
+    with fake_mode:
+        for node in graph.nodes:
+            if node.op not in ("call_function", "call_method") or example_value(node) is not None:
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
+            if node.op == "call_method":
+                self_value, *rest = args
+                result = getattr(self_value, node.target)(*rest, **kwargs)
+            else:
+                result = node.target(*args, **kwargs)
+            node.meta["example_value"] = result

@@ -1,0 +1,97 @@
+"""`ascend-compile inspect DUMP_DIR`: the compiler's decisions in a dump, as tables (or JSON)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from .passes.dump import PLAN_FILE
+
+
+def find_plans(root: str) -> list[str]:
+    """Every plan.json under `root`, in a stable order."""
+    found = []
+    for folder, _, files in os.walk(root):
+        if PLAN_FILE in files:
+            found.append(os.path.join(folder, PLAN_FILE))
+    return sorted(found)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render(path: str, plan: dict[str, Any]) -> str:
+    """One compiled graph's plan as text tables."""
+    out = [f"== {os.path.dirname(path)}", f"runtime: {plan.get('runtime', {}).get('name', '?')}   "
+           f"buckets: {plan['buckets']}   tokens: {plan['tokens']}   max_blocks: {plan['max_blocks']}"]
+    out.append("\ninputs")
+    out.append(_table(["#", "name", "role", "shape"],
+                      [(i["index"], i["name"], i["role"], i["shape"]) for i in plan["inputs"]]))
+    ws = plan["workspace"]
+    out.append("\nworkspace slots" + (f" (pinned at length {ws['pinned_seq_len']})" if ws["pinned_seq_len"] else ""))
+    out.append(_table(
+        ["slot", "bytes", "argmax_len", "sized_for", "exact_bytes", "exact_argmax_len", "undersized"],
+        [(n, s["nbytes"], s["argmax_len"], s["sized_for"], s["exact_nbytes"], s["exact_argmax_len"], s["undersized"])
+         for n, s in ws["slots"].items()],
+    ))
+    schemes = ws["schemes_bytes"]
+    out.append(f"schemes: shared {schemes['shared']} B, per-bucket {schemes['per_bucket']} B, per-layer {schemes['per_layer']} B")
+    for warning in ws.get("warnings", []):
+        out.append(f"WARNING: {warning}")
+    rows = []
+    for key, graph in plan["graphs"].items():
+        kernels = {k["kernel"] for k in graph["kernels"]}
+        reason = graph["kernels"][0]["reason"] if graph["kernels"] else ""
+        captured = "update_table" in graph
+        rows.append((key, graph["bucket"], "decode" if graph["decode"] else "mixed", ",".join(sorted(kernels)),
+                     len(graph["kernels"]), graph["workspace_slot"], "yes" if captured else "no", reason))
+    out.append("\ngraphs")
+    out.append(_table(["graph", "bucket", "steps", "kernel", "nodes", "slot", "captured", "reason"], rows))
+    for key, graph in plan["graphs"].items():
+        if "update_table" not in graph:
+            continue
+        out.append(f"\nupdate table of {key}")
+        out.append(_table(
+            ["node", "kernel", "event", "refreshed from", "frozen at capture"],
+            [(e["node"], e["kernel"], e["event"],
+              ", ".join(f"{a}<-{r['input']}.{r['conversion']}" for a, r in e["refresh"].items()),
+              "; ".join(f"{a}={v[:4]}{'...' if len(v) > 4 else ''}" for a, v in e["frozen_at_capture"].items()))
+             for e in graph["update_table"]],
+        ))
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ascend-compile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    inspect = sub.add_parser("inspect", help="render the plans of a dump directory")
+    inspect.add_argument("dump_dir")
+    inspect.add_argument("--json", action="store_true", help="print the plans as one JSON object")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.dump_dir):
+        print(f"ascend-compile: dump_dir: no such directory: {args.dump_dir}", file=sys.stderr)
+        return 2
+    plans = find_plans(args.dump_dir)
+    if not plans:
+        print(f"ascend-compile: dump_dir: no {PLAN_FILE} under {args.dump_dir}", file=sys.stderr)
+        return 2
+    loaded = {}
+    for path in plans:
+        with open(path) as f:
+            loaded[os.path.relpath(os.path.dirname(path), args.dump_dir)] = json.load(f)
+    if args.json:
+        print(json.dumps(loaded, indent=2))
+    else:
+        print("\n\n".join(render(os.path.join(args.dump_dir, k, PLAN_FILE), v) for k, v in loaded.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
