@@ -29,7 +29,7 @@ class LlamaConfig:
     head_dim: int = 16
     ffn_size: int = 128
     block_size: int = 16
-    num_blocks: int = 128
+    num_blocks: int = 256
     dtype: torch.dtype = torch.float32
     rope_theta: float = 10000.0
 
@@ -119,30 +119,34 @@ class LlamaDecoder(nn.Module):
 
 
 class PagedBatch:
-    """Sequences in a paged KV cache in a paged KV cache: assigns blocks and builds the model's inputs.
+    """Sequences in a paged KV cache: assigns blocks and builds the model's inputs for a step.
 
-    Each sequence owns a fixed, disjoint run of blocks (shuffled, so block tables are not
-    trivially ordered); `step` builds the inputs for appending `query_lens` tokens to each.
+    Every step draws fresh, distinct, shuffled blocks for its sequences (as many as each needs), so
+    block tables are not trivially ordered and their width varies from step to step.
     """
 
-    def __init__(self, cfg: LlamaConfig, max_blocks_per_seq: int, seed: int = 0) -> None:
+    def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
         self.cfg = cfg
-        self.max_blocks = max_blocks_per_seq
         self.rng = random.Random(seed)
-        self.free = list(range(cfg.num_blocks))
-        self.rng.shuffle(self.free)
 
-    def blocks_for(self, num_seqs: int) -> list[list[int]]:
-        need = num_seqs * self.max_blocks
-        if need > len(self.free):
-            raise ValueError(f"num_seqs: {num_seqs} sequences need {need} blocks, the cache has {len(self.free)}")
-        return [self.free[i * self.max_blocks:(i + 1) * self.max_blocks] for i in range(num_seqs)]
+    def blocks_for(self, context_lens: Sequence[int]) -> list[list[int]]:
+        bs = self.cfg.block_size
+        need = [max(1, -(-n // bs)) for n in context_lens]
+        if sum(need) > self.cfg.num_blocks:
+            raise ValueError(f"context_lens: the step needs {sum(need)} blocks, the cache has {self.cfg.num_blocks}")
+        free = self.rng.sample(range(self.cfg.num_blocks), sum(need))
+        width = max(need)
+        tables, start = [], 0
+        for n in need:
+            tables.append(free[start:start + n] + [0] * (width - n))
+            start += n
+        return tables
 
     def step(self, context_lens: Sequence[int], query_lens: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
         """Inputs for a step where sequence i ends at `context_lens[i]` with `query_lens[i]` new tokens."""
         cfg = self.cfg
         query_lens = list(query_lens) if query_lens is not None else [1] * len(context_lens)
-        tables = self.blocks_for(len(context_lens))
+        tables = self.blocks_for(context_lens)
         ids, pos, slots, starts = [], [], [], [0]
         for table, ctx, q in zip(tables, context_lens, query_lens):
             for p in range(ctx - q, ctx):

@@ -40,7 +40,7 @@ def trace(model, inputs, dynamic=True):
 def llama_graph():
     cfg = LlamaConfig(num_layers=2)
     model = build(cfg)
-    batch = PagedBatch(cfg, max_blocks_per_seq=8)
+    batch = PagedBatch(cfg)
     gm, _ = trace(model, batch.step([5, 17, 33]))
     return gm
 
@@ -101,7 +101,7 @@ def test_auto_keeps_the_faster_kernel_and_records_times():
 def test_auto_times_real_kernels_through_the_backend(tmp_path):
     cfg = CompileConfig(max_model_len=64, capture_sizes=(1, 2), kernel_policy="auto", dump_dir=str(tmp_path))
     model = build(LlamaConfig(num_layers=1))
-    inputs = PagedBatch(model.cfg, 4).step([3, 9])
+    inputs = PagedBatch(model.cfg).step([3, 9])
     gm, _ = trace(model, inputs)
     rewritten = pipeline.rewrite_buckets(gm, cfg, kernel_policy(cfg, gm, torch.device("cpu")))
     for graph in rewritten.graphs.values():

@@ -54,10 +54,13 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     return Step(args, symbols, tokens, num_seqs, decode, seq_lens, starts)
 
 
-def choose_bucket(buckets: Sequence[int], tokens: int) -> int | None:
-    """The smallest bucket holding `tokens`, or None when the step is larger than every bucket."""
+def choose_bucket(buckets: Sequence[int], tokens: int, can_pad: bool = True) -> int | None:
+    """The smallest bucket holding `tokens` (exactly `tokens` when the step cannot be padded),
+    or None when no bucket fits."""
     i = bisect.bisect_left(buckets, tokens)
-    return buckets[i] if i < len(buckets) else None
+    if i == len(buckets) or (not can_pad and buckets[i] != tokens):
+        return None
+    return buckets[i]
 
 
 def padded_start_loc(loc: Sequence[int], tokens: int, bucket: int) -> list[int]:

@@ -5,6 +5,8 @@ Per call: read the step (one host conversion per length input), pick the bucket 
 replay, apply the update table, synchronize, unpad and (by default) clone the outputs. Steps larger
 than every bucket run the original graph eagerly. Parameters, buffers and KV caches are used in
 place; their addresses are checked every step and a graph whose inputs moved is re-captured.
+Host scalars (0-d CPU tensors, e.g. dynamo's wrapped floats) are read at capture like any host
+argument, so their values are checked every step too.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from .inputs import Step, choose_bucket, copy_padded, host_value, padded_shape, 
 
 log = logging.getLogger("ascend_compile")
 
-COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH, Role.SCALAR)
+COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH)
 IN_PLACE_ROLES = (Role.KV_CACHE, Role.STATIC)
 
 
@@ -76,6 +78,7 @@ class BucketGraph:
         self.outputs = None
         self.table: capture_mod.UpdateTable | None = None
         self.addresses: dict[int, int] = {}
+        self.scalars: dict[int, Any] = {}
         self.capture_seconds = 0.0
 
     def graph_args(self, step_args: Sequence[Any]) -> list[Any]:
@@ -100,8 +103,6 @@ class BucketGraph:
                 buf = self.buffers[spec.index]
                 if spec.role is Role.QUERY_START_LOC:
                     buf.copy_(torch.arange(bucket + 1, dtype=buf.dtype))
-                elif spec.role is Role.SCALAR:
-                    buf.copy_(step_args[spec.index])
                 else:
                     buf.fill_(-1 if spec.role is Role.SLOT_MAPPING else 0)
         host = [list(range(1, bucket + 1)) if kind == "ends" else [0] * bucket for _, kind in self.host_inputs]
@@ -113,13 +114,16 @@ class BucketGraph:
             for spec in art.signature.inputs
             if spec.role in IN_PLACE_ROLES and isinstance(step_args[spec.index], torch.Tensor)
         }
+        self.scalars = {spec.index: step_args[spec.index].item() for spec in art.signature.by_role(Role.SCALAR)}
         self.capture_seconds = time.perf_counter() - start
         art.stats["captures"] += 1
         log.info("ascend_compile: captured %s in %.3f s (%d update entries)", self.key, self.capture_seconds, len(self.table.entries))
 
     def moved_inputs(self, step_args: Sequence[Any]) -> list[str]:
+        """In-place inputs at another address, and host scalars of another value, than at capture."""
         names = {s.index: s.name for s in self.artifact.signature.inputs}
-        return [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
+        moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
+        return moved + [names[i] for i, v in self.scalars.items() if step_args[i].item() != v]
 
     def run(self, step: Step) -> Any:
         art = self.artifact
@@ -178,7 +182,7 @@ class CompiledArtifact:
         step = read_step(self.signature, args, max_len)
         self.stats["steps"] += 1
         self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
-        bucket = choose_bucket(self.rewritten.buckets, step.tokens)
+        bucket = choose_bucket(self.rewritten.buckets, step.tokens, self.signature.can_pad)
         if bucket is None:
             return self._fallback(args, step)
         key = self.rewritten.key_for(bucket, step.decode)
@@ -231,8 +235,9 @@ class CompiledArtifact:
     def _fallback(self, args: Sequence[Any], step: Step) -> Any:
         if not self._fallback_logged:
             log.info(
-                "ascend_compile: %d tokens exceed the largest bucket %d: running eagerly",
-                step.tokens, self.rewritten.buckets[-1],
+                "ascend_compile: no graph for %d tokens (buckets %s%s): running eagerly",
+                step.tokens, list(self.rewritten.buckets),
+                "" if self.signature.can_pad else "; the graph has a static sequence count, so steps are not padded",
             )
             self._fallback_logged = True
         self.stats["eager_fallbacks"] += 1

@@ -73,8 +73,9 @@ class RewrittenGraphs:
 
 
 def _buckets(signature: GraphSignature, config: CompileConfig) -> tuple[int, ...]:
-    if signature.is_static:
-        return (evaluate(signature.tokens, {}),)
+    """The capture sizes, or the one token count of a graph dynamo traced with a static one."""
+    if isinstance(signature.tokens, int):
+        return (signature.tokens,)
     return config.capture_sizes
 
 

@@ -1,9 +1,10 @@
 """Placeholder roles: what each graph input is, so the runner pads it by one table of rules.
 
 A role comes from the argument an input feeds (`seq_lens`, `block_table`, `query_start_loc` of an
-attention node, `slot_mapping` and the caches of `reshape_and_cache`), else from its shape:
-inputs with a symbolic (batch-dependent) size are batch data, 0-d tensors are scalars copied each
-step, the rest (weights, buffers) are static and used in place.
+attention node, `slot_mapping` and the caches of `reshape_and_cache`), else from what it is:
+inputs with a symbolic (batch-dependent) size, and in static graphs any tensor that is not a
+parameter or buffer (dynamo marks those), are batch data; 0-d tensors are scalars copied each
+step; weights and buffers are static and used in place.
 
 The signature also says how every size symbol of the graph is padded for a bucket and read back
 from a step's real inputs, which is all the runner needs to pad inputs and unpad outputs.
@@ -64,6 +65,7 @@ class GraphSignature:
 
     inputs: tuple[InputSpec, ...]
     tokens: Any  # number of query tokens T: an int or a sympy expression
+    sequences: Any  # number of sequences B: an int or a sympy expression
     symbol_sources: dict[sympy.Symbol, tuple[int, int | None]]  # input index, dim (None: SymInt)
     symbol_kinds: dict[sympy.Symbol, str]  # "tokens", "blocks" or "query_start_loc"
     outputs: tuple[Any, ...]  # per output: shape exprs, or None for non-tensors
@@ -71,6 +73,11 @@ class GraphSignature:
     @property
     def is_static(self) -> bool:
         return not self.symbol_sources
+
+    @property
+    def can_pad(self) -> bool:
+        """Whether steps can be padded to a bucket: padded tokens need padded sequences to go to."""
+        return isinstance(self.tokens, int) or not isinstance(self.sequences, int)
 
     def by_role(self, role: Role) -> list[InputSpec]:
         return [spec for spec in self.inputs if spec.role is role]
@@ -128,6 +135,21 @@ def _role_of_uses(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> dict[str,
     return roles
 
 
+def _role_of_value(node: fx.Node, value: Any, shape: tuple | None) -> Role:
+    """Role of an input no attention argument names: weights stay, per-step data is copied."""
+    if isinstance(value, torch.SymInt):
+        return Role.SYMINT
+    if shape is None:
+        return Role.STATIC
+    if any(not isinstance(d, int) for d in shape):
+        return Role.BATCH
+    if len(shape) == 0:
+        return Role.SCALAR
+    if "tensor_dict" in node.meta and "_dynamo_static_input_type" not in node.meta["tensor_dict"]:
+        return Role.BATCH  # dynamo marks parameters and buffers; anything else is the caller's per-step data
+    return Role.STATIC
+
+
 def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> GraphSignature:
     """Give each placeholder a role (recorded as `meta["ascend_role"]`) and describe the graph's sizes."""
     roles = _role_of_uses(gm, attention)
@@ -138,24 +160,17 @@ def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> GraphSigna
         expr = size_expr(value) if isinstance(value, torch.SymInt) else None
         role = roles.get(node.name)
         if role is None:
-            if isinstance(value, torch.SymInt):
-                role = Role.SYMINT
-            elif shape is None:
-                role = Role.STATIC
-            elif any(not isinstance(d, int) for d in shape):
-                role = Role.BATCH
-            elif len(shape) == 0:
-                role = Role.SCALAR
-            else:
-                role = Role.STATIC
+            role = _role_of_value(node, value, shape)
         node.meta["ascend_role"] = role.value
         inputs.append(InputSpec(index=index, name=node.name, role=role, shape=shape, expr=expr))
 
     sources, kinds = _symbols(inputs)
-    tokens = shape_exprs(example_value(AttentionArgs.of(attention[0]).query))[0] if attention else None
+    first = AttentionArgs.of(attention[0])
+    tokens = shape_exprs(example_value(first.query))[0]
+    sequences = shape_exprs(example_value(first.seq_lens))[0]
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = tuple(shape_exprs(example_value(o)) if isinstance(o, fx.Node) else None for o in _flat(output_node.args[0]))
-    signature = GraphSignature(tuple(inputs), tokens, sources, kinds, outputs)
+    signature = GraphSignature(tuple(inputs), tokens, sequences, sources, kinds, outputs)
     for spec in inputs:
         if spec.role in (Role.KV_CACHE, Role.STATIC) and spec.dynamic:
             raise ValueError(f"{spec.name}: a {spec.role.value} input must have a static shape, got {spec.shape}")

@@ -1,0 +1,515 @@
+"""The ACL-graph simulator's own rules (runtime/sim.py, runtime/sim_pool.py).
+
+Each test pins one way the simulator must behave like a device graph rather than like eager PyTorch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascend_compile.errors import CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
+from ascend_compile.runtime.sim import SimRuntime
+from ascend_compile.runtime.sim_pool import ALIGNMENT, SimPool
+
+
+@torch.library.custom_op("simtest::scale_rows", mutates_args=("out",))
+def scale_rows(x: torch.Tensor, factors: list[int], out: torch.Tensor) -> None:
+    """out[i] = x[i] * factors[i]; `factors` is a host list, like the kernels' sequence lengths."""
+    out.copy_(x * torch.tensor(factors, dtype=x.dtype).unsqueeze(1))
+
+
+@scale_rows.register_fake
+def _(x: torch.Tensor, factors: list[int], out: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("simtest::ws_fill", mutates_args=("workspace", "out"))
+def ws_fill(x: torch.Tensor, needed: int, workspace: torch.Tensor, out: torch.Tensor) -> None:
+    """Needs `needed` bytes of workspace, checked before writing (as the reference kernels do)."""
+    given = workspace.numel() * workspace.element_size()
+    if given < needed:
+        raise WorkspaceTooSmall("simtest.ws_fill", needed, given, "workspace")
+    workspace.view(torch.uint8)[:needed].fill_(7)
+    out.copy_(x)
+
+
+@ws_fill.register_fake
+def _(x: torch.Tensor, needed: int, workspace: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+def _rt(**kwargs) -> SimRuntime:
+    return SimRuntime(segment_bytes=1 << 16, **kwargs)
+
+
+def _static(rt: SimRuntime, values: torch.Tensor) -> torch.Tensor:
+    buf = rt.empty(tuple(values.shape), values.dtype)
+    buf.copy_(values)
+    return buf
+
+
+# ---------------------------------------------------------------- memory pool
+
+
+def test_block_freed_during_capture_is_reused_by_the_same_capture() -> None:
+    rt = _rt()
+    x = _static(rt, torch.randn(256))
+    g = rt.graph()
+    with g.capture():
+        tmp = x + 1
+        addr = rt.address_of(tmp)
+        y = tmp * 2
+        del tmp
+        later = y - 1
+        assert rt.address_of(later) == addr, "the graph must not keep its intermediates alive"
+        held = x - 1
+        assert rt.address_of(held) != rt.address_of(later)
+    g.replay()
+    rt.synchronize()
+    torch.testing.assert_close(later, (x + 1) * 2 - 1)
+
+
+def test_block_freed_during_capture_goes_only_to_later_captures() -> None:
+    rt = _rt()
+    x = _static(rt, torch.randn(256))
+    with rt.graph().capture():
+        tmp = x + 1
+        addr = rt.address_of(tmp)
+        del tmp
+    outside = rt.empty((256,), torch.float32)
+    assert rt.address_of(outside)[0] == "general"
+    with rt.graph().capture():
+        inside = x * 2
+    assert rt.address_of(inside) == addr
+    assert addr[0] == "graph"
+
+
+def test_general_pool_reuses_and_coalesces_free_blocks() -> None:
+    rt = _rt()
+    a, b, c = (rt.empty((128,), torch.float32) for _ in range(3))
+    assert [rt.address_of(t)[2] for t in (a, b, c)] == [0, 512, 1024]
+    assert rt.memory_stats()["general"]["allocated_bytes"] == 3 * 512
+    del a
+    d = rt.empty((64,), torch.float64)
+    assert rt.address_of(d)[2] == 0
+    del d, b
+    assert rt.memory_stats()["general"]["allocated_bytes"] == 512
+    e = rt.empty((256,), torch.float32)
+    assert rt.address_of(e)[2] == 0, "the two freed 512-byte neighbours were not merged"
+    del c, e
+    stats = rt.memory_stats()["general"]
+    assert stats["allocated_bytes"] == 0 and stats["free_blocks"] == 1
+
+
+def test_a_view_keeps_its_block_allocated() -> None:
+    rt = _rt()
+    a = rt.empty((128,), torch.float32)
+    view = a[64:]
+    del a
+    assert rt.memory_stats()["general"]["allocated_bytes"] == 512
+    b = rt.empty((128,), torch.float32)
+    assert rt.address_of(b)[2] == 512
+    del view
+    assert rt.memory_stats()["general"]["allocated_bytes"] == 512
+
+
+def test_a_request_larger_than_a_segment_gets_its_own_segment() -> None:
+    rt = _rt()
+    small = rt.empty((16,), torch.float32)
+    big = rt.empty((1 << 15,), torch.float32)
+    assert rt.address_of(small)[1] == 0
+    assert rt.address_of(big) == ("general", 1, 0)
+    assert rt.memory_stats()["general"]["reserved_bytes"] == (1 << 16) + (1 << 17)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5000)), max_size=40))
+def test_pool_blocks_never_overlap_and_fully_coalesce(steps: list[tuple[bool, int]]) -> None:
+    pool = SimPool("general", 1 << 14)
+    live = []
+    for free_one, nbytes in steps:
+        if free_one and live:
+            pool.release(live.pop(nbytes % len(live)))
+        else:
+            live.append(pool.allocate(nbytes))
+            assert live[-1].offset % ALIGNMENT == 0 and live[-1].size >= nbytes
+        spans = sorted((b.segment.index, b.offset, b.offset + b.size) for b in live)
+        assert all(p[0] != q[0] or p[2] <= q[1] for p, q in zip(spans, spans[1:]))
+        assert pool.stats()["allocated_bytes"] == sum(b.size for b in live)
+    for block in live:
+        pool.release(block)
+    assert pool.stats()["free_blocks"] == pool.stats()["segments"]
+
+
+# ---------------------------------------------------------------- capture and replay
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    y = torch.relu(x @ w + b)
+    v = y.view(8, 4)
+    v.mul_(2)
+    return v.sum(0)
+
+
+def test_replay_reads_new_input_values_from_the_same_address() -> None:
+    rt = _rt()
+    w, b = torch.randn(8, 8), torch.randn(8)
+    x = _static(rt, torch.randn(4, 8))
+    g = rt.graph()
+    with g.capture():
+        out = _chain(x, w, b)
+    assert g.tasks == (
+        "aten.mm.default", "aten.add.Tensor", "aten.relu.default", "aten.mul_.Tensor", "aten.sum.dim_IntList"
+    ), "a view is not a task"
+    for _ in range(3):
+        new = torch.randn(4, 8)
+        x.copy_(new)
+        g.replay()
+        rt.synchronize()
+        torch.testing.assert_close(out, _chain(new, w, b))
+
+
+def test_replay_may_write_inference_mode_tensors_outside_inference_mode() -> None:
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    with torch.inference_mode():
+        cache = torch.zeros(4)
+        g = rt.graph()
+        with g.capture():
+            cache.add_(x)
+    g.replay()
+    rt.synchronize()
+    assert torch.equal(cache, torch.full((4,), 2.0))
+
+
+def test_replay_runs_at_synchronize() -> None:
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    g = rt.graph()
+    with g.capture():
+        y = x + 1
+    g.replay()
+    assert torch.isnan(y).all()
+    rt.synchronize()
+    assert torch.equal(y, torch.full((4,), 2.0))
+
+
+def test_capture_poisons_what_it_allocated_until_a_replay() -> None:
+    rt = _rt()
+    x = _static(rt, torch.randn(16))
+    g = rt.graph()
+    with g.capture():
+        tmp = x * 3
+        freed = rt.weak_alias(tmp)
+        y = torch.relu(tmp)
+        del tmp
+        flags = (x > 0).to(torch.int32)
+    assert torch.isnan(y).all() and torch.isnan(freed).all()
+    assert (flags == -1).all()
+    assert not torch.isnan(x).any(), "static inputs are not the capture's memory"
+    g.replay()
+    rt.synchronize()
+    torch.testing.assert_close(y, torch.relu(x * 3))
+    assert torch.equal(flags, (x > 0).to(torch.int32))
+
+
+def test_empty_in_capture_comes_from_the_graph_pool_and_records_no_task() -> None:
+    rt = _rt()
+    g = rt.graph()
+    with g.capture():
+        a = torch.empty(8)
+        b = rt.empty((8,), torch.float32)
+        a.fill_(1.0)
+    assert rt.address_of(a)[0] == rt.address_of(b)[0] == "graph"
+    assert g.tasks == ("aten.fill_.Scalar",)
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [
+        lambda t: t.sum().item(),
+        lambda t: t.tolist(),
+        lambda t: bool(t[0] > 0),
+        lambda t: torch.nonzero(t),
+    ],
+    ids=["item", "tolist", "bool", "nonzero"],
+)
+def test_host_sync_during_capture_is_refused(sync) -> None:
+    rt = _rt()
+    x = _static(rt, torch.randn(4))
+    g = rt.graph()
+    with pytest.raises(CaptureError, match="capture"):
+        with g.capture():
+            sync(x + 1)
+    with pytest.raises(ReplayError, match="never captured"):
+        g.replay()
+    with rt.graph().capture():
+        x + 1
+
+
+def test_custom_op_is_one_task() -> None:
+    rt = _rt()
+    x = _static(rt, torch.ones(2, 3))
+    out = rt.empty((2, 3), torch.float32)
+    g = rt.graph()
+    with g.capture():
+        torch.ops.simtest.scale_rows(x + 1, [1, 2], out)
+    assert g.tasks == ("aten.add.Tensor", "simtest.scale_rows.default")
+
+
+def test_replaying_an_uncaptured_graph_is_an_error() -> None:
+    with pytest.raises(ReplayError, match="never captured"):
+        _rt().graph().replay()
+
+
+def test_capture_protocol_errors() -> None:
+    rt = _rt()
+    g = rt.graph()
+    with pytest.raises(CaptureError, match="outside capture"):
+        rt.task_group_begin()
+    with pytest.raises(CaptureError, match="do not nest"):
+        with g.capture():
+            rt.task_group_begin()
+            rt.task_group_begin()
+    with pytest.raises(CaptureError, match="task_group_end"):
+        with rt.graph().capture():
+            rt.task_group_begin()
+    g2 = rt.graph()
+    with g2.capture():
+        with pytest.raises(CaptureError, match="being captured"):
+            with rt.graph().capture():
+                pass
+        with pytest.raises(CaptureError, match="synchronize"):
+            rt.synchronize()
+    with pytest.raises(CaptureError, match="already captured"):
+        with g2.capture():
+            pass
+
+
+# ---------------------------------------------------------------- task groups and updates
+
+
+def _capture_scale_rows(rt: SimRuntime, factors: list[int]):
+    x = _static(rt, torch.ones(2, 3))
+    out = rt.empty((2, 3), torch.float32)
+    g = rt.graph()
+    with g.capture():
+        rt.task_group_begin()
+        torch.ops.simtest.scale_rows(x, factors, out)
+        handle = rt.task_group_end()
+    return g, handle, x, out
+
+
+def _rows(out: torch.Tensor) -> list[float]:
+    return out[:, 0].tolist()
+
+
+def test_host_args_are_frozen_at_capture_and_changed_by_an_update() -> None:
+    rt = _rt()
+    factors = [1, 2]
+    g, handle, x, out = _capture_scale_rows(rt, factors)
+    assert handle.tasks == ("simtest.scale_rows.default",)
+    factors[:] = [5, 5]
+    g.replay()
+    rt.synchronize()
+    assert _rows(out) == [1.0, 2.0]
+    with rt.task_update(handle):
+        torch.ops.simtest.scale_rows(x, [3, 4], out)
+    assert _rows(out) == [1.0, 2.0], "an update records, it does not run"
+    g.replay()
+    rt.synchronize()
+    assert _rows(out) == [3.0, 4.0]
+
+
+def test_an_update_between_replay_and_synchronize_reaches_that_replay() -> None:
+    rt = _rt()
+    g, handle, x, out = _capture_scale_rows(rt, [1, 2])
+    g.replay()
+    rt.task_update_begin(handle)
+    torch.ops.simtest.scale_rows(x, [7, 8], out)
+    rt.task_update_end()
+    rt.synchronize()
+    assert _rows(out) == [7.0, 8.0]
+
+
+def test_an_update_can_move_tensor_operands() -> None:
+    rt = _rt()
+    g, handle, x, out = _capture_scale_rows(rt, [1, 1])
+    other = _static(rt, torch.full((2, 3), 10.0))
+    with rt.task_update(handle):
+        torch.ops.simtest.scale_rows(other, [1, 2], out)
+    g.replay()
+    rt.synchronize()
+    assert _rows(out) == [10.0, 20.0]
+
+
+def test_an_update_of_an_op_with_a_fresh_output_keeps_its_address() -> None:
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    g = rt.graph()
+    with g.capture():
+        rt.task_group_begin()
+        y = torch.mul(x, 2.0)
+        handle = rt.task_group_end()
+    with rt.task_update(handle):
+        dummy = torch.mul(x, 3.0)
+    assert dummy.shape == (4,)
+    g.replay()
+    rt.synchronize()
+    assert torch.equal(y, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize(
+    "issue, got",
+    [
+        (lambda x, out: None, r"got 0 \[\]"),
+        (lambda x, out: [torch.ops.simtest.scale_rows(x, [1, 1], out) for _ in range(2)], "got 2"),
+        (lambda x, out: out.copy_(x), r"got 1 \['aten.copy_.default'\]"),
+    ],
+    ids=["too-few", "too-many", "other-kind"],
+)
+def test_an_update_must_issue_the_same_ops_as_its_group(issue, got) -> None:
+    rt = _rt()
+    g, handle, x, out = _capture_scale_rows(rt, [1, 2])
+    with pytest.raises(TaskUpdateMismatch, match=r"expected 1 \['simtest.scale_rows.default'\], " + got):
+        with rt.task_update(handle):
+            issue(x, out)
+    g.replay()
+    rt.synchronize()
+    assert _rows(out) == [1.0, 2.0], "a refused update must leave the tasks as they were"
+
+
+def test_update_protocol_errors() -> None:
+    rt = _rt()
+    g, handle, x, out = _capture_scale_rows(rt, [1, 2])
+    with pytest.raises(Exception, match="without task_update_begin"):
+        rt.task_update_end()
+    with pytest.raises(CaptureError, match="during capture"):
+        with rt.graph().capture():
+            rt.task_update_begin(handle)
+    with pytest.raises(Exception, match="not a task group of this runtime"):
+        _rt().task_update_begin(handle)
+
+
+# ---------------------------------------------------------------- external events
+
+
+def test_a_wait_on_an_unrecorded_event_fails_and_reset_needs_a_fresh_record() -> None:
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    ev = rt.event("attn_layer_3")
+    g = rt.graph()
+    with g.capture():
+        ev.wait()
+        ev.reset()
+        y = x + 1
+    assert g.tasks == ("event.wait:attn_layer_3", "event.reset:attn_layer_3", "aten.add.Tensor")
+    g.replay()
+    with pytest.raises(ReplayError, match="attn_layer_3"):
+        rt.synchronize()
+    ev.record()
+    g.replay()
+    rt.synchronize()
+    assert torch.equal(y, torch.full((4,), 2.0))
+    assert not ev.recorded
+    g.replay()
+    with pytest.raises(ReplayError, match="never recorded"):
+        rt.synchronize()
+
+
+# ---------------------------------------------------------------- workspace overrun
+
+
+def _neighbours(rt: SimRuntime):
+    ws = rt.empty((512,), torch.uint8)
+    neighbour = rt.empty((128,), torch.float32)
+    assert rt.address_of(neighbour)[2] == rt.address_of(ws)[2] + 512
+    neighbour.fill_(1.0)
+    return ws, neighbour, _static(rt, torch.arange(4.0)), rt.empty((4,), torch.float32)
+
+
+def test_workspace_overrun_writes_into_the_neighbouring_block() -> None:
+    rt = _rt()
+    ws, neighbour, x, out = _neighbours(rt)
+    g = rt.graph()
+    with g.capture():
+        torch.ops.simtest.ws_fill(x, 1024, ws, out)
+    assert (neighbour.view(torch.uint8) == 7).all()
+    neighbour.fill_(1.0)
+    g.replay()
+    rt.synchronize()
+    assert (neighbour.view(torch.uint8) == 7).all()
+    assert torch.equal(out, x)
+
+
+def test_workspace_overrun_raises_with_overflow_raise() -> None:
+    rt = _rt(overflow="raise")
+    ws, neighbour, x, out = _neighbours(rt)
+    with pytest.raises(WorkspaceTooSmall, match=r"needs 1024 .*\[in graph1 task 0 \(simtest.ws_fill.default\)\]"):
+        with rt.graph().capture():
+            torch.ops.simtest.ws_fill(x, 1024, ws, out)
+    g = rt.graph()
+    with g.capture():
+        rt.task_group_begin()
+        torch.ops.simtest.ws_fill(x, 512, ws, out)
+        handle = rt.task_group_end()
+    with rt.task_update(handle):
+        torch.ops.simtest.ws_fill(x, 2048, ws, out)
+    g.replay()
+    with pytest.raises(WorkspaceTooSmall, match="graph2 task 0"):
+        rt.synchronize()
+    assert torch.equal(neighbour, torch.ones(128))
+
+
+def test_workspace_overrun_past_the_segment_end_is_a_fault() -> None:
+    rt = SimRuntime(segment_bytes=4096)
+    filler = rt.empty((4096 - 512,), torch.uint8)
+    ws = rt.empty((512,), torch.uint8)
+    x, out = _static(rt, torch.arange(4.0)), rt.empty((4,), torch.float32)
+    assert rt.address_of(ws) == ("general", 0, 4096 - 512) and rt.address_of(filler)[1] == 0
+    g = rt.graph()
+    with g.capture():
+        rt.task_group_begin()
+        torch.ops.simtest.ws_fill(x, 512, ws, out)
+        handle = rt.task_group_end()
+    with rt.task_update(handle):
+        torch.ops.simtest.ws_fill(x, 1024, ws, out)
+    g.replay()
+    with pytest.raises(ReplayError, match="past its end"):
+        rt.synchronize()
+
+
+# ---------------------------------------------------------------- weak alias (DESIGN.md §7 case 3)
+
+
+def test_a_weak_alias_does_not_keep_its_block() -> None:
+    rt = _rt()
+    x = _static(rt, torch.randn(256))
+    g = rt.graph()
+    with g.capture():
+        ws = rt.empty((256,), torch.float32)
+        alias = rt.weak_alias(ws)
+        addr = rt.address_of(ws)
+        del ws
+        activation = x + 1
+        assert rt.address_of(activation) == rt.address_of(alias) == addr
+        alias.fill_(0.0)
+    g.replay()
+    rt.synchronize()
+    assert torch.equal(activation, torch.zeros(256)), "scratch written through the alias lands on the activation"
+
+
+def test_a_held_workspace_is_not_reused() -> None:
+    rt = _rt()
+    x = _static(rt, torch.randn(256))
+    g = rt.graph()
+    with g.capture():
+        ws = rt.empty((256,), torch.float32)
+        activation = x + 1
+        assert rt.address_of(activation) != rt.address_of(ws)
+        ws.fill_(0.0)
+    g.replay()
+    rt.synchronize()
+    torch.testing.assert_close(activation, x + 1)
