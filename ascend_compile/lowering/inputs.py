@@ -2,7 +2,8 @@
 
 Padding rules live here and nowhere else: `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
 extended so the padded tokens belong to padded (empty) sequences, block tables and batch data 0.
-A bucket graph is captured for `bucket` tokens and as many sequences.
+A bucket graph is captured for `bucket` tokens and as many sequences (or, where dynamo traced a
+static sequence count, for exactly that many).
 """
 from __future__ import annotations
 
@@ -63,19 +64,22 @@ def choose_bucket(buckets: Sequence[int], tokens: int, can_pad: bool = True) -> 
     return buckets[i]
 
 
-def padded_start_loc(loc: Sequence[int], tokens: int, bucket: int) -> list[int]:
-    """`query_start_loc` for `bucket` sequences: padded tokens go one each to padded sequences."""
-    extra = [min(tokens + j, bucket) for j in range(1, bucket + 2 - len(loc))]
+def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded_seqs: int) -> list[int]:
+    """`query_start_loc` for `padded_seqs` sequences: padded tokens go one each to padded
+    sequences, the last padded sequence taking any rest."""
+    extra = [min(tokens + j, padded_tokens) for j in range(1, padded_seqs + 2 - len(loc))]
+    if extra:
+        extra[-1] = padded_tokens
     return list(loc) + extra
 
 
-def host_value(step: Step, source: str, kind: str, bucket: int) -> list[int]:
-    """The padded host list a kernel argument takes for `bucket`."""
+def host_value(step: Step, source: str, kind: str, padded_tokens: int, padded_seqs: int) -> list[int]:
+    """The padded host list a kernel argument takes in a graph of this many tokens and sequences."""
     if kind == HOST_LIST:
         lens = step.seq_lens[source]
-        return lens + [0] * (bucket - len(lens))
+        return lens + [0] * (padded_seqs - len(lens))
     if kind == HOST_ENDS:
-        return padded_start_loc(step.query_start_loc[source], step.tokens, bucket)[1:]
+        return padded_start_loc(step.query_start_loc[source], step.tokens, padded_tokens, padded_seqs)[1:]
     raise ValueError(f"kind: unknown host conversion {kind!r}")
 
 
@@ -83,10 +87,10 @@ def padded_shape(spec: InputSpec, padded: dict) -> tuple[int, ...]:
     return tuple(evaluate(d, padded) for d in spec.shape)
 
 
-def copy_padded(spec: InputSpec, value: torch.Tensor, dest: torch.Tensor, step: Step, bucket: int) -> None:
+def copy_padded(spec: InputSpec, value: torch.Tensor, dest: torch.Tensor, step: Step, padded_tokens: int) -> None:
     """Copy one input into its padded static buffer, writing the padding by the input's role."""
     if spec.role is Role.QUERY_START_LOC:
-        loc = padded_start_loc(step.query_start_loc[spec.name], step.tokens, bucket)
+        loc = padded_start_loc(step.query_start_loc[spec.name], step.tokens, padded_tokens, dest.shape[0] - 1)
         dest.copy_(torch.tensor(loc, dtype=dest.dtype), non_blocking=True)
         return
     if any(a > p for a, p in zip(value.shape, dest.shape)):

@@ -23,11 +23,11 @@ from ..config import CompileConfig
 from ..passes import dump
 from ..passes.fx_utils import is_op
 from ..passes.pipeline import RewrittenGraphs
-from ..passes.roles import GraphSignature, Role, evaluate
+from ..passes.roles import PAD_VALUE, GraphSignature, Role, evaluate
 from ..passes.workspaces import GraphKey
 from ..runtime.base import Runtime
 from . import capture as capture_mod
-from .inputs import Step, choose_bucket, copy_padded, host_value, padded_shape, read_step
+from .inputs import Step, choose_bucket, copy_padded, host_value, padded_shape, padded_start_loc, read_step
 
 log = logging.getLogger("ascend_compile")
 
@@ -68,6 +68,7 @@ class BucketGraph:
         self.host_inputs = _host_inputs(self.gm)
         sig = artifact.signature
         self.padded = sig.padded_symbols(key.bucket, artifact.rewritten.max_blocks)
+        self.num_seqs = evaluate(sig.sequences, self.padded)
         runtime = artifact.runtime
         self.buffers: dict[int, torch.Tensor] = {}
         for spec in sig.inputs:
@@ -102,10 +103,12 @@ class BucketGraph:
             if spec.index in self.buffers:
                 buf = self.buffers[spec.index]
                 if spec.role is Role.QUERY_START_LOC:
-                    buf.copy_(torch.arange(bucket + 1, dtype=buf.dtype))
+                    buf.copy_(torch.tensor(padded_start_loc([0], 0, bucket, self.num_seqs), dtype=buf.dtype))
                 else:
-                    buf.fill_(-1 if spec.role is Role.SLOT_MAPPING else 0)
-        host = [list(range(1, bucket + 1)) if kind == "ends" else [0] * bucket for _, kind in self.host_inputs]
+                    buf.fill_(PAD_VALUE.get(spec.role, 0))
+        empty = Step((), {}, 0, 0, True, {src: [] for src, _ in self.host_inputs},
+                     {src: [0] for src, _ in self.host_inputs})
+        host = [host_value(empty, src, kind, bucket, self.num_seqs) for src, kind in self.host_inputs]
         args = self.graph_args(step_args) + host
         self.graph, outputs, self.table = capture_mod.capture_graph(self.gm, art.runtime, args, art.workspace_for)
         self.outputs = outputs
@@ -186,11 +189,8 @@ class CompiledArtifact:
         if bucket is None:
             return self._fallback(args, step)
         key = self.rewritten.key_for(bucket, step.decode)
-        step.host = {
-            (src, kind): host_value(step, src, kind, bucket)
-            for src, kind in _host_inputs(self.rewritten.graphs[key])
-        }
         graph = self._graph(key, args)
+        step.host = {(src, kind): host_value(step, src, kind, bucket, graph.num_seqs) for src, kind in graph.host_inputs}
         if not self.runtime.supports_graphs:
             outputs = graph.run_eager(step)
             return _unpad(outputs, self.signature.outputs, step.symbols, clone=False)

@@ -1,0 +1,252 @@
+"""The backend end to end: compiled vs eager on the example model, the runner's rules, the update table."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import random
+import threading
+
+import pytest
+import torch
+
+from ascend_compile import cli
+from ascend_compile.backend import compile_graph
+from ascend_compile.config import CompileConfig
+from ascend_compile.ops import tiling
+from examples.llama import LlamaConfig, PagedBatch, build
+
+MAX_LEN = 512
+
+
+def compiled_model(model, **options):
+    """`torch.compile` through our backend, keeping the artifacts it builds."""
+    config = CompileConfig(**options)
+    artifacts = []
+
+    def backend_fn(gm, example_inputs):
+        artifact = compile_graph(gm, example_inputs, config)
+        artifacts.append(artifact)
+        return artifact
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend_fn), artifacts
+
+
+def random_step(rng, batch, size, mixed=False, max_len=MAX_LEN):
+    lens = [rng.randint(1, max_len) for _ in range(size)]
+    qlens = [rng.randint(1, min(4, n)) for n in lens] if mixed else None
+    return batch.step(lens, qlens)
+
+
+@pytest.mark.parametrize("runtime", ["sim", "eager"])
+def test_compiled_matches_eager_over_random_steps(runtime):
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(1, 2, 4, 8, 16), pa_max_batch=4,
+                                   runtime=runtime)
+    batch = PagedBatch(cfg, seed=1)
+    rng = random.Random(runtime)
+    sizes = [3, 4, 5, 7, 8, 9, 16, 2, 13, 21, 6, 1, 12, 16, 3, 30]
+    with torch.no_grad():
+        for i, size in enumerate(sizes):
+            inputs = random_step(rng, batch, size, mixed=(i % 4 == 3))
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    stats = sum((a.stats for a in artifacts), start=__import__("collections").Counter())
+    assert stats["eager_fallbacks"] >= 1  # 21 and 30 tokens exceed the largest bucket
+    if runtime == "sim":
+        assert stats["replays"] >= 10 and stats["captures"] >= 3
+        kernels = {k["kernel"] for a in artifacts for g in a.describe()["graphs"].values() for k in g["kernels"]}
+        assert kernels == {tiling.PA, tiling.FIA}
+
+
+def test_every_graph_replays_with_changing_lengths():
+    cfg = LlamaConfig(num_layers=3, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
+    batch = PagedBatch(cfg, seed=2)
+    rng = random.Random(0)
+    with torch.no_grad():
+        first = random_step(rng, batch, 3)  # dynamo's first, static-shape graph
+        fn(**first)
+        reference(**first)  # keep the two KV caches identical
+        for _ in range(8):
+            size = rng.choice([3, 4, 6, 8])
+            inputs = random_step(rng, batch, size)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    art = artifacts[-1]
+    assert {str(k) for k in art.graphs} == {"b4.decode", "b8.decode"}
+    assert art.stats["captures"] == 2 and art.stats["replays"] == 8
+
+
+def test_update_table_is_keyed_by_node_and_refreshed_from_inputs():
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    fn, artifacts = compiled_model(build(cfg), max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        fn(**random_step(rng, batch, 3))
+        fn(**random_step(rng, batch, 6))
+        fn(**random_step(rng, batch, 2))
+    plan = artifacts[-1].describe()["graphs"]
+    fia = plan["b8.decode"]["update_table"]
+    assert [e["node"] for e in fia] == ["fused_infer_attention_default", "fused_infer_attention_default_1"]
+    assert fia[0]["refresh"] == {
+        "actual_seq_lengths": {"input": "l_query_start_loc_", "conversion": "ends"},
+        "actual_seq_lengths_kv": {"input": "l_seq_lens_", "conversion": "list"},
+    }
+    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [0] * 8  # captured on an all-padding step
+    pa = plan["b4.decode"]["update_table"]
+    assert [e["kernel"] for e in pa] == [tiling.PA, tiling.PA] and all(e["event"] for e in pa)
+    assert pa[0]["refresh"] == {"context_lens": {"input": "l_seq_lens_", "conversion": "list"}}
+
+
+def test_one_host_conversion_per_input_and_no_workspace_work_at_replay(monkeypatch):
+    cfg = LlamaConfig(num_layers=4, num_blocks=1024)
+    fn, artifacts = compiled_model(build(cfg), max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        fn(**random_step(rng, batch, 3))
+        fn(**random_step(rng, batch, 6))
+        art = artifacts[-1]
+        before = dict(art.stats), art.runtime.memory_stats()
+
+        def no_query(*args, **kwargs):
+            raise AssertionError("workspace sized at replay")
+
+        monkeypatch.setattr(tiling, "max_workspace", no_query)
+        for _ in range(5):
+            fn(**random_step(rng, batch, 7))
+    assert art.stats["host_conversions"] - before[0]["host_conversions"] == 5 * 2  # seq_lens and query_start_loc
+    assert art.stats["updates"] - before[0]["updates"] == 5 * 4  # one per layer
+    assert art.runtime.memory_stats() == before[1]  # nothing allocated at replay
+
+
+def test_length_above_max_model_len_is_a_clear_error():
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, _ = compiled_model(build(cfg), max_model_len=64, capture_sizes=(4,))
+    batch = PagedBatch(cfg)
+    with torch.no_grad():
+        fn(**batch.step([10, 20, 30]))
+        with pytest.raises(ValueError, match="seq_lens: a sequence of length 65 exceeds max_model_len=64"):
+            fn(**batch.step([10, 65, 30]))
+
+
+def test_moved_kv_cache_is_recaptured_not_read_stale():
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for size in (3, 6):
+            inputs = random_step(rng, batch, size)
+            fn(**inputs)
+            reference(**inputs)
+        fresh = torch.randn_like(model.layers[0].attn.key_cache)
+        model.layers[0].attn.key_cache = fresh.clone()
+        reference.layers[0].attn.key_cache = fresh.clone()
+        inputs = random_step(rng, batch, 7)
+        torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert artifacts[-1].stats["recaptures"] == 1
+
+
+def test_clone_outputs_false_returns_views_the_next_step_overwrites():
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, _ = compiled_model(build(cfg), max_model_len=MAX_LEN, capture_sizes=(8,), clone_outputs=False)
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        fn(**random_step(rng, batch, 3))
+        first = fn(**random_step(rng, batch, 6))
+        kept = first.clone()
+        fn(**random_step(rng, batch, 5))
+    assert not torch.equal(first, kept)
+
+
+def test_concurrent_callers_do_not_interleave_replays():
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, _ = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(8,))
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    steps = [random_step(rng, batch, n) for n in (3, 6, 5, 7, 6, 8, 4, 5)]
+    errors = []
+
+    def worker(items):
+        try:
+            with torch.no_grad():
+                for inputs in items:
+                    torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    with torch.no_grad():
+        for inputs in steps[:2]:
+            fn(**inputs)
+            reference(**inputs)
+    threads = [threading.Thread(target=worker, args=(steps[2:] * 2,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_memory_report_lists_pool_and_workspace_per_graph():
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    fn, artifacts = compiled_model(build(cfg), max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        fn(**random_step(rng, batch, 3))
+        fn(**random_step(rng, batch, 6))
+    report = artifacts[-1].memory_report()
+    assert report["workspace_bytes"]["attn_workspace"] == artifacts[-1].rewritten.plan.slots["attn_workspace"].nbytes
+    assert set(report["graphs"]) == {"b8.decode"}
+    assert report["graphs"]["b8.decode"]["outputs_bytes"] == 8 * cfg.vocab_size * 4
+    assert report["pool"]["graph"]["allocated_bytes"] > 0
+
+
+def test_capture_all_captures_every_decode_bucket(tmp_path, capsys):
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, artifacts = compiled_model(build(cfg), max_model_len=MAX_LEN, capture_sizes=(2, 4, 8), pa_max_batch=2,
+                                   capture_all=True, dump_dir=str(tmp_path))
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        fn(**random_step(rng, batch, 3))
+        fn(**random_step(rng, batch, 5))
+    art = artifacts[-1]
+    assert {str(k) for k, g in art.graphs.items() if g.graph is not None} == {"b2.decode", "b4.decode", "b8.decode"}
+    plan = json.loads(open(f"{art.rewritten.graph_dir}/plan.json").read())
+    assert "update_table" in plan["graphs"]["b4.decode"]
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "update table of b4.decode" in out and "context_lens<-l_seq_lens_.list" in out
+
+
+def test_entry_point_registers_the_backend():
+    names = {ep.name for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")}
+    assert "ascend_graph" in names
+    assert "ascend_graph" in torch._dynamo.list_backends()
+
+
+def test_torch_compile_options_reach_the_backend():
+    cfg = LlamaConfig(num_layers=1)
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend="ascend_graph", options={"max_model_len": 64, "not_an_option": 1})
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['not_an_option'\]"):
+        with torch.no_grad():
+            fn(**PagedBatch(cfg).step([3, 4]))
+
+
+def test_wrong_metadata_dtype_fails_at_trace_time():
+    cfg = LlamaConfig(num_layers=1)
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend="ascend_graph", options={"max_model_len": 64})
+    inputs = PagedBatch(cfg).step([3, 4])
+    inputs["seq_lens"] = inputs["seq_lens"].long()
+    with pytest.raises(Exception, match="seq_lens: expected dtype torch.int32"):
+        with torch.no_grad():
+            fn(**inputs)
