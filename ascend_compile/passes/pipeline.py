@@ -19,7 +19,7 @@ from .find_attention import find_attention
 from .fx_utils import clone_graph_module, example_value
 from .roles import GraphSignature, assign_roles, evaluate
 from .select_kernels import KernelPolicy, select_kernels
-from .workspaces import GraphKey, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
+from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, node_need, plan_workspaces
 
 log = logging.getLogger("ascend_compile")
 
@@ -79,8 +79,12 @@ def _buckets(signature: GraphSignature, config: CompileConfig) -> tuple[int, ...
     return config.capture_sizes
 
 
-def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, policy: KernelPolicy) -> RewrittenGraphs | None:
-    """Run every pass over `gm` for every bucket; None when the graph has no attention."""
+def rewrite_buckets(
+    gm: fx.GraphModule, config: CompileConfig, policy: KernelPolicy, need_fn: NeedFn = node_need
+) -> RewrittenGraphs | None:
+    """Run every pass over `gm` for every bucket; None when the graph has no attention.
+
+    `need_fn` sizes workspaces (see `plan_workspaces`)."""
     attention = find_attention(gm)
     if not attention:
         return None
@@ -106,7 +110,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, policy: KernelPol
             select_kernels(mixed_graph, bucket, policy, decode=False)
             graphs[GraphKey(bucket, False)] = mixed_graph
     plan = plan_workspaces(((k, kernel_sites(g)) for k, g in graphs.items()), config.max_model_len,
-                           config.workspace_seq_len, config.share_workspace)
+                           config.workspace_seq_len, config.share_workspace, need_fn)
     for warning in plan.warnings():
         log.warning(warning)
     for key, graph in graphs.items():

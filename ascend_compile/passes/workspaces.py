@@ -9,7 +9,7 @@ plan keeps what per-bucket and per-layer workspaces would reserve, so the saving
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
@@ -129,16 +129,25 @@ def node_need(site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len:
     return NodeNeed(site.node, site.kernel, nbytes, argmax, exact.nbytes, exact.argmax_len)
 
 
+#: Sizes one kernel node for a graph of `tokens` query tokens: (site, tokens, max_model_len, pinned).
+NeedFn = Callable[[KernelSite, int, int, "int | None"], NodeNeed]
+
+
 def plan_workspaces(
     graphs: Iterable[tuple[GraphKey, list[KernelSite]]],
     max_model_len: int,
     pinned_seq_len: int | None = None,
     shared: bool = True,
+    need_fn: NeedFn = node_need,
 ) -> WorkspacePlan:
-    """One slot per graph (or one for all graphs), each sized to the largest need it serves."""
+    """One slot per graph (or one for all graphs), each sized to the largest need it serves.
+
+    `need_fn` sizes each node: by default the exact formula scan of `node_need`; a device whose
+    kernels have no formula (Ascend) passes one that probes the device's workspace query.
+    """
     needs: dict[str, tuple[NodeNeed, ...]] = {}
     for key, sites in graphs:
-        needs[str(key)] = tuple(node_need(s, key.bucket, max_model_len, pinned_seq_len) for s in sites)
+        needs[str(key)] = tuple(need_fn(s, key.bucket, max_model_len, pinned_seq_len) for s in sites)
 
     def slot_from(name: str, keys: list[str]) -> SlotPlan:
         candidates = [(key, need) for key in keys for need in needs[key]]

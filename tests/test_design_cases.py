@@ -1,0 +1,109 @@
+"""The three bugs of DESIGN.md §7, reproduced in the simulator with the old behaviour forced, and
+shown absent with the project's real behaviour."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_compile.errors import ReplayError, WorkspaceTooSmall
+from ascend_compile.lowering.capture import legacy
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests.test_backend import compiled_model
+
+# Steps whose PA workspace need sits near PA's interior peak (lengths just under 4096 take 16
+# splits, lengths above it take long-sequence tiling), after steps that need little.
+CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
+STEPS = ([100, 200, 300], [900, 700, 800], [1000, 600, 513])
+
+
+def run_steps(steps, cfg, **options):
+    """Run `steps` compiled and eager; returns max |diff| per step, or the exception a step raised."""
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, **options)
+    batch = PagedBatch(cfg, seed=2)
+    results = []
+    with torch.no_grad():
+        for lens in steps:
+            inputs = batch.step(lens)
+            try:
+                out = fn(**inputs)
+                results.append((out - reference(**inputs)).abs().max().item())
+            except Exception as e:  # noqa: BLE001 - the tests inspect it
+                reference(**inputs)
+                results.append(e)
+    return results, artifacts
+
+
+# ------------------------------------------------------- case 1: workspace sized for max_model_len
+
+CASE1_CFG = LlamaConfig(num_layers=2, num_blocks=512, block_size=128)
+CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa")
+
+
+def test_case1_workspace_pinned_at_max_model_len_fails_at_replay():
+    results, artifacts = run_steps(CASE1_STEPS, CASE1_CFG, workspace_seq_len=8192, sim_overflow="raise", **CASE1_OPTIONS)
+    assert results[0] < 1e-5 and results[1] < 1e-5  # short and long steps fit the pinned size
+    assert isinstance(results[2], WorkspaceTooSmall)
+    assert "needs 9792 bytes" in str(results[2]) and "given 6528 bytes" in str(results[2])
+    assert "length 3841 needs 13056" in artifacts[-1].rewritten.plan.warnings()[0]
+
+
+def test_case1_overrun_writes_into_the_neighbouring_buffers_like_the_device():
+    results, _ = run_steps(CASE1_STEPS, CASE1_CFG, workspace_seq_len=8192, **CASE1_OPTIONS)
+    # The overrun lands on the next static input buffer (slot_mapping): the next layer reads garbage.
+    assert isinstance(results[2], ValueError) and "slot_mapping" in str(results[2])
+
+
+def test_case1_exact_maximum_serves_every_length():
+    results, artifacts = run_steps(CASE1_STEPS, CASE1_CFG, sim_overflow="raise", **CASE1_OPTIONS)
+    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+    slot = artifacts[-1].rewritten.plan.slots["attn_workspace"]
+    assert slot.argmax_len == 3841 and not slot.undersized
+
+
+# ------------------------------------------------------- case 2: stale host lengths
+
+CFG = LlamaConfig(num_layers=3, num_blocks=512)
+OPTIONS = dict(max_model_len=1024, capture_sizes=(4,), kernel_policy="pa")
+
+
+def test_case2_skipped_update_hits_the_missing_event_error():
+    with legacy(skip_task_updates=True):
+        results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    for r in results:
+        assert isinstance(r, ReplayError)
+        assert "'paged_attention_default'" in str(r) and "never recorded" in str(r)
+
+
+def test_case2_skipped_update_without_events_reads_stale_lengths():
+    with legacy(skip_task_updates=True, skip_event_waits=True):
+        results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    assert all(isinstance(r, float) and r > 0.1 for r in results), results
+
+
+def test_case2_updates_refresh_lengths_every_step():
+    results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+
+
+# ------------------------------------------------------- case 3: workspace lifetime
+
+
+def test_case3_weakly_held_workspace_is_aliased_and_corrupts_the_output():
+    with legacy(weakref_workspace=True):
+        results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    assert all(isinstance(r, float) and r > 0.1 for r in results), results
+
+
+def test_case3_artifact_owned_workspace_is_never_aliased():
+    results, artifacts = run_steps(STEPS, CFG, **OPTIONS)
+    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+    art = artifacts[-1]
+    workspace = art.workspaces["attn_workspace"]
+    assert art.runtime.address_of(workspace)[0] == "general"  # not in the graph pool captures reuse
+
+
+def test_legacy_rejects_unknown_switches():
+    with pytest.raises(ValueError, match="unknown legacy switch"):
+        with legacy(no_such_switch=True):
+            pass
