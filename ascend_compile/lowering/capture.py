@@ -61,7 +61,8 @@ class UpdateEntry:
     kernel: str
     handle: TaskHandle
     event: ExternalEvent | None
-    op: Any
+    op: Any  # the ascend kernel op
+    impl: Callable[..., Any]  # what runs it on the runtime (`Runtime.kernel`)
     args: list[Any]  # the kernel's arguments, tensors as non-owning aliases
     frozen: dict[str, list[int]]  # host arguments as captured
     refresh: dict[str, tuple[str, str]]  # kernel argument -> (runner input, conversion)
@@ -97,7 +98,7 @@ class UpdateTable:
             for name, (source, kind) in entry.refresh.items():
                 args[index[name]] = host(source, kind)
             with runtime.task_update(entry.handle):
-                entry.op(*args)
+                entry.impl(*args)
             if entry.event is not None:
                 entry.event.record()
         return len(self.entries)
@@ -144,15 +145,16 @@ class CaptureInterpreter(fx.Interpreter):
             event = runtime.event(n.name)
             event.wait()
             event.reset()
+        impl = runtime.kernel(n.target)
         runtime.task_group_begin()
-        result = n.target(*args)
+        result = impl(*args)
         handle = runtime.task_group_end()
         index = HOST_ARG_INDEX[n.target.overloadpacket]
         frozen = {name: list(args[i]) for name, i in index.items()}
         aliases = [runtime.weak_alias(a) if isinstance(a, torch.Tensor) else a for a in args]
         refresh = {name: tuple(n.meta["ascend_host_args"][name]) for name in index}
         self.table.add(
-            UpdateEntry(n.name, n.meta["ascend_kernel"]["kernel"], handle, event, n.target, aliases, frozen, refresh)
+            UpdateEntry(n.name, n.meta["ascend_kernel"]["kernel"], handle, event, n.target, impl, aliases, frozen, refresh)
         )
         return result
 

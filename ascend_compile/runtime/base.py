@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -90,6 +90,11 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for all launched work, replays included."""
+
+    def kernel(self, op: Any) -> Callable[..., Any]:
+        """The callable that runs an `ascend` kernel op on this runtime (captured, and re-issued in
+        task updates). By default the op itself; a runtime binding a vendor API returns its binding."""
+        return op
 
     def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor on the same memory that does not keep it allocated.
