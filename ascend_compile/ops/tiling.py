@@ -20,6 +20,7 @@ Ascend's PA workspace did (DESIGN.md §7 case 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -135,8 +136,14 @@ def max_workspace(
     kernel: str, shape: AttentionShape, num_tokens: int, max_model_len: int
 ) -> WorkspaceMax:
     """Exact maximum workspace for `num_tokens` query tokens over every length in [1, max_model_len]."""
+    peak, argmax = _peak_per_token(kernel, _SPLITS.get(kernel), shape, max_model_len)
+    return WorkspaceMax(nbytes=num_tokens * peak, per_token_nbytes=peak, argmax_len=argmax)
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_per_token(kernel: str, splits: SplitsFn | None, shape: AttentionShape, max_model_len: int) -> tuple[int, int]:
+    """(peak per-token bytes, first length reaching it): one vectorised scan per kernel rule and shape."""
     lens = torch.arange(1, max_model_len + 1, dtype=torch.int64)
     per = per_token_nbytes(kernel, shape, lens)
-    idx = int(torch.argmax(per))
-    peak = int(per[idx])
-    return WorkspaceMax(nbytes=num_tokens * peak, per_token_nbytes=peak, argmax_len=idx + 1)
+    idx = int(torch.argmax(per))  # the first maximal index
+    return int(per[idx]), idx + 1

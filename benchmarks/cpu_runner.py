@@ -1,0 +1,157 @@
+"""The runner on the CPU simulator: compile and capture cost, per-step host overhead, workspace schemes.
+
+    python benchmarks/cpu_runner.py [--layers 4 16 32] [--steps 20] [--json]
+
+For the example model at each depth, with the default 35 capture sizes (1, 2, 4, 8..256), all in one
+process:
+- compile time (dynamo + passes) and capture time per bucket;
+- a decode step: the runner's host work (copy-in and padding, task updates, dispatch: the step
+  minus the graph's execution), the task updates alone, and an eager step of the same model on
+  the same inputs;
+- host conversions and workspace queries per step (counted);
+- workspace bytes the shared slot reserves vs per-bucket and per-layer workspaces.
+The simulator replays ops on the CPU, so replay time is the simulator's, not a device's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ascend_compile.backend import compile_graph  # noqa: E402
+from ascend_compile.config import CompileConfig  # noqa: E402
+from ascend_compile.ops import tiling  # noqa: E402
+from examples.llama import LlamaConfig, PagedBatch, build  # noqa: E402
+
+MAX_LEN = 2048
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def bench_depth(layers: int, steps: int, batch_size: int) -> dict:
+    cfg = LlamaConfig(num_layers=layers, num_blocks=4096, block_size=16)
+    model = build(cfg)
+    config = CompileConfig(max_model_len=MAX_LEN, capture_all=True)
+    artifacts = []
+
+    def backend_fn(gm, example_inputs):
+        artifacts.append(compile_graph(gm, example_inputs, config))
+        return artifacts[-1]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend_fn)
+    batch = PagedBatch(cfg, seed=0)
+    rng = random.Random(0)
+
+    def inputs(size):
+        return batch.step([rng.randint(1, MAX_LEN) for _ in range(size)])
+
+    with torch.no_grad():
+        compiled(**inputs(batch_size - 1))  # dynamo's first, static-shape graph
+        start = time.perf_counter()
+        compiled(**inputs(batch_size - 2))  # the dynamic graph: passes for 35 buckets, capture of all
+        first_call = time.perf_counter() - start
+        art = artifacts[-1]
+        captures = [g.capture_seconds for g in art.graphs.values() if g.graph is not None]
+        step_inputs = [inputs(batch_size) for _ in range(steps)]
+        before = dict(art.stats)
+        queries = []
+        real_max_workspace = tiling.max_workspace
+
+        def counting(*a, **k):
+            queries.append(1)
+            return real_max_workspace(*a, **k)
+
+        tiling.max_workspace = counting
+        try:
+            it = iter(step_inputs * 3)
+            step_ms = median_ms(lambda: compiled(**next(it)), steps)
+        finally:
+            tiling.max_workspace = real_max_workspace
+        graph = art.graphs[art.rewritten.key_for(batch_size, True)]
+        update_times, execute_times = [], []
+        for inp in step_inputs:
+            lens = inp["seq_lens"].tolist()
+            host = {"list": lens, "ends": inp["query_start_loc"].tolist()[1:]}
+            graph.graph.replay()  # the simulator launches lazily: execution happens in synchronize
+            start = time.perf_counter()
+            graph.table.apply(art.runtime, lambda src, kind: host[kind])
+            mid = time.perf_counter()
+            art.runtime.synchronize()
+            end = time.perf_counter()
+            update_times.append(mid - start)
+            execute_times.append(end - mid)
+        update_ms = statistics.median(update_times) * 1e3
+        replay_ms = statistics.median(execute_times) * 1e3
+        eager_it = iter(step_inputs * 3)
+        eager_ms = median_ms(lambda: model(**next(eager_it)), steps)
+        done = {k: art.stats[k] - before.get(k, 0) for k in ("steps", "host_conversions", "updates", "replays")}
+    plan = art.rewritten.plan
+    n = max(done["steps"], 1)
+    return {
+        "layers": layers,
+        "buckets": len(art.rewritten.buckets),
+        "graphs_captured": len(captures),
+        "first_dynamic_call_s": round(first_call, 3),
+        "capture_s_per_bucket": {"mean": round(statistics.mean(captures), 4), "max": round(max(captures), 4)},
+        "batch": batch_size,
+        "step_ms": round(step_ms, 3),
+        "replay_only_ms": round(replay_ms, 3),
+        "task_updates_ms": round(update_ms, 3),
+        "runner_host_overhead_ms": round(step_ms - replay_ms, 3),
+        "eager_step_ms": round(eager_ms, 3),
+        "overhead_vs_eager": round((step_ms - replay_ms) / eager_ms, 3),
+        "host_conversions_per_step": done["host_conversions"] / n,
+        "task_updates_per_step": done["updates"] / n,
+        "workspace_queries_per_step": len(queries) / n,
+        "workspace_bytes": dict(plan.schemes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = [bench_depth(layers, args.steps, args.batch) for layers in args.layers]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"ascend_graph on the CPU simulator, example model, {rows[0]['buckets']} buckets, decode batch {args.batch}, "
+          f"max_model_len {MAX_LEN}, {torch.get_num_threads()} threads")
+    head = (f"{'layers':>6} {'1st call s':>10} {'capture s/bucket':>16} {'step ms':>8} {'replay ms':>9} "
+            f"{'host ms':>8} {'updates ms':>10} {'eager ms':>8} {'host/eager':>10} {'conv/step':>9} {'upd/step':>8} "
+            f"{'ws q/step':>9}")
+    print(head)
+    for r in rows:
+        print(f"{r['layers']:>6} {r['first_dynamic_call_s']:>10.2f} {r['capture_s_per_bucket']['mean']:>16.4f} "
+              f"{r['step_ms']:>8.2f} {r['replay_only_ms']:>9.2f} {r['runner_host_overhead_ms']:>8.2f} "
+              f"{r['task_updates_ms']:>10.2f} "
+              f"{r['eager_step_ms']:>8.2f} {r['overhead_vs_eager']:>10.2f} {r['host_conversions_per_step']:>9.1f} "
+              f"{r['task_updates_per_step']:>8.1f} {r['workspace_queries_per_step']:>9.1f}")
+    print("\nworkspace bytes reserved: shared slot vs per-bucket vs per-layer")
+    for r in rows:
+        ws = r["workspace_bytes"]
+        print(f"{r['layers']:>6} layers: shared {ws['shared']:>10,}  per-bucket {ws['per_bucket']:>12,}  "
+              f"per-layer {ws['per_layer']:>14,}")
+
+
+if __name__ == "__main__":
+    main()
