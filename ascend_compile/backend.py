@@ -70,14 +70,24 @@ def ascend_graph(
     return compile_graph(gm, example_inputs, CompileConfig.from_options(options))
 
 
-def backend(config: CompileConfig | None = None, **options: Any) -> Callable[..., Any]:
-    """A dynamo backend for `config` (or for `options`), for runtimes that register it themselves."""
+def backend(
+    config: CompileConfig | None = None,
+    on_compiled: Callable[[CompiledArtifact], None] | None = None,
+    **options: Any,
+) -> Callable[..., Any]:
+    """A dynamo backend for `config` (or for `options`), for runtimes that register it themselves.
+
+    `on_compiled` receives each compiled artifact (for its `memory_report()`, `stats`, `describe()`).
+    """
     if config is None:
         config = CompileConfig.from_options(options)
     elif options:
         raise ValueError("backend: pass either a CompileConfig or options, not both")
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        return compile_graph(gm, example_inputs, config)
+        compiled = compile_graph(gm, example_inputs, config)
+        if on_compiled is not None and isinstance(compiled, CompiledArtifact):
+            on_compiled(compiled)
+        return compiled
 
     return compile_fn

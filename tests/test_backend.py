@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ascend_compile import cli
-from ascend_compile.backend import compile_graph
+from ascend_compile import backend
 from ascend_compile.config import CompileConfig
 from ascend_compile.ops import tiling
 from examples.llama import LlamaConfig, PagedBatch, build
@@ -20,16 +20,9 @@ MAX_LEN = 512
 
 def compiled_model(model, **options):
     """`torch.compile` through our backend, keeping the artifacts it builds."""
-    config = CompileConfig(**options)
     artifacts = []
-
-    def backend_fn(gm, example_inputs):
-        artifact = compile_graph(gm, example_inputs, config)
-        artifacts.append(artifact)
-        return artifact
-
     torch._dynamo.reset()
-    return torch.compile(model, backend=backend_fn), artifacts
+    return torch.compile(model, backend=backend(CompileConfig(**options), on_compiled=artifacts.append)), artifacts
 
 
 def random_step(rng, batch, size, mixed=False, max_len=MAX_LEN):
