@@ -31,9 +31,12 @@ def render(path: str, plan: dict[str, Any]) -> str:
     """One compiled graph's plan as text tables."""
     out = [f"== {os.path.dirname(path)}", f"runtime: {plan.get('runtime', {}).get('name', '?')}   "
            f"buckets: {plan['buckets']}   tokens: {plan['tokens']}   max_blocks: {plan['max_blocks']}"]
-    out.append("\ninputs")
+    in_place = [i for i in plan["inputs"] if i["role"] in ("static", "kv_cache")]
+    out.append("\ninputs the runner copies and pads (by role)")
     out.append(_table(["#", "name", "role", "shape"],
-                      [(i["index"], i["name"], i["role"], i["shape"]) for i in plan["inputs"]]))
+                      [(i["index"], i["name"], i["role"], i["shape"]) for i in plan["inputs"] if i not in in_place]))
+    caches = sum(1 for i in in_place if i["role"] == "kv_cache")
+    out.append(f"used in place (address-checked every step): {caches} KV caches, {len(in_place) - caches} weights/buffers")
     ws = plan["workspace"]
     out.append("\nworkspace slots" + (f" (pinned at length {ws['pinned_seq_len']})" if ws["pinned_seq_len"] else ""))
     out.append(_table(
