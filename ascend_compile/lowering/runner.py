@@ -130,12 +130,20 @@ class BucketGraph:
 
     def run(self, step: Step) -> Any:
         art = self.artifact
+        seconds = art.seconds
+        t0 = time.perf_counter()
         for spec in art.signature.inputs:
             if spec.index in self.buffers:
                 copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+        t1 = time.perf_counter()
         self.graph.replay()
         art.stats["updates"] += self.table.apply(art.runtime, lambda src, kind: step.host[(src, kind)])
+        t2 = time.perf_counter()
         art.runtime.synchronize()
+        t3 = time.perf_counter()
+        seconds["copy_in"] += t1 - t0
+        seconds["launch_and_updates"] += t2 - t1
+        seconds["synchronize"] += t3 - t2
         art.stats["replays"] += 1
         return self.outputs
 
@@ -167,6 +175,9 @@ class CompiledArtifact:
         self.graphs: dict[GraphKey, BucketGraph] = {}
         self.workspaces: dict[str, torch.Tensor] = {}
         self.stats: collections.Counter = collections.Counter()
+        #: Seconds spent per phase of graph steps: copy_in, launch_and_updates, synchronize (the
+        #: device work, or on the simulator its execution), host (the rest of the runner's step).
+        self.seconds: collections.Counter = collections.Counter()
         self._fallback_logged = False
         for slot in rewritten.plan.slots.values():
             self.workspaces[slot.name] = runtime.empty((slot.nbytes,), torch.uint8)
@@ -178,7 +189,11 @@ class CompiledArtifact:
 
     def __call__(self, *args: Any) -> Any:
         with self.lock:
-            return self._step(args)
+            start = time.perf_counter()
+            phases = sum(self.seconds.values())
+            result = self._step(args)
+            self.seconds["host"] += time.perf_counter() - start - (sum(self.seconds.values()) - phases)
+            return result
 
     def _step(self, args: Sequence[Any]) -> Any:
         max_len = self.config.max_model_len
