@@ -5,6 +5,8 @@ import json
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import fx
 
@@ -345,3 +347,13 @@ def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys)
 def test_inspect_errors_on_a_missing_directory(tmp_path, capsys):
     assert cli.main(["inspect", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kernel=st.sampled_from([tiling.PA, tiling.FIA, "test_peak"]),
+    lens=st.lists(st.integers(0, 6000), min_size=1, max_size=16),
+)
+def test_no_step_needs_more_than_the_planned_maximum(kernel, lens):
+    planned = tiling.max_workspace(kernel, SHAPE, len(lens), 6000)
+    assert tiling.workspace_nbytes(kernel, SHAPE, lens) <= planned.nbytes
