@@ -8,8 +8,8 @@ from typing import Any, Mapping
 DUMP_DIR_ENV = "ASCEND_COMPILE_DUMP_DIR"
 
 KERNEL_POLICIES = ("pa_max_batch", "pa_batch_sizes", "auto", "pa", "fia")
-RUNTIMES = ("auto", "sim", "eager")
-INNER_COMPILERS = ("eager",)
+RUNTIMES = ("auto", "sim", "npu", "cuda", "eager")
+INNER_COMPILERS = ("eager", "inductor")
 SIM_OVERFLOW = ("write", "raise")
 
 
@@ -36,10 +36,19 @@ class CompileConfig:
         auto_seq_len: the context length "auto" times the kernels at (default min(1024, max_model_len)).
         workspace_seq_len: None sizes workspaces for the exact maximum over [1, max_model_len]; an
             int pins one length instead (the SEQ_LEN_WITH_MAX_PA_WORKSPACE way; may under-size).
+        workspace_probe_lens: on "npu", whose kernels have no workspace formula, the lengths the
+            workspace queries are asked at, at compile time (the largest answer is kept). None:
+            every block-count class at both ends, every power of two, 6144 and max_model_len (see
+            `passes.probe.default_probe_lengths`). Each at most max_model_len.
         share_workspace: one workspace slot for all buckets (True) or one per bucket.
-        runtime: "auto" (the simulator for CPU graphs, eager elsewhere), "sim" (the CPU
-            ACL-graph simulator), "eager" (no graphs: each bucket graph runs directly).
-        inner_compiler: how the non-attention ops run inside a graph: "eager".
+        runtime: "auto" (npu for graphs on an NPU when torch_npu imports and reports a device,
+            the simulator for CPU graphs, cuda for CUDA graphs, eager elsewhere), "sim" (the CPU
+            ACL-graph simulator), "npu" (ACL graphs through torch_npu, with task-group updates),
+            "cuda" (CUDA graphs; the kernels read lengths from device buffers), "eager" (no graphs:
+            each bucket graph runs directly).
+        inner_compiler: how the non-attention ops run inside a graph: "eager" (op by op), or
+            "inductor" (compiled by inductor for each bucket, attention staying our op; runtime
+            "cuda" only).
         clone_outputs: return copies of the graph's static outputs (False: views that the next
             step overwrites).
         capture_all: capture every bucket's decode graph at the first call instead of on first use.
@@ -55,6 +64,7 @@ class CompileConfig:
     pa_batch_sizes: tuple[int, ...] = ()
     auto_seq_len: int | None = None
     workspace_seq_len: int | None = None
+    workspace_probe_lens: tuple[int, ...] | None = None
     share_workspace: bool = True
     runtime: str = "auto"
     inner_compiler: str = "eager"
@@ -73,6 +83,18 @@ class CompileConfig:
         _check_optional_positive("auto_seq_len", self.auto_seq_len)
         _check_optional_positive("workspace_seq_len", self.workspace_seq_len)
         _check_positive("pa_max_batch", self.pa_max_batch)
+        if self.workspace_probe_lens is not None:
+            lens = self.workspace_probe_lens
+            if not isinstance(lens, (list, tuple)) or not lens or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in lens
+            ):
+                raise ValueError(f"workspace_probe_lens: expected a non-empty list of positive ints, got {lens!r}")
+            if self.max_model_len and max(lens) > self.max_model_len:
+                raise ValueError(
+                    f"workspace_probe_lens: expected lengths of at most max_model_len ({self.max_model_len}), "
+                    f"got {max(lens)}"
+                )
+            object.__setattr__(self, "workspace_probe_lens", tuple(sorted(set(lens))))
         if any(not isinstance(s, int) or s < 1 for s in self.pa_batch_sizes):
             raise ValueError(f"pa_batch_sizes: expected positive ints, got {self.pa_batch_sizes!r}")
         _check_choice("kernel_policy", self.kernel_policy, KERNEL_POLICIES)
@@ -97,8 +119,8 @@ class CompileConfig:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(f"options: unknown option(s) {unknown}; valid options are {valid}")
-        for key in ("capture_sizes", "pa_batch_sizes"):
-            if key in options and not isinstance(options[key], (list, tuple)):
+        for key in ("capture_sizes", "pa_batch_sizes", "workspace_probe_lens"):
+            if key in options and options[key] is not None and not isinstance(options[key], (list, tuple)):
                 raise ValueError(f"{key}: expected a list of ints, got {options[key]!r}")
         return cls(**options)
 

@@ -71,11 +71,15 @@ class Attention(nn.Module):
         q = rotate(q.view(tokens, cfg.num_heads, cfg.head_dim), cos, sin)
         k = rotate(k.view(tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        torch.ops.ascend.reshape_and_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
-        out = torch.ops.ascend.attention(
-            q, self.key_cache, self.value_cache, block_table, seq_lens, query_start_loc, cfg.head_dim**-0.5
-        )
+        out = self.attend(q, k, v, block_table, seq_lens, query_start_loc, slot_mapping)
         return self.o(out.reshape(tokens, -1))
+
+    def attend(self, q, k, v, block_table, seq_lens, query_start_loc, slot_mapping):
+        """Write this step's keys and values into the paged cache, then attend: `[T, H, D]` out."""
+        torch.ops.ascend.reshape_and_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
+        return torch.ops.ascend.attention(
+            q, self.key_cache, self.value_cache, block_table, seq_lens, query_start_loc, self.cfg.head_dim**-0.5
+        )
 
 
 class DecoderLayer(nn.Module):

@@ -5,6 +5,12 @@ end. The update table keeps, per kernel node (by name), the group's handle, its 
 host arguments and which runner input refreshes each; applying it re-issues the kernel inside a
 task update with the step's lengths and records the event, so the graph's wait releases.
 Workspaces are the compiled artifact's slots, alive for its whole life.
+
+A runtime without task updates (CUDA) captures graphs whose kernels read lengths on the device
+(`passes/device_lengths.py`): they need no update entries, and a host-length kernel is refused
+there, since its lengths would stay frozen; a graph compiled by an inner compiler (inductor) is
+captured as its compiled code. Before capturing, `DeviceGraph.warmup` may run the graph eagerly,
+for devices that must not initialise (or compile) anything inside a capture.
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import fx
 
+from ..errors import CaptureError
 from ..passes.fx_utils import is_op
+from ..passes.inner_compile import INNER_KEY
 from ..passes.workspaces import KERNEL_OPS
 from ..runtime.base import ExternalEvent, Runtime, TaskHandle
 
@@ -140,8 +148,14 @@ class CaptureInterpreter(fx.Interpreter):
         if kwargs:
             raise ValueError(f"{n.name}: kernel nodes take positional arguments only")
         runtime = self.runtime
+        if not runtime.needs_task_updates:
+            raise CaptureError(
+                f"{n.name}: {n.target} takes host-side lengths, which a graph on runtime {runtime.name!r} "
+                f"(no task updates) would freeze at their capture values; rewrite the graph with "
+                f"passes.device_lengths.use_device_lengths so the kernel reads them on the device"
+            )
         event = None
-        if runtime.needs_task_updates and not LEGACY.skip_event_waits:
+        if not LEGACY.skip_event_waits:
             event = runtime.event(n.name)
             event.wait()
             event.reset()
@@ -165,9 +179,26 @@ def capture_graph(
     args: Sequence[Any],
     workspaces: Callable[[fx.Node], torch.Tensor],
 ) -> tuple[Any, Any, UpdateTable]:
-    """Capture `gm` on `runtime` with `args`; returns (device graph, static outputs, update table)."""
+    """Capture `gm` on `runtime` with `args`; returns (device graph, static outputs, update table).
+
+    A graph compiled by an inner compiler (`passes/inner_compile.py`) is captured as its compiled
+    code, which holds no task groups: only a runtime without task updates can run it.
+    """
     table = UpdateTable()
     graph = runtime.graph()
+    inner = gm.meta.get(INNER_KEY)
+    if inner is None:
+        env = {n: workspaces(n) for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
+        graph.warmup(lambda: fx.Interpreter(gm).run(*args, initial_env=env))
+        with graph.capture():
+            outputs = CaptureInterpreter(gm, runtime, table, workspaces).run(*args)
+        return graph, outputs, table
+    if runtime.needs_task_updates:
+        raise CaptureError(
+            f"inner_compiler {inner.compiler!r}: its compiled graphs hold no task groups, which runtime "
+            f"{runtime.name!r} needs for its updates"
+        )
+    graph.warmup(lambda: inner(args, workspaces))
     with graph.capture():
-        outputs = CaptureInterpreter(gm, runtime, table, workspaces).run(*args)
+        outputs = inner(args, workspaces)
     return graph, outputs, table

@@ -45,10 +45,21 @@ def split_k_attention(
     scale: float,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    num_splits: int | None = None,
 ) -> None:
-    """Causal split-K attention of each sequence's query tokens over its paged KV, into `out`."""
+    """Causal split-K attention of each sequence's query tokens over its paged KV, into `out`.
+
+    The split count of each sequence follows `kernel`'s tiling rule, or is `num_splits` for every
+    sequence when given (the fixed split count of the device-length ops, `ops/cuda.py`).
+    """
     shape = tiling.AttentionShape.of(query, key_cache)
-    needed = tiling.workspace_nbytes(kernel, shape, kv_lens, query_lens)
+    if num_splits is None:
+        needed = tiling.workspace_nbytes(kernel, shape, kv_lens, query_lens)
+    elif num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive split count, got {num_splits}")
+    else:
+        tokens = sum(q for q, n in zip(query_lens, kv_lens) if n > 0)
+        needed = tokens * num_splits * shape.num_heads * (shape.head_dim + 1) * 4 if num_splits > 1 else 0
     if workspace.numel() < needed:
         raise WorkspaceTooSmall(kernel, needed, workspace.numel())
     out.zero_()
@@ -63,7 +74,10 @@ def split_k_attention(
     kv = torch.tensor(list(kv_lens), dtype=torch.int64, device=device)
     ql = torch.tensor(list(query_lens), dtype=torch.int64, device=device)
     qs = torch.tensor(list(query_starts), dtype=torch.int64, device=device)
-    splits = tiling.splits_for(kernel, kv).clamp(min=1)
+    if num_splits is None:
+        splits = tiling.splits_for(kernel, kv).clamp(min=1)
+    else:
+        splits = torch.full_like(kv, num_splits)
     chunk = torch.div(kv + splits - 1, splits, rounding_mode="floor").clamp(min=1)
     max_splits = int(splits.max())
     max_chunk = int(chunk.max())

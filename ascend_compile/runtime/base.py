@@ -44,6 +44,11 @@ class DeviceGraph(abc.ABC):
     def replay(self) -> None:
         """Launch the recorded work. May return before it finishes: call `Runtime.synchronize`."""
 
+    def warmup(self, run: Callable[[], Any]) -> None:
+        """Before `capture`: run the work eagerly where the device needs that (CUDA initialises
+        libraries and compiles kernels lazily, which must not happen inside a capture). By default
+        nothing: a simulator or ACL graph records ops as they come."""
+
 
 class Runtime(abc.ABC):
     """A device that can capture and replay graphs (or, with `supports_graphs` False, cannot)."""

@@ -1,0 +1,265 @@
+"""The device-length attention ops, and the CUDA kernels (Triton) of the `ascend` ops.
+
+PA and FIA of the contract take host-side lengths, which a device graph freezes at capture (Ascend
+refreshes them with task updates). A CUDA graph has no task updates, so on CUDA the kernels read
+lengths from device buffers instead and a captured graph stays correct for every length:
+
+- `ascend.paged_attention_dev(query, key_cache, value_cache, block_table, seq_lens, scale, workspace, out, num_splits)`
+- `ascend.fused_infer_attention_dev(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits)`
+
+`seq_lens [B]` and `query_start_loc [B+1]` are int32 device tensors with the meaning they have in
+`ascend.attention`. `num_splits`, the split-K factor, is fixed on the host per bucket graph, so the
+workspace is fixed too: `dev_workspace_nbytes` (no workspace with one split).
+
+Their default kernels (CPU and any other device) are the reference split-K kernels with that split
+count, reading the lengths on the host. For CUDA tensors this module registers Triton kernels
+(`ops/cuda_triton.py`, imported on first use, so the package imports without triton) for these
+two ops, for `ascend.reshape_and_cache` and for the unified `ascend.attention`; none of them
+synchronises with the host, so each can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from ..errors import WorkspaceTooSmall
+from . import library, reference, tiling, validate
+
+#: Each split covers at least this many KV tokens (and at least one block) of `max_model_len`.
+MIN_SPLIT_TOKENS = 256
+#: Upper bound on the split count of one call.
+MAX_SPLITS = 32
+#: Programs per streaming multiprocessor the split count aims for.
+PROGRAMS_PER_SM = 2
+
+#: The split count of a kernel node in a bucket graph: (kernel, shape, bucket tokens) -> splits.
+SplitsFn = Callable[[str, tiling.AttentionShape, int], int]
+
+
+def dev_workspace_nbytes(num_tokens: int, shape: tiling.AttentionShape, num_splits: int) -> int:
+    """Workspace bytes of a device-length op: float32 partials and log-sum-exps of every split of
+    every query token, `num_tokens * num_splits * H * (D + 1) * 4`, or 0 with one split (the
+    kernel then writes its output directly). The same for every sequence length."""
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    if num_splits == 1:
+        return 0
+    return num_tokens * num_splits * shape.num_heads * (shape.head_dim + 1) * 4
+
+
+def choose_num_splits(num_programs: int, max_len: int, block_size: int, num_sms: int) -> int:
+    """The split count for a call of `num_programs` programs per split over lengths up to `max_len`.
+
+    Enough splits that the launch fills every SM `PROGRAMS_PER_SM` times over, but no split
+    shorter than `MIN_SPLIT_TOKENS` tokens (nor a block) of `max_len`, and at most `MAX_SPLITS`.
+    """
+    for name, value in (("num_programs", num_programs), ("max_len", max_len), ("block_size", block_size),
+                        ("num_sms", num_sms)):
+        if value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value}")
+    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / num_programs)
+    longest = max(1, math.ceil(max_len / max(block_size, MIN_SPLIT_TOKENS)))
+    return max(1, min(wanted, longest, MAX_SPLITS))
+
+
+def gpu_splits(num_sms: int, max_model_len: int) -> SplitsFn:
+    """The split rule of bucket graphs on a GPU with `num_sms` SMs: one program per sequence and
+    KV head per split, a bucket of `bucket` tokens serving as many sequences."""
+
+    def splits(kernel: str, shape: tiling.AttentionShape, bucket: int) -> int:
+        return choose_num_splits(bucket * shape.num_kv_heads, max_model_len, shape.block_size, num_sms)
+
+    return splits
+
+
+@functools.lru_cache(maxsize=None)
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _triton() -> ModuleType:
+    try:
+        from . import cuda_triton
+    except ImportError as err:
+        raise RuntimeError(
+            f"ascend CUDA kernels need triton, which could not be imported ({err}); install it with the "
+            f"version matching your torch"
+        ) from err
+    return cuda_triton
+
+
+def check_dev_attention(
+    kernel: str,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """The checks of a device-length op that read no device data (so they cost no host sync)."""
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens: expected a 1-D [B] torch.int32 tensor, got shape {tuple(seq_lens.shape)}")
+    num_seqs = seq_lens.shape[0]
+    validate.check_int32_vector("seq_lens", seq_lens, num_seqs, query.device)
+    if query_start_loc is not None:
+        validate.check_int32_vector("query_start_loc", query_start_loc, num_seqs + 1, query.device)
+    validate.check_attention_tensors(query, key_cache, value_cache, block_table, num_seqs)
+    if query_start_loc is None and query.shape[0] != num_seqs:
+        raise ValueError(
+            f"query: PA is decode-only and expects one query token per sequence ({num_seqs} seq_lens), "
+            f"got {query.shape[0]} tokens"
+        )
+    library._check_out(query, workspace, out)
+    needed = dev_workspace_nbytes(query.shape[0], tiling.AttentionShape.of(query, key_cache), num_splits)
+    if workspace.numel() < needed:
+        raise WorkspaceTooSmall(kernel, needed, workspace.numel())
+
+
+@torch.library.custom_op("ascend::paged_attention_dev", mutates_args=("workspace", "out"))
+def paged_attention_dev(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """PA reading `seq_lens` from a device tensor, with `num_splits` fixed splits (reference kernel)."""
+    check_dev_attention(tiling.PA, query, key_cache, value_cache, block_table, seq_lens, None, workspace, out, num_splits)
+    lens = seq_lens.tolist()
+    library.check_paged_attention(query, key_cache, value_cache, block_table, lens, workspace, out)
+    num = query.shape[0]
+    reference.split_k_attention(
+        tiling.PA, query, key_cache, value_cache, block_table, list(range(num)), [1] * num, lens,
+        scale, workspace, out, num_splits=num_splits,
+    )
+
+
+@paged_attention_dev.register_fake
+def _(query, key_cache, value_cache, block_table, seq_lens, scale, workspace, out, num_splits) -> None:
+    return None
+
+
+@paged_attention_dev.register_kernel("cuda")
+def _(query, key_cache, value_cache, block_table, seq_lens, scale, workspace, out, num_splits) -> None:
+    check_dev_attention(tiling.PA, query, key_cache, value_cache, block_table, seq_lens, None, workspace, out, num_splits)
+    _triton().attention_dev(
+        query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(), None,
+        scale, workspace, out, num_splits,
+    )
+
+
+@torch.library.custom_op("ascend::fused_infer_attention_dev", mutates_args=("workspace", "out"))
+def fused_infer_attention_dev(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+) -> None:
+    """FIA reading `query_start_loc` and `seq_lens` from device tensors, with `num_splits` fixed
+    splits (reference kernel)."""
+    check_dev_attention(
+        tiling.FIA, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out, num_splits
+    )
+    lens, starts = seq_lens.tolist(), query_start_loc.tolist()
+    validate.query_lens_from_start_loc(starts, query.shape[0])
+    query_lens = library.check_fused_infer_attention(
+        query, key_cache, value_cache, block_table, starts[1:], lens, workspace, out
+    )
+    reference.split_k_attention(
+        tiling.FIA, query, key_cache, value_cache, block_table, starts[:-1], query_lens, lens,
+        scale, workspace, out, num_splits=num_splits,
+    )
+
+
+@fused_infer_attention_dev.register_fake
+def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits) -> None:
+    return None
+
+
+@fused_infer_attention_dev.register_kernel("cuda")
+def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits) -> None:
+    check_dev_attention(
+        tiling.FIA, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out, num_splits
+    )
+    _triton().attention_dev(
+        query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(),
+        query_start_loc.contiguous(), scale, workspace, out, num_splits,
+    )
+
+
+@torch.library.register_kernel("ascend::attention", "cuda")
+def _attention_cuda(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The unified op on CUDA: the FIA kernel, split for the block table's capacity, no host sync."""
+    library.check_attention_metadata(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    shape = tiling.AttentionShape.of(query, key_cache)
+    splits = choose_num_splits(
+        max(1, seq_lens.shape[0] * shape.num_kv_heads), max(1, block_table.shape[1] * shape.block_size),
+        shape.block_size, device_sm_count(query.device),
+    )
+    workspace = torch.empty(dev_workspace_nbytes(query.shape[0], shape, splits), dtype=torch.uint8, device=query.device)
+    out = torch.empty_like(query)
+    _triton().attention_dev(
+        query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(),
+        query_start_loc.contiguous(), scale, workspace, out, splits,
+    )
+    return out
+
+
+def check_cache_write(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The checks of `reshape_and_cache` that read no device data: shapes, dtypes, devices."""
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key/value: expected two [T, KVH, D] tensors of one shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(
+            f"key_cache/value_cache: expected [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype != key.dtype:
+            raise ValueError(f"{name}: expected dtype {key.dtype} (the key's), got {t.dtype}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping: expected a [{key.shape[0]}] torch.int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name}: expected device {key.device} (the key's), got {t.device}")
+
+
+@torch.library.register_kernel("ascend::reshape_and_cache", "cuda")
+def _reshape_and_cache_cuda(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`reshape_and_cache` on CUDA without a host sync: slot -1 is skipped, and so is any slot
+    outside the cache (the reference raises for those, which needs the slots on the host)."""
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    _triton().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())

@@ -1,0 +1,264 @@
+"""The Ascend runtime: ACL graphs through torch_npu (`torch.npu.NPUGraph`) with task-group updates.
+
+Per compiled artifact: one graph memory pool shared by every bucket's graph (buckets never replay at
+once), one capture stream, and one update stream. Each attention kernel is captured as
+`ExternalEvent.wait` + `reset` on the capture stream, then `graph_task_group_begin`, the torch_npu
+kernel, `graph_task_group_end` -> handle. Each step the runner launches the replay first, then for
+every kernel issues `graph_task_update_begin(update_stream, handle)`, the kernel with the step's
+host lengths, `graph_task_update_end`, and `event.record(update_stream)`, so the updates run while
+the replay is already on the device, which waits at each kernel for its update's event.
+
+torch_npu is imported when a runtime is made, never when this module is.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import AscendCompileError, CaptureError, ReplayError
+from ..ops.npu import NpuKernels, load_torch_npu
+from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
+
+log = logging.getLogger("ascend_compile")
+
+#: The torch device type of NPU tensors (torch_npu renames PrivateUse1 to it when imported).
+NPU_DEVICE_TYPE = "npu"
+
+
+def available() -> bool:
+    """Whether torch_npu imports and reports at least one NPU."""
+    try:
+        importlib.import_module("torch_npu")
+        return bool(torch.npu.is_available()) and torch.npu.device_count() > 0
+    except (ImportError, OSError, RuntimeError, AttributeError) as err:
+        log.debug("ascend_compile: torch_npu is not usable: %s", err)
+        return False
+
+
+class NpuTaskHandle(TaskHandle):
+    """A captured task group: torch_npu's handle and the graph it belongs to."""
+
+    def __init__(self, native: Any, graph: "NpuGraph", index: int) -> None:
+        self.native = native
+        self.graph = graph
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"NpuTaskHandle({self.graph.name} group {self.index})"
+
+
+class NpuEvent(ExternalEvent):
+    """A `torch.npu.ExternalEvent`: waited on and reset by the graph on the capture stream,
+    recorded by the task update on the update stream. `name` is the FX node's."""
+
+    def __init__(self, runtime: "NpuRuntime", name: str) -> None:
+        self._runtime = runtime
+        self.name = name
+        self.native = runtime.npu.ExternalEvent()
+
+    def wait(self) -> None:
+        """Inside capture: the graph waits here until the event is recorded."""
+        self.native.wait(self._runtime.capture_stream)
+
+    def reset(self) -> None:
+        """Inside capture: clear the event so the next replay waits for a fresh record."""
+        self.native.reset(self._runtime.capture_stream)
+
+    def record(self) -> None:
+        """After the task update, on the update stream: release the graph's wait."""
+        self.native.record(self._runtime.update_stream)
+
+    def __repr__(self) -> str:
+        return f"NpuEvent({self.name!r})"
+
+
+class NpuGraph(DeviceGraph):
+    """One `torch.npu.NPUGraph`, captured into the runtime's shared pool on its capture stream."""
+
+    def __init__(self, runtime: "NpuRuntime", name: str) -> None:
+        self._runtime = runtime
+        self.name = name
+        self.native = runtime.npu.NPUGraph()
+        self.groups = 0
+        self.captured = False
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record the work issued in this context into the graph (pool and stream of the runtime)."""
+        rt = self._runtime
+        if rt.capturing is not None:
+            raise CaptureError(f"cannot capture {self.name}: {rt.capturing.name} is being captured")
+        if self.captured:
+            raise CaptureError(f"{self.name} was already captured; capture into a new graph")
+        rt.capturing = self
+        try:
+            with rt.npu.graph(self.native, pool=rt.pool, stream=rt.capture_stream):
+                yield
+        finally:
+            rt.capturing = None
+            group_open, rt.group_open = rt.group_open, False
+        if group_open:
+            raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
+        self.captured = True
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream, ordered after the previous step (see
+        `NpuRuntime.order_after_previous_step`); its updates may be issued right after."""
+        rt = self._runtime
+        if not self.captured:
+            raise ReplayError(f"{self.name} cannot be replayed: it was never captured (or its capture failed)")
+        if rt.capturing is not None:
+            raise ReplayError(f"cannot replay {self.name} while {rt.capturing.name} is being captured")
+        stream = rt.npu.current_stream()
+        if stream == rt.update_stream:
+            raise ReplayError(
+                f"{self.name}: replayed on the update stream; the graph waits for events the updates record "
+                f"on that stream, behind it: it would hang. Replay on another stream"
+            )
+        rt.order_after_previous_step()
+        self.native.replay()
+        rt.step_done(stream)
+
+
+class NpuRuntime(Runtime):
+    """ACL-graph capture and replay through torch_npu, with task-group updates on a side stream.
+
+    Steps are ordered on the device, as torchair's npugraph_ex orders them: each replay makes the
+    update stream wait for an event recorded on the replay stream right after the previous replay.
+    Without it, the updates of step N+1 (and their `ExternalEvent.record`) could run before replay N
+    reached the `reset` of the same events: replay N's reset would erase step N+1's record and
+    replay N+1 would wait forever (the known hang of reusing events across steps), and updates could
+    rewrite a task replay N has not run yet. Per-step events cannot replace this: the events are
+    captured into the graph, so every replay waits on the same ones. The runner's `synchronize()`
+    after each step orders steps on the host too; this ordering does not rely on it.
+    """
+
+    name = "npu"
+    supports_graphs = True
+    needs_task_updates = True
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.torch_npu = load_torch_npu()
+        self.npu = torch.npu
+        device = torch.device(device) if device is not None else torch.device(NPU_DEVICE_TYPE, self.npu.current_device())
+        if device.type != NPU_DEVICE_TYPE:
+            raise ValueError(
+                f"runtime: 'npu' runs graphs whose tensors are on an NPU ({NPU_DEVICE_TYPE!r}), "
+                f"but the graph's tensors are on {device}"
+            )
+        self._device = device
+        self.kernels = NpuKernels(self.torch_npu, device)
+        self.capture_stream = self.npu.Stream(device)
+        # High priority, like npugraph_ex's: updates must not queue behind other work of this step.
+        self.update_stream = self.npu.Stream(device, priority=-1)
+        self.pool = self.npu.graph_pool_handle()
+        self._previous_step = self.npu.Event()
+        self._steps = 0
+        self._graph_count = 0
+        self._update: NpuTaskHandle | None = None
+        self._update_ctx: contextlib.ExitStack | None = None
+        self.capturing: NpuGraph | None = None
+        self.group_open = False
+
+    @property
+    def device(self) -> torch.device:
+        """The NPU the graphs run on."""
+        return self._device
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Device memory from torch_npu's caching allocator (the graph pool during a capture)."""
+        return torch.empty(tuple(shape), dtype=dtype, device=self._device)
+
+    def graph(self) -> NpuGraph:
+        """A new graph; every graph of this runtime captures into its one pool."""
+        self._graph_count += 1
+        return NpuGraph(self, f"graph{self._graph_count}")
+
+    def event(self, name: str) -> NpuEvent:
+        """A new `torch.npu.ExternalEvent` named `name` in errors."""
+        return NpuEvent(self, name)
+
+    def task_group_begin(self) -> None:
+        """Inside capture: `graph_task_group_begin` on the capture stream."""
+        graph = self._require_capture("task_group_begin()")
+        if self.group_open:
+            raise CaptureError("task_group_begin(): a task group is already open (task groups do not nest)")
+        self.npu.graph_task_group_begin(self.capture_stream)
+        self.group_open = True
+        graph.groups += 1
+
+    def task_group_end(self) -> NpuTaskHandle:
+        """Inside capture: `graph_task_group_end` on the capture stream; its handle."""
+        graph = self._require_capture("task_group_end()")
+        if not self.group_open:
+            raise CaptureError("task_group_end() without task_group_begin()")
+        native = self.npu.graph_task_group_end(self.capture_stream)
+        self.group_open = False
+        return NpuTaskHandle(native, graph, graph.groups - 1)
+
+    def task_update_begin(self, handle: TaskHandle) -> None:
+        """Outside capture: make the update stream current and `graph_task_update_begin` on it."""
+        if not isinstance(handle, NpuTaskHandle) or handle.graph._runtime is not self:
+            raise AscendCompileError(f"task_update_begin(): {handle!r} is not a task group of this runtime")
+        if self.capturing is not None:
+            raise CaptureError("task_update_begin() during capture: task updates are issued outside capture")
+        if self._update is not None:
+            raise AscendCompileError(f"task_update_begin(): the update of {self._update!r} is still open")
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(self.npu.stream(self.update_stream))
+        try:
+            self.npu.graph_task_update_begin(self.update_stream, handle.native)
+        except BaseException:
+            ctx.close()
+            raise
+        self._update, self._update_ctx = handle, ctx
+
+    def task_update_end(self) -> None:
+        """`graph_task_update_end` on the update stream, then restore the current stream."""
+        if self._update is None or self._update_ctx is None:
+            raise AscendCompileError("task_update_end() without task_update_begin()")
+        ctx, self._update, self._update_ctx = self._update_ctx, None, None
+        with ctx:
+            self.npu.graph_task_update_end(self.update_stream)
+
+    def synchronize(self) -> None:
+        """Wait for everything launched on the device: replays and updates."""
+        self.npu.synchronize(self._device)
+
+    def kernel(self, op: Any) -> Callable[..., Any]:
+        """The torch_npu binding of an ascend kernel op (PA, FIA); any other op runs as itself."""
+        packet = getattr(op, "overloadpacket", op)
+        if packet is torch.ops.ascend.paged_attention:
+            return self.kernels.paged_attention
+        if packet is torch.ops.ascend.fused_infer_attention:
+            return self.kernels.fused_infer_attention
+        return op
+
+    def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`torch_npu._C._weak_ref_tensor`: the same memory, without keeping it allocated."""
+        if tensor.device.type != self._device.type:
+            return tensor
+        return self.torch_npu._C._weak_ref_tensor(tensor)
+
+    def order_after_previous_step(self) -> None:
+        """Make the update stream wait until the previous step's replay has finished."""
+        if self._steps:
+            self.update_stream.wait_event(self._previous_step)
+
+    def step_done(self, replay_stream: Any) -> None:
+        """Mark, on the replay stream, the end of the replay just launched (for the next step)."""
+        self._previous_step.record(replay_stream)
+        self._steps += 1
+
+    def describe(self) -> dict[str, Any]:
+        """What the dump records about this runtime."""
+        return {**super().describe(), "torch_npu": getattr(self.torch_npu, "__version__", "unknown")}
+
+    def _require_capture(self, what: str) -> NpuGraph:
+        if self.capturing is None:
+            raise CaptureError(f"{what} outside capture")
+        return self.capturing

@@ -1,0 +1,575 @@
+"""A fake torch_npu 2.14 (and `torch.npu`) on the ACL-graph simulator, so CI runs the NPU path.
+
+It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
+ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
+`graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
+`stream`, `current_stream`, `synchronize`, ...), `torch_npu._C._weak_ref_tensor`, and the attention
+kernels with their workspace queries. The kernels are defined in torch's op registry from the
+wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
+with a wrong argument name, order or kind fails here as it does on the device, and the simulator
+records each call as one task. They compute for real, with the project's reference kernels, and
+their workspace queries answer with the reference tiling (whose need peaks at an interior length).
+
+The device is the CPU and the simulator (`ascend_compile/runtime/sim.py`) plays the ACL runtime:
+captured ops become tasks, capture-time memory is poisoned, host arguments are frozen until a task
+update, and a replay that reaches an external event nobody recorded raises instead of hanging.
+Streams add two device rules: a replay runs when the host synchronizes, or earlier when a stream
+waits on an event recorded after it (`Stream.wait_event`); and a task update issued on a stream
+that a pending replay runs on raises, because on the device it would queue behind a replay that
+waits for it. `install(monkeypatch)` puts the fake in `sys.modules` for one test.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ascend_compile.ops import library, reference, tiling, validate
+from ascend_compile.runtime import npu as runtime_npu
+from ascend_compile.runtime.sim import SimRuntime
+
+FIXTURE = Path(__file__).parent / "fixtures" / "torch_npu_2_14_schemas.txt"
+VERSION = "2.14.0"
+
+#: FIA arguments the fake computes with; any other optional tensor must be left None.
+_FIA_USED = {
+    "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table", "num_heads", "scale",
+    "input_layout", "num_key_value_heads", "sparse_mode", "block_size", "workspace", "out",
+}
+#: FIA arguments that do not change the result of the calls the fake accepts (pre/next_tokens are
+#: ignored by sparse_mode 3; softmax_lse_flag only decides the shape of softmax_lse).
+_FIA_IGNORED = {"pre_tokens", "next_tokens", "inner_precise", "softmax_lse_flag"}
+
+
+def read_fixture() -> dict[str, list[str]]:
+    """The fixture's sections ("schema atb", "schema npu", "python torch.npu") and their lines."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in FIXTURE.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), [])
+        else:
+            current.append(line)
+    return sections
+
+
+def schemas() -> dict[str, torch.FunctionSchema]:
+    """`name[.overload]` -> parsed schema of every op in the fixture."""
+    out = {}
+    for section in ("schema atb", "schema npu"):
+        for text in read_fixture()[section]:
+            schema = torch._C.parse_schema(text)
+            out[schema.name + (f".{schema.overload_name}" if schema.overload_name else "")] = schema
+    return out
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+
+def _fail(arg: str, expected: str, got: Any) -> None:
+    raise ValueError(f"{arg}: expected {expected}, got {got}")
+
+
+def _host_lengths(name: str, t: torch.Tensor) -> list[int]:
+    """ATB reads `context_lens` on the host: a 1-D CPU int32 tensor."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.int32 or t.dim() != 1:
+        _fail(name, "a 1-D CPU torch.int32 tensor (ATB reads it on the host)", f"{getattr(t, 'dtype', t)} "
+              f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', None)}")
+    return [int(v) for v in t]
+
+
+def _executed(kernel: str, kv_lens: list[int]) -> None:
+    """Note a kernel execution (capture runs each op once; replays run them again)."""
+    if _ACTIVE is not None:
+        _ACTIVE.executed.append((kernel, tuple(kv_lens)))
+
+
+def _pa_shapes(query, key_cache, num_kv_heads, num_heads) -> None:
+    if num_heads != query.shape[1]:
+        _fail("num_heads", f"the query's head count {query.shape[1]}", num_heads)
+    if num_kv_heads != key_cache.shape[2]:
+        _fail("num_kv_heads", f"the cache's KV head count {key_cache.shape[2]}", num_kv_heads)
+
+
+def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, *,
+        workspace=None):
+    lens = _host_lengths("context_lens", context_lens)
+    _pa_shapes(query, key_cache, num_kv_heads, num_heads)
+    if workspace is None:  # ATB allocates its own scratch
+        shape = tiling.AttentionShape.of(query, key_cache)
+        workspace = torch.empty(tiling.workspace_nbytes(tiling.PA, shape, lens), dtype=torch.uint8)
+    library.check_paged_attention(query, key_cache, value_cache, block_table, lens, workspace, out)
+    _executed(tiling.PA, lens)
+    reference.paged_attention(query, key_cache, value_cache, block_table, lens, scale_value, workspace, out)
+
+
+def _pa_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens,
+                  out):
+    lens = _host_lengths("context_lens", context_lens)
+    _pa_shapes(query, key_cache, num_kv_heads, num_heads)
+    nbytes = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(query, key_cache), lens)
+    return torch.empty(nbytes, dtype=torch.uint8, device=query.device)
+
+
+def _fia_arguments(schema: torch.FunctionSchema, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments with the schema's defaults filled in (the dispatcher passes only the
+    ones given), refusing features the fake does not compute."""
+    defaults = {a.name: a.default_value for a in schema.arguments if a.kwarg_only and a.has_default_value()}
+    for name, value in kwargs.items():
+        if name not in _FIA_USED and name not in _FIA_IGNORED and not _same(value, defaults.get(name)):
+            raise NotImplementedError(f"{name}: the fake FIA does not implement it (leave it at its default)")
+    return {**defaults, **kwargs}
+
+
+def _same(value: Any, default: Any) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return value is default
+    return value == default
+
+
+def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
+    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens)."""
+    if kw["input_layout"] != "TND":
+        _fail("input_layout", "'TND' (the fake implements the TND layout)", repr(kw["input_layout"]))
+    if kw["block_table"] is None:
+        _fail("block_table", "a [B, max_blocks] int32 tensor (paged KV)", None)
+    if kw["actual_seq_lengths"] is None or kw["actual_seq_lengths_kv"] is None:
+        _fail("actual_seq_lengths", "both actual_seq_lengths and actual_seq_lengths_kv (TND requires them)", None)
+    if key.dim() != 3 or value.shape != key.shape:
+        _fail("key", "a [num_blocks, block_size, KVH*D] cache (and value alike)", tuple(key.shape))
+    heads, dim = query.shape[1], query.shape[2]
+    if kw["num_heads"] != heads:
+        _fail("num_heads", f"the query's head count {heads}", kw["num_heads"])
+    kv_heads = kw["num_key_value_heads"]
+    if kv_heads < 1 or key.shape[2] != kv_heads * dim:
+        _fail("num_key_value_heads", f"KVH with KVH*{dim} == {key.shape[2]} (the cache's last dim)", kv_heads)
+    if kw["block_size"] != key.shape[1]:
+        _fail("block_size", f"the cache's block size {key.shape[1]}", kw["block_size"])
+    ends, kv_lens = list(kw["actual_seq_lengths"]), list(kw["actual_seq_lengths_kv"])
+    query_lens = validate.query_lens_from_ends(ends, query.shape[0], "actual_seq_lengths")
+    if kw["sparse_mode"] == 3:
+        mask = kw["atten_mask"]
+        if mask is None or tuple(mask.shape) != (2048, 2048) or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+            _fail("atten_mask", "the (2048, 2048) bool/int8/uint8 mask sparse_mode=3 requires",
+                  None if mask is None else f"{mask.dtype} {tuple(mask.shape)}")
+        if not bool(mask[0, 1]) or bool(mask[1, 0]) or bool(mask[0, 0]):
+            _fail("atten_mask", "the causal mask: True (masked) strictly above the diagonal", "another mask")
+    elif kw["sparse_mode"] == 0:
+        if kw["atten_mask"] is not None or any(n > 1 for n in query_lens):
+            _fail("sparse_mode", "3 with atten_mask for steps with several query tokens (0 is not causal)", 0)
+    else:
+        _fail("sparse_mode", "0 or 3 (the modes the fake implements)", kw["sparse_mode"])
+    shape4 = (key.shape[0], key.shape[1], kv_heads, dim)
+    return key.view(shape4), value.view(shape4), ends, kv_lens, query_lens
+
+
+def _fia_out(query, key, value, **kwargs):
+    kw = _fia_arguments(torch.ops.npu.npu_fused_infer_attention_score.out._schema, kwargs)
+    key4, value4, ends, kv_lens, query_lens = _fia_layout(query, key, value, kw)
+    out = kw["out"]
+    if len(out) != 2:
+        _fail("out", "[attention_out, softmax_lse]", f"{len(out)} tensors")
+    attention_out, softmax_lse = out
+    if not kw["softmax_lse_flag"] and softmax_lse.numel() != 1:
+        _fail("out", "a [1] softmax_lse when softmax_lse_flag is False", tuple(softmax_lse.shape))
+    workspace = kw["workspace"]
+    if workspace is None:  # aclnn allocates its own scratch
+        shape = tiling.AttentionShape.of(query, key4)
+        workspace = torch.empty(tiling.workspace_nbytes(tiling.FIA, shape, kv_lens, query_lens), dtype=torch.uint8)
+    library.check_fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, workspace, attention_out)
+    _executed(tiling.FIA, kv_lens)
+    reference.fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, query_lens, kw["scale"],
+                                    workspace, attention_out)
+    softmax_lse.zero_()
+    return attention_out, softmax_lse
+
+
+def _fia_out_meta(query, key, value, **kwargs):
+    return kwargs["out"][0], kwargs["out"][1]
+
+
+def _fia_max_workspace(query, key, value, **kwargs):
+    kw = _fia_arguments(torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default._schema, kwargs)
+    key4, _, _, kv_lens, query_lens = _fia_layout(query, key, value, kw)
+    nbytes = tiling.workspace_nbytes(tiling.FIA, tiling.AttentionShape.of(query, key4), kv_lens, query_lens)
+    return torch.empty(nbytes, dtype=query.dtype, device=query.device)  # numel is the byte count
+
+
+_LIBRARIES: list[torch.library.Library] = []
+
+
+def _define_ops() -> None:
+    """Define the kernels from the fixture's schemas (once per process)."""
+    if _LIBRARIES:
+        return
+    if hasattr(torch.ops.atb, "_npu_paged_attention") or hasattr(torch.ops.npu, "npu_fused_infer_attention_score"):
+        pytest.skip("a real torch_npu is loaded in this process: the fake would shadow its ops")
+    atb, npu = torch.library.Library("atb", "DEF"), torch.library.Library("npu", "DEF")
+    _LIBRARIES.extend((atb, npu))
+    sections = read_fixture()
+    for text in sections["schema atb"]:
+        atb.define(text)
+    for text in sections["schema npu"]:
+        if not text.startswith("npu_fused_infer_attention_score("):  # ours calls .out and the query only
+            npu.define(text)
+    atb.impl("_npu_paged_attention", _pa, "CPU")
+    atb.impl("_npu_paged_attention_get_workspace", _pa_workspace, "CPU")
+    npu.impl("npu_fused_infer_attention_score.out", _fia_out, "CPU")
+    npu.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
+    npu.impl("_npu_fused_infer_attention_score_get_max_workspace", _fia_max_workspace, "CPU")
+
+
+# ----------------------------------------------------------------------------- the device
+
+
+@dataclasses.dataclass
+class Call:
+    """One call our code made to a torch_npu function: its name and arguments as passed."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class FakeNpu:
+    """The state of one installed fake: the simulator, streams, launches, and a log of calls."""
+
+    def __init__(self) -> None:
+        self.sim = SimRuntime()
+        self.calls: list[Call] = []
+        self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
+        self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order
+        self.pools: list[Any] = []
+        self.pending: list[tuple[int, Any]] = []  # (launch id, stream) of replays not yet run
+        self.launches = 0
+        self.capturing: Any = None  # the capture stream while a capture is open
+        self.ids = itertools.count()
+        self.default_stream: Stream | None = None
+        self.streams: list[Stream] = []
+
+    def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.calls.append(Call(name, args, kwargs))
+        self.trace.append((name, self.current()))
+
+    def count(self, *names: str) -> int:
+        """How many calls were made to any of `names`."""
+        return sum(c.name in names for c in self.calls)
+
+    def current(self) -> "Stream":
+        return self.streams[-1] if self.streams else self.default_stream
+
+    def synchronize(self) -> None:
+        """The host waits for the device: every pending replay runs."""
+        self.trace.append(("synchronize", None))
+        self.run_pending()
+
+    def run_pending(self) -> None:
+        self.sim.synchronize()
+        self.pending.clear()
+
+    def launch(self, stream: "Stream") -> None:
+        self.launches += 1
+        self.pending.append((self.launches, stream))
+
+    def wait_for(self, stream: "Stream", event: "Event") -> None:
+        """`stream` waits for `event`: replays launched before its record must finish first."""
+        if event.recorded is None:
+            return  # waiting on a never-recorded event is a no-op, as on the device
+        on, upto = event.recorded
+        before = [launch for launch, s in self.pending if s is on and launch <= upto]
+        if not before:
+            return
+        if len(before) != len(self.pending):
+            raise NotImplementedError("fake: a stream waits for some of the pending replays but not all")
+        self.run_pending()
+
+
+_ACTIVE: FakeNpu | None = None
+
+
+def _fake() -> FakeNpu:
+    if _ACTIVE is None:
+        raise RuntimeError("fake torch_npu: not installed (use the fake_npu fixture)")
+    return _ACTIVE
+
+
+class Stream:
+    """`torch.npu.Stream`: an ordered queue of device work."""
+
+    def __new__(cls, device=None, priority=0, **kwargs):
+        self = super().__new__(cls)
+        self.device, self.priority, self.stream_id = device, priority, next(_fake().ids)
+        return self
+
+    def wait_event(self, event):
+        event.wait(self)
+
+    def __repr__(self) -> str:
+        return f"<fake torch_npu.npu.Stream {self.stream_id} priority={self.priority}>"
+
+
+class Event:
+    """`torch.npu.Event`: marks a point of a stream's work."""
+
+    def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
+        self = super().__new__(cls)
+        self.recorded = None
+        return self
+
+    def record(self, stream=None):
+        fake = _fake()
+        self.recorded = (stream or fake.current(), fake.launches)
+
+    def wait(self, stream=None):
+        fake = _fake()
+        fake.wait_for(stream or fake.current(), self)
+
+
+class ExternalEvent:
+    """`torch.npu.ExternalEvent`: waited on inside a graph, recorded from outside it."""
+
+    _count = itertools.count()
+
+    def __new__(cls):
+        self = super().__new__(cls)
+        self.sim = _fake().sim.event(f"ExternalEvent{next(cls._count)}")
+        return self
+
+    def record(self, stream=None):
+        _fake().trace.append(("ExternalEvent.record", stream))
+        self.sim.record()
+
+    def wait(self, stream=None):
+        _fake().trace.append(("ExternalEvent.wait", stream))
+        self.sim.wait()
+
+    def reset(self, stream=None):
+        _fake().trace.append(("ExternalEvent.reset", stream))
+        self.sim.reset()
+
+
+class _NPUTaskGroupHandle:
+    """`torch_npu._C._NPUTaskGroupHandle`."""
+
+    def __init__(self, task_group: Any) -> None:
+        self.task_group = task_group
+
+
+class NPUGraph:
+    """`torch.npu.NPUGraph` over a simulator graph."""
+
+    def __init__(self):
+        self.sim = _fake().sim.graph()
+        self._ctx = None
+        self._pool = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise ValueError(f"capture_error_mode: expected global, thread_local or relaxed, got {capture_error_mode!r}")
+        fake = _fake()
+        self._pool = pool if pool is not None else graph_pool_handle()
+        fake.pools.append(self._pool)
+        self._ctx = self.sim.capture()
+        self._ctx.__enter__()
+        fake.capturing = fake.current()
+
+    def capture_end(self):
+        self._finish(None, None, None)
+
+    def _finish(self, exc_type, exc, tb) -> None:
+        ctx, self._ctx = self._ctx, None
+        _fake().capturing = None
+        ctx.__exit__(exc_type, exc, tb)
+
+    def replay(self):
+        fake = _fake()
+        fake.trace.append(("replay", fake.current()))
+        self.sim.replay()
+        fake.launch(fake.current())
+
+    def pool(self):
+        return self._pool
+
+
+class graph:  # noqa: N801 - the real name
+    """`torch.npu.graph`: capture into `npu_graph` on `stream` (a side stream by default)."""
+
+    def __init__(self, npu_graph, pool=None, stream=None, auto_dispatch_capture=False, capture_error_mode: str = "global"):
+        if auto_dispatch_capture:
+            raise NotImplementedError("auto_dispatch_capture: the fake does not implement torch_npu's auto dispatch")
+        self.npu_graph = npu_graph
+        self.pool = pool
+        self.capture_stream = stream if stream is not None else Stream()
+        self.capture_error_mode = capture_error_mode
+
+    def __enter__(self):
+        fake = _fake()
+        fake.synchronize()
+        fake.streams.append(self.capture_stream)
+        try:
+            self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
+        except BaseException:
+            fake.streams.pop()
+            raise
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        fake = _fake()
+        try:
+            self.npu_graph._finish(exc_type, exc_value, traceback)
+        finally:
+            fake.streams.pop()
+
+
+def graph_pool_handle():
+    return ("pool", next(_fake().ids))
+
+
+def graph_task_group_begin(stream):
+    fake = _fake()
+    if fake.capturing is None or stream is not fake.capturing:
+        raise RuntimeError(f"graph_task_group_begin: {stream!r} is not capturing")
+    fake.trace.append(("graph_task_group_begin", stream))
+    fake.sim.task_group_begin()
+
+
+def graph_task_group_end(stream):
+    fake = _fake()
+    if fake.capturing is None or stream is not fake.capturing:
+        raise RuntimeError(f"graph_task_group_end: {stream!r} is not capturing")
+    fake.trace.append(("graph_task_group_end", stream))
+    return _NPUTaskGroupHandle(fake.sim.task_group_end())
+
+
+def graph_task_update_begin(stream, handle):
+    fake = _fake()
+    if stream is fake.capturing:
+        raise RuntimeError("graph_task_update_begin: the stream is capturing")
+    if any(s is stream for _, s in fake.pending):
+        raise RuntimeError(
+            f"graph_task_update_begin on {stream!r}, where a replay is pending that waits for this update's "
+            f"event: the update would queue behind it and the device would hang"
+        )
+    fake.trace.append(("graph_task_update_begin", stream))
+    fake.sim.task_update_begin(handle.task_group)
+
+
+def graph_task_update_end(stream):
+    fake = _fake()
+    fake.trace.append(("graph_task_update_end", stream))
+    fake.sim.task_update_end()
+
+
+def synchronize(device=None):
+    _fake().synchronize()
+
+
+def current_stream(device=None):
+    return _fake().current()
+
+
+@contextlib.contextmanager
+def stream(stream):  # noqa: F811 - the real name
+    if stream is None:
+        yield
+        return
+    fake = _fake()
+    fake.streams.append(stream)
+    try:
+        yield
+    finally:
+        fake.streams.pop()
+
+
+def current_device():
+    return 0
+
+
+def is_available():
+    return True
+
+
+def device_count():
+    return 1
+
+
+def _weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`torch_npu._C._weak_ref_tensor`: the same memory, sizes and strides, owning nothing."""
+    with _disable_current_modes():
+        storage = t.untyped_storage()
+        weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.shape, t.stride())
+
+
+class _Packet:
+    """An op packet of torch_npu whose overloads log how they are called."""
+
+    def __init__(self, name: str, packet: Any, overloads: tuple[str, ...]) -> None:
+        for overload in overloads:
+            setattr(self, overload, _logged(f"{name}.{overload}", getattr(packet, overload)))
+
+
+def _logged(name: str, fn: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        _fake().log(name, args, kwargs)
+        return fn(*args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+NPU_FUNCTIONS = (
+    Stream, Event, ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
+    graph_task_group_end, graph_task_update_begin, graph_task_update_end, synchronize, current_stream,
+    stream, current_device, is_available, device_count,
+)
+
+
+def install(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
+    """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
+
+    Its device is the CPU, so NPU tensors are CPU tensors: `NPU_DEVICE_TYPE` reads "cpu" meanwhile.
+    """
+    if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("a real torch_npu is installed: tests never import it, and the fake would shadow it")
+    _define_ops()
+    fake = FakeNpu()
+    monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
+    fake.default_stream = Stream()
+
+    npu = types.ModuleType("torch_npu.npu")
+    for fn in NPU_FUNCTIONS:
+        setattr(npu, fn.__name__, fn)
+    c = types.ModuleType("torch_npu._C")
+    c._weak_ref_tensor = _weak_ref_tensor
+    c._NPUTaskGroupHandle = _NPUTaskGroupHandle
+    torch_npu = types.ModuleType("torch_npu")
+    torch_npu.__version__ = VERSION
+    torch_npu.npu = npu
+    torch_npu._C = c
+    torch_npu._npu_paged_attention = _logged("_npu_paged_attention", torch.ops.atb._npu_paged_attention)
+    torch_npu._npu_paged_attention_get_workspace = _logged(
+        "_npu_paged_attention_get_workspace", torch.ops.atb._npu_paged_attention_get_workspace
+    )
+    torch_npu.npu_fused_infer_attention_score = _Packet(
+        "npu_fused_infer_attention_score", torch.ops.npu.npu_fused_infer_attention_score, ("out",)
+    )
+    torch_npu._npu_fused_infer_attention_score_get_max_workspace = _logged(
+        "_npu_fused_infer_attention_score_get_max_workspace",
+        torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace,
+    )
+    for name, module in (("torch_npu", torch_npu), ("torch_npu.npu", npu), ("torch_npu._C", c)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(runtime_npu, "NPU_DEVICE_TYPE", "cpu")
+    return fake

@@ -1,0 +1,164 @@
+"""The CUDA runtime on a GPU: Triton kernels against the reference kernels, CUDA graphs replayed
+with changing lengths, and the compiled model (runtime "cuda", eager and inductor inner) against
+eager. Skipped without CUDA or triton; `benchmarks/run_gpu.sh` runs them with the benchmark.
+"""
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+
+from ascend_compile.backend import compile_graph
+from ascend_compile.config import CompileConfig
+from ascend_compile.ops import cuda, tiling
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests.helpers import TOLERANCE, make_problem
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+triton = pytest.importorskip("triton", reason="the CUDA kernels need triton")
+
+ops = torch.ops.ascend
+GPU = torch.device("cuda")
+MAX_LEN = 1024
+
+
+def cuda_copy(*tensors):
+    return [t.to(GPU) for t in tensors]
+
+
+def dev_call(p, splits, decode, device):
+    """The device-length op for problem `p` on `device` (CPU: reference kernel; CUDA: Triton)."""
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    ws = torch.full((cuda.dev_workspace_nbytes(p.query.shape[0], shape, splits),), 0xFF, dtype=torch.uint8)
+    out = torch.full_like(p.query, float("nan"))
+    q, kc, vc, bt, seq_lens, loc, ws, out = [t.to(device) for t in (p.query, p.key_cache, p.value_cache,
+                                                                     p.block_table, seq_lens, loc, ws, out)]
+    if decode:
+        ops.paged_attention_dev(q, kc, vc, bt, seq_lens, p.scale, ws, out, splits)
+    else:
+        ops.fused_infer_attention_dev(q, kc, vc, bt, loc, seq_lens, p.scale, ws, out, splits)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, dim, block", [(16, 8, 128, 128), (32, 4, 128, 16), (8, 8, 64, 32)])
+def test_triton_kernels_match_the_reference_kernels(dtype, heads, kv_heads, dim, block):
+    lens = [0, 1, block - 1, block, block + 1, 700, MAX_LEN]
+    p = make_problem(lens, heads=heads, kv_heads=kv_heads, dim=dim, block_size=block, dtype=dtype,
+                     max_blocks=MAX_LEN // block)
+    tol = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for splits in (1, 4, 9):
+        torch.testing.assert_close(dev_call(p, splits, True, GPU).float(), dev_call(p, splits, True, "cpu").float(), **tol)
+    m = make_problem([5, 300, 0, 64, 1000], [3, 17, 1, 64, 1], heads=heads, kv_heads=kv_heads, dim=dim,
+                     block_size=block, dtype=dtype, max_blocks=MAX_LEN // block)
+    for splits in (1, 5):
+        torch.testing.assert_close(dev_call(m, splits, False, GPU).float(), m.dense(), **tol)
+
+
+def test_unified_attention_and_cache_write_on_cuda_match_the_cpu():
+    p = make_problem([3, 200, 0, 90], [2, 5, 1, 1], heads=8, kv_heads=2, dim=64, block_size=16, max_blocks=16)
+    seq_lens, loc = p.tensors()
+    args = (p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, loc)
+    got = ops.attention(*cuda_copy(*args), p.scale).cpu()
+    torch.testing.assert_close(got, ops.attention(*args, p.scale), atol=2e-5, rtol=1e-4)
+
+    key, value = torch.randn(6, 2, 64), torch.randn(6, 2, 64)
+    slots = torch.tensor([5, -1, 17, 255, -1, 0])
+    kc, vc = torch.randn(16, 16, 2, 64), torch.randn(16, 16, 2, 64)
+    kc_gpu, vc_gpu = cuda_copy(kc, vc)
+    ops.reshape_and_cache(*cuda_copy(key, value), kc_gpu, vc_gpu, slots.to(GPU))
+    ops.reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc_gpu.cpu(), kc) and torch.equal(vc_gpu.cpu(), vc)
+
+
+def test_a_captured_kernel_reads_lengths_on_every_replay():
+    p = make_problem([MAX_LEN] * 4, heads=16, kv_heads=8, dim=128, block_size=128, dtype=torch.bfloat16)
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    q, kc, vc, bt = cuda_copy(p.query, p.key_cache, p.value_cache, p.block_table)
+    seq_lens = torch.zeros(4, dtype=torch.int32, device=GPU)
+    ws = torch.empty(cuda.dev_workspace_nbytes(4, shape, 6), dtype=torch.uint8, device=GPU)
+    out = torch.empty_like(q)
+    call = lambda: ops.paged_attention_dev(q, kc, vc, bt, seq_lens, p.scale, ws, out, 6)  # noqa: E731
+    call()  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    rng = random.Random(0)
+    for _ in range(5):
+        lens = [rng.randint(0, MAX_LEN) for _ in range(4)]
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        p.seq_lens = lens
+        torch.testing.assert_close(out.cpu().float(), p.dense(), atol=2e-2, rtol=2e-2)
+
+
+def compiled_model(model, **options):
+    config = CompileConfig(runtime="cuda", **options)
+    artifacts = []
+
+    def backend_fn(gm, example_inputs):
+        artifacts.append(compile_graph(gm, example_inputs, config))
+        return artifacts[-1]
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend_fn), artifacts
+
+
+def to_gpu(inputs):
+    return {k: v.to(GPU) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_compiled_on_cuda_matches_eager_over_changing_steps(inner):
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024, head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256)
+    model, reference, cpu_reference = build(cfg).to(GPU), build(cfg).to(GPU), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN // 2, capture_sizes=(1, 2, 4, 8, 16),
+                                   pa_max_batch=4, inner_compiler=inner)
+    batch = PagedBatch(cfg, seed=1)
+    rng = random.Random(inner)
+    tol = dict(atol=1e-4, rtol=1e-3) if inner == "inductor" else dict(atol=2e-5, rtol=1e-4)
+    with torch.no_grad():
+        for i, size in enumerate([3, 4, 5, 7, 8, 9, 16, 2, 13, 21, 6, 1, 12, 16, 3, 30]):
+            lens = [rng.randint(4, MAX_LEN // 2) for _ in range(size)]
+            qlens = [rng.randint(1, 3) for _ in lens] if i % 4 == 3 else None
+            inputs = batch.step(lens, qlens)
+            got = fn(**to_gpu(inputs))
+            torch.testing.assert_close(got, reference(**to_gpu(inputs)), **tol)
+            torch.testing.assert_close(got.cpu(), cpu_reference(**inputs), atol=1e-4, rtol=1e-3)
+    stats = sum((a.stats for a in artifacts), start=collections.Counter())
+    assert stats["eager_fallbacks"] >= 1 and stats["replays"] >= 10
+    captured = sum(1 for a in artifacts for g in a.graphs.values() if g.graph is not None)
+    assert stats["captures"] == captured  # one capture per graph used, whatever the lengths
+    art = max(artifacts, key=lambda a: len(a.rewritten.buckets))
+    assert art.runtime.name == "cuda"
+    plan = art.describe()
+    for graph in plan["graphs"].values():
+        assert graph.get("update_table", []) == []
+        assert all(k["lengths"] == "device" and k["num_splits"] >= 1 for k in graph["kernels"])
+
+
+def test_cuda_runtime_is_the_auto_choice():
+    cfg = LlamaConfig(num_layers=1, num_blocks=256)
+    model, reference = build(cfg).to(GPU), build(cfg).to(GPU)
+    config = CompileConfig(max_model_len=256, capture_sizes=(4, 8))
+    artifacts = []
+
+    def backend_fn(gm, example_inputs):
+        artifacts.append(compile_graph(gm, example_inputs, config))
+        return artifacts[-1]
+
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=backend_fn)
+    batch = PagedBatch(cfg)
+    with torch.no_grad():
+        for size in (3, 6, 2, 7, 8):
+            inputs = to_gpu(batch.step([50 + size] * size))
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    art = artifacts[-1]
+    assert art.runtime.name == "cuda" and art.runtime.describe()["sms"] > 0
+    assert art.stats["replays"] >= 3

@@ -1,0 +1,437 @@
+"""The Ascend path (runtime "npu", torch_npu bindings, workspace probing, torchair interop), run in
+CI against the fake torch_npu of `tests/fake_torch_npu.py`, which plays the device on the simulator."""
+from __future__ import annotations
+
+import ast
+import inspect
+import random
+
+import pytest
+import torch
+
+from ascend_compile.config import CompileConfig
+from ascend_compile.errors import ReplayError
+from ascend_compile.lowering.capture import legacy
+from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops import tiling
+from ascend_compile.passes.fx_utils import is_op
+from ascend_compile.passes.probe import ProbedWorkspaceNeed, default_probe_lengths
+from ascend_compile.passes.torchair import npugraph_ex_pre_pass
+from ascend_compile.passes.workspaces import KernelSite
+from ascend_compile.runtime import create_runtime, resolve_runtime
+from ascend_compile.runtime.npu import NpuRuntime
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests import fake_torch_npu
+from tests.helpers import make_problem
+from tests.test_backend import compiled_model
+
+MAX_LEN = 512
+TOL = dict(atol=2e-5, rtol=1e-4)
+KERNELS = ("_npu_paged_attention", "npu_fused_infer_attention_score.out")
+QUERIES = ("_npu_paged_attention_get_workspace", "_npu_fused_infer_attention_score_get_max_workspace")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """The fake torch_npu, installed as `torch_npu` / `torch.npu` for one test."""
+    return fake_torch_npu.install(monkeypatch)
+
+
+def lengths(rng, n, max_len=MAX_LEN):
+    return [rng.randint(1, max_len) for _ in range(n)]
+
+
+def run_model(steps, cfg, **options):
+    """The example model compiled on runtime "npu" and eager over `steps` (lengths, or (lengths,
+    query lengths)); returns [(compiled, eager)] (an exception in place of a failed step's output)
+    and the artifacts."""
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", **options)
+    batch = PagedBatch(cfg, seed=3)
+    results = []
+    with torch.no_grad():
+        for step in steps:
+            lens, qlens = step if isinstance(step, tuple) else (step, None)
+            inputs = batch.step(lens, qlens)
+            try:
+                out = fn(**inputs)
+            except Exception as e:  # noqa: BLE001 - the tests inspect it
+                out = e
+            results.append((out, reference(**inputs)))
+    return results, artifacts
+
+
+def assert_all_close(results):
+    for compiled, eager in results:
+        assert isinstance(compiled, torch.Tensor), compiled
+        torch.testing.assert_close(compiled, eager, **TOL)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_compiled_on_npu_matches_eager_with_pa_and_fia(fake_npu):
+    rng = random.Random(0)
+    steps = [lengths(rng, n) for n in (3, 2, 6, 3, 8)] + [([40, 300, 17], [3, 1, 2])]  # the last: mixed (FIA)
+    results, artifacts = run_model(steps, LlamaConfig(num_layers=2, num_blocks=1024), max_model_len=MAX_LEN,
+                                   capture_sizes=(4, 8), pa_max_batch=4)
+    assert_all_close(results)
+    art = artifacts[-1]
+    assert isinstance(art.runtime, NpuRuntime) and art.describe()["runtime"]["torch_npu"] == "2.14.0"
+    kernels = {k["kernel"] for g in art.describe()["graphs"].values() for k in g["kernels"]}
+    assert kernels == {tiling.PA, tiling.FIA}
+    assert art.stats["replays"] >= 4 and art.stats["captures"] >= 2
+    # The kernels ran as torch_npu's ops, and the buckets of one artifact captured into one pool.
+    assert {k for k, _ in fake_npu.executed} == {tiling.PA, tiling.FIA} and fake_npu.count(*KERNELS) > 0
+    assert len(set(fake_npu.pools[-art.stats["captures"]:])) == 1
+
+
+def test_auto_kernel_policy_times_the_torch_npu_kernels(fake_npu):
+    results, artifacts = run_model([[30, 40, 50, 60]], LlamaConfig(num_layers=1, num_blocks=1024),
+                                   max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="auto")
+    assert_all_close(results)
+    (choice,) = artifacts[-1].describe()["graphs"]["b4.decode"]["kernels"]
+    assert choice["reason"].startswith(("PA: measured", "FIA: measured")) and set(choice["times_ms"]) == {
+        tiling.PA, tiling.FIA,
+    }
+    # Both were timed through torch_npu's kernels (at auto_seq_len, 512), before any capture.
+    trace = [what for what, _ in fake_npu.trace]
+    assert set(trace[:trace.index("graph_task_group_begin")]) >= set(KERNELS)
+    assert {(k, kv) for k, kv in fake_npu.executed if kv == (512,) * 4} == {(tiling.PA, (512,) * 4),
+                                                                            (tiling.FIA, (512,) * 4)}
+
+
+# ----------------------------------------------------------------------------- the update protocol
+
+
+def test_replay_is_launched_before_the_updates_which_record_the_events(fake_npu):
+    rng = random.Random(1)
+    steps = [lengths(rng, n) for n in (3, 4, 2)]
+    results, artifacts = run_model(steps, LlamaConfig(num_layers=2, num_blocks=1024), max_model_len=MAX_LEN,
+                                   capture_sizes=(4,), kernel_policy="pa")
+    assert_all_close(results)
+    rt, trace = artifacts[-1].runtime, fake_npu.trace
+    # Capture of each kernel: wait and reset of its event, then its task group, on the capture stream.
+    first = max(i for i, (what, _) in enumerate(trace) if what == "graph_task_group_end") - 4
+    assert [what for what, _ in trace[first:first + 5]] == [
+        "ExternalEvent.wait", "ExternalEvent.reset", "graph_task_group_begin", "_npu_paged_attention",
+        "graph_task_group_end",
+    ]
+    assert all(stream is rt.capture_stream for _, stream in trace[first:first + 5])
+    # A step: the replay first, then per layer the update and the record of its event, then sync.
+    last = max(i for i, (what, _) in enumerate(trace) if what == "replay")
+    assert [what for what, _ in trace[last:]] == ["replay"] + [
+        "graph_task_update_begin", "_npu_paged_attention", "graph_task_update_end", "ExternalEvent.record",
+    ] * 2 + ["synchronize"]
+    assert all(stream is rt.update_stream for _, stream in trace[last + 1:-1])
+    assert trace[last][1] is not rt.update_stream
+
+
+def test_skipped_update_hits_the_missing_event_error(fake_npu):
+    with legacy(skip_task_updates=True):
+        results, _ = run_model([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=1024), max_model_len=MAX_LEN,
+                               capture_sizes=(4,), kernel_policy="pa")
+    error = results[0][0]
+    assert isinstance(error, ReplayError) and "never recorded" in str(error)
+
+
+def _two_unsynchronized_steps(fake_npu, monkeypatch, order_steps):
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, artifacts = compiled_model(build(cfg), runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,),
+                                   kernel_policy="pa")
+    batch = PagedBatch(cfg)
+    with torch.no_grad():
+        fn(**batch.step([5, 6, 7]))
+        fn(**batch.step([18, 19, 40, 41]))  # every size now dynamic: one graph, bucket 4, captured
+        rt = artifacts[-1].runtime
+        monkeypatch.setattr(rt, "synchronize", lambda: None)  # a runner that does not sync each step
+        if not order_steps:
+            monkeypatch.setattr(rt, "order_after_previous_step", lambda: None)
+        fake_npu.executed.clear()
+        fn(**batch.step([20, 21, 22]))
+        fn(**batch.step([30, 31]))
+        torch.npu.synchronize()
+    return fake_npu.executed
+
+
+def test_steps_are_ordered_on_the_device_without_a_host_sync(fake_npu, monkeypatch):
+    # The second step's updates wait for the first replay: each replay runs with its own lengths.
+    executed = _two_unsynchronized_steps(fake_npu, monkeypatch, order_steps=True)
+    assert executed == [(tiling.PA, (20, 21, 22, 0)), (tiling.PA, (30, 31, 0, 0))]
+
+
+def test_unordered_steps_reuse_events_and_hang(fake_npu, monkeypatch):
+    # Without the ordering, step 2's update rewrites replay 1's task and its event record is
+    # consumed by replay 1's reset: replay 2 waits for an event nobody records (a hang on the device).
+    with pytest.raises(ReplayError, match="never recorded"):
+        _two_unsynchronized_steps(fake_npu, monkeypatch, order_steps=False)
+    assert fake_npu.executed[0] == (tiling.PA, (30, 31, 0, 0))
+
+
+def test_replaying_on_the_update_stream_is_refused(fake_npu):
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, artifacts = compiled_model(build(cfg), runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,))
+    with torch.no_grad():
+        fn(**PagedBatch(cfg).step([5, 6, 7]))
+    graph = next(iter(artifacts[-1].graphs.values())).graph
+    with torch.npu.stream(artifacts[-1].runtime.update_stream), pytest.raises(ReplayError, match="would hang"):
+        graph.replay()
+
+
+# ----------------------------------------------------------------------------- workspace probing
+
+CASE1_CFG = LlamaConfig(num_layers=2, num_blocks=512, block_size=128)
+CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
+CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa")
+
+
+def test_workspace_is_probed_at_compile_time_to_the_interior_peak(fake_npu):
+    results, artifacts = run_model(CASE1_STEPS, CASE1_CFG, **CASE1_OPTIONS)
+    assert_all_close(results)
+    plan = artifacts[-1].rewritten.plan
+    slot = plan.slots["attn_workspace"]
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
+    exact = tiling.max_workspace(tiling.PA, shape, 3, 8192)  # dynamo keeps the 3 tokens static: bucket 3
+    # PA's need peaks at 3841 (16 splits) and falls above 4096: the probe set's block-count
+    # classes hit the first length of the peak, which the plan records as the arg-max.
+    assert (slot.nbytes, slot.argmax_len) == (exact.nbytes, 3841) == (exact.nbytes, exact.argmax_len)
+    assert all(n["argmax_len"] == 3841 for n in plan.to_json()["needs"]["b3.decode"])
+
+
+def test_no_workspace_query_at_replay(fake_npu):
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,))
+    batch = PagedBatch(cfg)
+    rng = random.Random(2)
+    with torch.no_grad():
+        for n in (3, 4):  # both dynamo graphs are compiled, probed and captured
+            inputs = batch.step(lengths(rng, n))
+            fn(**inputs)
+            reference(**inputs)  # keep the two KV caches identical
+        queries = fake_npu.count(*QUERIES)
+        assert queries > 0
+        for n in (2, 4, 3):
+            inputs = batch.step(lengths(rng, n))
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    assert fake_npu.count(*QUERIES) == queries and artifacts[-1].stats["replays"] == 4
+
+
+def test_configured_probe_lengths_are_the_ones_asked(fake_npu):
+    # Probing only 1024, 2048 and 8192 misses PA's peak: the plan says so (arg-max 2048), and a step
+    # at the peak overruns the workspace on the device.
+    results, artifacts = run_model(CASE1_STEPS, CASE1_CFG, workspace_probe_lens=[8192, 1024, 2048], **CASE1_OPTIONS)
+    slot = artifacts[-1].rewritten.plan.slots["attn_workspace"]
+    assert slot.argmax_len == 2048
+    assert isinstance(results[1][0], torch.Tensor) and isinstance(results[2][0], ReplayError)
+    assert "workspace too small" in str(results[2][0])
+
+
+def test_probing_without_a_device_finds_the_formula_maximum():
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+    asked = []
+
+    def query(kernel, shape, query_lens, kv_lens, max_blocks):
+        asked.append((kernel, tuple(query_lens), max_blocks))
+        return tiling.workspace_nbytes(kernel, shape, kv_lens, query_lens)
+
+    need_fn = ProbedWorkspaceNeed(query)
+    for kernel in (tiling.PA, tiling.FIA):
+        need = need_fn(KernelSite("n", kernel, shape), 8, 5000, None)
+        exact = tiling.max_workspace(kernel, shape, 8, 5000)
+        assert (need.nbytes, need.argmax_len) == (exact.nbytes, exact.argmax_len)
+    assert {q for _, q, _ in asked} == {(1,) * 8, (8,) + (0,) * 7} and {b for *_, b in asked} == {313}
+    asked.clear()
+    need_fn(KernelSite("other_layer", tiling.PA, shape), 8, 5000, None)
+    assert not asked  # answers are cached: layers of one shape cost one probe set
+    assert default_probe_lengths(40, 16) == [1, 2, 4, 8, 16, 17, 32, 33, 40]
+    pinned = ProbedWorkspaceNeed(query, [100, 3000])(KernelSite("n", tiling.PA, shape), 2, 5000, 1000)
+    assert (pinned.argmax_len, pinned.exact_argmax_len) == (1000, 3000) and pinned.nbytes < pinned.exact_nbytes
+    with pytest.raises(ValueError, match="workspace_probe_lens: lengths \\[6000\\] exceed max_model_len=5000"):
+        ProbedWorkspaceNeed(query, [6000])(KernelSite("n", tiling.PA, shape), 2, 5000, None)
+    with pytest.raises(ValueError, match="workspace_probe_lens: expected lengths of at most max_model_len"):
+        CompileConfig(max_model_len=100, workspace_probe_lens=[200])
+
+
+# ----------------------------------------------------------------------------- runtime selection
+
+
+def test_auto_picks_npu_when_torch_npu_reports_a_device(fake_npu, monkeypatch):
+    assert resolve_runtime("auto", CPU) == "npu"
+    runtime = create_runtime("auto", CPU)
+    assert isinstance(runtime, NpuRuntime) and runtime.describe() == {
+        "name": "npu", "device": "cpu", "graphs": True, "torch_npu": "2.14.0",
+    }
+    monkeypatch.setattr(torch.npu, "is_available", lambda: False)
+    assert resolve_runtime("auto", CPU) == "sim"
+    with pytest.raises(ValueError, match="runtime: 'npu' runs graphs whose tensors are on an NPU"):
+        NpuRuntime(torch.device("meta"))
+
+
+def test_without_torch_npu_auto_is_the_simulator_and_npu_says_what_is_missing():
+    assert resolve_runtime("auto", CPU) == "sim"
+    with pytest.raises(ImportError, match="runtime: 'npu' needs torch_npu"):
+        create_runtime("npu", CPU)
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+def _fits(type_, value) -> bool:
+    """Whether a Python value is what the dispatcher accepts for a schema type."""
+    kind = type_.kind()
+    if kind == "OptionalType":
+        return value is None or _fits(type_.getElementType(), value)
+    if kind == "ListType":
+        return isinstance(value, list) and all(_fits(type_.getElementType(), v) for v in value)
+    python = {"TensorType": torch.Tensor, "IntType": int, "SymIntType": int, "FloatType": float,
+              "StringType": str, "BoolType": bool}[kind]
+    return isinstance(value, python) and (kind == "BoolType" or not isinstance(value, bool))
+
+
+def check_call(schema: torch.FunctionSchema, args: tuple, kwargs: dict) -> None:
+    """That a call binds to `schema` by the dispatcher's rules, with keywords in schema order."""
+    names = [a.name for a in schema.arguments]
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    assert len(args) <= len(positional), f"{schema.name}: {len(args)} positional arguments"
+    by_name = {a.name: v for a, v in zip(positional, args)}
+    for name in kwargs:
+        assert name in names and name not in by_name, f"{schema.name}: keyword {name!r}"
+    order = [names.index(n) for n in kwargs]
+    assert order == sorted(order), f"{schema.name}: keywords {list(kwargs)} out of schema order"
+    by_name.update(kwargs)
+    for a in schema.arguments:
+        if a.name in by_name:
+            assert _fits(a.type, by_name[a.name]), f"{schema.name}: {a.name} is not a {a.type}"
+        else:
+            assert a.has_default_value(), f"{schema.name}: required {a.name!r} missing"
+
+
+def test_calls_match_the_torch_npu_2_14_schemas(fake_npu):
+    schemas = fake_torch_npu.schemas()
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    for kernel in (tiling.PA, tiling.FIA):
+        query_lens = [1, 1, 1] if kernel == tiling.PA else [1, 4, 2]
+        prob = make_problem([5, 3000, 40], query_lens=query_lens, block_size=16)
+        host = (prob.seq_lens,) if kernel == tiling.PA else (prob.query_start_loc[1:], prob.seq_lens)
+        shape = tiling.AttentionShape.of(prob.query, prob.key_cache)
+        need = npu_ops.NpuWorkspaceQuery(kernels, prob.query.dtype)(
+            kernel, shape, prob.query_lens, prob.seq_lens, prob.block_table.shape[1]
+        )
+        assert need == tiling.workspace_nbytes(kernel, shape, prob.seq_lens, prob.query_lens) > 0
+        out = torch.empty_like(prob.query)
+        workspace = torch.empty(need, dtype=torch.uint8)
+        kernels.call(kernel, prob.query, prob.key_cache, prob.value_cache, prob.block_table, *host, prob.scale,
+                     workspace, out)
+        torch.testing.assert_close(out.float(), prob.dense(), **TOL)
+    assert {c.name for c in fake_npu.calls} == set(KERNELS + QUERIES)
+    for call in fake_npu.calls:
+        check_call(schemas[call.name], call.args, call.kwargs)
+    # The fake's ops are these very schemas, and FIA's query takes the default overload's arguments.
+    assert str(torch.ops.atb._npu_paged_attention.default._schema) == "atb::" + str(schemas["_npu_paged_attention"])
+    fia_out = torch.ops.npu.npu_fused_infer_attention_score.out._schema
+    assert str(fia_out) == "npu::" + str(schemas["npu_fused_infer_attention_score.out"])
+    default = schemas["npu_fused_infer_attention_score"].arguments
+    assert [(a.name, str(a.type)) for a in schemas["_npu_fused_infer_attention_score_get_max_workspace"].arguments] \
+        == [(a.name, str(a.type)) for a in default]
+
+
+def test_check_call_rejects_what_the_device_rejects():
+    schema = fake_torch_npu.schemas()["_npu_paged_attention"]
+    t, lens = torch.zeros(1), torch.zeros(1, dtype=torch.int32)
+    good = (t, t, t, 2, 4, 0.5, t, lens, t)
+    check_call(schema, good, {"workspace": t})
+    for args, kwargs in ((good + (t,), {}), (good, {"workspace_": t}), (good[:8], {}),
+                         (good[:3] + (2.0,) + good[4:], {})):
+        with pytest.raises(AssertionError):
+            check_call(schema, args, kwargs)
+    fia = fake_torch_npu.schemas()["npu_fused_infer_attention_score.out"]
+    with pytest.raises(AssertionError, match="out of schema order"):
+        check_call(fia, (t, t, t), {"num_heads": 4, "block_table": t, "out": [t, t]})
+
+
+def test_fake_graph_api_has_the_real_python_signatures(fake_npu):
+    for line in fake_torch_npu.read_fixture()["python torch.npu"]:
+        tree = ast.parse(f"def {line.replace('.', '_DOT_')}: pass").body[0]
+        name = tree.name.replace("_DOT_", ".")
+        expected = [(a.arg, ast.literal_eval(d) if d is not None else inspect.Parameter.empty)
+                    for a, d in zip(tree.args.args, [None] * (len(tree.args.args) - len(tree.args.defaults))
+                                    + tree.args.defaults)]
+        if tree.args.kwarg is not None:
+            expected.append((tree.args.kwarg.arg, inspect.Parameter.empty))
+        obj = torch.npu
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        got = [(p.name, p.default) for p in inspect.signature(obj).parameters.values()]
+        assert got == expected, name
+
+
+# ----------------------------------------------------------------------------- torchair interop
+
+
+class CallableValue:
+    """torchair's config value holding a callable (`configs/compiler_config.py`)."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class NpugraphExConfig:
+    """The part of npugraph_ex's CompilerConfig its pass hook uses."""
+
+    def __init__(self, pre_pass) -> None:
+        self.post_grad_custom_pre_pass = CallableValue(pre_pass)
+
+
+def fake_npugraph_ex(config, graphs):
+    """A dynamo backend calling the hook the way npugraph_ex's `_optimize_fx` does, then checking
+    what npugraph_ex's ACL-graph updater needs (`acl_graph.py: get_update_ruler`): PA's argument 7
+    is a graph input, so each replay refreshes it from the step's input."""
+
+    def backend(gm, example_inputs):
+        config.post_grad_custom_pre_pass.value(gm, example_inputs, config)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.atb._npu_paged_attention.default:
+                assert node.args[7] in placeholders
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def test_our_passes_run_inside_npugraph_ex_through_its_pre_pass_hook(fake_npu):
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    config = CompileConfig(max_model_len=MAX_LEN, kernel_policy="pa")
+    graphs = []
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=fake_npugraph_ex(NpugraphExConfig(npugraph_ex_pre_pass(config)), graphs),
+                       dynamic=False)
+    batch = PagedBatch(cfg, seed=4)
+    rng = random.Random(4)
+    with torch.no_grad():
+        for _ in range(3):  # one sequence at 256 keeps the block table 16 wide: one graph
+            inputs = batch.step([256] + lengths(rng, 3, 256))
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    assert len(graphs) == 1
+    gm = graphs[0]
+    nodes = list(gm.graph.nodes)
+    pa = [n for n in nodes if n.target is torch.ops.atb._npu_paged_attention.default]
+    workspace = [n for n in nodes if is_op(n, torch.ops.ascend.workspace)]
+    assert len(pa) == 2 and len(workspace) == 1 and all(n.kwargs["workspace"] is workspace[0] for n in pa)
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
+    assert workspace[0].args[0] == tiling.max_workspace(tiling.PA, shape, 4, MAX_LEN).nbytes > 0
+    assert not any(is_op(n, torch.ops.ascend.attention) or "ascend_host_of" in n.meta for n in nodes)
+    assert fake_npu.count(*QUERIES) > 0  # sized by torch_npu's own workspace queries
+
+
+def test_npugraph_ex_pass_refuses_fia_whose_lengths_it_cannot_refresh(fake_npu):
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    pre_pass = npugraph_ex_pre_pass(CompileConfig(max_model_len=MAX_LEN, kernel_policy="fia"))
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend=fake_npugraph_ex(NpugraphExConfig(pre_pass), []), dynamic=False)
+    with pytest.raises(Exception, match="npugraph_ex refreshes FIA's lengths only from SymInt graph inputs"):
+        with torch.no_grad():
+            fn(**PagedBatch(cfg).step([5, 6]))

@@ -1,0 +1,414 @@
+"""The CUDA path on the CPU: the Triton kernels through Triton's interpreter against the reference,
+the device-length ops' reference kernels, and `use_device_lengths` on the example model's graphs.
+
+The kernel tests load a private copy of `ops/cuda_triton.py` with `TRITON_INTERPRET=1`, so the
+kernels run on CPU tensors; they skip when triton (or numpy, which its interpreter needs) is missing.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import random
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+from torch import fx
+
+import ascend_compile.ops  # noqa: F401
+from ascend_compile.config import CompileConfig
+from ascend_compile.errors import CaptureError, WorkspaceTooSmall
+from ascend_compile.lowering.runner import CompiledArtifact, _host_inputs
+from ascend_compile.ops import cuda, tiling
+from ascend_compile.passes.device_lengths import apply_device_lengths, fixed_split_need, use_device_lengths
+from ascend_compile.passes.fx_utils import is_op
+from ascend_compile.passes.inner_compile import compile_inner
+from ascend_compile.passes.pipeline import rewrite_buckets
+from ascend_compile.passes.select_kernels import KernelPolicy
+from ascend_compile.passes.workspaces import KERNEL_OPS
+from ascend_compile.runtime import create_runtime
+from ascend_compile.runtime.eager import EagerRuntime
+from ascend_compile.runtime.sim import SimRuntime
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests.helpers import TOLERANCE, make_problem
+
+ops = torch.ops.ascend
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def kernels() -> ModuleType:
+    """`ops/cuda_triton.py`: interpreted on the CPU (tests/conftest.py), compiled with CUDA."""
+    if DEVICE.type == "cpu":
+        pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+    pytest.importorskip("triton", reason="the Triton kernel tests need triton")
+    from triton import knobs
+
+    if DEVICE.type == "cpu" and not knobs.runtime.interpret:
+        pytest.skip("TRITON_INTERPRET is not 1, and there is no GPU to run the Triton kernels on")
+    from ascend_compile.ops import cuda_triton
+
+    return cuda_triton
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def run_triton(kernels, p, num_splits, decode):
+    """The Triton attention on problem `p`, into an output and a workspace full of garbage (NaN bytes)."""
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    ws = torch.full((cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits),), 0xFF, dtype=torch.uint8)
+    out = torch.full_like(p.query, float("nan"))
+    args = on_device(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, loc, ws, out)
+    query, key_cache, value_cache, block_table, seq_lens, loc, ws, out = args
+    kernels.attention_dev(query, key_cache, value_cache, block_table, seq_lens, None if decode else loc,
+                          p.scale, ws, out, num_splits)
+    return out.cpu()
+
+
+# ---------------------------------------------------------------- Triton kernels (interpreted on the CPU)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, splits",
+    [(4, 2, 1), (4, 2, 3), (8, 1, 2), (2, 2, 4)],  # GQA, MQA (8 heads share 1), MHA
+)
+def test_triton_pa_matches_dense_across_block_boundaries(kernels, heads, kv_heads, splits):
+    lens = [1, 15, 16, 17, 33, 0]  # around the 16-token blocks, and a padding row (length 0)
+    p = make_problem(lens, heads=heads, kv_heads=kv_heads, dim=16, block_size=16, seed=heads + splits)
+    out = run_triton(kernels, p, splits, decode=True)
+    torch.testing.assert_close(out, p.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+    assert torch.equal(out[5], torch.zeros_like(out[5]))  # padding rows yield zeros
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_fia_several_query_tokens_are_causal(kernels, splits):
+    lens, qlens = [5, 16, 0, 33, 1], [3, 1, 1, 4, 1]  # a padding sequence (0 keys) keeps one token
+    p = make_problem(lens, qlens, heads=4, kv_heads=1, dim=16, block_size=16, seed=splits)
+    out = run_triton(kernels, p, splits, decode=False)
+    torch.testing.assert_close(out, p.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+def test_triton_fia_sequences_longer_than_a_tile_and_without_queries(kernels):
+    # 4 kv heads of 2 grouped heads: 8 tokens per tile, so the 11-token sequence spans two tiles.
+    lens, qlens = [11, 20, 6], [11, 0, 2]
+    p = make_problem(lens, qlens, heads=8, kv_heads=4, dim=16, block_size=16, seed=3)
+    out = run_triton(kernels, p, 2, decode=False)
+    torch.testing.assert_close(out, p.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+
+
+def test_triton_odd_head_dim_and_block_size(kernels):
+    p = make_problem([7, 12, 13, 30], heads=6, kv_heads=2, dim=24, block_size=12, seed=5)
+    for decode in (True, False):
+        out = run_triton(kernels, p, 2, decode=decode)
+        torch.testing.assert_close(out, p.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+
+
+def test_triton_bf16_matches_reference_op(kernels):
+    p = make_problem([9, 40, 16], heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.bfloat16, seed=7)
+    seq_lens, _ = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    ws = torch.empty(cuda.dev_workspace_nbytes(3, shape, 2), dtype=torch.uint8)
+    expected = torch.empty_like(p.query)
+    ops.paged_attention_dev(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, p.scale, ws, expected, 2)
+    out = run_triton(kernels, p, 2, decode=True)
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=1e-2)
+
+
+def test_triton_one_launch_serves_every_length(kernels):
+    """Fixed splits and workspace: the same buffers give the right answer as the lengths change."""
+    base = make_problem([48, 48], heads=4, kv_heads=2, dim=16, block_size=16, seed=11)
+    shape = tiling.AttentionShape.of(base.query, base.key_cache)
+    ws = torch.empty(cuda.dev_workspace_nbytes(2, shape, 3), dtype=torch.uint8, device=DEVICE)
+    query, key_cache, value_cache, block_table, out = on_device(
+        base.query, base.key_cache, base.value_cache, base.block_table, torch.empty_like(base.query))
+    seq_lens = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    for lens in ([48, 1], [0, 17], [33, 48]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        kernels.attention_dev(query, key_cache, value_cache, block_table, seq_lens, None, base.scale, ws, out, 3)
+        base.seq_lens = lens
+        torch.testing.assert_close(out.cpu(), base.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+
+
+def test_triton_reshape_and_cache_skips_padding_slots(kernels):
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    key_cache, value_cache = torch.randn(4, 8, 2, 16, generator=gen), torch.randn(4, 8, 2, 16, generator=gen)
+    slots = torch.tensor([3, -1, 31, 8, -1])
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    ops.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    key, value, key_cache, value_cache, slots = on_device(key, value, key_cache, value_cache, slots)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache.cpu(), expected_k) and torch.equal(value_cache.cpu(), expected_v)
+
+
+#: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
+#: without a GPU); prints the spilled bytes (cuobjdump's STACK) of each variant, or -1 without cuobjdump.
+COMPILE_SCRIPT = r"""
+import os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ascend_compile.ops import cuda_triton as ct
+
+def build(fn, types, constexprs):
+    names = fn.arg_names
+    constexprs = dict(constexprs, **{n: 1 for n in names if n.startswith("stride") and n.endswith("d")})
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in constexprs and (sig[n].startswith("*") or n.startswith("stride"))}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return -1
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+for dt in ("bf16", "fp32"):
+    for decode in (True, False):
+        types = {"query": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt, "block_table": "*i32",
+                 "seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32", "out": "*" + dt,
+                 "scale_log2": "fp32"}
+        consts = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=ct.KEY_TILE,
+                      BLOCK_Q=1 if decode else ct.tile_tokens(2), BLOCK_M=16, DECODE=decode, DIRECT=False,
+                      PRECISION="ieee" if dt == "fp32" else "tf32", DOT_FP32=False)
+        print("split", dt, "decode" if decode else "fia", build(ct._split_kernel, types, consts))
+    print("reduce", dt, build(ct._reduce_kernel, {"workspace": "*fp32", "out": "*" + dt},
+                                dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=8)))
+    print("cache", dt, build(ct._cache_write_kernel,
+                             {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
+                              "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024)))
+"""
+
+
+def test_triton_kernels_compile_for_hopper_without_spills():
+    pytest.importorskip("triton", reason="needs triton")
+    pytest.importorskip("triton.compiler", reason="needs triton's compiler API")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert len(lines) == 8
+    assert all(int(spill) <= 0 for *_, spill in lines), result.stdout  # no stack: nothing spilled
+
+
+# ---------------------------------------------------------------- device-length ops (reference kernels)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_dev_ops_reference_path_matches_dense(splits):
+    p = make_problem([0, 1, 16, 17, 40], heads=4, kv_heads=2, dim=16, block_size=16, seed=splits)
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    ws = torch.empty(cuda.dev_workspace_nbytes(5, shape, splits), dtype=torch.uint8)
+    out = torch.empty_like(p.query)
+    ops.paged_attention_dev(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, p.scale, ws, out, splits)
+    torch.testing.assert_close(out, p.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+
+    m = make_problem([5, 16, 0, 33], [3, 1, 1, 4], heads=4, kv_heads=2, dim=16, block_size=16, seed=splits)
+    seq_lens, loc = m.tensors()
+    ws = torch.empty(cuda.dev_workspace_nbytes(9, shape, splits), dtype=torch.uint8)
+    out = torch.empty_like(m.query)
+    ops.fused_infer_attention_dev(m.query, m.key_cache, m.value_cache, m.block_table, loc, seq_lens, m.scale, ws, out,
+                                  splits)
+    torch.testing.assert_close(out, m.dense(), atol=TOLERANCE[torch.float32], rtol=1e-4)
+
+
+def test_dev_ops_check_workspace_and_arguments():
+    p = make_problem([20, 3], heads=4, kv_heads=2, dim=16, block_size=16)
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    need = cuda.dev_workspace_nbytes(2, shape, 4)
+    assert need == 2 * 4 * 4 * 17 * 4
+    out = torch.empty_like(p.query)
+    args = (p.query, p.key_cache, p.value_cache, p.block_table)
+    with pytest.raises(WorkspaceTooSmall, match=f"needs {need} bytes"):
+        ops.paged_attention_dev(*args, seq_lens, p.scale, torch.empty(need - 1, dtype=torch.uint8), out, 4)
+    ws = torch.empty(need, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="seq_lens: expected dtype torch.int32"):
+        ops.paged_attention_dev(*args, seq_lens.long(), p.scale, ws, out, 4)
+    with pytest.raises(ValueError, match="query_start_loc: expected a 1-D tensor of length 3"):
+        ops.fused_infer_attention_dev(*args, loc[:2], seq_lens, p.scale, ws, out, 4)
+    with pytest.raises(ValueError, match="num_splits: expected a positive int"):
+        ops.paged_attention_dev(*args, seq_lens, p.scale, ws, out, 0)
+    with pytest.raises(ValueError, match="context_lens: expected lengths of at most 32"):
+        ops.paged_attention_dev(*args, torch.tensor([33, 3], dtype=torch.int32), p.scale, ws, out, 4)
+
+
+def test_dev_ops_opcheck():
+    p = make_problem([40, 7], heads=4, kv_heads=2, dim=16)
+    seq_lens, loc = p.tensors()
+    ws = torch.empty(1 << 12, dtype=torch.uint8)
+    args = (p.query, p.key_cache, p.value_cache, p.block_table)
+    torch.library.opcheck(ops.paged_attention_dev.default, (*args, seq_lens, p.scale, ws, torch.empty_like(p.query), 3))
+    torch.library.opcheck(ops.fused_infer_attention_dev.default,
+                          (*args, loc, seq_lens, p.scale, ws, torch.empty_like(p.query), 3))
+
+
+def test_split_choice_fills_the_sms_within_bounds():
+    assert cuda.choose_num_splits(8, 4096, 128, 132) == 16  # 8 programs: 2*132/8 = 33, capped at 4096/256
+    assert cuda.choose_num_splits(16, 100_000, 128, 132) == 17
+    assert cuda.choose_num_splits(2, 1 << 20, 16, 132) == cuda.MAX_SPLITS
+    assert cuda.choose_num_splits(2048, 4096, 128, 132) == 1  # the batch alone fills the GPU
+    assert cuda.choose_num_splits(8, 100, 16, 132) == 1  # shorter than one split's minimum
+    rule = cuda.gpu_splits(num_sms=132, max_model_len=1024)
+    shape = tiling.AttentionShape(num_heads=16, num_kv_heads=8, head_dim=128, block_size=128)
+    assert [rule(tiling.PA, shape, b) for b in (1, 8, 32)] == [4, 4, 2]
+    with pytest.raises(ValueError, match="num_sms: expected a positive int"):
+        cuda.choose_num_splits(8, 4096, 128, 0)
+
+
+# ---------------------------------------------------------------- use_device_lengths on the model's graphs
+
+MAX_LEN = 96
+
+
+def splits_rule(kernel, shape, bucket):
+    """A split rule that differs per kernel and bucket, so each rewritten node shows its own."""
+    return {tiling.PA: 3, tiling.FIA: 2}[kernel] + (bucket >= 8)
+
+
+def device_length_model(model, capture_sizes, runtime):
+    """`torch.compile` through the backend's passes plus `use_device_lengths`, behind the runner."""
+    config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=capture_sizes, pa_max_batch=4)
+    artifacts = []
+
+    def backend_fn(gm, example_inputs):
+        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
+        apply_device_lengths(rewritten.graphs, splits_rule, None)
+        artifacts.append(CompiledArtifact(rewritten, runtime, config))
+        return artifacts[-1]
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend_fn), artifacts
+
+
+def test_device_length_graphs_match_the_model_over_changing_steps():
+    cfg = LlamaConfig(num_layers=2, num_blocks=256)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = device_length_model(model, (2, 4, 8), EagerRuntime(torch.device("cpu")))
+    batch = PagedBatch(cfg, seed=4)
+    rng = random.Random(0)
+    with torch.no_grad():
+        # (sequences, query tokens per sequence): decode steps, and mixed ones for b4.mixed and b8.decode (FIA)
+        for size, qlens in [(3, None), (4, None), (2, [1, 3]), (6, None), (8, None), (3, [2, 2, 3]), (7, None), (1, None)]:
+            lens = [rng.randint(3, MAX_LEN) for _ in range(size)]
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    stats = sum((a.stats for a in artifacts), start=collections.Counter())
+    assert stats["eager_fallbacks"] == 0 and stats["steps"] == 8
+    art = next(a for a in artifacts if a.rewritten.buckets == (2, 4, 8))  # the dynamic-shape graph
+    assert {str(k) for k in art.graphs} == {"b4.decode", "b4.mixed", "b8.decode"}
+    plan = art.describe()
+    kernels = {(g, k["kernel"], k["num_splits"], k["lengths"]) for g, d in plan["graphs"].items() for k in d["kernels"]}
+    assert ("b4.decode", tiling.PA, 3, "device") in kernels and ("b8.decode", tiling.FIA, 3, "device") in kernels
+    assert ("b4.mixed", tiling.FIA, 2, "device") in kernels
+    for gm in art.rewritten.graphs.values():
+        assert not any(is_op(n, op) for n in gm.graph.nodes for op in KERNEL_OPS)
+        assert _host_inputs(gm) == []  # no host lists left for the runner to pass
+    model_shape = tiling.AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+    expected = max(cuda.dev_workspace_nbytes(b, model_shape, splits_rule(k, model_shape, b))
+                   for b, k in ((2, tiling.PA), (4, tiling.PA), (2, tiling.FIA), (4, tiling.FIA), (8, tiling.FIA)))
+    assert art.rewritten.plan.slots["attn_workspace"].nbytes == expected
+
+
+def test_use_device_lengths_wires_the_graph_inputs():
+    cfg = LlamaConfig(num_layers=1)
+    graphs = []
+
+    def backend_fn(gm, example_inputs):
+        config = CompileConfig(max_model_len=64, capture_sizes=(4,))
+        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
+        graphs.append(rewritten.graphs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(build(cfg), backend=backend_fn)(**PagedBatch(cfg).step([3, 9]))
+    gm = next(iter(graphs[-1].values()))
+    host = [n.name for n in gm.graph.find_nodes(op="placeholder") if "ascend_host_of" in n.meta]
+    assert host  # select_kernels added host lists
+    (node,) = use_device_lengths(gm, splits_rule)
+    assert node.target is ops.paged_attention_dev.default
+    seq_lens = node.args[4]
+    assert isinstance(seq_lens, fx.Node) and seq_lens.meta["ascend_role"] == "seq_lens"
+    assert node.args[-1] == 3 and node.meta["ascend_kernel"]["num_splits"] == 3
+    left = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+    assert not left & set(host)
+
+
+def test_host_length_kernels_are_refused_by_a_runtime_without_task_updates():
+    class NoUpdates(SimRuntime):
+        needs_task_updates = False
+
+    cfg = LlamaConfig(num_layers=1, num_blocks=256)
+    config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=(4,))
+
+    def backend_fn(gm, example_inputs):
+        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4))
+        return CompiledArtifact(rewritten, NoUpdates(), config)
+
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend=backend_fn)
+    with torch.no_grad(), pytest.raises(CaptureError, match="takes host-side lengths"):
+        fn(**PagedBatch(cfg).step([3, 9]))
+
+
+def test_cuda_runtime_needs_cuda_tensors():
+    with pytest.raises(ValueError, match="runtime: the cuda runtime needs the graph's tensors on a CUDA device"):
+        create_runtime("cuda", torch.device("cpu"))
+    assert CompileConfig(runtime="cuda").runtime == "cuda"
+
+
+# ---------------------------------------------------------------- inner compiler
+
+
+def test_inductor_inner_graph_computes_what_the_bucket_graph_does():
+    cfg = LlamaConfig(num_layers=2, num_blocks=64)
+    model = build(cfg)
+    captured = []
+
+    def backend_fn(gm, example_inputs):
+        config = CompileConfig(max_model_len=64, capture_sizes=(4,))
+        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
+        apply_device_lengths(rewritten.graphs, splits_rule, None)
+        captured.append((rewritten, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend_fn)(**PagedBatch(cfg).step([3, 9, 40, 17]))
+    rewritten, args = captured[-1]
+    gm = rewritten.graphs[next(iter(rewritten.graphs))]
+    (ws_node,) = [n for n in gm.graph.nodes if is_op(n, ops.workspace)]
+    ws = torch.zeros(ws_node.args[0], dtype=torch.uint8)
+    inner = compile_inner(gm, "inductor")
+    assert gm.meta["ascend_inner"] is inner and inner.workspaces == (ws_node,)
+    with torch.no_grad():
+        expected = fx.Interpreter(gm).run(*args, initial_env={ws_node: ws})
+        got = inner(args, lambda node: ws)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert any(is_op(n, ops.paged_attention_dev) for n in gm.graph.nodes)  # the bucket graph keeps its nodes
+
+
+def test_inner_compiler_needs_a_runtime_without_task_updates():
+    cfg = LlamaConfig(num_layers=1)
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend="ascend_graph",
+                       options={"max_model_len": 64, "inner_compiler": "inductor", "runtime": "sim"})
+    with torch.no_grad(), pytest.raises(Exception, match="inner_compiler: 'inductor' compiles the graphs that runtime 'cuda'"):
+        fn(**PagedBatch(cfg).step([3, 4]))
