@@ -4,11 +4,12 @@ Two variants of the same weights: **plain** (attention in plain PyTorch: gather 
 blocks, masked SDPA, what a user without this project writes; decode only) and **op** (attention
 through `ascend.attention`). In one process, on identical inputs, for each batch: the median time
 of one decode step in eager, `torch.compile` (default) and `torch.compile(mode="reduce-overhead")`
-on both variants (all compiled with `dynamic=True`, as a server compiles for every batch), and `ascend_graph` with the eager and the inductor inner compiler on the op
-variant; the ratio of each to an HBM roofline (weights read once plus the KV actually attended,
-at `--hbm-gbps`); the largest absolute difference to eager of the same variant; and the first
-call's time (compile + capture). With CUDA, also a kernel benchmark: the PA and FIA kernels'
-achieved bandwidth at batch 64 x context 4096 against a device-to-device copy in the same run.
+on both variants (compiled with `dynamic=True`, as a server compiles one graph for every batch),
+and `ascend_graph` with the eager and the inductor inner compiler on the op variant; the ratio of
+each to an HBM roofline (weights read once plus the KV actually attended, at `--hbm-gbps`); the
+largest absolute difference to eager of the same variant; and the first call's time (compile +
+capture). With CUDA, also a kernel benchmark: the PA and FIA kernels' achieved bandwidth at batch
+64 x context 4096 against a device-to-device copy in the same run, for several split counts.
 
     python benchmarks/decode.py --preset tiny             # CPU, under a minute
     python benchmarks/decode.py --preset small --json out.json    # a GPU (H200-sized)
@@ -18,7 +19,9 @@ Modes a device cannot run (CUDA graphs on the CPU) are skipped with the reason p
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -118,8 +121,21 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes per second of a device-to-device copy of `nbytes` (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), device, iters=10)
+    seconds = time_loop(functools.partial(dst.copy_, src), device, iters=20)
     return 2 * nbytes / seconds
+
+
+def time_loop(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Seconds per call of `fn` over `iters` calls back to back (one synchronisation at each end):
+    a kernel's throughput, without the host's per-call synchronisation."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / iters
 
 
 def time_call(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 2) -> float:
@@ -149,20 +165,20 @@ def decode_steps(cfg: LlamaConfig, preset: Preset, device: torch.device) -> dict
     return steps
 
 
-def skip_reason(mode: str, device: torch.device) -> str | None:
-    """Why `mode` cannot run on `device`, or None."""
+def skip_reason(variant: str, mode: str, device: torch.device) -> str | None:
+    """Why `variant` in `mode` cannot run on `device`, or None."""
     if device.type != "cuda" and mode in ("reduce-overhead", "ascend_graph+inductor"):
         return "needs CUDA graphs (a CUDA device)"
-    if device.type == "cuda":
+    if device.type == "cuda" and variant == "op":
         try:
             import triton  # noqa: F401
         except ImportError:
-            return "needs triton for the CUDA kernels"
+            return "needs triton for the CUDA kernels of the ascend ops"
     return None
 
 
-def compiled(model: torch.nn.Module, mode: str, preset: Preset) -> Callable[..., Any]:
-    """`model` as `mode` runs it."""
+def compiled(model: torch.nn.Module, mode: str, preset: Preset, artifacts: list) -> Callable[..., Any]:
+    """`model` as `mode` runs it; `ascend_graph` modes append their compiled artifacts to `artifacts`."""
     torch._dynamo.reset()
     if mode == "eager":
         return model
@@ -172,29 +188,43 @@ def compiled(model: torch.nn.Module, mode: str, preset: Preset) -> Callable[...,
         return torch.compile(model, mode="reduce-overhead", dynamic=True)
     inner = "inductor" if mode == "ascend_graph+inductor" else "eager"
     backend = ascend_compile.backend(
-        max_model_len=preset.context, capture_sizes=preset.batches, inner_compiler=inner,
+        on_compiled=artifacts.append, max_model_len=preset.context, capture_sizes=preset.batches,
+        inner_compiler=inner,
     )
     return torch.compile(model, backend=backend, dynamic=True)
 
 
 def run_mode(model, mode, preset, steps, expected, bandwidth, device) -> list[dict[str, Any]]:
-    """Time `mode` at every batch; one result row per batch."""
-    fn = compiled(model, mode, preset)
+    """Time `mode` at every batch; one result row per batch. Rows of `ascend_graph` modes also
+    split a step's time into the runner's phases; rows of CUDA-graph modes note graphs inductor
+    declined to capture."""
+    artifacts: list = []
+    fn = compiled(model, mode, preset, artifacts)
+    counters = torch._dynamo.utils.counters["inductor"]
     rows = []
     with torch.no_grad():
         for batch in preset.batches:
             inputs = steps[batch]
+            skips = counters["cudagraph_skips"]
             start = time.perf_counter()
             out = fn(**inputs)
             synchronize(device)
             first = time.perf_counter() - start
             diff = (out.float() - expected[batch].float()).abs().max().item()
-            seconds = time_call(lambda: fn(**inputs), device, preset.iters)
+            before = sum((a.seconds for a in artifacts), start=collections.Counter())
+            seconds = time_call(functools.partial(fn, **inputs), device, preset.iters)
+            calls = preset.iters + 2  # time_call's warm-up calls included
+            phases = sum((a.seconds for a in artifacts), start=collections.Counter()) - before
             roofline = (weight_bytes(model, batch) + kv_bytes(preset.model, [preset.context] * batch)) / bandwidth
-            rows.append({
+            row = {
                 "batch": batch, "median_ms": seconds * 1e3, "roofline_ms": roofline * 1e3,
                 "x_roofline": seconds / roofline, "max_abs_diff": diff, "first_call_s": first,
-            })
+            }
+            if phases:
+                row["runner_ms"] = {k: v * 1e3 / calls for k, v in sorted(phases.items())}
+            if counters["cudagraph_skips"] > skips:
+                row["note"] = "inductor skipped CUDA graphs (see its warning)"
+            rows.append(row)
     return rows
 
 
@@ -219,16 +249,18 @@ def kernel_benchmark(preset: Preset, device: torch.device, batch: int = 64, cont
                                         cuda_ops.device_sm_count(device))
     result: dict[str, Any] = {"batch": batch, "context": context, "bytes": nbytes, "copy_gbps": copy / 1e9,
                               "chosen_splits": chosen, "kernels": []}
+    scale = cfg.head_dim**-0.5
     for splits in sorted({chosen, 1, 2, 4, 8}):
         ws = torch.empty(cuda_ops.dev_workspace_nbytes(batch, shape, splits), dtype=torch.uint8, device=device)
         calls = {
-            "PA": lambda: torch.ops.ascend.paged_attention_dev(
-                query, key_cache, value_cache, block_table, seq_lens, cfg.head_dim**-0.5, ws, out, splits),
-            "FIA": lambda: torch.ops.ascend.fused_infer_attention_dev(
-                query, key_cache, value_cache, block_table, start_loc, seq_lens, cfg.head_dim**-0.5, ws, out, splits),
+            "PA": functools.partial(torch.ops.ascend.paged_attention_dev,
+                                    query, key_cache, value_cache, block_table, seq_lens, scale, ws, out, splits),
+            "FIA": functools.partial(torch.ops.ascend.fused_infer_attention_dev,
+                                     query, key_cache, value_cache, block_table, start_loc, seq_lens, scale, ws, out,
+                                     splits),
         }
         for name, call in calls.items():
-            seconds = time_call(call, device, iters=20, warmup=3)
+            seconds = time_loop(call, device, iters=20)
             gbps = nbytes / seconds / 1e9
             result["kernels"].append({"kernel": name, "splits": splits, "ms": seconds * 1e3, "gbps": gbps,
                                       "of_copy": gbps / result["copy_gbps"]})
@@ -271,8 +303,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "median_ms" not in r:
             print(f"{r['variant']:7} {r['mode']:22} {'':>5} skipped: {r['skipped']}")
             continue
+        extra = " ".join(f"{k}={v:.3f}" for k, v in r.get("runner_ms", {}).items())
         print(f"{r['variant']:7} {r['mode']:22} {r['batch']:5d} {r['median_ms']:10.3f} {r['roofline_ms']:11.3f} "
-              f"{r['x_roofline']:7.2f} {r['max_abs_diff']:10.2e} {r['first_call_s']:8.2f}")
+              f"{r['x_roofline']:7.2f} {r['max_abs_diff']:10.2e} {r['first_call_s']:8.2f}"
+              + (f"  runner ms/step: {extra}" if extra else "") + (f"  ({r['note']})" if "note" in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,18 +365,20 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     expected: dict[str, dict[int, torch.Tensor]] = {}
     for variant in ("plain", "op"):
-        variant_modes = [m for v, m in modes if v == variant]
-        if not variant_modes:
+        runnable = []
+        for mode in [m for v, m in modes if v == variant]:
+            reason = skip_reason(variant, mode, device)
+            if reason is None:
+                runnable.append(mode)
+            else:
+                print(f"skipping {variant}/{mode}: {reason}")
+                rows.append({"variant": variant, "mode": mode, "skipped": reason})
+        if not runnable:
             continue
         model = build_variant(preset, variant)
         with torch.no_grad():
             expected[variant] = {b: model(**steps[b]).clone() for b in preset.batches}
-        for mode in variant_modes:
-            reason = skip_reason(mode, device)
-            if reason is not None:
-                print(f"skipping {variant}/{mode}: {reason}")
-                rows.append({"variant": variant, "mode": mode, "skipped": reason})
-                continue
+        for mode in runnable:
             print(f"running {variant}/{mode} ...", flush=True)
             for row in run_mode(model, mode, preset, steps, expected[variant], bandwidth, device):
                 rows.append({"variant": variant, "mode": mode, **row})
@@ -355,12 +391,13 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     kernels = None
-    if args.no_kernel_bench:
-        pass
-    elif device.type != "cuda":
-        print("skipping the kernel benchmark: the Triton kernels need a CUDA device")
-    else:
+    reason = "--no-kernel-bench" if args.no_kernel_bench else skip_reason("op", "kernels", device)
+    if device.type != "cuda":
+        reason = reason or "the Triton kernels need a CUDA device"
+    if reason is None:
         kernels = kernel_benchmark(preset, device)
+    else:
+        print(f"skipping the kernel benchmark: {reason}")
 
     print()
     print_table(rows)

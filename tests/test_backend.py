@@ -243,3 +243,16 @@ def test_wrong_metadata_dtype_fails_at_trace_time():
     with pytest.raises(Exception, match="seq_lens: expected dtype torch.int32"):
         with torch.no_grad():
             fn(**inputs)
+
+
+def test_inference_mode_steps_match_eager():
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    batch = PagedBatch(cfg, seed=3)
+    rng = random.Random(3)
+    with torch.inference_mode():
+        for size in (3, 6, 8, 5, 2):
+            inputs = random_step(rng, batch, size)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert artifacts[-1].stats["replays"] >= 3

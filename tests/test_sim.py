@@ -184,6 +184,25 @@ def test_replay_may_write_inference_mode_tensors_outside_inference_mode() -> Non
     assert torch.equal(cache, torch.full((4,), 2.0))
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_maybe_view_ops_that_copy_are_recorded(grad_mode) -> None:
+    """reshape/contiguous of a non-contiguous tensor copy; under inference mode the simulator sees
+    them whole, with an aliasing schema, and must still record them as tasks."""
+    rt = SimRuntime()
+    with grad_mode():
+        x = rt.empty((4, 6), torch.float32)
+        x.copy_(torch.randn(4, 6))
+        graph = rt.graph()
+        with graph.capture():
+            y = x.t().reshape(24) * 2
+            z = x.t().contiguous() + 1
+        x.copy_(torch.randn(4, 6))
+        graph.replay()
+        rt.synchronize()
+        torch.testing.assert_close(y, x.t().reshape(24) * 2)
+        torch.testing.assert_close(z, x.t() + 1)
+
+
 def test_replay_runs_at_synchronize() -> None:
     rt = _rt()
     x = _static(rt, torch.ones(4))

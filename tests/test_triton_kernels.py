@@ -1,12 +1,15 @@
 """The CUDA path on the CPU: the Triton kernels through Triton's interpreter against the reference,
 the device-length ops' reference kernels, and `use_device_lengths` on the example model's graphs.
 
-The kernel tests load a private copy of `ops/cuda_triton.py` with `TRITON_INTERPRET=1`, so the
-kernels run on CPU tensors; they skip when triton (or numpy, which its interpreter needs) is missing.
+Without CUDA, tests/conftest.py sets `TRITON_INTERPRET=1` before triton is imported, so the kernel
+tests run the kernels on CPU tensors; with CUDA they run them compiled, on the GPU. They skip when
+triton (or numpy, which its interpreter needs) is missing. One more test compiles the kernels for
+Hopper on the CPU (Triton ships its own ptxas) to catch what the interpreter does not check.
 """
 from __future__ import annotations
 
 import collections
+import importlib
 import os
 import random
 import subprocess
@@ -35,8 +38,7 @@ from examples.llama import LlamaConfig, PagedBatch, build
 from tests.helpers import TOLERANCE, make_problem
 
 ops = torch.ops.ascend
-
-
+backend_mod = importlib.import_module("ascend_compile.backend")  # the module, not the function it exports
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,9 +49,7 @@ def kernels() -> ModuleType:
     if DEVICE.type == "cpu":
         pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
     pytest.importorskip("triton", reason="the Triton kernel tests need triton")
-    from triton import knobs
-
-    if DEVICE.type == "cpu" and not knobs.runtime.interpret:
+    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET is not 1, and there is no GPU to run the Triton kernels on")
     from ascend_compile.ops import cuda_triton
 
@@ -120,7 +120,8 @@ def test_triton_bf16_matches_reference_op(kernels):
     expected = torch.empty_like(p.query)
     ops.paged_attention_dev(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, p.scale, ws, expected, 2)
     out = run_triton(kernels, p, 2, decode=True)
-    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=1e-2)
+    # on a GPU the kernel multiplies bfloat16 probabilities by the values, as flash attention does
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_triton_one_launch_serves_every_length(kernels):
@@ -153,7 +154,7 @@ def test_triton_reshape_and_cache_skips_padding_slots(kernels):
 #: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
 #: without a GPU); prints the spilled bytes (cuobjdump's STACK) of each variant, or -1 without cuobjdump.
 COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
+import os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -184,6 +185,9 @@ for dt in ("bf16", "fp32"):
                       BLOCK_Q=1 if decode else ct.tile_tokens(2), BLOCK_M=16, DECODE=decode, DIRECT=False,
                       PRECISION="ieee" if dt == "fp32" else "tf32", DOT_FP32=False)
         print("split", dt, "decode" if decode else "fia", build(ct._split_kernel, types, consts))
+        # the JIT turns int arguments equal to 1 into constants: one sequence, one split, block table stride 1
+        ones = dict(consts, num_seqs=1, num_splits=1, stride_bt=1, DIRECT=True)
+        print("split-ones", dt, "decode" if decode else "fia", build(ct._split_kernel, types, ones))
     print("reduce", dt, build(ct._reduce_kernel, {"workspace": "*fp32", "out": "*" + dt},
                                 dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=8)))
     print("cache", dt, build(ct._cache_write_kernel,
@@ -192,6 +196,7 @@ for dt in ("bf16", "fp32"):
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled and run for real")
 def test_triton_kernels_compile_for_hopper_without_spills():
     pytest.importorskip("triton", reason="needs triton")
     pytest.importorskip("triton.compiler", reason="needs triton's compiler API")
@@ -202,7 +207,7 @@ def test_triton_kernels_compile_for_hopper_without_spills():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split() for line in result.stdout.splitlines()]
-    assert len(lines) == 8
+    assert len(lines) == 12
     assert all(int(spill) <= 0 for *_, spill in lines), result.stdout  # no stack: nothing spilled
 
 
@@ -377,31 +382,34 @@ def test_cuda_runtime_needs_cuda_tensors():
 # ---------------------------------------------------------------- inner compiler
 
 
-def test_inductor_inner_graph_computes_what_the_bucket_graph_does():
+def test_inductor_inner_graph_matches_the_model_from_inside_a_compiled_frame():
+    """The runner calls the inner graph from the model's compiled frame, where dynamo compiles nothing."""
     cfg = LlamaConfig(num_layers=2, num_blocks=64)
-    model = build(cfg)
-    captured = []
+    model, reference = build(cfg), build(cfg)
+    graphs = []
 
     def backend_fn(gm, example_inputs):
         config = CompileConfig(max_model_len=64, capture_sizes=(4,))
         rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
         apply_device_lengths(rewritten.graphs, splits_rule, None)
-        captured.append((rewritten, example_inputs))
-        return gm.forward
+        gm4 = rewritten.graphs[next(iter(rewritten.graphs))]
+        graphs.append(gm4)
+        inner = compile_inner(gm4, "inductor")
+        (ws_node,) = inner.workspaces
+        workspace = torch.zeros(ws_node.args[0], dtype=torch.uint8)
+        return lambda *args: inner(args, lambda node: workspace)
 
     torch._dynamo.reset()
+    fn = torch.compile(model, backend=backend_fn)
+    batch = PagedBatch(cfg, seed=2)
     with torch.no_grad():
-        torch.compile(model, backend=backend_fn)(**PagedBatch(cfg).step([3, 9, 40, 17]))
-    rewritten, args = captured[-1]
-    gm = rewritten.graphs[next(iter(rewritten.graphs))]
-    (ws_node,) = [n for n in gm.graph.nodes if is_op(n, ops.workspace)]
-    ws = torch.zeros(ws_node.args[0], dtype=torch.uint8)
-    inner = compile_inner(gm, "inductor")
-    assert gm.meta["ascend_inner"] is inner and inner.workspaces == (ws_node,)
-    with torch.no_grad():
-        expected = fx.Interpreter(gm).run(*args, initial_env={ws_node: ws})
-        got = inner(args, lambda node: ws)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        # 3 sequences: a static graph (its bucket is 3); then 4: a dynamic one, bucket 4 (no padding either
+        # way), replayed with other lengths (block tables 3 wide throughout)
+        for lens in ([3, 9, 40], [3, 9, 40, 17], [33, 1, 2, 47]):
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert len(graphs) == 2 and all(g.meta["ascend_inner"].compiled is not None for g in graphs)
+    gm = graphs[-1]
     assert any(is_op(n, ops.paged_attention_dev) for n in gm.graph.nodes)  # the bucket graph keeps its nodes
 
 
@@ -412,3 +420,36 @@ def test_inner_compiler_needs_a_runtime_without_task_updates():
                        options={"max_model_len": 64, "inner_compiler": "inductor", "runtime": "sim"})
     with torch.no_grad(), pytest.raises(Exception, match="inner_compiler: 'inductor' compiles the graphs that runtime 'cuda'"):
         fn(**PagedBatch(cfg).step([3, 4]))
+
+
+def test_backend_rewrites_to_device_lengths_for_the_cuda_runtime(monkeypatch):
+    """compile_graph's CUDA path, on the CPU: a stand-in runtime named "cuda" (no graphs)."""
+
+    class CpuStandIn(EagerRuntime):
+        name = "cuda"
+        num_sms = 64
+
+    monkeypatch.setattr(backend_mod, "create_runtime", lambda name, device, overflow: CpuStandIn(device))
+    cfg = LlamaConfig(num_layers=2, num_blocks=600)
+    model, reference = build(cfg), build(cfg)
+    config = CompileConfig(max_model_len=1024, capture_sizes=(4, 8), pa_max_batch=4)
+    artifacts = []
+
+    def backend_fn(gm, example_inputs):
+        artifacts.append(backend_mod.compile_graph(gm, example_inputs, config))
+        return artifacts[-1]
+
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=backend_fn)
+    batch = PagedBatch(cfg, seed=5)
+    with torch.no_grad():
+        for size in (3, 6, 2, 8):
+            inputs = batch.step([1000 - 90 * i for i in range(size)])
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    art = artifacts[-1]
+    kernels = {k: g["kernels"][0] for k, g in art.describe()["graphs"].items()}
+    # 4 sequences x 2 KV heads = 8 programs want 16 splits for 64 SMs; 1024 / 256 tokens allow 4
+    assert kernels["b4.decode"]["num_splits"] == 4 and kernels["b8.decode"]["num_splits"] == 4
+    assert all(k["lengths"] == "device" for k in kernels.values())
+    shape = tiling.AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
+    assert art.rewritten.plan.slots["attn_workspace"].nbytes == cuda.dev_workspace_nbytes(8, shape, 4)

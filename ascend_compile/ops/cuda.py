@@ -8,7 +8,8 @@ lengths from device buffers instead and a captured graph stays correct for every
 - `ascend.fused_infer_attention_dev(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits)`
 
 `seq_lens [B]` and `query_start_loc [B+1]` are int32 device tensors with the meaning they have in
-`ascend.attention`. `num_splits`, the split-K factor, is fixed on the host per bucket graph, so the
+`ascend.attention` (the reference kernels check their values; the CUDA kernels cannot without a
+host sync, so there `query_start_loc[B]` must be T and lengths must fit the block table). `num_splits`, the split-K factor, is fixed on the host per bucket graph, so the
 workspace is fixed too: `dev_workspace_nbytes` (no workspace with one split).
 
 Their default kernels (CPU and any other device) are the reference split-K kernels with that split

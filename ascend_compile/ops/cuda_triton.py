@@ -11,7 +11,8 @@ what a captured CUDA graph needs:
 - the split kernel runs one program per (query tile, KV head, split). A query tile holds
   `BLOCK_Q` query tokens of one sequence and, for each, the `GROUP` query heads sharing the KV
   head, so each KV block is read once for all of them (GQA); decode (PA) tiles hold one token.
-  Each split covers an equal share of the sequence's KV blocks, walked with an online softmax.
+  Each split covers an equal share of the sequence's keys, walked `KEY_TILE` keys at a time (each
+  key's block looked up in the block table, so any block size works) with an online softmax.
   With one split the program writes the output directly; otherwise it writes its normalised
   partial output and log-sum-exp (base 2) to the workspace;
 - the reduce kernel combines the splits of each (token, head) from the workspace.
@@ -52,7 +53,7 @@ def _sequence_of_tile(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _split_kernel(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out,
-    scale_log2, num_seqs, num_tokens, num_splits, block_size,
+    scale_log2, num_seqs, lse_base, num_splits, block_size,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -147,13 +148,12 @@ def _split_kernel(
             record = (token.to(tl.int64) * num_splits + split) * NUM_HEADS + head
             tl.store(workspace + record[:, None] * HEAD_DIM + dims[None, :], result, mask=store_ok)
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            lse_base = num_tokens.to(tl.int64) * num_splits * NUM_HEADS * HEAD_DIM
             tl.store(workspace + lse_base + record, lse, mask=row_ok)
 
 
 @triton.jit
 def _reduce_kernel(
-    workspace, out, num_tokens, num_splits,
+    workspace, out, lse_base, num_splits,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
@@ -164,7 +164,6 @@ def _reduce_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     record = (token * num_splits + splits) * NUM_HEADS + head
-    lse_base = num_tokens.to(tl.int64) * num_splits * NUM_HEADS * HEAD_DIM
     lse = tl.load(workspace + lse_base + record, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -223,13 +222,15 @@ def attention_dev(
     """Split-K paged attention into `out`, lengths read on the device; no host synchronisation.
 
     `query_start_loc None` is decode (PA): token i is sequence i's only query token. Otherwise
-    (FIA) each sequence's query tokens are the last ones of its sequence, causal among them.
-    Arguments are checked by the caller (`ops/cuda.py`); `workspace` holds the split partials.
+    (FIA) each sequence's query tokens are the last ones of its sequence, causal among them, and
+    `query_start_loc[B]` must be T (tokens outside every sequence are not written: checking it
+    would need the offsets on the host). Arguments are checked by the caller (`ops/cuda.py`).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_tokens == 0:
+    if num_tokens == 0 or num_seqs == 0:
+        out.zero_()
         return
     group = num_heads // num_kv_heads
     decode = query_start_loc is None
@@ -237,6 +238,7 @@ def attention_dev(
     block_m = max(TILE_ROWS, triton.next_power_of_2(block_q * group))
     tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     direct = num_splits == 1
+    lse_base = num_tokens * num_splits * num_heads * head_dim  # where the log-sum-exps start (floats)
     partials = workspace.view(torch.float32) if not direct else out
     # Triton's interpreter (CPU tensors) multiplies bfloat16 operands wrongly: upcast there.
     dot_fp32 = query.device.type == "cpu"
@@ -244,7 +246,7 @@ def attention_dev(
     _split_kernel[(tiles, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_table, seq_lens,
         seq_lens if decode else query_start_loc, partials, out,
-        scale * LOG2E, num_seqs, num_tokens, num_splits, block_size,
+        scale * LOG2E, num_seqs, lse_base, num_splits, block_size,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -254,7 +256,7 @@ def attention_dev(
     )
     if not direct:
         _reduce_kernel[(num_tokens, num_heads)](
-            partials, out, num_tokens, num_splits, *out.stride(),
+            partials, out, lse_base, num_splits, *out.stride(),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_S=max(2, triton.next_power_of_2(num_splits)),

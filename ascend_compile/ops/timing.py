@@ -1,11 +1,13 @@
-"""Time the attention kernels on a device, for the `auto` kernel policy."""
+"""Time the attention kernels on a device, for the `auto` kernel policy (on CUDA, the device-length
+ops that CUDA graphs run)."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
-from . import tiling
+from . import cuda, tiling
 
 
 def time_kernel(
@@ -28,18 +30,20 @@ def time_kernel(
     query = torch.randn(batch, shape.num_heads, shape.head_dim, generator=gen).to(device=device, dtype=dtype)
     lens = [seq_len] * batch
     out = torch.empty_like(query)
-    workspace = torch.empty(tiling.workspace_nbytes(kernel, shape, lens), dtype=torch.uint8, device=device)
     scale = shape.head_dim**-0.5
-    if kernel == tiling.PA:
-        def call() -> None:
-            torch.ops.ascend.paged_attention(query, key_cache, value_cache, block_table, lens, scale, workspace, out)
+    if device.type == "cuda":
+        call = _device_length_call(kernel, shape, query, key_cache, value_cache, block_table, seq_len, scale, out)
     else:
+        workspace = torch.empty(tiling.workspace_nbytes(kernel, shape, lens), dtype=torch.uint8, device=device)
         ends = list(range(1, batch + 1))
 
         def call() -> None:
-            torch.ops.ascend.fused_infer_attention(
-                query, key_cache, value_cache, block_table, ends, lens, scale, workspace, out
-            )
+            if kernel == tiling.PA:
+                torch.ops.ascend.paged_attention(query, key_cache, value_cache, block_table, lens, scale, workspace, out)
+            else:
+                torch.ops.ascend.fused_infer_attention(
+                    query, key_cache, value_cache, block_table, ends, lens, scale, workspace, out
+                )
     call()
     times = []
     for _ in range(repeats):
@@ -51,3 +55,30 @@ def time_kernel(
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _device_length_call(
+    kernel: str,
+    shape: tiling.AttentionShape,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> Callable[[], None]:
+    """On CUDA, one call of the device-length op that CUDA graphs run for `kernel` (its Triton
+    kernel), split for `seq_len` as bucket graphs are split for `max_model_len`."""
+    batch, device = query.shape[0], query.device
+    splits = cuda.choose_num_splits(batch * shape.num_kv_heads, seq_len, shape.block_size, cuda.device_sm_count(device))
+    workspace = torch.empty(cuda.dev_workspace_nbytes(batch, shape, splits), dtype=torch.uint8, device=device)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    if kernel == tiling.PA:
+        return lambda: torch.ops.ascend.paged_attention_dev(
+            query, key_cache, value_cache, block_table, seq_lens, scale, workspace, out, splits
+        )
+    start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return lambda: torch.ops.ascend.fused_infer_attention_dev(
+        query, key_cache, value_cache, block_table, start_loc, seq_lens, scale, workspace, out, splits
+    )

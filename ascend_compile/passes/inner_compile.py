@@ -5,12 +5,11 @@ a copy whose workspace nodes became inputs, so the compiled code takes the compi
 workspace slots instead of allocating its own. The attention and cache ops are custom ops, so
 inductor keeps each as one call and fuses the ops around them (norms, rotary embeddings, SwiGLU).
 Compilation happens on the first call, which lowering makes before capturing (`DeviceGraph.warmup`),
-with the bucket's static shapes. The result is kept in `gm.meta[INNER_KEY]`, where
+with the bucket's static shapes and buffers. The result is kept in `gm.meta[INNER_KEY]`, where
 `lowering/capture.py` finds it; only runtimes whose kernels need no task updates (CUDA) run it.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,22 +21,35 @@ from .fx_utils import is_op
 INNER_KEY = "ascend_inner"
 
 
-@dataclasses.dataclass(frozen=True)
 class InnerCompiled:
-    """A bucket graph compiled by `compiler`: called with the graph's arguments, it returns its outputs."""
+    """A bucket graph compiled by `compiler`: called with the graph's arguments, it returns its outputs.
 
-    compiler: str
-    compiled: Callable[..., Any]  # takes the graph's arguments, then one tensor per workspace node
-    workspaces: tuple[fx.Node, ...]  # the bucket graph's workspace nodes, in that order
+    The compiler runs on the first call, on that call's arguments (static shapes), through
+    `torch._inductor.compile` rather than `torch.compile`: the runner is called from inside the
+    model's compiled frame, where dynamo does not compile again.
+    """
+
+    def __init__(self, compiler: str, module: fx.GraphModule, workspaces: Sequence[fx.Node]) -> None:
+        if compiler != "inductor":
+            raise ValueError(f"inner_compiler: expected 'inductor', got {compiler!r}")
+        self.compiler = compiler
+        self.module = module  # the bucket graph, taking one tensor per workspace node after its arguments
+        self.workspaces = tuple(workspaces)  # the bucket graph's workspace nodes, in that order
+        self.compiled: Callable[..., Any] | None = None
 
     def __call__(self, args: Sequence[Any], workspace_for: Callable[[fx.Node], torch.Tensor]) -> Any:
-        """Run the compiled graph; `workspace_for` gives the tensor of each workspace node."""
-        return self.compiled(*args, *(workspace_for(n) for n in self.workspaces))
+        """Run the compiled graph (compiling it first); `workspace_for` gives each workspace node's tensor."""
+        inputs = [*args, *(workspace_for(n) for n in self.workspaces)]
+        with torch.no_grad():
+            if self.compiled is None:
+                from torch._inductor import compile as inductor_compile
+
+                self.compiled = inductor_compile(self.module, inputs)
+            return self.compiled(*inputs)
 
 
 def compile_inner(gm: fx.GraphModule, compiler: str) -> InnerCompiled:
-    """Attach to `gm` (in `gm.meta[INNER_KEY]`) its compiled form, built on first call by
-    `torch.compile(backend=compiler)` with static shapes and no graph breaks."""
+    """Attach to `gm` (in `gm.meta[INNER_KEY]`) its form for `compiler`, compiled on first call."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -52,8 +64,6 @@ def compile_inner(gm: fx.GraphModule, compiler: str) -> InnerCompiled:
         elif node not in env:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(fx.node.map_arg(output.args[0], env.__getitem__))
-    module = fx.GraphModule(gm, graph)
-    compiled = torch.compile(module, backend=compiler, dynamic=False, fullgraph=True)
-    inner = InnerCompiled(compiler, compiled, tuple(workspaces))
+    inner = InnerCompiled(compiler, fx.GraphModule(gm, graph), workspaces)
     gm.meta[INNER_KEY] = inner
     return inner

@@ -77,6 +77,12 @@ def _syncs_host(func: torch._ops.OpOverload) -> bool:
     return torch.Tag.data_dependent_output in func.tags or func.overloadpacket in _DATA_DEPENDENT_SHAPE
 
 
+def _aliases_inputs(result: Any, args: Any, kwargs: Any) -> bool:
+    """True when every tensor `result` holds shares storage with a tensor operand."""
+    inputs = {_storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    return all(_storage_id(t) in inputs for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
+
+
 def _is_cpu_dense(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.layout == torch.strided
 
@@ -319,7 +325,11 @@ class _CaptureMode(TorchDispatchMode):
                 f"synchronisation: move it out of the captured region"
             )
         if _is_view(func):
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            if _aliases_inputs(result, args, kwargs):
+                return result
+            # A "maybe view" op (reshape, contiguous, ... seen whole under inference mode) that
+            # copied: it launches a kernel, so it is recorded like any other op.
         label = f"{self.graph.name} task {len(self.graph._tasks)} ({func})"
         frozen_args, frozen_kwargs = pytree.tree_map(rt._describe, (args, kwargs))
         result = rt._launch(func, args, kwargs, label)
