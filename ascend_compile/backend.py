@@ -24,7 +24,7 @@ from .passes.inner_compile import compile_inner
 from .passes.pipeline import rewrite_buckets
 from .passes.probe import ProbedWorkspaceNeed
 from .passes.select_kernels import KernelPolicy
-from .passes.workspaces import node_need
+from .passes.workspaces import NeedFn, node_need
 from .runtime import create_runtime
 from .runtime.base import Runtime
 
@@ -73,10 +73,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     runtime = create_runtime(config.runtime, device, config.sim_overflow)
     _check_inner_compiler(config, runtime)
     splits = _device_length_splits(runtime, config)
-    need_fn = node_need if splits is None else fixed_split_need(splits)
-    if runtime.name == "npu":
-        need_fn = _npu_workspace_need(runtime, gm, config)
-    rewritten = rewrite_buckets(gm, config, kernel_policy(config, gm, device, runtime), need_fn)
+    rewritten = rewrite_buckets(
+        gm, config, kernel_policy(config, gm, device, runtime), _workspace_need(runtime, gm, config, splits)
+    )
     if splits is not None:
         apply_device_lengths(rewritten.graphs, splits, rewritten.graph_dir)
     if config.inner_compiler != "eager":
@@ -100,6 +99,14 @@ def _device_length_splits(runtime: Runtime, config: CompileConfig) -> SplitsFn |
     if runtime.name != "cuda" or config.max_model_len is None:
         return None
     return gpu_splits(runtime.num_sms, config.max_model_len)
+
+
+def _workspace_need(runtime: Runtime, gm: fx.GraphModule, config: CompileConfig, splits: SplitsFn | None) -> NeedFn:
+    """How workspaces are sized: torch_npu's queries on "npu", the fixed-split formula of the
+    device-length kernels on "cuda", else the exact formula scan."""
+    if runtime.name == "npu":
+        return _npu_workspace_need(runtime, gm, config)
+    return node_need if splits is None else fixed_split_need(splits)
 
 
 def _npu_workspace_need(runtime: Runtime, gm: fx.GraphModule, config: CompileConfig) -> ProbedWorkspaceNeed:
