@@ -233,34 +233,11 @@ def _attention_cuda(
     return out
 
 
-def check_cache_write(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """The checks of `reshape_and_cache` that read no device data: shapes, dtypes, devices."""
-    if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"key/value: expected two [T, KVH, D] tensors of one shape, got {tuple(key.shape)} and {tuple(value.shape)}")
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.shape[2:] != key.shape[1:]:
-        raise ValueError(
-            f"key_cache/value_cache: expected [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
-            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != key.dtype:
-            raise ValueError(f"{name}: expected dtype {key.dtype} (the key's), got {t.dtype}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
-        raise ValueError(
-            f"slot_mapping: expected a [{key.shape[0]}] torch.int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
-        )
-    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
-        if t.device != key.device:
-            raise ValueError(f"{name}: expected device {key.device} (the key's), got {t.device}")
-
-
 @torch.library.register_kernel("ascend::reshape_and_cache", "cuda")
 def _reshape_and_cache_cuda(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """`reshape_and_cache` on CUDA without a host sync: slot -1 is skipped, and so is any slot
     outside the cache (the reference raises for those, which needs the slots on the host)."""
-    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     _triton().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())

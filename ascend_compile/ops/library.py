@@ -215,10 +215,10 @@ def reshape_and_cache(
     value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid]
 
 
-def check_reshape_and_cache(
+def check_cache_write(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Shapes, dtypes and the lower bound of slots for `reshape_and_cache`."""
+    """The checks of `reshape_and_cache` that read no device data: shapes, dtypes, devices."""
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key/value: expected two [T, KVH, D] tensors of one shape, got {tuple(key.shape)} and {tuple(value.shape)}")
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.shape[2:] != key.shape[1:]:
@@ -226,13 +226,23 @@ def check_reshape_and_cache(
             f"key_cache/value_cache: expected [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dtype != key.dtype:
-            raise ValueError(f"{name}: expected dtype {key.dtype} (the key's), got {cache.dtype}")
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype != key.dtype:
+            raise ValueError(f"{name}: expected dtype {key.dtype} (the key's), got {t.dtype}")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
         raise ValueError(
             f"slot_mapping: expected a [{key.shape[0]}] torch.int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
+    for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        if t.device != key.device:
+            raise ValueError(f"{name}: expected device {key.device} (the key's), got {t.device}")
+
+
+def check_reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """All checks of `reshape_and_cache`: `check_cache_write` and the lower bound of the slots."""
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     if slot_mapping.numel() and int(slot_mapping.min()) < -1:
         raise ValueError(f"slot_mapping: expected slots >= 0 or -1 (skip), got {int(slot_mapping.min())}")
 
