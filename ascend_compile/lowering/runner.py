@@ -128,13 +128,17 @@ class BucketGraph:
         moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
         return moved + [names[i] for i, v in self.scalars.items() if step_args[i].item() != v]
 
+    def copy_in(self, step: Step) -> None:
+        """The step's inputs into the static buffers, padded by role."""
+        for spec in self.artifact.signature.inputs:
+            if spec.index in self.buffers:
+                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+
     def run(self, step: Step) -> Any:
         art = self.artifact
         seconds = art.seconds
         t0 = time.perf_counter()
-        for spec in art.signature.inputs:
-            if spec.index in self.buffers:
-                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+        self.copy_in(step)
         t1 = time.perf_counter()
         self.graph.replay()
         art.stats["updates"] += self.table.apply(art.runtime, lambda src, kind: step.host[(src, kind)])
@@ -150,9 +154,7 @@ class BucketGraph:
     def run_eager(self, step: Step) -> Any:
         """Run the bucket graph directly (a runtime without graphs), workspaces from the artifact."""
         art = self.artifact
-        for spec in art.signature.inputs:
-            if spec.index in self.buffers:
-                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+        self.copy_in(step)
         host = [step.host[(src, kind)] for src, kind in self.host_inputs]
         env_ws = {n: art.workspace_for(n) for n in self.gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
         return fx.Interpreter(self.gm).run(*self.graph_args(step.args), *host, initial_env=env_ws)
