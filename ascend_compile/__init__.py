@@ -2,9 +2,14 @@
 
 Public API: `backend`, `CompileConfig`, `register_attention_op`, and the op library `ops`.
 """
+from torch._logging._internal import register_log
+
 from . import ops
 from .backend import backend
 from .config import CompileConfig
 from .passes.find_attention import register_attention_op
 
 __all__ = ["backend", "CompileConfig", "register_attention_op", "ops"]
+
+# `TORCH_LOGS="ascend_compile"` (or "+ascend_compile" for debug) turns on this package's logs.
+register_log("ascend_compile", "ascend_compile")

@@ -105,6 +105,7 @@ def rewrite_buckets(
         decode_graph = clone_graph_module(gm)
         choices = select_kernels(decode_graph, bucket, policy, decode=True)
         graphs[GraphKey(bucket, True)] = decode_graph
+        log.debug("ascend_compile: bucket %d decode steps: %s", bucket, choices[0].reason)
         if any(c.kernel == PA for c in choices):
             mixed_graph = clone_graph_module(gm)
             select_kernels(mixed_graph, bucket, policy, decode=False)
