@@ -256,3 +256,35 @@ def test_inference_mode_steps_match_eager():
             inputs = random_step(rng, batch, size)
             torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
     assert artifacts[-1].stats["replays"] >= 3
+
+
+class WritesIntoCallerBuffer(torch.nn.Module):
+    """The example model, also writing its logits into a buffer the caller passes (vLLM-style)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, logits_out, **inputs):
+        logits = self.model(**inputs)
+        logits_out.copy_(logits)
+        return logits
+
+
+@pytest.mark.parametrize("runtime", ["sim", "eager"])
+def test_inputs_the_graph_writes_into_are_copied_back(runtime):
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, artifacts = compiled_model(WritesIntoCallerBuffer(build(cfg)), max_model_len=MAX_LEN, capture_sizes=(8,),
+                                   runtime=runtime)
+    reference = build(cfg)
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for size in (3, 6, 5):
+            inputs = random_step(rng, batch, size)
+            buffer = torch.zeros(size, cfg.vocab_size)
+            fn(buffer, **inputs)
+            torch.testing.assert_close(buffer, reference(**inputs), atol=2e-5, rtol=1e-4)
+    mutated = {s.name: s.role.value for s in artifacts[-1].signature.inputs if s.mutated}
+    assert mutated.pop("l_logits_out_") == "batch"
+    assert sorted(mutated.values()) == ["kv_cache", "kv_cache"]  # written in place, never copied

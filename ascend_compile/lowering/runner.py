@@ -134,6 +134,13 @@ class BucketGraph:
             if spec.index in self.buffers:
                 copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
 
+    def copy_back(self, step: Step) -> None:
+        """What the graph wrote into copied inputs, back into the caller's tensors (unpadded)."""
+        for spec in self.artifact.signature.inputs:
+            if spec.mutated and spec.index in self.buffers:
+                value = step.args[spec.index]
+                value.copy_(self.buffers[spec.index][tuple(slice(0, n) for n in value.shape)])
+
     def run(self, step: Step) -> Any:
         art = self.artifact
         seconds = art.seconds
@@ -210,8 +217,10 @@ class CompiledArtifact:
         step.host = {(src, kind): host_value(step, src, kind, bucket, graph.num_seqs) for src, kind in graph.host_inputs}
         if not self.runtime.supports_graphs:
             outputs = graph.run_eager(step)
+            graph.copy_back(step)
             return _unpad(outputs, self.signature.outputs, step.symbols, clone=False)
         outputs = graph.run(step)
+        graph.copy_back(step)
         return _unpad(outputs, self.signature.outputs, step.symbols, clone=self.config.clone_outputs)
 
     def _graph(self, key: GraphKey, args: Sequence[Any]) -> BucketGraph:

@@ -64,7 +64,8 @@ class RewrittenGraphs:
             "block_size": self.block_size,
             "max_blocks": self.max_blocks,
             "inputs": [
-                {"index": s.index, "name": s.name, "role": s.role.value, "shape": None if s.shape is None else [str(d) for d in s.shape]}
+                {"index": s.index, "name": s.name, "role": s.role.value, "mutated": s.mutated,
+                 "shape": None if s.shape is None else [str(d) for d in s.shape]}
                 for s in self.signature.inputs
             ],
             "graphs": graphs,

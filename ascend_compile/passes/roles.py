@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from typing import Any, Sequence
 
 import sympy
@@ -53,6 +54,7 @@ class InputSpec:
     role: Role
     shape: tuple[Any, ...] | None
     expr: Any = None  # the size expression of a SymInt input
+    mutated: bool = False  # the graph writes into it (the runner copies it back after the step)
 
     @property
     def dynamic(self) -> bool:
@@ -150,9 +152,33 @@ def _role_of_value(node: fx.Node, value: Any, shape: tuple | None) -> Role:
     return Role.STATIC
 
 
+def _mutated_placeholders(gm: fx.GraphModule) -> set[str]:
+    """Names of the inputs the graph writes into: in-place methods, item assignment, mutating ops, out=."""
+    written: set[str] = set()
+
+    def mark(value: Any) -> None:
+        if isinstance(value, fx.Node) and value.op == "placeholder":
+            written.add(value.name)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+            mark(node.args[0])
+        elif node.op == "call_function":
+            if node.target is operator.setitem:
+                mark(node.args[0])
+            schema = getattr(node.target, "_schema", None) or getattr(getattr(node.target, "default", None), "_schema", None)
+            if schema is not None:
+                for i, arg in enumerate(schema.arguments):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        mark(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+        mark(node.kwargs.get("out"))
+    return written
+
+
 def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> GraphSignature:
     """Give each placeholder a role (recorded as `meta["ascend_role"]`) and describe the graph's sizes."""
     roles = _role_of_uses(gm, attention)
+    mutated = _mutated_placeholders(gm)
     inputs = []
     for index, node in enumerate(placeholders(gm)):
         value = example_value(node)
@@ -162,7 +188,7 @@ def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> GraphSigna
         if role is None:
             role = _role_of_value(node, value, shape)
         node.meta["ascend_role"] = role.value
-        inputs.append(InputSpec(index=index, name=node.name, role=role, shape=shape, expr=expr))
+        inputs.append(InputSpec(index, node.name, role, shape, expr, mutated=node.name in mutated))
 
     sources, kinds = _symbols(inputs)
     first = AttentionArgs.of(attention[0])
