@@ -278,3 +278,11 @@ def test_workspace_nbytes_is_a_sum_over_tokens():
     one = tiling.workspace_nbytes(tiling.FIA, shape, [3000])
     assert one == 3 * 4 * 65 * 4
     assert tiling.workspace_nbytes(tiling.FIA, shape, [3000, 10], [5, 1]) == 5 * one
+
+
+@pytest.mark.parametrize("index,name", [(1, "key_cache"), (3, "block_table"), (4, "seq_lens")])
+def test_error_tensor_on_another_device(index, name):
+    args = _attn_args(make_problem([5, 7]))
+    args[index] = args[index].to("meta")
+    with pytest.raises(ValueError, match=f"{name}: expected device cpu \\(the query's\\), got meta"):
+        ops.attention(*args)
