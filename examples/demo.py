@@ -36,16 +36,20 @@ def main() -> None:
         "dump_dir": dump_dir,
     }
     compiled = torch.compile(model, backend="ascend_graph", options=options)
-    batch = PagedBatch(cfg)
+    batch = PagedBatch(cfg, table_width=max_model_len // cfg.block_size)
     rng = random.Random(0)
     with torch.no_grad():
         for step in range(args.steps):
             size = rng.choice([1, 3, 4, 6, 13, 32, 40])
-            lens = [rng.randint(1, max_model_len) for _ in range(size)]
-            inputs = batch.step(lens)
+            lens = [rng.randint(4, max_model_len) for _ in range(size)]
+            mixed = step % 3 == 2  # chunked prefill: several new tokens per sequence
+            query_lens = [rng.randint(1, 4) for _ in lens] if mixed else None
+            inputs = batch.step(lens, query_lens)
             out = compiled(**inputs)
             diff = (out - reference(**inputs)).abs().max().item()
-            print(f"step {step}: batch {size:3d}, longest sequence {max(lens):5d}, max |compiled - eager| = {diff:.2e}")
+            kind = f"{inputs['input_ids'].shape[0]:3d} tokens (mixed)" if mixed else "decode"
+            print(f"step {step}: batch {size:3d}, {kind}, longest sequence {max(lens):5d}, "
+                  f"max |compiled - eager| = {diff:.2e}")
     print()
     cli.main(["inspect", dump_dir])
 

@@ -126,12 +126,14 @@ class PagedBatch:
     """Sequences in a paged KV cache: assigns blocks and builds the model's inputs for a step.
 
     Every step draws fresh, distinct, shuffled blocks for its sequences (as many as each needs), so
-    block tables are not trivially ordered and their width varies from step to step.
+    block tables are not trivially ordered; their width is `table_width` (vLLM's fixed
+    max_model_len / block_size) or, by default, varies from step to step.
     """
 
-    def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: LlamaConfig, seed: int = 0, table_width: int | None = None) -> None:
         self.cfg = cfg
         self.rng = random.Random(seed)
+        self.table_width = table_width  # None: as wide as the step's longest sequence needs
 
     def blocks_for(self, context_lens: Sequence[int]) -> list[list[int]]:
         bs = self.cfg.block_size
@@ -139,7 +141,9 @@ class PagedBatch:
         if sum(need) > self.cfg.num_blocks:
             raise ValueError(f"context_lens: the step needs {sum(need)} blocks, the cache has {self.cfg.num_blocks}")
         free = self.rng.sample(range(self.cfg.num_blocks), sum(need))
-        width = max(need)
+        width = self.table_width or max(need)
+        if width < max(need):
+            raise ValueError(f"context_lens: a sequence needs {max(need)} blocks, table_width is {width}")
         tables, start = [], 0
         for n in need:
             tables.append(free[start:start + n] + [0] * (width - n))
