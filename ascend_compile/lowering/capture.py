@@ -173,6 +173,11 @@ class CaptureInterpreter(fx.Interpreter):
         return result
 
 
+def workspace_env(gm: fx.GraphModule, workspaces: Callable[[fx.Node], torch.Tensor]) -> dict[fx.Node, torch.Tensor]:
+    """An interpreter environment giving each `ascend.workspace` node its artifact-owned slot."""
+    return {n: workspaces(n) for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
+
+
 def capture_graph(
     gm: fx.GraphModule,
     runtime: Runtime,
@@ -188,7 +193,7 @@ def capture_graph(
     graph = runtime.graph()
     inner = gm.meta.get(INNER_KEY)
     if inner is None:
-        env = {n: workspaces(n) for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
+        env = workspace_env(gm, workspaces)
         graph.warmup(lambda: fx.Interpreter(gm).run(*args, initial_env=env))
         with graph.capture():
             outputs = CaptureInterpreter(gm, runtime, table, workspaces).run(*args)

@@ -21,7 +21,6 @@ from torch import fx
 
 from ..config import CompileConfig
 from ..passes import dump
-from ..passes.fx_utils import is_op
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import PAD_VALUE, GraphSignature, Role, evaluate
 from ..passes.workspaces import GraphKey
@@ -163,8 +162,8 @@ class BucketGraph:
         art = self.artifact
         self.copy_in(step)
         host = [step.host[(src, kind)] for src, kind in self.host_inputs]
-        env_ws = {n: art.workspace_for(n) for n in self.gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
-        return fx.Interpreter(self.gm).run(*self.graph_args(step.args), *host, initial_env=env_ws)
+        env = capture_mod.workspace_env(self.gm, art.workspace_for)
+        return fx.Interpreter(self.gm).run(*self.graph_args(step.args), *host, initial_env=env)
 
     def memory(self) -> dict[str, int]:
         static = sum(b.numel() * b.element_size() for b in self.buffers.values())

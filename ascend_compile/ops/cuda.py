@@ -49,7 +49,7 @@ def dev_workspace_nbytes(num_tokens: int, shape: tiling.AttentionShape, num_spli
         raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
     if num_splits == 1:
         return 0
-    return num_tokens * num_splits * shape.num_heads * (shape.head_dim + 1) * 4
+    return num_tokens * num_splits * tiling.split_record_nbytes(shape)
 
 
 def choose_num_splits(num_programs: int, max_len: int, block_size: int, num_sms: int) -> int:

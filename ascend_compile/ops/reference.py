@@ -59,7 +59,7 @@ def split_k_attention(
         raise ValueError(f"num_splits: expected a positive split count, got {num_splits}")
     else:
         tokens = sum(q for q, n in zip(query_lens, kv_lens) if n > 0)
-        needed = tokens * num_splits * shape.num_heads * (shape.head_dim + 1) * 4 if num_splits > 1 else 0
+        needed = tokens * num_splits * tiling.split_record_nbytes(shape) if num_splits > 1 else 0
     if workspace.numel() < needed:
         raise WorkspaceTooSmall(kernel, needed, workspace.numel())
     out.zero_()

@@ -94,11 +94,15 @@ def splits_for(kernel: str, kv_lens: torch.Tensor) -> torch.Tensor:
     return fn(kv_lens.to(torch.int64))
 
 
+def split_record_nbytes(shape: AttentionShape) -> int:
+    """Bytes one split of one query token keeps in the workspace: float32 partials and LSE per head."""
+    return shape.num_heads * (shape.head_dim + 1) * 4
+
+
 def per_token_nbytes(kernel: str, shape: AttentionShape, kv_lens: torch.Tensor) -> torch.Tensor:
     """Workspace bytes one query token of each KV length needs (vectorised over `kv_lens`)."""
     splits = splits_for(kernel, kv_lens)
-    record = shape.num_heads * (shape.head_dim + 1) * 4
-    return torch.where(splits > 1, splits * record, torch.zeros_like(splits))
+    return torch.where(splits > 1, splits * split_record_nbytes(shape), torch.zeros_like(splits))
 
 
 def workspace_nbytes(
