@@ -24,7 +24,6 @@ class Step:
     args: Sequence[Any]
     symbols: dict
     tokens: int
-    num_seqs: int
     decode: bool
     seq_lens: dict[str, list[int]]  # host copies, per seq_lens input
     query_start_loc: dict[str, list[int]]  # host copies, per query_start_loc input
@@ -36,7 +35,6 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     symbols = signature.actual_symbols(args)
     tokens = evaluate(signature.tokens, symbols)
     seq_lens, starts = {}, {}
-    num_seqs = 0
     for spec in signature.by_role(Role.SEQ_LENS):
         lens = args[spec.index].tolist()
         longest = max(lens, default=0)
@@ -46,13 +44,12 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
                 f"the graphs' workspaces were sized for; compile with a larger max_model_len"
             )
         seq_lens[spec.name] = lens
-        num_seqs = len(lens)
     decode = True
     for spec in signature.by_role(Role.QUERY_START_LOC):
         loc = args[spec.index].tolist()
         starts[spec.name] = loc
         decode = decode and all(b - a == 1 for a, b in zip(loc, loc[1:]))
-    return Step(args, symbols, tokens, num_seqs, decode, seq_lens, starts)
+    return Step(args, symbols, tokens, decode, seq_lens, starts)
 
 
 def choose_bucket(buckets: Sequence[int], tokens: int, can_pad: bool = True) -> int | None:

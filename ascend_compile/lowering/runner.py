@@ -105,7 +105,7 @@ class BucketGraph:
                     buf.copy_(torch.tensor(padded_start_loc([0], 0, bucket, self.num_seqs), dtype=buf.dtype))
                 else:
                     buf.fill_(PAD_VALUE.get(spec.role, 0))
-        empty = Step((), {}, 0, 0, True, {src: [] for src, _ in self.host_inputs},
+        empty = Step((), {}, 0, True, {src: [] for src, _ in self.host_inputs},
                      {src: [0] for src, _ in self.host_inputs})
         host = [host_value(empty, src, kind, bucket, self.num_seqs) for src, kind in self.host_inputs]
         args = self.graph_args(step_args) + host
