@@ -54,6 +54,9 @@ class CompileConfig:
         capture_all: capture every bucket's decode graph at the first call instead of on first use.
         sim_overflow: what the simulator does when a kernel needs more workspace than it got:
             "write" past the buffer, like the device, or "raise".
+        max_specializations: the most captures one bucket keeps for distinct values of the sizes
+            it cannot pad (e.g. a fixed-size caller buffer under dynamic=True, or every size where
+            padding would change what the step writes); steps with further values run eagerly.
         dump_dir: write every stage of every bucket and a plan.json here (env ASCEND_COMPILE_DUMP_DIR).
     """
 
@@ -71,6 +74,7 @@ class CompileConfig:
     clone_outputs: bool = True
     capture_all: bool = False
     sim_overflow: str = "write"
+    max_specializations: int = 8
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +87,7 @@ class CompileConfig:
         _check_optional_positive("auto_seq_len", self.auto_seq_len)
         _check_optional_positive("workspace_seq_len", self.workspace_seq_len)
         _check_positive("pa_max_batch", self.pa_max_batch)
+        _check_positive("max_specializations", self.max_specializations)
         if self.workspace_probe_lens is not None:
             lens = self.workspace_probe_lens
             if not isinstance(lens, (list, tuple)) or not lens or any(

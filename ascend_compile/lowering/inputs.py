@@ -52,13 +52,35 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     return Step(args, symbols, tokens, decode, seq_lens, starts)
 
 
-def choose_bucket(buckets: Sequence[int], tokens: int, can_pad: bool = True) -> int | None:
-    """The smallest bucket holding `tokens` (exactly `tokens` when the step cannot be padded),
-    or None when no bucket fits."""
+def choose_bucket(buckets: Sequence[int], tokens: int) -> int | None:
+    """The smallest bucket holding `tokens`, or None when no bucket fits."""
     i = bisect.bisect_left(buckets, tokens)
-    if i == len(buckets) or (not can_pad and buckets[i] != tokens):
-        return None
-    return buckets[i]
+    return None if i == len(buckets) else buckets[i]
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range a tensor's elements occupy."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    low = t.data_ptr() - sum((n - 1) * -s for n, s in zip(t.shape, t.stride()) if s < 0) * t.element_size()
+    return low, low + (span + 1) * t.element_size()
+
+
+def overlapping_inputs(signature: GraphSignature, alias_groups: Sequence[frozenset[int]], written: set[int],
+                       args: Sequence[Any]) -> list[str]:
+    """Names of inputs sharing memory with an input the graph writes, in this step: the graph reads
+    and writes them through separate buffers, so such a step runs eagerly instead."""
+    for group in alias_groups:
+        if not group & written:
+            continue
+        extents = {i: _extent(args[i]) for i in group}
+        for i in group & written:
+            low, high = extents[i]
+            others = [j for j in group if j != i and extents[j][0] < high and low < extents[j][1]]
+            if others:
+                return [signature.inputs[k].name for k in [i, *others]]
+    return []
 
 
 def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded_seqs: int) -> list[int]:

@@ -22,16 +22,15 @@ from torch import fx
 from ..config import CompileConfig
 from ..passes import dump
 from ..passes.pipeline import RewrittenGraphs
-from ..passes.roles import PAD_VALUE, GraphSignature, Role, evaluate
+from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role, SymbolKind, evaluate
+from ..passes.write_back import copy_written
 from ..passes.workspaces import GraphKey
 from ..runtime.base import Runtime
 from . import capture as capture_mod
-from .inputs import Step, choose_bucket, copy_padded, host_value, padded_shape, padded_start_loc, read_step
+from .inputs import (Step, choose_bucket, copy_padded, host_value, overlapping_inputs, padded_shape, padded_start_loc,
+                     read_step)
 
 log = logging.getLogger("ascend_compile")
-
-COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH)
-IN_PLACE_ROLES = (Role.KV_CACHE, Role.STATIC)
 
 
 def _host_inputs(gm: fx.GraphModule) -> list[tuple[str, str]]:
@@ -57,29 +56,48 @@ def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool) -> t
     return tuple(result)
 
 
-class BucketGraph:
-    """One captured graph: its static buffers, device graph, outputs and update table."""
+def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
+    """The values of the graph's specialized symbols in a step: part of the key of its capture."""
+    return tuple((str(sym), symbols[sym]) for sym in signature.specialized)
 
-    def __init__(self, artifact: "CompiledArtifact", key: GraphKey) -> None:
+
+class BucketGraph:
+    """One captured graph: its static buffers, device graph, outputs and update table.
+
+    It serves one graph key and one value of each specialized symbol (`specialization`)."""
+
+    def __init__(self, artifact: "CompiledArtifact", key: GraphKey, symbols: dict) -> None:
         self.artifact = artifact
         self.key = key
         self.gm = artifact.rewritten.graphs[key]
         self.host_inputs = _host_inputs(self.gm)
         sig = artifact.signature
-        self.padded = sig.padded_symbols(key.bucket, artifact.rewritten.max_blocks)
+        self.specialization = _specialization(sig, symbols)
+        self.padded = sig.padded_symbols(key.bucket, artifact.rewritten.max_blocks, symbols)
+        self.num_tokens = evaluate(sig.tokens, self.padded)
         self.num_seqs = evaluate(sig.sequences, self.padded)
         runtime = artifact.runtime
         self.buffers: dict[int, torch.Tensor] = {}
         for spec in sig.inputs:
-            if spec.role in COPIED_ROLES:
+            if spec.copied:
                 dtype = self.gm.graph.find_nodes(op="placeholder")[spec.index].meta["example_value"].dtype
                 self.buffers[spec.index] = runtime.empty(padded_shape(spec, self.padded), dtype)
+        for sym, kind in sig.symbol_kinds.items():
+            if kind is SymbolKind.LAYOUT:
+                source = sig.symbol_sources[sym]
+                self.padded[sym] = source.read(self.buffers[source.index])
         self.graph = None
         self.outputs = None
+        self.written_views: list[torch.Tensor] = []
         self.table: capture_mod.UpdateTable | None = None
         self.addresses: dict[int, int] = {}
         self.scalars: dict[int, Any] = {}
         self.capture_seconds = 0.0
+
+    @property
+    def name(self) -> str:
+        """The graph key, with the specialized sizes it was captured for."""
+        return str(self.key) + "".join(f"[{s}={v}]" for s, v in self.specialization)
 
     def graph_args(self, step_args: Sequence[Any]) -> list[Any]:
         """Arguments of the bucket graph: static buffers, in-place inputs, padded symbols."""
@@ -102,15 +120,21 @@ class BucketGraph:
             if spec.index in self.buffers:
                 buf = self.buffers[spec.index]
                 if spec.role is Role.QUERY_START_LOC:
-                    buf.copy_(torch.tensor(padded_start_loc([0], 0, bucket, self.num_seqs), dtype=buf.dtype))
+                    buf.copy_(torch.tensor(padded_start_loc([0], 0, self.num_tokens, self.num_seqs), dtype=buf.dtype))
                 else:
                     buf.fill_(PAD_VALUE.get(spec.role, 0))
         empty = Step((), {}, 0, True, {src: [] for src, _ in self.host_inputs},
                      {src: [0] for src, _ in self.host_inputs})
-        host = [host_value(empty, src, kind, bucket, self.num_seqs) for src, kind in self.host_inputs]
-        args = self.graph_args(step_args) + host
-        self.graph, outputs, self.table = capture_mod.capture_graph(self.gm, art.runtime, args, art.workspace_for)
+        host = [host_value(empty, src, kind, self.num_tokens, self.num_seqs) for src, kind in self.host_inputs]
+        graph_args = self.graph_args(step_args)
+        # Capture runs the graph once; inputs it writes in place get their contents back after it.
+        unsafe = {w.input for w in art.rewritten.mutations.unsafe()}
+        saved = {i: step_args[i].clone() for i in unsafe if not art.signature.inputs[i].copied}
+        self.graph, outputs, self.table = capture_mod.capture_graph(self.gm, art.runtime, graph_args + host, art.workspace_for)
+        for i, contents in saved.items():
+            step_args[i].copy_(contents)
         self.outputs = outputs
+        self.written_views = art.rewritten.write_back.views(graph_args)[0]
         self.addresses = {
             spec.index: step_args[spec.index].data_ptr()
             for spec in art.signature.inputs
@@ -119,7 +143,8 @@ class BucketGraph:
         self.scalars = {spec.index: step_args[spec.index].item() for spec in art.signature.by_role(Role.SCALAR)}
         self.capture_seconds = time.perf_counter() - start
         art.stats["captures"] += 1
-        log.info("ascend_compile: captured %s in %.3f s (%d update entries)", self.key, self.capture_seconds, len(self.table.entries))
+        log.info("ascend_compile: captured %s%s in %.3f s (%d update entries)", self.key,
+                 "".join(f" {s}={v}" for s, v in self.specialization), self.capture_seconds, len(self.table.entries))
 
     def moved_inputs(self, step_args: Sequence[Any]) -> list[str]:
         """In-place inputs at another address, and host scalars of another value, than at capture."""
@@ -131,14 +156,20 @@ class BucketGraph:
         """The step's inputs into the static buffers, padded by role."""
         for spec in self.artifact.signature.inputs:
             if spec.index in self.buffers:
-                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.key.bucket)
+                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.num_tokens)
 
-    def copy_back(self, step: Step) -> None:
-        """What the graph wrote into copied inputs, back into the caller's tensors (unpadded)."""
-        for spec in self.artifact.signature.inputs:
-            if spec.mutated and spec.index in self.buffers:
-                value = step.args[spec.index]
-                value.copy_(self.buffers[spec.index][tuple(slice(0, n) for n in value.shape)])
+    def copy_back(self, step: Step) -> dict[int, torch.Tensor]:
+        """Exactly what the graph wrote into copied inputs, into the caller's tensors; returns, by
+        output position, the outputs that are views of copied inputs, as views of the caller's."""
+        write_back = self.artifact.rewritten.write_back
+        written, aliased = write_back.views(step.args)
+        if not self.written_views and write_back.located:  # a graph run without capture
+            self.written_views = write_back.views(self.graph_args(step.args))[0]
+        for dest, src in zip(written, self.written_views):
+            copy_written(dest, src)
+        for index in write_back.whole:
+            copy_written(step.args[index], self.buffers[index])
+        return dict(zip(write_back.outputs, aliased))
 
     def run(self, step: Step) -> Any:
         art = self.artifact
@@ -180,13 +211,14 @@ class CompiledArtifact:
         self.runtime = runtime
         self.config = config
         self.lock = threading.Lock()
-        self.graphs: dict[GraphKey, BucketGraph] = {}
+        self.graphs: dict[tuple[GraphKey, tuple], BucketGraph] = {}
         self.workspaces: dict[str, torch.Tensor] = {}
         self.stats: collections.Counter = collections.Counter()
         #: Seconds spent per phase of graph steps: copy_in, launch_and_updates, synchronize (the
         #: device work, or on the simulator its execution), host (the rest of the runner's step).
         self.seconds: collections.Counter = collections.Counter()
-        self._fallback_logged = False
+        self._fallbacks_logged: set[str] = set()
+        self.written = self.rewritten.mutations.written()
         for slot in rewritten.plan.slots.values():
             self.workspaces[slot.name] = runtime.empty((slot.nbytes,), torch.uint8)
         self.write_plan()
@@ -208,24 +240,39 @@ class CompiledArtifact:
         step = read_step(self.signature, args, max_len)
         self.stats["steps"] += 1
         self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
-        bucket = choose_bucket(self.rewritten.buckets, step.tokens, self.signature.can_pad)
+        bucket = choose_bucket(self.rewritten.buckets, step.tokens)
         if bucket is None:
-            return self._fallback(args, step)
+            return self._fallback(args, step, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
+        overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, args)
+        if overlap:
+            return self._fallback(args, step, f"inputs {overlap} overlap in memory and the graph writes one of them")
         key = self.rewritten.key_for(bucket, step.decode)
-        graph = self._graph(key, args)
-        step.host = {(src, kind): host_value(step, src, kind, bucket, graph.num_seqs) for src, kind in graph.host_inputs}
-        if not self.runtime.supports_graphs:
-            outputs = graph.run_eager(step)
-            graph.copy_back(step)
-            return _unpad(outputs, self.signature.outputs, step.symbols, clone=False)
-        outputs = graph.run(step)
-        graph.copy_back(step)
-        return _unpad(outputs, self.signature.outputs, step.symbols, clone=self.config.clone_outputs)
-
-    def _graph(self, key: GraphKey, args: Sequence[Any]) -> BucketGraph:
-        graph = self.graphs.get(key)
+        graph = self._graph(key, args, step.symbols)
         if graph is None:
-            graph = self.graphs[key] = BucketGraph(self, key)
+            return self._fallback(args, step, f"{key} already has {self.config.max_specializations} captures "
+                                              f"for other values of {[str(s) for s in self.signature.specialized]}")
+        step.host = {(src, kind): host_value(step, src, kind, graph.num_tokens, graph.num_seqs)
+                     for src, kind in graph.host_inputs}
+        if self.runtime.supports_graphs:
+            outputs, clone = graph.run(step), self.config.clone_outputs
+        else:
+            outputs, clone = graph.run_eager(step), False
+        aliased = graph.copy_back(step)
+        result = _unpad(outputs, self.signature.outputs, step.symbols, clone=clone)
+        return tuple(aliased.get(i, out) for i, out in enumerate(result))
+
+    def _graph(self, key: GraphKey, args: Sequence[Any], symbols: dict) -> BucketGraph | None:
+        """The graph serving `key` at these symbol values, captured if new; None when the key has
+        used up its captures for other values of the specialized symbols."""
+        specialization = _specialization(self.signature, symbols)
+        graph = self.graphs.get((key, specialization))
+        if graph is None:
+            if sum(1 for k, _ in self.graphs if k == key) >= self.config.max_specializations:
+                return None
+            if specialization:
+                log.info("ascend_compile: %s: new value %s of the specialized sizes: capturing it", key,
+                         ", ".join(f"{s}={v}" for s, v in specialization))
+            graph = self.graphs[(key, specialization)] = BucketGraph(self, key, symbols)
         if not self.runtime.supports_graphs:
             return graph
         if graph.graph is not None:
@@ -233,17 +280,18 @@ class CompiledArtifact:
             if moved:
                 log.warning("ascend_compile: inputs %s moved since %s was captured: re-capturing", moved, key)
                 self.stats["recaptures"] += 1
-                graph = self.graphs[key] = BucketGraph(self, key)
+                graph = self.graphs[(key, specialization)] = BucketGraph(self, key, symbols)
         if graph.graph is None:
             if self.config.capture_all and self.stats["captures"] == 0:
-                self.capture_all(args)
+                self.capture_all(args, symbols)
             else:
                 graph.capture(args)
             self.write_plan()
-        return self.graphs[key]
+        return self.graphs[(key, specialization)]
 
-    def capture_all(self, args: Sequence[Any]) -> None:
-        """Capture every bucket's decode graph now (with a progress bar when tqdm is installed)."""
+    def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
+        """Capture every bucket's decode graph now (with a progress bar when tqdm is installed),
+        at the specialized sizes of `symbols`."""
         keys = [k for k in self.rewritten.graphs if k.decode]
         try:
             from tqdm import tqdm
@@ -251,20 +299,17 @@ class CompiledArtifact:
             keys = tqdm(keys, desc="ascend_compile capture", unit="graph", mininterval=1.0, delay=1.0)
         except ImportError:
             pass
+        specialization = _specialization(self.signature, symbols)
         for key in keys:
-            graph = self.graphs.get(key) or BucketGraph(self, key)
-            self.graphs[key] = graph
+            graph = self.graphs.get((key, specialization)) or BucketGraph(self, key, symbols)
+            self.graphs[(key, specialization)] = graph
             if graph.graph is None:
                 graph.capture(args)
 
-    def _fallback(self, args: Sequence[Any], step: Step) -> Any:
-        if not self._fallback_logged:
-            log.info(
-                "ascend_compile: no graph for %d tokens (buckets %s%s): running eagerly",
-                step.tokens, list(self.rewritten.buckets),
-                "" if self.signature.can_pad else "; the graph has a static sequence count, so steps are not padded",
-            )
-            self._fallback_logged = True
+    def _fallback(self, args: Sequence[Any], step: Step, why: str) -> Any:
+        if why not in self._fallbacks_logged:
+            log.info("ascend_compile: %s: running eagerly", why)
+            self._fallbacks_logged.add(why)
         self.stats["eager_fallbacks"] += 1
         return self.rewritten.original(*args)
 
@@ -272,7 +317,7 @@ class CompiledArtifact:
         """Bytes held by this artifact: workspace slots, static buffers and outputs per graph, pool."""
         report = {
             "workspace_bytes": {name: t.numel() for name, t in self.workspaces.items()},
-            "graphs": {str(k): g.memory() for k, g in self.graphs.items() if g.graph is not None},
+            "graphs": {g.name: g.memory() for g in self.graphs.values() if g.graph is not None},
         }
         stats = getattr(self.runtime, "memory_stats", None)
         if stats is not None:
@@ -283,10 +328,15 @@ class CompiledArtifact:
         plan = self.rewritten.describe()
         plan["runtime"] = self.runtime.describe()
         plan["config"] = {k: v for k, v in vars(self.config).items()}
-        for key, graph in self.graphs.items():
-            if graph.table is not None:
-                plan["graphs"][str(key)]["update_table"] = graph.table.describe()
-                plan["graphs"][str(key)]["capture_seconds"] = round(graph.capture_seconds, 4)
+        for (key, specialization), graph in self.graphs.items():
+            if graph.table is None:
+                continue
+            entry = plan["graphs"][str(key)]
+            capture = {"update_table": graph.table.describe(), "capture_seconds": round(graph.capture_seconds, 4)}
+            if specialization:
+                entry.setdefault("specializations", {})[graph.name] = capture
+            if not specialization or "update_table" not in entry:
+                entry.update(capture)
         return plan
 
     def write_plan(self) -> None:

@@ -16,9 +16,11 @@ from ..config import CompileConfig
 from ..ops.tiling import PA
 from . import dump
 from .find_attention import find_attention
+from .mutations import MutationFacts, analyse_mutations
 from .fx_utils import clone_graph_module, example_value
 from .roles import GraphSignature, assign_roles, evaluate
 from .select_kernels import KernelPolicy, select_kernels
+from .write_back import WriteBack, build_write_back
 from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, node_need, plan_workspaces
 
 log = logging.getLogger("ascend_compile")
@@ -36,6 +38,8 @@ class RewrittenGraphs:
     block_size: int
     max_blocks: int
     graph_dir: str | None
+    mutations: MutationFacts
+    write_back: WriteBack
 
     def key_for(self, bucket: int, decode: bool) -> GraphKey:
         """The graph serving a step: a bucket's FIA decode graph also serves its mixed steps."""
@@ -61,6 +65,11 @@ class RewrittenGraphs:
             "buckets": list(self.buckets),
             "static_shapes": self.signature.is_static,
             "tokens": str(self.signature.tokens),
+            "padding": self.signature.pad_reason or "padded to the bucket",
+            "symbols": {str(sym): kind.value for sym, kind in self.signature.symbol_kinds.items()},
+            "input_writes": [{"input": self.signature.inputs[w.input].name, "node": w.node,
+                              "padding_safe": w.padding_safe} for w in self.mutations.writes],
+            "write_back": self.write_back.describe(),
             "block_size": self.block_size,
             "max_blocks": self.max_blocks,
             "inputs": [
@@ -94,7 +103,11 @@ def rewrite_buckets(
             "max_model_len: required for graphs with paged attention (workspaces are sized for every "
             "length up to it); pass options={'max_model_len': N}"
         )
-    signature = assign_roles(gm, attention)
+    mutations = analyse_mutations(gm)
+    signature = assign_roles(gm, attention, mutations)
+    write_back = build_write_back(gm, signature, mutations)
+    if signature.pad_reason:
+        log.info("ascend_compile: steps are not padded (each size is captured as is): %s", signature.pad_reason)
     block_size = int(example_value(attention[0].args[1]).shape[1])
     max_blocks = -(-config.max_model_len // block_size)
     graph_dir = dump.new_graph_dir(config.dump_dir) if config.dump_dir else None
@@ -119,7 +132,7 @@ def rewrite_buckets(
         dump.dump_graph(graph, graph_dir, str(key), "1_select_kernels")
         insert_workspaces(graph, key, plan)
         dump.dump_graph(graph, graph_dir, str(key), "2_insert_workspaces")
-    result = RewrittenGraphs(gm, signature, graphs, plan, buckets, block_size, max_blocks, graph_dir)
+    result = RewrittenGraphs(gm, signature, graphs, plan, buckets, block_size, max_blocks, graph_dir, mutations, write_back)
     log.info(
         "ascend_compile: %d attention nodes, %d graphs over buckets %s, workspace %s",
         len(attention), len(graphs), list(buckets), {n: s.nbytes for n, s in plan.slots.items()},

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import operator
 from typing import Any, Sequence
 
 import sympy
@@ -21,6 +20,7 @@ import torch
 from torch import fx
 
 from .find_attention import AttentionArgs
+from .mutations import MutationFacts, analyse_mutations, output_aliases, target_nodes, view_closure, written_view_value
 from .fx_utils import example_value, is_op, placeholders, shape_exprs, size_expr
 
 
@@ -45,20 +45,59 @@ PAD_VALUE = {
 }
 
 
+#: Roles whose inputs the runner copies into static buffers each step (padded by role).
+COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH)
+#: Roles whose inputs the graph uses in place, at the address they had at capture.
+IN_PLACE_ROLES = (Role.KV_CACHE, Role.STATIC)
+
+
+class SymbolKind(str, enum.Enum):
+    """How a size symbol of the graph gets its value in a bucket graph."""
+
+    TOKENS = "tokens"  # the step's token count (or sequence count): padded to the bucket
+    BLOCKS = "blocks"  # block-table width: padded to max_model_len / block_size
+    QUERY_START_LOC = "query_start_loc"  # padded to bucket + 1
+    LAYOUT = "layout"  # a stride or storage offset of a copied input: the static buffer's own
+    SPECIALIZED = "specialized"  # anything else: each distinct value gets its own capture
+
+
+@dataclasses.dataclass(frozen=True)
+class SymbolSource:
+    """Where a symbol's value is read from: an input's size / stride (at `dim`), storage offset,
+    or the input itself (a SymInt)."""
+
+    index: int
+    attr: str  # "size", "stride", "offset" or "value"
+    dim: int | None = None
+
+    def read(self, value: Any) -> int:
+        if self.attr == "value":
+            return int(value)
+        if self.attr == "offset":
+            return int(value.storage_offset())
+        return int(getattr(value, self.attr)(self.dim))
+
+
 @dataclasses.dataclass(frozen=True)
 class InputSpec:
-    """One graph input: its position, role and (symbolic) shape."""
+    """One graph input: its position, role and (symbolic) shape, strides and storage offset."""
 
     index: int
     name: str
     role: Role
     shape: tuple[Any, ...] | None
     expr: Any = None  # the size expression of a SymInt input
-    mutated: bool = False  # the graph writes into it (the runner copies it back after the step)
+    mutated: bool = False  # the graph writes into it
+    strides: tuple[Any, ...] | None = None
+    offset: Any = 0
 
     @property
     def dynamic(self) -> bool:
         return self.shape is not None and any(not isinstance(d, int) for d in self.shape)
+
+    @property
+    def copied(self) -> bool:
+        return self.role in COPIED_ROLES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +107,10 @@ class GraphSignature:
     inputs: tuple[InputSpec, ...]
     tokens: Any  # number of query tokens T: an int or a sympy expression
     sequences: Any  # number of sequences B: an int or a sympy expression
-    symbol_sources: dict[sympy.Symbol, tuple[int, int | None]]  # input index, dim (None: SymInt)
-    symbol_kinds: dict[sympy.Symbol, str]  # "tokens", "blocks" or "query_start_loc"
+    symbol_sources: dict[sympy.Symbol, SymbolSource]
+    symbol_kinds: dict[sympy.Symbol, SymbolKind]
     outputs: tuple[Any, ...]  # per output: shape exprs, or None for non-tensors
+    pad_reason: str | None = None  # why steps are not padded (each size gets its own capture), or None
 
     @property
     def is_static(self) -> bool:
@@ -78,24 +118,30 @@ class GraphSignature:
 
     @property
     def can_pad(self) -> bool:
-        """Whether steps can be padded to a bucket: padded tokens need padded sequences to go to."""
-        return isinstance(self.tokens, int) or not isinstance(self.sequences, int)
+        """Whether steps are padded up to a bucket (else every distinct size is captured as is)."""
+        return self.pad_reason is None
+
+    @property
+    def specialized(self) -> tuple[sympy.Symbol, ...]:
+        """The symbols whose every distinct value gets its own capture, in a fixed order."""
+        return tuple(sorted((s for s, k in self.symbol_kinds.items() if k is SymbolKind.SPECIALIZED), key=str))
 
     def by_role(self, role: Role) -> list[InputSpec]:
         return [spec for spec in self.inputs if spec.role is role]
 
-    def padded_symbols(self, bucket: int, max_blocks: int) -> dict[sympy.Symbol, int]:
-        """Symbol values of the graph captured for `bucket` tokens (and as many sequences)."""
-        values = {"tokens": bucket, "blocks": max_blocks, "query_start_loc": bucket + 1}
-        return {sym: values[kind] for sym, kind in self.symbol_kinds.items()}
+    def padded_symbols(self, bucket: int, max_blocks: int, actual: dict[sympy.Symbol, int] | None = None
+                       ) -> dict[sympy.Symbol, int]:
+        """Symbol values of the graph captured for `bucket` tokens (and as many sequences); the
+        specialized symbols take their `actual` values, layout symbols are left to the buffers."""
+        values = {SymbolKind.TOKENS: bucket, SymbolKind.BLOCKS: max_blocks, SymbolKind.QUERY_START_LOC: bucket + 1}
+        out = {sym: values[kind] for sym, kind in self.symbol_kinds.items() if kind in values}
+        for sym in self.specialized:
+            out[sym] = (actual or {})[sym]
+        return out
 
     def actual_symbols(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
         """Symbol values of one step's real inputs."""
-        out = {}
-        for sym, (index, dim) in self.symbol_sources.items():
-            value = args[index]
-            out[sym] = int(value) if dim is None else int(value.shape[dim])
-        return out
+        return {sym: source.read(args[source.index]) for sym, source in self.symbol_sources.items()}
 
 
 def evaluate(expr: Any, values: dict[sympy.Symbol, int]) -> int:
@@ -152,33 +198,14 @@ def _role_of_value(node: fx.Node, value: Any, shape: tuple | None) -> Role:
     return Role.STATIC
 
 
-def _mutated_placeholders(gm: fx.GraphModule) -> set[str]:
-    """Names of the inputs the graph writes into: in-place methods, item assignment, mutating ops, out=."""
-    written: set[str] = set()
+def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node], facts: MutationFacts | None = None) -> GraphSignature:
+    """Give each placeholder a role (recorded as `meta["ascend_role"]`) and describe the graph's sizes.
 
-    def mark(value: Any) -> None:
-        if isinstance(value, fx.Node) and value.op == "placeholder":
-            written.add(value.name)
-
-    for node in gm.graph.nodes:
-        if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-            mark(node.args[0])
-        elif node.op == "call_function":
-            if node.target is operator.setitem:
-                mark(node.args[0])
-            schema = getattr(node.target, "_schema", None) or getattr(getattr(node.target, "default", None), "_schema", None)
-            if schema is not None:
-                for i, arg in enumerate(schema.arguments):
-                    if arg.alias_info is not None and arg.alias_info.is_write:
-                        mark(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-        mark(node.kwargs.get("out"))
-    return written
-
-
-def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> GraphSignature:
-    """Give each placeholder a role (recorded as `meta["ascend_role"]`) and describe the graph's sizes."""
+    `facts` (from `analyse_mutations`) says which inputs the graph writes and how; writes that a
+    padded step could not reproduce exactly turn padding off (`GraphSignature.pad_reason`)."""
+    facts = facts or analyse_mutations(gm)
     roles = _role_of_uses(gm, attention)
-    mutated = _mutated_placeholders(gm)
+    written = facts.written()
     inputs = []
     for index, node in enumerate(placeholders(gm)):
         value = example_value(node)
@@ -188,19 +215,19 @@ def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> GraphSigna
         if role is None:
             role = _role_of_value(node, value, shape)
         node.meta["ascend_role"] = role.value
-        inputs.append(InputSpec(index, node.name, role, shape, expr, mutated=node.name in mutated))
+        strides = tuple(size_expr(s) for s in value.stride()) if isinstance(value, torch.Tensor) else None
+        offset = size_expr(value.storage_offset()) if isinstance(value, torch.Tensor) else 0
+        inputs.append(InputSpec(index, node.name, role, shape, expr, index in written, strides, offset))
 
-    sources, kinds = _symbols(inputs)
     first = AttentionArgs.of(attention[0])
     tokens = shape_exprs(example_value(first.query))[0]
     sequences = shape_exprs(example_value(first.seq_lens))[0]
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = tuple(shape_exprs(example_value(o)) if isinstance(o, fx.Node) else None for o in _flat(output_node.args[0]))
-    signature = GraphSignature(tuple(inputs), tokens, sequences, sources, kinds, outputs)
-    for spec in inputs:
-        if spec.role in (Role.KV_CACHE, Role.STATIC) and spec.dynamic:
-            raise ValueError(f"{spec.name}: a {spec.role.value} input must have a static shape, got {spec.shape}")
-    return signature
+    padded_kinds, pad_reason = _padded_kinds(inputs, tokens, sequences)
+    pad_reason = pad_reason or _pad_reason(gm, inputs, tokens, sequences, set(padded_kinds), facts)
+    sources, kinds = _symbols(inputs, {} if pad_reason else padded_kinds)
+    return GraphSignature(tuple(inputs), tokens, sequences, sources, kinds, outputs, pad_reason)
 
 
 def _flat(value: Any) -> list[Any]:
@@ -209,31 +236,123 @@ def _flat(value: Any) -> list[Any]:
     return [value]
 
 
-def _symbols(inputs: Sequence[InputSpec]) -> tuple[dict, dict]:
-    sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
-    kinds: dict[sympy.Symbol, str] = {}
+def _padded_symbols(tokens: Any, sequences: Any) -> set[sympy.Symbol]:
+    return {e for e in (tokens, sequences) if isinstance(e, sympy.Symbol)}
+
+
+def _pad_reason(gm: fx.GraphModule, inputs: Sequence[InputSpec], tokens: Any, sequences: Any,
+                padded: set[sympy.Symbol], facts: MutationFacts) -> str | None:
+    """Why a padded step would not compute exactly what the real step computes, or None.
+
+    Padding is exact when every write into a graph input lands, for the real rows, where the real
+    step writes it, and the runner can copy exactly those elements back: one write per input,
+    into a view of it that grows with the step, never read afterwards."""
+    if not isinstance(tokens, int):
+        if isinstance(sequences, int):
+            return "dynamo traced a static sequence count while the token count varies"
+        for what, expr in (("token", tokens), ("sequence", sequences)):
+            if not isinstance(expr, sympy.Symbol):
+                return f"the {what} count is the expression {expr}, not one size"
     for spec in inputs:
-        if spec.role is Role.SYMINT and isinstance(spec.expr, sympy.Symbol):
-            sources.setdefault(spec.expr, (spec.index, None))
-        for dim, size in enumerate(spec.shape or ()):
+        if spec.role in IN_PLACE_ROLES and spec.shape and any(
+            not isinstance(d, int) and d.free_symbols & padded for d in spec.shape
+        ):
+            return f"{spec.name}: a {spec.role.value} input (used in place) has a token-sized dimension {spec.shape}"
+    unsafe = facts.unsafe()
+    for w in unsafe:
+        spec = inputs[w.input]
+        if not spec.copied:
+            return f"{spec.name}: a {spec.role.value} input (used in place) is written by {w.node}"
+        if w.target is None:
+            return f"{spec.name}: written by {w.node} through an index that is not a view (e.g. a tensor index)"
+        if sum(1 for o in unsafe if o.input == w.input) > 1:
+            return f"{spec.name}: written by several nodes ({', '.join(o.node for o in unsafe if o.input == w.input)})"
+        if w.input in facts.read_after_write:
+            return f"{spec.name}: read after {w.node} writes it"
+        if view_closure(target_nodes(w), gm) is None:
+            return f"{spec.name}: written by {w.node} through a view computed from tensor data"
+        shape = shape_exprs(written_view_value(w))
+        if shape is None or not all(_grows(d) for d in shape):
+            return f"{spec.name}: {w.node} writes a region of size {shape} that does not grow with the step"
+    copied = {spec.index for spec in inputs if spec.copied}
+    for position, node in output_aliases(gm, facts, copied).items():
+        if view_closure([node], gm) is None:
+            return f"output {position} is a view of a copied input computed from tensor data"
+    return None
+
+
+def _grows(expr: Any) -> bool:
+    """Whether a size expression never shrinks as its symbols grow (a polynomial with non-negative
+    coefficients): then a padded step's written region holds the real step's as a prefix."""
+    if isinstance(expr, int):
+        return True
+    try:
+        return all(c >= 0 for c in sympy.Poly(expr, *sorted(expr.free_symbols, key=str)).coeffs())
+    except sympy.PolynomialError:
+        return False
+
+
+#: The dims that attention arguments give meaning to, by role: padded like the token count, the
+#: block-table width, or query_start_loc's B + 1.
+ROLE_DIMS = {
+    Role.SLOT_MAPPING: {0: SymbolKind.TOKENS},
+    Role.SEQ_LENS: {0: SymbolKind.TOKENS},
+    Role.BLOCK_TABLE: {0: SymbolKind.TOKENS, 1: SymbolKind.BLOCKS},
+    Role.QUERY_START_LOC: {0: SymbolKind.QUERY_START_LOC},
+}
+
+_SOURCE_PRIORITY = {"size": 0, "stride": 1, "offset": 1, "value": 2}
+
+
+def _padded_kinds(inputs: Sequence[InputSpec], tokens: Any, sequences: Any) -> tuple[dict, str | None]:
+    """The kinds of the symbols padding gives values to, from data flow (the attention query's
+    token dim, the sequence count, the dims of attention arguments); a reason when one symbol
+    would need two values."""
+    kinds: dict[sympy.Symbol, SymbolKind] = {sym: SymbolKind.TOKENS for sym in _padded_symbols(tokens, sequences)}
+    for spec in inputs:
+        for dim, kind in ROLE_DIMS.get(spec.role, {}).items():
+            size = spec.shape[dim] if spec.shape and dim < len(spec.shape) else None
             if not isinstance(size, sympy.Symbol):
                 continue
-            sources.setdefault(size, (spec.index, dim))
-            if spec.role is Role.BLOCK_TABLE and dim == 1:
-                kinds[size] = "blocks"
-            elif spec.role is Role.QUERY_START_LOC and dim == 0:
-                kinds[size] = "query_start_loc"
-            elif dim == 0:
-                kinds.setdefault(size, "tokens")
+            if kinds.setdefault(size, kind) is not kind:
+                return {}, f"size {size} is both a {kinds[size].value} and a {kind.value} dimension ({spec.name})"
+    return kinds, None
+
+
+def _symbols(inputs: Sequence[InputSpec], padded_kinds: dict[sympy.Symbol, SymbolKind]
+             ) -> tuple[dict[sympy.Symbol, SymbolSource], dict[sympy.Symbol, SymbolKind]]:
+    """Where each symbol of the graph's inputs is read from, and its kind: `padded_kinds`, else
+    layout (only in copied inputs' strides and offsets: the static buffer has its own), else
+    specialized."""
+    sources: dict[sympy.Symbol, SymbolSource] = {}
+
+    def found(sym: sympy.Symbol, source: SymbolSource) -> None:
+        old = sources.get(sym)
+        if old is None or _SOURCE_PRIORITY[source.attr] < _SOURCE_PRIORITY[old.attr]:
+            sources[sym] = source
+
+    sized: set[sympy.Symbol] = set()
+    layout_of: dict[sympy.Symbol, bool] = {}  # symbol -> seen only in copied inputs' layouts
     for spec in inputs:
-        exprs = [spec.expr] if spec.expr is not None else list(spec.shape or ())
-        for size in exprs:
-            if isinstance(size, int):
-                continue
-            unknown = [s for s in size.free_symbols if s not in kinds]
-            if unknown:
-                raise ValueError(
-                    f"{spec.name}: cannot tell how to pad size {size} (symbols {unknown} are not a token, "
-                    f"sequence or block-table dimension)"
-                )
+        if isinstance(spec.expr, sympy.Symbol):
+            found(spec.expr, SymbolSource(spec.index, "value"))
+        for dim, size in enumerate(spec.shape or ()):
+            if isinstance(size, sympy.Symbol):
+                found(size, SymbolSource(spec.index, "size", dim))
+            sized |= getattr(size, "free_symbols", set())
+        layout = [(d, "stride", e) for d, e in enumerate(spec.strides or ())] + [(None, "offset", spec.offset)]
+        for dim, attr, expr in layout:
+            if isinstance(expr, sympy.Symbol):
+                found(expr, SymbolSource(spec.index, attr, dim))
+            for sym in getattr(expr, "free_symbols", ()):
+                layout_of[sym] = layout_of.get(sym, True) and spec.copied
+    kinds = dict(padded_kinds)
+    for sym in sources:
+        if sym not in kinds:
+            kinds[sym] = SymbolKind.LAYOUT if sym not in sized and layout_of.get(sym) else SymbolKind.SPECIALIZED
+    unread = [sym for spec in inputs for e in [spec.expr, *(spec.shape or ())]
+              for sym in getattr(e, "free_symbols", ()) if sym not in sources]
+    if unread:
+        raise ValueError(f"size symbols {sorted(map(str, unread))}: no graph input carries them as a size, "
+                         f"stride, storage offset or SymInt")
     return sources, kinds
