@@ -8,6 +8,7 @@ Embedding, norms and head are replicated. Every rank compiles its shard and comp
 step, with the unsplit model run eagerly in the same process on the same inputs.
 
     python -m examples.tensor_parallel [--runtime sim|eager] [--dynamic] [--new-group] [--plain-tensors]
+                                       [--world 4 --tp 2]
 
 Exit status 0 when every step matches on every rank. `tests/test_tensor_parallel.py` runs the same
 code (`spawn_ranks`, `Case`).
@@ -160,14 +161,27 @@ class Case:
     dynamic: bool = False  # False: torch.compile's default (dynamic=None)
     new_group: bool = False  # all_reduce over dist.new_group(all ranks) instead of the world group
     plain_tensors: bool = False
+    tp_size: int | None = None  # ranks per TP group (consecutive ranks; new groups); None: the world
+    steps: int | None = None  # run only the first `steps` steps of the schedule
+
+
+def tp_group(case: Case, rank: int, world: int) -> tuple[Any, int, int]:
+    """This rank's TP group, its rank in it and the group's size. Every rank creates every group,
+    in the same order, as `dist.new_group` requires."""
+    size = case.tp_size or world
+    if size == world and not case.new_group:
+        return dist.group.WORLD, rank, world
+    assert world % size == 0, f"tp_size {size} does not divide the world size {world}"
+    groups = [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+    return groups[rank // size], rank % size, size
 
 
 def run_case(case: Case, rank: int, world: int, cfg: LlamaConfig) -> dict[str, Any]:
     """Run `case` on this rank: per-step max error against the unsplit model, outputs, artifact stats."""
     torch._dynamo.reset()
-    group = dist.new_group(list(range(world))) if case.new_group else dist.group.WORLD
+    group, tp_rank, tp_size = tp_group(case, rank, world)
     full = build(cfg, seed=0)
-    model = shard(full, rank, world, group, case.plain_tensors)
+    model = shard(full, tp_rank, tp_size, group, case.plain_tensors)
     artifacts: list[Any] = []
     config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=CAPTURE_SIZES, runtime=case.runtime)
     backend = ascend_compile.backend(config, on_compiled=artifacts.append)
@@ -175,7 +189,7 @@ def run_case(case: Case, rank: int, world: int, cfg: LlamaConfig) -> dict[str, A
     batch = PagedBatch(cfg, seed=7)  # the same inputs on every rank: same seed, same steps
     errors, outputs, steps = [], [], []
     with torch.no_grad():
-        for context_lens, query_lens in schedule():
+        for context_lens, query_lens in schedule()[: case.steps]:
             inputs = batch.step(context_lens, query_lens)
             out = fn(**inputs)
             errors.append((out - full(**inputs)).abs().max().item())
@@ -233,9 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
     parser.add_argument("--new-group", action="store_true", help="all_reduce over dist.new_group, not WORLD")
     parser.add_argument("--plain-tensors", action="store_true", help="weights as plain tensors, not Parameters")
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2, help="number of ranks")
+    parser.add_argument("--tp", type=int, default=None, help="ranks per TP group (default: the world)")
     opts = parser.parse_args(argv)
-    case = Case("example", opts.runtime, opts.dynamic, opts.new_group, opts.plain_tensors)
+    case = Case("example", opts.runtime, opts.dynamic, opts.new_group, opts.plain_tensors, opts.tp)
     print(f"{opts.world} ranks, {case}")
     ok = True
     for rank, results in enumerate(spawn_ranks([case], world=opts.world)):

@@ -68,3 +68,14 @@ def test_sim_steps_match_eager_runtime_steps(ranks, dynamic) -> None:
     for rank, (sim, eager) in enumerate(zip(_results(ranks, "sim" + suffix), _results(ranks, "eager" + suffix))):
         for i, (a, b) in enumerate(zip(sim["outputs"], eager["outputs"])):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"rank {rank}, step {i}: {m}")
+
+
+def test_two_tp_groups_of_two_in_a_world_of_four(tmp_path) -> None:
+    """Each all_reduce stays within its own TP group (ranks 0-1 and 2-3), not the world; the first
+    steps of the schedule only (decode and mixed, within and between the buckets), to stay cheap."""
+    case = Case("tp2_of_4", runtime="sim", tp_size=2, steps=7)
+    per_rank = _results(spawn_ranks([case], world=4, timeout=TIMEOUT, workdir=str(tmp_path)), case.name)
+    for rank, res in enumerate(per_rank):
+        wrong = {res["steps"][i]: e for i, e in enumerate(res["errors"]) if not e <= ATOL}
+        assert len(res["errors"]) == 7 and not wrong, f"rank {rank}: steps off the unsplit model: {wrong}"
+        assert res["stats"] == per_rank[0]["stats"] and res["stats"]["replays"] >= 1, res["stats"]
