@@ -4,6 +4,8 @@ Each test pins one way the simulator must behave like a device graph rather than
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -532,3 +534,37 @@ def test_a_held_workspace_is_not_reused() -> None:
     g.replay()
     rt.synchronize()
     torch.testing.assert_close(activation, x + 1)
+
+
+# ---------------------------------------------------------------- functional collectives
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[str]:
+    """A one-rank gloo process group in this process; its name, as the functional collectives take it."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("waited", [True, False])
+def test_a_functional_collective_is_issued_by_every_replay_and_read_once_complete(one_rank_group, waited) -> None:
+    """Its output reaches its captured address when the graph waits on it (unwaited, when the graph
+    ends), never while its work is in flight; every replay issues it again and leaves no work unwaited."""
+    c10d = torch.ops._c10d_functional
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    g = rt.graph()
+    with g.capture():
+        y = c10d.all_reduce(x * 2, "sum", one_rank_group)
+        out = c10d.wait_tensor(y) + 1 if waited else y
+    assert g.tasks[:2] == ("aten.mul.Tensor", "_c10d_functional.all_reduce.default")
+    for value in (3.0, 5.0):
+        x.fill_(value)
+        g.replay()
+        rt.synchronize()
+        assert torch.equal(out, torch.full((4,), 2 * value + waited))
+        assert torch._C._distributed_c10d._get_work_registry_size() == 0

@@ -13,7 +13,10 @@ quietly computing the eager answer:
   issue the same ops as the task group it replaces;
 - a kernel short of workspace writes past it into its neighbours (or raises, by option);
 - a replay waiting on an external event that was never recorded raises instead of hanging;
-- host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise.
+- host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;
+- a functional collective (`_c10d_functional`) is issued again by every replay, in captured order,
+  and its output reaches its captured address only once its work completes: at the graph's
+  `wait_tensor` of it, or at the end of the graph.
 
 Replay is asynchronous: `SimGraph.replay` launches, `SimRuntime.synchronize` runs every launched
 replay in order. Task updates and event records issued in between therefore reach that replay, as
@@ -54,6 +57,9 @@ _ALLOCATION_OPS = frozenset(
 )
 #: Tensor methods that copy device data to the host without going through an aten op.
 _HOST_READ_METHODS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy})
+#: Namespace of the functional collectives, and the op that waits for one to complete.
+_COLLECTIVES = "_c10d_functional"
+_WAIT_TENSOR = "_c10d_functional::wait_tensor"
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -75,6 +81,17 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
 def _syncs_host(func: torch._ops.OpOverload) -> bool:
     """True for ops a device graph cannot capture because the host must read device data."""
     return torch.Tag.data_dependent_output in func.tags or func.overloadpacket in _DATA_DEPENDENT_SHAPE
+
+
+def _is_wait(func: torch._ops.OpOverload) -> bool:
+    """True for `wait_tensor`, after which a functional collective's output may be read."""
+    return func._schema.name == _WAIT_TENSOR
+
+
+def _completes_at_wait(func: torch._ops.OpOverload) -> bool:
+    """True for a functional collective: it returns before its work is done, and c10d keys that work
+    by the output's storage, so the output is written, and may be read, only once it is waited on."""
+    return func.namespace == _COLLECTIVES and not _is_wait(func)
 
 
 def _aliases_inputs(result: Any, args: Any, kwargs: Any) -> bool:
@@ -152,7 +169,7 @@ class _OpTask:
         if outs:
             flat = [result] if isinstance(result, torch.Tensor) else pytree.tree_leaves(result)
             for i, dst in outs:
-                dst.copy_(flat[i])
+                runtime._deliver(self.op, flat[i], dst)
 
 
 class _EventTask:
@@ -286,6 +303,7 @@ class SimGraph(DeviceGraph):
     def _execute(self) -> None:
         for task in self._tasks:
             task.run(self._runtime)
+        self._runtime._complete_all()
 
     def __repr__(self) -> str:
         return f"SimGraph({self.name!r}, {len(self._tasks)} tasks, captured={self._captured})"
@@ -339,7 +357,7 @@ class _CaptureMode(TorchDispatchMode):
         for i, out in enumerate(flat):
             if _is_cpu_dense(out) and _storage_id(out) not in inputs:
                 flat[i] = rt._graph_tensor_like(out)
-                flat[i].copy_(out)
+                rt._deliver(func, out, flat[i])
                 fresh.append((i, rt._describe(flat[i])))
         self.graph._tasks.append(_OpTask(func, frozen_args, frozen_kwargs, fresh, label))
         return pytree.tree_unflatten(flat, spec)
@@ -397,6 +415,7 @@ class SimRuntime(Runtime):
         self._captured_blocks: list[tuple[Segment, int, int]] = []
         self._update: Optional[_UpdateMode] = None
         self._pending: list[SimGraph] = []
+        self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graph_count = 0
 
     @property
@@ -558,6 +577,7 @@ class SimRuntime(Runtime):
         self._group_start = None
         blocks, self._captured_blocks = self._captured_blocks, []
         with _disable_current_modes():
+            self._complete_all()
             for segment, offset, size in blocks:
                 segment.data[offset : offset + size].fill_(0xFF)
         logger.debug(
@@ -573,8 +593,32 @@ class SimRuntime(Runtime):
         else:
             graph._tasks.append(_EventTask(event, action, f"{graph.name} task {len(graph._tasks)}"))
 
+    def _deliver(self, op: Any, result: torch.Tensor, dst: torch.Tensor) -> None:
+        """Put a fresh output of `op` at its captured address `dst`: at once, or, for a functional
+        collective, when it completes (the result is not written before then)."""
+        if _completes_at_wait(op):
+            self._in_flight[dst.data_ptr()] = (result, dst)
+        else:
+            dst.copy_(result)
+
+    def _complete(self, tensor: torch.Tensor) -> None:
+        """Wait for the collective in flight to `tensor`'s address, if any, and deliver its output."""
+        pending = self._in_flight.pop(tensor.data_ptr(), None)
+        if pending is not None:
+            result, dst = pending
+            torch.ops._c10d_functional.wait_tensor(result)
+            dst.copy_(result)
+
+    def _complete_all(self) -> None:
+        """Complete every collective still in flight: the end of a graph joins its work, as on the device."""
+        for _, dst in list(self._in_flight.values()):
+            self._complete(dst)
+
     def _launch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], label: str) -> Any:
-        """Call `op`; a `WorkspaceTooSmall` becomes an overrun of the workspace (or is re-raised)."""
+        """Call `op`; a `WorkspaceTooSmall` becomes an overrun of the workspace (or is re-raised).
+        A `wait_tensor` first completes the collective in flight to its operand's address."""
+        if _is_wait(op):
+            self._complete(args[0] if args else kwargs["tensor"])
         try:
             return op(*args, **kwargs)
         except WorkspaceTooSmall as err:

@@ -1,0 +1,81 @@
+"""Tensor parallelism: 2 CPU ranks (gloo) compile their shard of the example decoder; every step on
+every rank must match the unsplit model, computed eagerly in the same rank process.
+
+One spawned pair of ranks runs every case in sequence (spawning costs seconds); a hang fails the
+module's tests after `TIMEOUT` seconds instead of blocking. The model and the step schedule are
+`examples/tensor_parallel.py`'s (`python -m examples.tensor_parallel` runs one case by hand).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.tensor_parallel import ATOL, STEPS, Case, spawn_ranks
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
+
+WORLD = 2
+TIMEOUT = 150.0
+CASES = (
+    Case("sim", runtime="sim"),
+    Case("sim_dynamic", runtime="sim", dynamic=True),
+    Case("eager", runtime="eager"),
+    Case("eager_dynamic", runtime="eager", dynamic=True),
+    Case("sim_new_group", runtime="sim", new_group=True),
+    Case("sim_dynamic_plain_tensors", runtime="sim", dynamic=True, plain_tensors=True),
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Every rank's results of every case: one spawned group of ranks for the whole module."""
+    return spawn_ranks(CASES, world=WORLD, timeout=TIMEOUT, workdir=str(tmp_path_factory.mktemp("tp")))
+
+
+def _results(ranks: list[dict], name: str) -> list[dict]:
+    out = []
+    for rank, results in enumerate(ranks):
+        res = results[name]
+        if "failure" in res:
+            pytest.fail(f"case {name}, rank {rank} raised:\n{res['failure']}")
+        out.append(res)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_step_on_every_rank_matches_the_unsplit_model(ranks, case) -> None:
+    per_rank = _results(ranks, case.name)
+    for rank, res in enumerate(per_rank):
+        assert len(res["errors"]) == len(STEPS)
+        wrong = {res["steps"][i]: e for i, e in enumerate(res["errors"]) if not e <= ATOL}
+        assert not wrong, f"case {case.name}, rank {rank}: steps off the unsplit model: {wrong}"
+    # Same shapes on every rank: same buckets, so the same captures, replays and eager fallbacks.
+    assert all(res["stats"] == per_rank[0]["stats"] for res in per_rank), [r["stats"] for r in per_rank]
+    stats = per_rank[0]["stats"]
+    assert stats["steps"] == len(STEPS)
+    assert stats["eager_fallbacks"] >= 2  # the 9- and 12-token steps are above the largest bucket (8)
+    if case.runtime == "sim":
+        assert stats["captures"] >= 4 and stats["replays"] >= 4, stats
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_sim_steps_match_eager_runtime_steps(ranks, dynamic) -> None:
+    """Regression: the simulator delivered a functional all_reduce's output before its work was done
+    (a partial sum, silently), and the graph's wait_tensor did not wait (fixed in c6308bb)."""
+    suffix = "_dynamic" if dynamic else ""
+    for rank, (sim, eager) in enumerate(zip(_results(ranks, "sim" + suffix), _results(ranks, "eager" + suffix))):
+        for i, (a, b) in enumerate(zip(sim["outputs"], eager["outputs"])):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"rank {rank}, step {i}: {m}")
+
+
+def test_two_tp_groups_of_two_in_a_world_of_four(tmp_path) -> None:
+    """Each all_reduce stays within its own TP group (ranks 0-1 and 2-3), not the world; the first
+    steps of the schedule only (decode and mixed, within and between the buckets), to stay cheap."""
+    case = Case("tp2_of_4", runtime="sim", tp_size=2, steps=7)
+    per_rank = _results(spawn_ranks([case], world=4, timeout=TIMEOUT, workdir=str(tmp_path)), case.name)
+    for rank, res in enumerate(per_rank):
+        wrong = {res["steps"][i]: e for i, e in enumerate(res["errors"]) if not e <= ATOL}
+        assert len(res["errors"]) == 7 and not wrong, f"rank {rank}: steps off the unsplit model: {wrong}"
+        assert res["stats"] == per_rank[0]["stats"] and res["stats"]["replays"] >= 1, res["stats"]
