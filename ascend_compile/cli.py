@@ -37,6 +37,13 @@ def render(path: str, plan: dict[str, Any]) -> str:
                       [(i["index"], i["name"], i["role"], i["shape"]) for i in plan["inputs"] if i not in in_place]))
     caches = sum(1 for i in in_place if i["role"] == "kv_cache")
     out.append(f"used in place (address-checked every step): {caches} KV caches, {len(in_place) - caches} weights/buffers")
+    out.append(f"padding: {plan['padding']}")
+    out.append("sizes: " + ", ".join(f"{sym} {kind}" for sym, kind in plan["symbols"].items()))
+    writes = plan["input_writes"]
+    if writes:
+        out.append("\ninputs the graph writes (copied inputs are written back to the caller after each step)")
+        out.append(_table(["input", "node", "padding-safe"],
+                          [(w["input"], w["node"], "yes" if w["padding_safe"] else "no") for w in writes]))
     ws = plan["workspace"]
     out.append("\nworkspace slots" + (f" (pinned at length {ws['pinned_seq_len']})" if ws["pinned_seq_len"] else ""))
     out.append(_table(
@@ -60,6 +67,8 @@ def render(path: str, plan: dict[str, Any]) -> str:
     for key, graph in plan["graphs"].items():
         if "update_table" not in graph:
             continue
+        if "specializations" in graph:
+            out.append(f"\n{key} captured for specialized sizes: {', '.join(graph['specializations'])}")
         out.append(f"\nupdate table of {key}")
         out.append(_table(
             ["node", "kernel", "event", "refreshed from", "frozen at capture"],
