@@ -321,3 +321,55 @@ def test_random_step_functions_write_callers_buffers_exactly(dest_i, write, ret,
     shape, dtype, _, _ = DESTINATIONS[dest_i]
     run_both(_body(dest_i, write, ret), lambda size: torch.full(shape, -7, dtype=dtype), sizes, dynamic=dynamic,
              ids_layout=layouts[0], positions_layout=layouts[1], runtime=runtime, seed=seed)
+
+
+# --- metadata the model computes from the runtime's own inputs ---------------------------------------------
+
+
+class DerivedMetadataStep(TinyStep):
+    """Takes cumulative KV lengths and a flat per-token read index (transformers' continuous batching
+    style) and derives seq_lens and the block table itself, per layer."""
+
+    def forward(self, ids, positions, cu_seq_lens_q, cu_seq_lens_k, read_index, slot_mapping, buf):
+        blocks = MAX_LEN // CFG.block_size
+        seq_lens = torch.diff(cu_seq_lens_k).to(torch.int32)
+        starts = cu_seq_lens_k[:-1, None] + torch.arange(blocks)[None, :] * CFG.block_size
+        valid = torch.arange(blocks)[None, :] * CFG.block_size < seq_lens[:, None]
+        pages = read_index[starts.clamp(max=read_index.shape[0] - 1)] // CFG.block_size
+        block_table = torch.where(valid, pages, 0).to(torch.int32)
+        logits = self.logits(ids, positions, block_table, seq_lens, cu_seq_lens_q, slot_mapping)
+        tokens = logits.argmax(-1)
+        buf[0, : tokens.shape[0]].copy_(tokens)
+        return logits
+
+
+def derived_inputs(caller: Caller, size: int, mixed: bool) -> dict:
+    inputs = caller.step(size, mixed)
+    lens = inputs["seq_lens"].tolist()
+    reads = [b * CFG.block_size + o for row, n in zip(inputs["block_table"].tolist(), lens)
+             for p, b in enumerate(row[: -(-n // CFG.block_size)]) for o in range(CFG.block_size)
+             if p * CFG.block_size + o < n]
+    cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return {"ids": inputs["ids"], "positions": inputs["positions"], "cu_seq_lens_q": inputs["query_start_loc"],
+            "cu_seq_lens_k": cu_k, "read_index": torch.tensor(reads, dtype=torch.int64),
+            "slot_mapping": inputs["slot_mapping"]}
+
+
+@pytest.mark.parametrize("runtime", ["sim", "eager"])
+def test_metadata_computed_from_the_runtimes_inputs_is_hoisted(runtime):
+    torch._dynamo.reset()
+    fn, artifacts = compiled(DerivedMetadataStep(), runtime=runtime)
+    reference = DerivedMetadataStep()
+    caller = Caller(0)
+    with torch.no_grad():
+        for i, size in enumerate([3, 5, 2, 7, 4, 6, 9, 3]):
+            inputs = derived_inputs(caller, size, mixed=i % 3 == 2)
+            a, b = torch.full((1, BUF), -7), torch.full((1, BUF), -7)
+            torch.testing.assert_close(fn(**inputs, buf=a), reference(**inputs, buf=b), atol=1e-5, rtol=1e-5)
+            assert torch.equal(a, b)
+    art = dynamic_artifact(artifacts)
+    assert len(art.rewritten.prologue.names) == 2  # seq_lens and block table, once for every layer's use
+    roles = {s.name: s.role.value for s in art.signature.inputs}
+    assert roles["l_read_index_"] == "unused" and roles["l_cu_seq_lens_k_"] == "unused"
+    assert art.signature.pad_reason is None
+    assert sum(a.stats["replays"] for a in artifacts) >= 5 if runtime == "sim" else True

@@ -231,25 +231,26 @@ class CompiledArtifact:
         with self.lock:
             start = time.perf_counter()
             phases = sum(self.seconds.values())
-            result = self._step(args)
+            result = self._step(self.rewritten.prologue.extend(args), args)
             self.seconds["host"] += time.perf_counter() - start - (sum(self.seconds.values()) - phases)
             return result
 
-    def _step(self, args: Sequence[Any]) -> Any:
+    def _step(self, args: Sequence[Any], caller_args: Sequence[Any]) -> Any:
+        """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata)."""
         max_len = self.config.max_model_len
         step = read_step(self.signature, args, max_len)
         self.stats["steps"] += 1
         self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
         bucket = choose_bucket(self.rewritten.buckets, step.tokens)
         if bucket is None:
-            return self._fallback(args, step, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
+            return self._fallback(caller_args, step, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
         overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, args)
         if overlap:
-            return self._fallback(args, step, f"inputs {overlap} overlap in memory and the graph writes one of them")
+            return self._fallback(caller_args, step, f"inputs {overlap} overlap in memory and the graph writes one of them")
         key = self.rewritten.key_for(bucket, step.decode)
         graph = self._graph(key, args, step.symbols)
         if graph is None:
-            return self._fallback(args, step, f"{key} already has {self.config.max_specializations} captures "
+            return self._fallback(caller_args, step, f"{key} already has {self.config.max_specializations} captures "
                                               f"for other values of {[str(s) for s in self.signature.specialized]}")
         step.host = {(src, kind): host_value(step, src, kind, graph.num_tokens, graph.num_seqs)
                      for src, kind in graph.host_inputs}

@@ -16,6 +16,7 @@ from ..config import CompileConfig
 from ..ops.tiling import PA
 from . import dump
 from .find_attention import find_attention
+from .hoist_metadata import Prologue, hoist_metadata
 from .mutations import MutationFacts, analyse_mutations
 from .fx_utils import clone_graph_module, example_value
 from .roles import GraphSignature, assign_roles, evaluate
@@ -40,6 +41,7 @@ class RewrittenGraphs:
     graph_dir: str | None
     mutations: MutationFacts
     write_back: WriteBack
+    prologue: Prologue  # the hoisted metadata inputs, computed from the step's inputs
 
     def key_for(self, bucket: int, decode: bool) -> GraphKey:
         """The graph serving a step: a bucket's FIA decode graph also serves its mixed steps."""
@@ -70,6 +72,7 @@ class RewrittenGraphs:
             "input_writes": [{"input": self.signature.inputs[w.input].name, "node": w.node,
                               "padding_safe": w.padding_safe} for w in self.mutations.writes],
             "write_back": self.write_back.describe(),
+            "hoisted_metadata": list(self.prologue.names),
             "block_size": self.block_size,
             "max_blocks": self.max_blocks,
             "inputs": [
@@ -103,6 +106,9 @@ def rewrite_buckets(
             "max_model_len: required for graphs with paged attention (workspaces are sized for every "
             "length up to it); pass options={'max_model_len': N}"
         )
+    original, gm = gm, clone_graph_module(gm)
+    prologue = hoist_metadata(gm)
+    attention = find_attention(gm)
     mutations = analyse_mutations(gm)
     signature = assign_roles(gm, attention, mutations)
     write_back = build_write_back(gm, signature, mutations)
@@ -111,7 +117,9 @@ def rewrite_buckets(
     block_size = int(example_value(attention[0].args[1]).shape[1])
     max_blocks = -(-config.max_model_len // block_size)
     graph_dir = dump.new_graph_dir(config.dump_dir) if config.dump_dir else None
-    dump.dump_graph(gm, graph_dir, "original", "dynamo")
+    dump.dump_graph(original, graph_dir, "original", "dynamo")
+    if prologue.graph is not None:
+        dump.dump_graph(prologue.graph, graph_dir, "original", "prologue")
 
     buckets = _buckets(signature, config)
     graphs: dict[GraphKey, fx.GraphModule] = {}
@@ -132,7 +140,8 @@ def rewrite_buckets(
         dump.dump_graph(graph, graph_dir, str(key), "1_select_kernels")
         insert_workspaces(graph, key, plan)
         dump.dump_graph(graph, graph_dir, str(key), "2_insert_workspaces")
-    result = RewrittenGraphs(gm, signature, graphs, plan, buckets, block_size, max_blocks, graph_dir, mutations, write_back)
+    result = RewrittenGraphs(original, signature, graphs, plan, buckets, block_size, max_blocks, graph_dir, mutations,
+                             write_back, prologue)
     log.info(
         "ascend_compile: %d attention nodes, %d graphs over buckets %s, workspace %s",
         len(attention), len(graphs), list(buckets), {n: s.nbytes for n, s in plan.slots.items()},

@@ -34,6 +34,7 @@ class Role(str, enum.Enum):
     SCALAR = "scalar"
     STATIC = "static"
     SYMINT = "symint"
+    UNUSED = "unused"  # read only by the hoisted metadata prologue (or not at all): passed through as is
 
 
 #: The value padding rows / columns get, per role.
@@ -213,7 +214,7 @@ def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node], facts: Mutati
         expr = size_expr(value) if isinstance(value, torch.SymInt) else None
         role = roles.get(node.name)
         if role is None:
-            role = _role_of_value(node, value, shape)
+            role = _role_of_value(node, value, shape) if node.users else Role.UNUSED
         node.meta["ascend_role"] = role.value
         strides = tuple(size_expr(s) for s in value.stride()) if isinstance(value, torch.Tensor) else None
         offset = size_expr(value.storage_offset()) if isinstance(value, torch.Tensor) else 0
@@ -236,10 +237,6 @@ def _flat(value: Any) -> list[Any]:
     return [value]
 
 
-def _padded_symbols(tokens: Any, sequences: Any) -> set[sympy.Symbol]:
-    return {e for e in (tokens, sequences) if isinstance(e, sympy.Symbol)}
-
-
 def _pad_reason(gm: fx.GraphModule, inputs: Sequence[InputSpec], tokens: Any, sequences: Any,
                 padded: set[sympy.Symbol], facts: MutationFacts) -> str | None:
     """Why a padded step would not compute exactly what the real step computes, or None.
@@ -247,12 +244,8 @@ def _pad_reason(gm: fx.GraphModule, inputs: Sequence[InputSpec], tokens: Any, se
     Padding is exact when every write into a graph input lands, for the real rows, where the real
     step writes it, and the runner can copy exactly those elements back: one write per input,
     into a view of it that grows with the step, never read afterwards."""
-    if not isinstance(tokens, int):
-        if isinstance(sequences, int):
-            return "dynamo traced a static sequence count while the token count varies"
-        for what, expr in (("token", tokens), ("sequence", sequences)):
-            if not isinstance(expr, sympy.Symbol):
-                return f"the {what} count is the expression {expr}, not one size"
+    if not isinstance(tokens, int) and isinstance(sequences, int):
+        return "dynamo traced a static sequence count while the token count varies"
     for spec in inputs:
         if spec.role in IN_PLACE_ROLES and spec.shape and any(
             not isinstance(d, int) and d.free_symbols & padded for d in spec.shape
@@ -304,11 +297,36 @@ ROLE_DIMS = {
 _SOURCE_PRIORITY = {"size": 0, "stride": 1, "offset": 1, "value": 2}
 
 
+#: A token or sequence count `s + offset` pads `s` as this kind (the count itself to the bucket).
+_COUNT_OFFSET_KINDS = {0: SymbolKind.TOKENS, -1: SymbolKind.QUERY_START_LOC}
+
+
+def _count_symbol(expr: Any) -> tuple[sympy.Symbol, int] | None:
+    """(s, c) when a count is `s + c` for one symbol s and an integer c."""
+    if isinstance(expr, sympy.Symbol):
+        return expr, 0
+    if isinstance(expr, sympy.Add) and len(expr.free_symbols) == 1:
+        sym = next(iter(expr.free_symbols))
+        rest = sympy.simplify(expr - sym)
+        if rest.is_Integer:
+            return sym, int(rest)
+    return None
+
+
 def _padded_kinds(inputs: Sequence[InputSpec], tokens: Any, sequences: Any) -> tuple[dict, str | None]:
     """The kinds of the symbols padding gives values to, from data flow (the attention query's
     token dim, the sequence count, the dims of attention arguments); a reason when one symbol
     would need two values."""
-    kinds: dict[sympy.Symbol, SymbolKind] = {sym: SymbolKind.TOKENS for sym in _padded_symbols(tokens, sequences)}
+    kinds: dict[sympy.Symbol, SymbolKind] = {}
+    for what, count in (("token", tokens), ("sequence", sequences)):
+        if isinstance(count, int):
+            continue
+        found = _count_symbol(count)
+        if found is None or found[1] not in _COUNT_OFFSET_KINDS:
+            return {}, f"the {what} count is the expression {count}, not one size (plus 0 or -1)"
+        kind = _COUNT_OFFSET_KINDS[found[1]]
+        if kinds.setdefault(found[0], kind) is not kind:
+            return {}, f"size {found[0]} would be padded both as {kinds[found[0]].value} and as {kind.value}"
     for spec in inputs:
         for dim, kind in ROLE_DIMS.get(spec.role, {}).items():
             size = spec.shape[dim] if spec.shape and dim < len(spec.shape) else None
@@ -334,6 +352,8 @@ def _symbols(inputs: Sequence[InputSpec], padded_kinds: dict[sympy.Symbol, Symbo
     sized: set[sympy.Symbol] = set()
     layout_of: dict[sympy.Symbol, bool] = {}  # symbol -> seen only in copied inputs' layouts
     for spec in inputs:
+        if spec.role is Role.UNUSED:
+            continue
         if isinstance(spec.expr, sympy.Symbol):
             found(spec.expr, SymbolSource(spec.index, "value"))
         for dim, size in enumerate(spec.shape or ()):
@@ -350,7 +370,7 @@ def _symbols(inputs: Sequence[InputSpec], padded_kinds: dict[sympy.Symbol, Symbo
     for sym in sources:
         if sym not in kinds:
             kinds[sym] = SymbolKind.LAYOUT if sym not in sized and layout_of.get(sym) else SymbolKind.SPECIALIZED
-    unread = [sym for spec in inputs for e in [spec.expr, *(spec.shape or ())]
+    unread = [sym for spec in inputs if spec.role is not Role.UNUSED for e in [spec.expr, *(spec.shape or ())]
               for sym in getattr(e, "free_symbols", ()) if sym not in sources]
     if unread:
         raise ValueError(f"size symbols {sorted(map(str, unread))}: no graph input carries them as a size, "

@@ -1,0 +1,136 @@
+"""Hoist attention metadata the graph computes from its inputs into a per-step host prologue.
+
+Serving runtimes keep metadata in their own form (transformers' continuous batching passes
+cumulative lengths and cache read indices, not a block table) and the model derives the attention
+arguments from it. The runner must hold those arguments before the step runs: it reads lengths on
+the host, picks the bucket and pads by role. So each computed block table, `seq_lens`,
+`query_start_loc` and slot mapping becomes a graph input of its own, and a small FX graph, the
+prologue, computes them from the step's inputs on every call (host planning apart from the
+captured work, as FlashInfer splits `plan()` from `run()`). Identical computations of several
+layers are hoisted once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
+from .fx_utils import example_value, is_op, placeholders
+
+#: The metadata arguments that may be computed, by op: (argument position, name).
+HOISTED_ARGS = {
+    torch.ops.ascend.attention: ((3, "block_table"), (4, "seq_lens"), (5, "query_start_loc")),
+    torch.ops.ascend.reshape_and_cache: ((4, "slot_mapping"),),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """Computes the hoisted metadata inputs from a step's inputs (None: nothing was hoisted)."""
+
+    graph: fx.GraphModule | None
+    names: tuple[str, ...] = ()
+
+    def extend(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """The step's inputs followed by the hoisted metadata."""
+        if self.graph is None:
+            return tuple(args)
+        return (*args, *self.graph(*args))
+
+
+def _is_pure(node: fx.Node) -> bool:
+    """Whether a call computes a value without writing any tensor (no in-place method, item
+    assignment, `out=` or schema-annotated write)."""
+    if node.op == "call_method":
+        return not (node.target.endswith("_") and not node.target.startswith("_"))
+    if node.target is operator.setitem or "out" in node.kwargs:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _closure(value: fx.Node, what: str) -> list[fx.Node]:
+    """The nodes computing `value` from graph inputs; a clear error when one is not a pure op."""
+    needed: set[fx.Node] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if node in needed or node.op == "placeholder":
+            continue
+        if node.op not in ("call_function", "call_method") or not _is_pure(node) or any(
+            is_op(node, op) for op in HOISTED_ARGS
+        ):
+            raise ValueError(
+                f"{what}: computed by {node.format_node()}, which is not a pure function of the graph inputs; "
+                f"the runner reads attention metadata on the host before the step, so it must be an input or "
+                f"computed from inputs alone"
+            )
+        needed.add(node)
+        stack += node.all_input_nodes
+    return [n for n in value.graph.nodes if n in needed]
+
+
+def _key(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
+    """A structural key: nodes computing the same thing from the same inputs get the same key."""
+    if node not in memo:
+        if node.op == "placeholder":
+            memo[node] = ("placeholder", node.name)
+        else:
+            args = fx.node.map_arg((node.args, tuple(sorted(node.kwargs.items()))), lambda n: _key(n, memo))
+            memo[node] = (node.op, node.target, repr(args))
+    return memo[node]
+
+
+def hoist_metadata(gm: fx.GraphModule) -> Prologue:
+    """Turn every computed metadata argument of `gm`'s attention and cache-write nodes into a new
+    graph input (after the existing ones), and return the prologue computing them."""
+    sites = [(node, position, name) for node in gm.graph.nodes for op, args in HOISTED_ARGS.items()
+             if is_op(node, op) for position, name in args]
+    memo: dict[fx.Node, Any] = {}
+    hoisted: dict[Any, tuple[fx.Node, list[tuple[fx.Node, int]]]] = {}
+    for node, position, name in sites:
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
+        if not isinstance(value, fx.Node) or value.op == "placeholder":
+            continue
+        _closure(value, f"{node.name}.{name}")
+        entry = hoisted.setdefault(_key(value, memo), (value, []))
+        entry[1].append((node, position))
+    if not hoisted:
+        return Prologue(None)
+    values = [value for value, _ in hoisted.values()]
+    closure = {n for value in values for n in _closure(value, value.name)}
+    prologue = _prologue_graph(gm, values, closure)
+    graph = gm.graph
+    cursor = placeholders(gm)[-1]
+    names = []
+    for index, (value, uses) in enumerate(hoisted.values()):
+        with graph.inserting_after(cursor):
+            cursor = graph.placeholder(f"ascend_hoisted_{index}")
+        cursor.meta["example_value"] = example_value(value)
+        cursor.meta["ascend_hoisted_from"] = value.name
+        for node, position in uses:
+            node.update_arg(position, cursor)
+        names.append(cursor.name)
+    for node in reversed(list(graph.nodes)):
+        if node in closure and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return Prologue(prologue, tuple(names))
+
+
+def _prologue_graph(gm: fx.GraphModule, values: list[fx.Node], closure: set[fx.Node]) -> fx.GraphModule:
+    """An FX graph over `gm`'s inputs computing `values` (from the nodes of `closure`)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in placeholders(gm):
+        env[node] = graph.placeholder(node.name)
+    for node in gm.graph.nodes:
+        if node in closure:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[v] for v in values))
+    return fx.GraphModule(gm, graph)
