@@ -212,10 +212,10 @@ def test_no_numpy_warning_in_a_fresh_process():
 
 
 @pytest.mark.parametrize("body, reason", [
-    ("buf.zero_()\nbuf[0, :n] = tokens\nreturn logits", "written by several nodes"),
+    ("buf.zero_()\nbuf[0, :n] = tokens\nreturn logits", "written whole"),
     ("buf[0, :n] = tokens\nreturn logits + buf.sum()", "read after"),
     ("buf[0, tokens % 8] = tokens\nreturn logits", "not a view"),
-    ("buf[0, :n].copy_(tokens)\nbuf[0, 0:1].add_(n)\nreturn logits", "written by several nodes"),
+    ("buf[0, :n].copy_(tokens)\nbuf[0, 0:1].add_(n)\nreturn logits", "read after"),
 ])
 @pytest.mark.parametrize("runtime", ["sim", "eager"])
 def test_writes_padding_would_change_are_captured_per_exact_size(body, reason, runtime):
@@ -225,6 +225,27 @@ def test_writes_padding_would_change_are_captured_per_exact_size(body, reason, r
     assert art.describe()["padding"] == art.signature.pad_reason
     if runtime == "sim":
         assert all(g.num_tokens == dict(g.specialization).get(str(art.signature.tokens)) for g in art.graphs.values())
+
+
+@pytest.mark.parametrize("runtime", ["sim", "eager"])
+def test_several_writes_into_one_buffer_are_padded_when_they_do_not_overlap(runtime):
+    body = "buf[0, :n].copy_(tokens)\nbuf[1, :n].copy_(tokens * 2)\nreturn logits"
+    artifacts = run_both(body, int_buffer((2, BUF)), SIZES, dynamic=True, runtime=runtime)
+    art = dynamic_artifact(artifacts)
+    assert art.signature.pad_reason is None and art.rewritten.write_back.located == (len(art.signature.inputs) - 1,) * 2
+    assert art.stats["eager_fallbacks"] == 1  # 9 tokens only
+
+
+@pytest.mark.parametrize("runtime", ["sim", "eager"])
+def test_writes_that_overlap_only_when_padded_run_eagerly(runtime):
+    # Real steps of 3 to 6 tokens write [0, n) and [6, 6 + n): apart up to 6 tokens. Padded to bucket 8 the
+    # first write covers [0, 8) and overlaps the second: those steps run eagerly; bucket 4 serves 3 tokens.
+    body = "buf[0, :n].copy_(tokens)\nbuf[0, 6:6 + n].copy_(tokens)\nreturn logits"
+    artifacts = run_both(body, int_buffer((1, BUF)), [3, 5, 6, 3, 4], dynamic=True, runtime=runtime)
+    art = dynamic_artifact(artifacts)
+    assert art.signature.pad_reason is None
+    assert art.stats["eager_fallbacks"] == 2
+    assert any("overlapping" in why and "b8" in why for why in art._fallbacks_logged)
 
 
 def test_a_model_writing_its_own_buffer_is_not_padded():

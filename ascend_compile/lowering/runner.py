@@ -23,7 +23,7 @@ from ..config import CompileConfig
 from ..passes import dump
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role, SymbolKind, evaluate
-from ..passes.write_back import copy_written
+from ..passes.write_back import copy_written, overlapping_writes
 from ..passes.workspaces import GraphKey
 from ..runtime.base import Runtime
 from . import capture as capture_mod
@@ -89,6 +89,7 @@ class BucketGraph:
         self.graph = None
         self.outputs = None
         self.written_views: list[torch.Tensor] = []
+        self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
         self.table: capture_mod.UpdateTable | None = None
         self.addresses: dict[int, int] = {}
         self.scalars: dict[int, Any] = {}
@@ -134,7 +135,7 @@ class BucketGraph:
         for i, contents in saved.items():
             step_args[i].copy_(contents)
         self.outputs = outputs
-        self.written_views = art.rewritten.write_back.views(graph_args)[0]
+        self.locate_writes(graph_args)
         self.addresses = {
             spec.index: step_args[spec.index].data_ptr()
             for spec in art.signature.inputs
@@ -145,6 +146,16 @@ class BucketGraph:
         art.stats["captures"] += 1
         log.info("ascend_compile: captured %s%s in %.3f s (%d update entries)", self.key,
                  "".join(f" {s}={v}" for s, v in self.specialization), self.capture_seconds, len(self.table.entries))
+
+    def locate_writes(self, graph_args: Sequence[Any]) -> None:
+        """Where the graph writes its copied inputs, in the static buffers (fixed for the graph's
+        life); writes that overlap there cannot be copied back exactly, so the graph serves no step."""
+        write_back = self.artifact.rewritten.write_back
+        self.written_views = write_back.views(graph_args)[0]
+        clashes = overlapping_writes(self.written_views, write_back.located)
+        if clashes:
+            names = [self.artifact.signature.inputs[i].name for i in clashes]
+            self.eager_reason = f"{self.name}: inputs {names} are written twice at overlapping places in the padded graph"
 
     def moved_inputs(self, step_args: Sequence[Any]) -> list[str]:
         """In-place inputs at another address, and host scalars of another value, than at capture."""
@@ -163,8 +174,6 @@ class BucketGraph:
         output position, the outputs that are views of copied inputs, as views of the caller's."""
         write_back = self.artifact.rewritten.write_back
         written, aliased = write_back.views(step.args)
-        if not self.written_views and write_back.located:  # a graph run without capture
-            self.written_views = write_back.views(self.graph_args(step.args))[0]
         for dest, src in zip(written, self.written_views):
             copy_written(dest, src)
         for index in write_back.whole:
@@ -252,6 +261,8 @@ class CompiledArtifact:
         if graph is None:
             return self._fallback(caller_args, step, f"{key} already has {self.config.max_specializations} captures "
                                               f"for other values of {[str(s) for s in self.signature.specialized]}")
+        if graph.eager_reason:
+            return self._fallback(caller_args, step, graph.eager_reason)
         step.host = {(src, kind): host_value(step, src, kind, graph.num_tokens, graph.num_seqs)
                      for src, kind in graph.host_inputs}
         if self.runtime.supports_graphs:
@@ -275,6 +286,8 @@ class CompiledArtifact:
                          ", ".join(f"{s}={v}" for s, v in specialization))
             graph = self.graphs[(key, specialization)] = BucketGraph(self, key, symbols)
         if not self.runtime.supports_graphs:
+            if not graph.written_views and self.rewritten.write_back.located:
+                graph.locate_writes(graph.graph_args(args))
             return graph
         if graph.graph is not None:
             moved = graph.moved_inputs(args)

@@ -92,18 +92,18 @@ def hoist_metadata(gm: fx.GraphModule) -> Prologue:
              if is_op(node, op) for position, name in args]
     memo: dict[fx.Node, Any] = {}
     hoisted: dict[Any, tuple[fx.Node, list[tuple[fx.Node, int]]]] = {}
+    dead: set[fx.Node] = set()  # every node computing a hoisted argument: erased where nothing else uses it
     for node, position, name in sites:
         value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
         if not isinstance(value, fx.Node) or value.op == "placeholder":
             continue
-        _closure(value, f"{node.name}.{name}")
+        dead.update(_closure(value, f"{node.name}.{name}"))
         entry = hoisted.setdefault(_key(value, memo), (value, []))
         entry[1].append((node, position))
     if not hoisted:
         return Prologue(None)
     values = [value for value, _ in hoisted.values()]
-    closure = {n for value in values for n in _closure(value, value.name)}
-    prologue = _prologue_graph(gm, values, closure)
+    prologue = _prologue_graph(gm, values, {n for value in values for n in _closure(value, value.name)})
     graph = gm.graph
     cursor = placeholders(gm)[-1]
     names = []
@@ -116,7 +116,7 @@ def hoist_metadata(gm: fx.GraphModule) -> Prologue:
             node.update_arg(position, cursor)
         names.append(cursor.name)
     for node in reversed(list(graph.nodes)):
-        if node in closure and not node.users:
+        if node in dead and not node.users:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()

@@ -58,9 +58,21 @@ class MutationFacts:
         return [w for w in self.writes if not w.padding_safe]
 
 
+_METADATA_OPS = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride")
+
+
 def _is_metadata_op(func: torch._ops.OpOverload) -> bool:
-    """Ops that look at a tensor's sizes, not its data."""
-    return func.__name__.split(".")[0] in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "size", "stride")
+    """Ops that look at a tensor's sizes, device or layout (`prim::device`), not its data."""
+    return func.namespace == "prim" or func.__name__.split(".")[0] in _METADATA_OPS
+
+
+_OVERWRITING_OPS = ("copy_", "fill_", "zero_")
+
+
+def _overwrites(func: torch._ops.OpOverload, arg: torch._C.Argument) -> bool:
+    """Whether a written argument is only written (an `out=` tensor, or `copy_`/`fill_`/`zero_`'s
+    self); other in-place ops read what they write (`add_`)."""
+    return arg.kwarg_only or func.__name__.split(".")[0] in _OVERWRITING_OPS
 
 
 class _RecordAccesses(TorchDispatchMode):
@@ -91,7 +103,7 @@ class _RecordAccesses(TorchDispatchMode):
             written = arg.alias_info is not None and arg.alias_info.is_write
             if written:
                 self.writes += [(self.node, i) for i in self._inputs_of(bound[arg.name])]
-            elif not func.is_view and not _is_metadata_op(func):
+            if written and not _overwrites(func, arg) or not written and not func.is_view and not _is_metadata_op(func):
                 self.reads += [(self.node, i) for i in self._inputs_of(bound[arg.name])]
         return func(*args, **kwargs)
 

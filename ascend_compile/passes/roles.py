@@ -242,8 +242,9 @@ def _pad_reason(gm: fx.GraphModule, inputs: Sequence[InputSpec], tokens: Any, se
     """Why a padded step would not compute exactly what the real step computes, or None.
 
     Padding is exact when every write into a graph input lands, for the real rows, where the real
-    step writes it, and the runner can copy exactly those elements back: one write per input,
-    into a view of it that grows with the step, never read afterwards."""
+    step writes it, and the runner can copy exactly those elements back: writes into views of the
+    input that grow with the step, never read afterwards (several writes into one input must not
+    overlap: the runner checks that on each captured graph's buffers)."""
     if not isinstance(tokens, int) and isinstance(sequences, int):
         return "dynamo traced a static sequence count while the token count varies"
     for spec in inputs:
@@ -258,8 +259,9 @@ def _pad_reason(gm: fx.GraphModule, inputs: Sequence[InputSpec], tokens: Any, se
             return f"{spec.name}: a {spec.role.value} input (used in place) is written by {w.node}"
         if w.target is None:
             return f"{spec.name}: written by {w.node} through an index that is not a view (e.g. a tensor index)"
-        if sum(1 for o in unsafe if o.input == w.input) > 1:
-            return f"{spec.name}: written by several nodes ({', '.join(o.node for o in unsafe if o.input == w.input)})"
+        others = [o.node for o in unsafe if o.input == w.input and o is not w]
+        if others and w.target.op == "placeholder" and w.index is None:
+            return f"{spec.name}: written whole by {w.node} and again by {', '.join(others)}"
         if w.input in facts.read_after_write:
             return f"{spec.name}: read after {w.node} writes it"
         if view_closure(target_nodes(w), gm) is None:

@@ -85,6 +85,22 @@ def _index_nodes(index: Any) -> list[fx.Node]:
     return found
 
 
+def overlapping_writes(views: Sequence[torch.Tensor], inputs: Sequence[int]) -> list[int]:
+    """Inputs with two written views sharing an element (views of a graph's static buffers): the
+    later write would land where the earlier one's real rows are copied back from."""
+    seen: dict[int, torch.Tensor] = {}
+    clashes = []
+    for view, index in zip(views, inputs):
+        size = view.untyped_storage().nbytes() // view.element_size()
+        elements = torch.zeros(size, dtype=torch.bool)
+        positions = torch.arange(size).as_strided(view.shape, view.stride(), view.storage_offset())
+        elements[positions.reshape(-1)] = True
+        if index in seen and bool((seen[index] & elements).any()):
+            clashes.append(index)
+        seen[index] = seen[index] | elements if index in seen else elements
+    return clashes
+
+
 def copy_written(dest: torch.Tensor, src: torch.Tensor) -> None:
     """`dest` (the caller's view, real sizes) from the real prefix of `src` (the buffer's view)."""
     for dim, size in enumerate(dest.shape):

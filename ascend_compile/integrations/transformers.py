@@ -1,0 +1,166 @@
+"""Serving transformers' continuous batching (`model.generate_batch`) through `ascend_graph`.
+
+`continuous_batching(model, cb_config, **options)` returns a `ContinuousBatchingConfig` whose step
+function is compiled by this backend. Per layer, the attention function writes the step's keys
+and values into the paged cache with `ascend.reshape_and_cache` and attends with `ascend.attention`;
+the block table, sequence lengths and query offsets it derives from what continuous batching passes
+(cumulative lengths and cache read indices) are hoisted by the compiler into a per-step host
+prologue, so the step has no graph break and every bucket is one captured graph.
+
+The touches of transformers' internals, all here: the cache's per-layer `update` (which would
+gather the whole KV and breaks the graph) is made to hand the attention function its page views
+instead, for models using this module's attention only; the padding granularity of continuous
+batching is set to one token, since the backend pads to its own buckets.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+
+from .. import backend as ascend_backend
+from ..config import CompileConfig as AscendConfig
+from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
+
+#: The attention implementation name; continuous batching accepts flash-named implementations.
+ATTENTION = "ascend_paged_flash"
+#: The transformers releases this module was written and tested against.
+SUPPORTED_VERSIONS = ("5.24",)
+#: Attention layer types whose cache this module can serve.
+SUPPORTED_LAYER_TYPES = ("full_attention",)
+
+
+def installed_version() -> str:
+    """The installed transformers release."""
+    import transformers
+
+    return transformers.__version__
+
+
+def _check_version() -> None:
+    version = installed_version()
+    if not version.startswith(SUPPORTED_VERSIONS):
+        raise RuntimeError(
+            f"transformers {version}: ascend_compile.integrations.transformers supports transformers "
+            f"{', '.join(v + '.x' for v in SUPPORTED_VERSIONS)} (it replaces the paged cache's per-layer update, "
+            f"an internal); install a supported version"
+        )
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(
+            f"model: layer types {unsupported or ['sliding_attention']} are not supported by the ascend_graph "
+            f"continuous batching integration (it serves full-attention layers only)"
+        )
+
+
+def _page_update(original: Callable) -> Callable:
+    """The cache's per-layer update for models using `ATTENTION`: nothing is gathered; the attention
+    function gets this layer's page views and cache indices in `kwargs` (updated in place, as the
+    original does)."""
+
+    def update(self, key_states, value_states, layer_idx, kwargs):
+        if self.config._attn_implementation != ATTENTION:
+            return original(self, key_states, value_states, layer_idx, kwargs)
+        allocator = self.layer_to_allocator[layer_idx]
+        # One sampled token per sequence: tell the compiler the two counts are one size, so the
+        # sampled rows are padded with the sequences instead of captured per distinct count.
+        torch._check(kwargs["logits_indices"].shape[0] == kwargs["cu_seq_lens_q"].shape[0] - 1)
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
+        kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+        kwargs["ascend_pages"] = allocator.get_cache_for_block_table(layer_idx)
+        kwargs["ascend_page_size"] = allocator.tokens_per_page
+        kwargs["ascend_read_index"] = kwargs["read_index"][allocator.index]
+        kwargs["ascend_write_index"] = kwargs["write_index"][allocator.index]
+        return key_states, value_states
+
+    update.ascend_original = original
+    return update
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Continuous batching's attention through the `ascend` ops: `query [1, H, T, D]`,
+    `key/value [1, KVH, T, D]` (this step's tokens only) -> `[1, T, H, D]`."""
+    if "ascend_pages" not in kwargs:
+        raise RuntimeError(
+            f"{ATTENTION}: serves continuous batching only (model.generate_batch with the config from "
+            f"ascend_compile.integrations.transformers.continuous_batching)"
+        )
+    key_pages, value_pages = kwargs["ascend_pages"]
+    page_size = kwargs["ascend_page_size"]
+    tokens = query.shape[2]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1).to(key_pages.dtype)
+    v = value[0].transpose(0, 1).to(value_pages.dtype)
+    torch.ops.ascend.reshape_and_cache(k, v, key_pages, value_pages, kwargs["ascend_write_index"])
+    cu_k, cu_q = kwargs["cu_seq_lens_k"], kwargs["cu_seq_lens_q"]
+    seq_lens = torch.diff(cu_k).to(torch.int32)
+    block_table = _block_table(cu_k, seq_lens, kwargs["ascend_read_index"], kwargs["ascend_write_index"],
+                               page_size, module.config.ascend_max_blocks)
+    out = torch.ops.ascend.attention(q, key_pages, value_pages, block_table, seq_lens, cu_q.to(torch.int32),
+                                     scaling if scaling is not None else q.shape[-1] ** -0.5)
+    return out.view(1, tokens, *out.shape[1:]), None
+
+
+def _block_table(cu_k, seq_lens, read_index, write_index, page_size: int, max_blocks: int) -> torch.Tensor:
+    """`[B, max_blocks]` page ids of each sequence, from its cache read indices (one per KV token, in
+    order, each page starting at a page boundary). A batch that reads no cache gets no read indices
+    and reads what it writes: the positions then fall into the write indices appended after them."""
+    index = torch.cat([read_index, write_index])
+    blocks = torch.arange(max_blocks, device=cu_k.device) * page_size
+    starts = cu_k[:-1, None].long() + blocks[None, :]
+    valid = blocks[None, :] < seq_lens[:, None]
+    pages = index[starts.clamp(max=index.shape[0] - 1)] // page_size
+    return torch.where(valid, pages, 0).to(torch.int32)
+
+
+def _install() -> None:
+    """Register the attention function and the page update (once per process)."""
+    from transformers import AttentionInterface
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    AttentionInterface.register(ATTENTION, attention_forward)
+    if not hasattr(PagedAttentionCache.update, "ascend_original"):
+        PagedAttentionCache.update = _page_update(PagedAttentionCache.update)
+
+
+def max_model_len_of(model: torch.nn.Module) -> int:
+    """The longest sequence the model serves: its config's `max_position_embeddings`."""
+    length = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(length, int) or length < 1:
+        raise ValueError("max_model_len: the model config has no max_position_embeddings; pass max_model_len=...")
+    return length
+
+
+def continuous_batching(model: torch.nn.Module, config: Any = None, on_compiled: Callable | None = None,
+                        **options: Any):
+    """A `ContinuousBatchingConfig` (a copy of `config`, or a default one) whose step function is
+    compiled by `ascend_graph` with `options` (`max_model_len` defaults to the model's
+    `max_position_embeddings`); the model is switched to this module's attention.
+
+    `on_compiled` receives each compiled artifact (its `stats`, `describe()`, `memory_report()`)."""
+    _check_version()
+    _check_model(model)
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    _install()
+    ascend_config = AscendConfig.from_options({"max_model_len": max_model_len_of(model), **options})
+    cb = copy.deepcopy(config) if config is not None else ContinuousBatchingConfig()
+    page_size = cb.page_size
+    model.config.ascend_max_blocks = -(-ascend_config.max_model_len // page_size)
+    # Set directly: `set_attn_implementation` would look for a flash kernel behind a flash-named
+    # implementation, and continuous batching accepts only flash-named ones besides its own two.
+    model.config._attn_implementation = ATTENTION
+    # The backend pads each step to its own buckets: continuous batching pads by one token (none).
+    cb.q_padding_interval_size = 1
+    cb.kv_padding_interval_size = 1
+    cb.max_blocks_per_request = 0  # the block-table decode path is flash_attn_with_kvcache's
+    compiled = ascend_backend(ascend_config, on_compiled=on_compiled)
+    cb.varlen_compile_config = CompileConfig(fullgraph=True, dynamic=True, backend=compiled, mode=None)
+    return cb

@@ -1,0 +1,104 @@
+"""transformers' continuous batching (`model.generate_batch`) served through `ascend_graph`.
+
+Greedy tokens must equal `model.generate`'s token for token, logprobs must match continuous batching
+run without the backend, steps mixing prefill chunks and decodes must all replay captured graphs,
+with no graph break; what the integration cannot serve is refused clearly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+
+from ascend_compile.integrations import transformers as ac_hf  # noqa: E402
+
+PROMPT_LENGTHS = [5, 12, 3, 21, 9, 30]
+NEW_TOKENS = 6
+CAPTURE_SIZES = [1, 2, 4, 8, 16]
+
+
+def tiny(family: str):
+    """A tiny random model of `family`, float32, in eval mode."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    if family == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False)).eval()
+    raise ValueError(family)
+
+
+def prompts():
+    return [[1 + (i * 7 + j * 3) % 120 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def greedy():
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def cb_config(**kw):
+    # max_batch_tokens 16: the 21- and 30-token prompts are prefilled in chunks, beside other requests' decodes
+    return ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=16, **kw)
+
+
+def in_order(outputs):
+    return [outputs[k] for k in sorted(outputs, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
+    model = tiny(family)
+    expected = []
+    with torch.no_grad():
+        for p in prompts():
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 generation_config=greedy())
+            expected.append(out[0, len(p):].tolist())
+    artifacts = []
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cb = ac_hf.continuous_batching(model, cb_config(), on_compiled=artifacts.append, capture_sizes=CAPTURE_SIZES)
+    outputs = in_order(model.generate_batch(prompts(), generation_config=greedy(), continuous_batching_config=cb))
+    assert [o.generated_tokens for o in outputs] == expected
+    stats = sum((a.stats for a in artifacts), start=__import__("collections").Counter())
+    assert stats["eager_fallbacks"] == 0  # every step fits a bucket (max_batch_tokens <= the largest)
+    assert stats["replays"] == stats["steps"] and stats["captures"] >= 2
+    assert not torch._dynamo.utils.counters["graph_break"]
+    mixed = [a for a in artifacts if any(not g.key.decode for g in a.graphs.values())]
+    assert mixed, "no step mixed prefill chunks with decodes"
+
+
+def test_logprobs_match_continuous_batching_without_the_backend():
+    model = tiny("llama")
+    plain = in_order(model.generate_batch(prompts(), generation_config=greedy(),
+                                          continuous_batching_config=cb_config(return_logprobs=True)))
+    torch._dynamo.reset()
+    cb = ac_hf.continuous_batching(model, cb_config(return_logprobs=True), capture_sizes=CAPTURE_SIZES)
+    compiled = in_order(model.generate_batch(prompts(), generation_config=greedy(), continuous_batching_config=cb))
+    assert [o.generated_tokens for o in compiled] == [o.generated_tokens for o in plain]
+    for a, b in zip(compiled, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_layers_are_refused():
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        ac_hf.continuous_batching(transformers.MistralForCausalLM(config), cb_config(), capture_sizes=CAPTURE_SIZES)
+
+
+def test_an_unsupported_transformers_version_is_refused(monkeypatch):
+    monkeypatch.setattr(ac_hf, "installed_version", lambda: "5.30.0")
+    with pytest.raises(RuntimeError, match="transformers 5.30.0: .* supports transformers 5.24.x"):
+        ac_hf.continuous_batching(tiny("llama"), cb_config())
+
+
+def test_the_attention_function_refuses_use_outside_continuous_batching():
+    model = tiny("llama")
+    ac_hf.continuous_batching(model, cb_config())
+    with pytest.raises(RuntimeError, match="serves continuous batching only"):
+        model(torch.tensor([[1, 2, 3]]))
