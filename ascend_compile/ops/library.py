@@ -154,8 +154,8 @@ def check_attention_metadata(
     num_seqs = seq_lens.shape[0]
     if seq_lens.device.type != "cpu" and seq_lens.device != query.device:
         raise ValueError(
-            f"seq_lens: host lengths on the CPU (as vLLM-Ascend keeps PA's context_lens), or expected device "
-            f"{query.device} (the query's), got {seq_lens.device}"
+            f"seq_lens: expected device {query.device} (the query's), got {seq_lens.device}; host lengths on the "
+            f"CPU are accepted too (as vLLM-Ascend keeps PA's context_lens)"
         )
     validate.check_int32_vector("seq_lens", seq_lens, num_seqs, seq_lens.device)
     validate.check_int32_vector("query_start_loc", query_start_loc, num_seqs + 1, query.device)
