@@ -19,7 +19,6 @@ import argparse
 import collections
 import dataclasses
 import datetime
-import json
 import os
 import random
 import sys

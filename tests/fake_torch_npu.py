@@ -16,7 +16,15 @@ update, and a replay that reaches an external event nobody recorded raises inste
 Streams add two device rules: a replay runs when the host synchronizes, or earlier when a stream
 waits on an event recorded after it (`Stream.wait_event`); and a task update issued on a stream
 that a pending replay runs on raises, because on the device it would queue behind a replay that
-waits for it. `install(monkeypatch)` puts the fake in `sys.modules` for one test.
+waits for it. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
+themselves up on their first call, which may not be inside a capture; with every length 0 they take
+a fast path that records another task than real lengths do; PA's task reads its CPU `context_lens`
+when it runs, so that tensor must outlive it. FIA refuses what its torch_npu documentation forbids
+for paged TND calls: a block size that is not a multiple of 128 in [128, 512], a cache with fewer
+blocks than the sequences' lengths need, and a sequence with more query tokens than KV. FIA's
+workspace query answers in the query's dtype (its bytes are `numel * element_size`).
+The call log keeps tensors as meta tensors (shape and dtype only), so it holds no memory alive.
+`install(monkeypatch)` puts the fake in `sys.modules` for one test.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ascend_compile.ops import library, reference, tiling, validate
@@ -90,8 +99,10 @@ def _host_lengths(name: str, t: torch.Tensor) -> list[int]:
 
 
 def _executed(kernel: str, kv_lens: list[int]) -> None:
-    """Note a kernel execution (capture runs each op once; replays run them again)."""
+    """Note a kernel execution (capture runs each op once; replays run them again); the kernel's
+    first call sets it up, which the simulator refuses inside a capture."""
     if _ACTIVE is not None:
+        _ACTIVE.sim.first_call(kernel)
         _ACTIVE.executed.append((kernel, tuple(kv_lens)))
 
 
@@ -156,8 +167,17 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _fail("num_key_value_heads", f"KVH with KVH*{dim} == {key.shape[2]} (the cache's last dim)", kv_heads)
     if kw["block_size"] != key.shape[1]:
         _fail("block_size", f"the cache's block size {key.shape[1]}", kw["block_size"])
+    if kw["block_size"] % 128 or not 128 <= kw["block_size"] <= 512:
+        _fail("block_size", "a multiple of 128 in [128, 512] (paged FIA)", kw["block_size"])
     ends, kv_lens = list(kw["actual_seq_lengths"]), list(kw["actual_seq_lengths_kv"])
     query_lens = validate.query_lens_from_ends(ends, query.shape[0], "actual_seq_lengths")
+    needed = sum(-(-n // key.shape[1]) for n in kv_lens)
+    if key.shape[0] < needed:
+        _fail("key", f"at least {needed} blocks (the sum of every sequence's blocks)", f"{key.shape[0]} blocks")
+    short = [i for i, (q, kv) in enumerate(zip(query_lens, kv_lens)) if q > kv]
+    if short:
+        _fail("actual_seq_lengths_kv", "each sequence's KV length at least its query length",
+              f"{[kv_lens[i] for i in short]} for {[query_lens[i] for i in short]} query tokens")
     if kw["sparse_mode"] == 3:
         mask = kw["atten_mask"]
         if mask is None or tuple(mask.shape) != (2048, 2048) or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
@@ -203,7 +223,7 @@ def _fia_max_workspace(query, key, value, **kwargs):
     kw = _fia_arguments(torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default._schema, kwargs)
     key4, _, _, kv_lens, query_lens = _fia_layout(query, key, value, kw)
     nbytes = tiling.workspace_nbytes(tiling.FIA, tiling.AttentionShape.of(query, key4), kv_lens, query_lens)
-    return torch.empty(nbytes, dtype=query.dtype, device=query.device)  # numel is the byte count
+    return torch.empty(-(-nbytes // query.element_size()), dtype=query.dtype, device=query.device)
 
 
 _LIBRARIES: list[torch.library.Library] = []
@@ -247,6 +267,10 @@ class FakeNpu:
 
     def __init__(self) -> None:
         self.sim = SimRuntime()
+        pa, fia = torch.ops.atb._npu_paged_attention, torch.ops.npu.npu_fused_infer_attention_score
+        self.sim.zero_length_fast_path(pa, "context_lens")
+        self.sim.zero_length_fast_path(fia, "actual_seq_lengths_kv")
+        self.sim.reads_on_host(pa, "context_lens")
         self.calls: list[Call] = []
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
         self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order
@@ -259,6 +283,8 @@ class FakeNpu:
         self.streams: list[Stream] = []
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        with _disable_current_modes():  # not a device op: nothing for a capture or update to record
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         self.calls.append(Call(name, args, kwargs))
         self.trace.append((name, self.current()))
 

@@ -87,10 +87,12 @@ def test_update_table_is_keyed_by_node_and_refreshed_from_inputs():
         "actual_seq_lengths": {"input": "l_query_start_loc_", "conversion": "ends"},
         "actual_seq_lengths_kv": {"input": "l_seq_lens_", "conversion": "list"},
     }
-    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [0] * 8  # captured on an all-padding step
+    # Captured on an all-padding step whose sequences have KV length 1 (never 0: see the sim's fast-path rule).
+    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [1] * 8
     pa = plan["b4.decode"]["update_table"]
     assert [e["kernel"] for e in pa] == [tiling.PA, tiling.PA] and all(e["event"] for e in pa)
     assert pa[0]["refresh"] == {"context_lens": {"input": "l_seq_lens_", "conversion": "list"}}
+    assert min(pa[0]["frozen_at_capture"]["context_lens"]) > 1  # PA is captured long, like vLLM-Ascend's 6144
 
 
 def test_one_host_conversion_per_input_and_no_workspace_work_at_replay(monkeypatch):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ascend_compile.errors import CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
 from ascend_compile.runtime.sim import SimRuntime
 from ascend_compile.runtime.sim_pool import ALIGNMENT, SimPool
+from tests.helpers import make_problem
 
 
 @torch.library.custom_op("simtest::scale_rows", mutates_args=("out",))
@@ -568,3 +569,79 @@ def test_a_functional_collective_is_issued_by_every_replay_and_read_once_complet
         rt.synchronize()
         assert torch.equal(out, torch.full((4,), 2 * value + waited))
         assert torch._C._distributed_c10d._get_work_registry_size() == 0
+
+
+# ----------------------------------------------------------------------------- device rules of the Ascend path
+
+
+def _capture_pa(rt: SimRuntime, lens: list[int]):
+    """One PA call captured in a task group over a 2-sequence problem; (graph, handle, problem, out, ws)."""
+    prob = make_problem([5, 9])
+    ws = _static(rt, torch.zeros(1 << 16, dtype=torch.uint8))
+    out = _static(rt, torch.zeros_like(prob.query))
+    graph = rt.graph()
+    with graph.capture():
+        rt.task_group_begin()
+        torch.ops.ascend.paged_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_table, lens,
+                                         prob.scale, ws, out)
+        handle = rt.task_group_end()
+    return graph, handle, prob, out, ws
+
+
+def _update_pa(rt: SimRuntime, handle, prob, out, ws, lens: list[int]) -> None:
+    with rt.task_update(handle):
+        torch.ops.ascend.paged_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_table, lens,
+                                         prob.scale, ws, out)
+
+
+def test_a_kernel_captured_on_its_zero_length_fast_path_cannot_be_updated_to_real_lengths() -> None:
+    rt = _rt()
+    graph, handle, prob, out, ws = _capture_pa(rt, [0, 0])
+    assert handle.tasks == ("ascend.paged_attention.default[all lengths 0]",)
+    with pytest.raises(TaskUpdateMismatch, match=r"paged_attention.default\[all lengths 0\]"):
+        _update_pa(rt, handle, prob, out, ws, [5, 9])
+    graph, handle, prob, out, ws = _capture_pa(rt, [1, 1])  # captured with lengths it really runs
+    _update_pa(rt, handle, prob, out, ws, [5, 9])
+    graph.replay()
+    rt.synchronize()
+    torch.testing.assert_close(out, prob.dense(), atol=2e-5, rtol=1e-4)
+
+
+@torch.library.custom_op("simtest::host_rows", mutates_args=("out",))
+def host_rows(x: torch.Tensor, lens: torch.Tensor, out: torch.Tensor) -> None:
+    """Scales row i of x by host tensor lens[i] (a kernel that reads a host tensor when it runs)."""
+    out.copy_(x * lens.to(x.dtype).view(-1, 1))
+
+
+def test_a_host_tensor_a_task_reads_must_outlive_the_task() -> None:
+    rt = _rt()
+    rt.reads_on_host(torch.ops.simtest.host_rows, "lens")
+    x, out = _static(rt, torch.ones(2, 3)), _static(rt, torch.zeros(2, 3))
+    graph = rt.graph()
+    kept = torch.tensor([2, 3])
+    with graph.capture():
+        rt.task_group_begin()
+        torch.ops.simtest.host_rows(x, kept, out)
+        handle = rt.task_group_end()
+    with rt.task_update(handle):
+        torch.ops.simtest.host_rows(x, torch.tensor([4, 5]), out)  # dropped when the call returns
+    graph.replay()
+    with pytest.raises(ReplayError, match="lens: the host tensor this task reads when it runs was freed"):
+        rt.synchronize()
+    alive = torch.tensor([4, 5])
+    with rt.task_update(handle):
+        torch.ops.simtest.host_rows(x, alive, out)
+    graph.replay()
+    rt.synchronize()
+    assert out[:, 0].tolist() == [4.0, 5.0]
+
+
+def test_an_op_may_not_set_itself_up_inside_a_capture() -> None:
+    rt = _rt()
+    graph = rt.graph()
+    with pytest.raises(CaptureError, match="kernel_x: first call inside the capture"):
+        with graph.capture():
+            rt.first_call("kernel_x")
+    rt.first_call("kernel_x")  # eagerly, before capturing: set up
+    with rt.graph().capture():
+        rt.first_call("kernel_x")

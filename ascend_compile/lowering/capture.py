@@ -173,6 +173,21 @@ class CaptureInterpreter(fx.Interpreter):
         return result
 
 
+class WarmupInterpreter(fx.Interpreter):
+    """Runs a bucket graph eagerly with the runtime's kernels (`Runtime.kernel`), so the warm-up
+    before a capture sets up the very kernels the capture records."""
+
+    def __init__(self, gm: fx.GraphModule, runtime: Runtime) -> None:
+        super().__init__(gm)
+        self.runtime = runtime
+
+    def run_node(self, n: fx.Node) -> Any:
+        if any(is_op(n, op) for op in KERNEL_OPS):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return self.runtime.kernel(n.target)(*args, **kwargs)
+        return super().run_node(n)
+
+
 def workspace_env(gm: fx.GraphModule, workspaces: Callable[[fx.Node], torch.Tensor]) -> dict[fx.Node, torch.Tensor]:
     """An interpreter environment giving each `ascend.workspace` node its artifact-owned slot."""
     return {n: workspaces(n) for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
@@ -194,7 +209,7 @@ def capture_graph(
     inner = gm.meta.get(INNER_KEY)
     if inner is None:
         env = workspace_env(gm, workspaces)
-        graph.warmup(lambda: fx.Interpreter(gm).run(*args, initial_env=env))
+        graph.warmup(lambda: WarmupInterpreter(gm, runtime).run(*args, initial_env=env))
         with graph.capture():
             outputs = CaptureInterpreter(gm, runtime, table, workspaces).run(*args)
         return graph, outputs, table

@@ -2,8 +2,10 @@
 
 Padding rules live here and nowhere else: `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
 extended so the padded tokens belong to padded (empty) sequences, block tables and batch data 0.
-A bucket graph is captured for `bucket` tokens and as many sequences (or, where dynamo traced a
-static sequence count, for exactly that many).
+The host lengths the kernels take give a padding sequence a KV length of its query length, at least
+1 (row 0 of the padded block table, block 0, is a valid block): the device never sees a zero length
+it might skip, nor fewer KV than query tokens. A bucket graph is captured for `bucket` tokens and as
+many sequences (or, where dynamo traced a static sequence count, for exactly that many).
 """
 from __future__ import annotations
 
@@ -96,11 +98,32 @@ def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded
     return list(loc) + extra
 
 
+#: The KV length of every sequence when a decode graph with PA is captured: vLLM-Ascend captures PA
+#: at SEQ_LEN_WITH_MAX_PA_WORKSPACE (`vllm_ascend/worker/model_runner_v1.py`, `_dummy_run`), never at 0.
+PA_CAPTURE_SEQ_LEN = 6144
+
+
+def capture_step(sources: Sequence[str], num_seqs: int, seq_len: int | None) -> Step:
+    """The step a graph is captured with: no real tokens, and each `seq_lens` source holding
+    `num_seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query)."""
+    lens = [seq_len] * num_seqs if seq_len is not None else []
+    return Step((), {}, 0, True, {src: list(lens) for src in sources}, {src: [0] for src in sources})
+
+
+def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: int) -> list[int]:
+    """KV lengths of the last `count` (padding) sequences: each its query length, at least 1."""
+    loc = next(iter(step.query_start_loc.values()), None)
+    if loc is None:
+        return [1] * count
+    ends = padded_start_loc(loc, step.tokens, padded_tokens, padded_seqs)
+    return [max(1, b - a) for a, b in zip(ends[-count - 1:], ends[-count:])] if count else []
+
+
 def host_value(step: Step, source: str, kind: str, padded_tokens: int, padded_seqs: int) -> list[int]:
     """The padded host list a kernel argument takes in a graph of this many tokens and sequences."""
     if kind == HOST_LIST:
         lens = step.seq_lens[source]
-        return lens + [0] * (padded_seqs - len(lens))
+        return lens + _padding_kv_lens(step, padded_seqs - len(lens), padded_tokens, padded_seqs)
     if kind == HOST_ENDS:
         return padded_start_loc(step.query_start_loc[source], step.tokens, padded_tokens, padded_seqs)[1:]
     raise ValueError(f"kind: unknown host conversion {kind!r}")

@@ -21,14 +21,15 @@ from torch import fx
 
 from ..config import CompileConfig
 from ..passes import dump
+from ..passes.fx_utils import is_op
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role, SymbolKind, evaluate
 from ..passes.write_back import copy_written, overlapping_writes
 from ..passes.workspaces import GraphKey
 from ..runtime.base import Runtime
 from . import capture as capture_mod
-from .inputs import (Step, choose_bucket, copy_padded, host_value, overlapping_inputs, padded_shape, padded_start_loc,
-                     read_step)
+from .inputs import (PA_CAPTURE_SEQ_LEN, Step, capture_step, choose_bucket, copy_padded, host_value, overlapping_inputs,
+                     padded_shape, padded_start_loc, read_step)
 
 log = logging.getLogger("ascend_compile")
 
@@ -113,10 +114,10 @@ class BucketGraph:
         return args
 
     def capture(self, step_args: Sequence[Any]) -> None:
-        """Capture with an all-padding step in the buffers (nothing depends on capture-time values)."""
+        """Capture with an all-padding step in the buffers (nothing depends on capture-time values),
+        its kernels given non-zero KV lengths (`_capture_seq_len`)."""
         art = self.artifact
         start = time.perf_counter()
-        bucket = self.key.bucket
         for spec in art.signature.inputs:
             if spec.index in self.buffers:
                 buf = self.buffers[spec.index]
@@ -124,8 +125,7 @@ class BucketGraph:
                     buf.copy_(torch.tensor(padded_start_loc([0], 0, self.num_tokens, self.num_seqs), dtype=buf.dtype))
                 else:
                     buf.fill_(PAD_VALUE.get(spec.role, 0))
-        empty = Step((), {}, 0, True, {src: [] for src, _ in self.host_inputs},
-                     {src: [0] for src, _ in self.host_inputs})
+        empty = capture_step([src for src, _ in self.host_inputs], self.num_seqs, self._capture_seq_len())
         host = [host_value(empty, src, kind, self.num_tokens, self.num_seqs) for src, kind in self.host_inputs]
         graph_args = self.graph_args(step_args)
         # Capture runs the graph once; inputs it writes in place get their contents back after it.
@@ -156,6 +156,18 @@ class BucketGraph:
         if clashes:
             names = [self.artifact.signature.inputs[i].name for i in clashes]
             self.eager_reason = f"{self.name}: inputs {names} are written twice at overlapping places in the padded graph"
+
+    def _capture_seq_len(self) -> int | None:
+        """The KV length a decode graph with PA is captured at, within what its block table holds
+        (never 0: a kernel's zero-length fast path would record another task than its updates
+        issue); None for padding lengths."""
+        pa = [n for n in self.gm.graph.nodes if is_op(n, torch.ops.ascend.paged_attention)]
+        if not self.key.decode or not pa:
+            return None
+        sig = self.artifact.signature
+        widths = [self.buffers[s.index].shape[-1] for s in sig.by_role(Role.BLOCK_TABLE) if s.index in self.buffers]
+        capacity = min(widths, default=PA_CAPTURE_SEQ_LEN) * pa[0].meta["ascend_shape"].block_size
+        return min(PA_CAPTURE_SEQ_LEN, capacity, self.artifact.config.max_model_len or PA_CAPTURE_SEQ_LEN)
 
     def moved_inputs(self, step_args: Sequence[Any]) -> list[str]:
         """In-place inputs at another address, and host scalars of another value, than at capture."""

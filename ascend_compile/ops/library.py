@@ -146,11 +146,18 @@ def check_attention_metadata(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
 ) -> None:
-    """The unified op's checks that need no data, so tracing (fake tensors) reports them too."""
+    """The unified op's checks that need no data, so tracing (fake tensors) reports them too.
+    `seq_lens` may live on the host: torch_npu's PA reads its lengths there, and the torchair pass
+    hands this very input to it."""
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected a 1-D [B] torch.int32 tensor, got shape {tuple(seq_lens.shape)}")
     num_seqs = seq_lens.shape[0]
-    validate.check_int32_vector("seq_lens", seq_lens, num_seqs, query.device)
+    if seq_lens.device.type != "cpu" and seq_lens.device != query.device:
+        raise ValueError(
+            f"seq_lens: expected device {query.device} (the query's), got {seq_lens.device}; host lengths on the "
+            f"CPU are accepted too (as vLLM-Ascend keeps PA's context_lens)"
+        )
+    validate.check_int32_vector("seq_lens", seq_lens, num_seqs, seq_lens.device)
     validate.check_int32_vector("query_start_loc", query_start_loc, num_seqs + 1, query.device)
     validate.check_attention_tensors(query, key_cache, value_cache, block_table, num_seqs)
 

@@ -38,6 +38,10 @@ from .tiling import AttentionShape
 FIA_SPARSE_MODE = 3
 #: The side of the optimised causal mask FIA's sparse modes 2-4 take.
 FIA_MASK_SIZE = 2048
+#: KV-cache block sizes paged FIA accepts: "block_size最小为128, 最大为512, 且要求是128的倍数" (at least 128,
+#: at most 512, a multiple of 128; `npu_fused_infer_attention_score` in torch_npu 2.14's
+#: `_op_plugin_docs.py`). vLLM-Ascend runs its caches at 128 on hardware.
+FIA_BLOCK_SIZES = (128, 256, 384, 512)
 
 
 def load_torch_npu() -> ModuleType:
@@ -49,6 +53,17 @@ def load_torch_npu() -> ModuleType:
             "runtime: 'npu' needs torch_npu (pip install torch-npu matching your torch and CANN; "
             "see docs/ascend.md)"
         ) from err
+
+
+def check_fia_block_size(block_size: int) -> None:
+    """Refuse a KV-cache block size paged FIA does not accept (see `FIA_BLOCK_SIZES`), before the
+    device does, so compile time says so (the workspace probe asks FIA for every mixed graph)."""
+    if block_size not in FIA_BLOCK_SIZES:
+        raise ValueError(
+            f"block_size: torch_npu's paged FIA (npu_fused_infer_attention_score) takes KV-cache blocks of "
+            f"{list(FIA_BLOCK_SIZES)} tokens (a multiple of 128, at most 512), got {block_size}; allocate the KV "
+            f"cache with block_size=128, as vLLM-Ascend does"
+        )
 
 
 def fia_causal_mask(device: torch.device) -> torch.Tensor:
@@ -86,6 +101,7 @@ def fused_infer_attention_args(
     """Positional and keyword arguments of `npu_fused_infer_attention_score` (TND, paged KV), in
     schema order, shared by the `.out` call and the workspace query."""
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
+    check_fia_block_size(int(block_size))
     key = key_cache.view(num_blocks, block_size, kv_heads * head_dim)
     value = value_cache.view(num_blocks, block_size, kv_heads * head_dim)
     kwargs = {
@@ -103,6 +119,11 @@ def fused_infer_attention_args(
     return (query, key, value), kwargs
 
 
+def _nbytes(workspace: torch.Tensor) -> int:
+    """The bytes a workspace query's answer spans."""
+    return int(workspace.numel()) * workspace.element_size()
+
+
 class NpuKernels:
     """The `ascend` kernel ops bound to torch_npu on one device: what `NpuRuntime.kernel` returns.
 
@@ -111,6 +132,13 @@ class NpuKernels:
     `softmax_lse_flag` is False) are made once, here, outside any capture: a tensor first made inside
     a capture would be uninitialised for every other graph, and one made during a task update would be
     freed while the updated task still points at it.
+
+    PA's `context_lens` is a CPU tensor made per call, which ATB reads on the host when the launch is
+    processed; with the task queue on (`TASK_QUEUE_ENABLE`) that is after the call returns. Each is
+    kept in `host_tensors` until its owner takes it (`take_host_tensors`): the graph it was captured
+    into, or the runtime once the device has synchronized. vLLM-Ascend keeps its `seq_lens` alive the
+    same way (the step's attention metadata holds them), and torch_npu's own graph records copy CPU
+    arguments (`torch_npu/npu/_npugraph_handlers/npugraph_handler.py`, `record_wrap_kwarg`).
     """
 
     def __init__(self, torch_npu: ModuleType, device: torch.device) -> None:
@@ -118,6 +146,12 @@ class NpuKernels:
         self.device = torch.device(device)
         self.atten_mask = fia_causal_mask(self.device)
         self.softmax_lse = torch.empty(1, dtype=torch.float32, device=self.device)
+        self.host_tensors: list[torch.Tensor] = []
+
+    def take_host_tensors(self) -> list[torch.Tensor]:
+        """The host tensors passed to kernels since the last take; the caller keeps them alive."""
+        taken, self.host_tensors = self.host_tensors, []
+        return taken
 
     def paged_attention(
         self,
@@ -135,6 +169,7 @@ class NpuKernels:
             query, key_cache, value_cache, block_table, context_lens, workspace, out, check_data=False
         )
         args = paged_attention_args(query, key_cache, value_cache, block_table, context_lens, scale, out)
+        self.host_tensors.append(args[7])
         self.torch_npu._npu_paged_attention(*args, workspace=workspace)
 
     def fused_infer_attention(
@@ -176,16 +211,17 @@ class NpuKernels:
     ) -> int:
         """Bytes `kernel` needs for these host lengths, from torch_npu's workspace query.
 
-        Both queries return a 1-D tensor whose element count is the byte size (FIA's has the query's
-        dtype: only its length means anything)."""
+        Both queries return the workspace itself, a 1-D tensor whose dtype is the op's choice (torch_npu
+        passes FIA's answer straight back as `workspace=`: `_npugraph_handlers/ifa_handler.py`), so its
+        size is `numel * element_size` bytes, not its element count."""
         if kernel == tiling.PA:
             args = paged_attention_args(query, key_cache, value_cache, block_table, kv_lens, scale, out)
-            return int(self.torch_npu._npu_paged_attention_get_workspace(*args).numel())
+            return _nbytes(self.torch_npu._npu_paged_attention_get_workspace(*args))
         if kernel == tiling.FIA:
             args, kwargs = fused_infer_attention_args(
                 query, key_cache, value_cache, block_table, query_ends, kv_lens, scale, self.atten_mask
             )
-            return int(self.torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs).numel())
+            return _nbytes(self.torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs))
         raise ValueError(f"kernel: expected {tiling.PA!r} or {tiling.FIA!r}, got {kernel!r}")
 
     def call(self, kernel: str, *args: Any) -> None:
@@ -202,36 +238,57 @@ class NpuWorkspaceQuery:
     """Asks torch_npu's workspace queries for host lengths, on probe tensors of a given dtype.
 
     A `passes.probe.WorkspaceQuery`: `(kernel, shape, query_lens, kv_lens, max_blocks) -> bytes`.
-    The probe tensors are small: the queries read no tensor data, so every block-table row
-    (`max_blocks` wide, like the runner's static block table) points at the same blocks of a
-    cache sized for one sequence of `max_blocks` blocks (made once per shape). Used at compile
-    time only.
+    The probe is a cache the device accepts: torch_npu's FIA docs require `num_blocks` to be at least
+    the sum of every sequence's blocks ("blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个
+    batch的block数量之和"), so each sequence gets blocks of its own, and each block-table row (`max_blocks`
+    wide, like the runner's static block table) lists them, padded with block 0. The largest cache asked
+    for so far is kept per shape and narrowed for smaller questions. Used at compile time only.
     """
 
     def __init__(self, kernels: NpuKernels, dtype: torch.dtype) -> None:
         self.kernels = kernels
         self.dtype = dtype
-        self._caches: dict[tuple[AttentionShape, int], torch.Tensor] = {}
+        self._caches: dict[AttentionShape, torch.Tensor] = {}
 
     def __call__(
         self, kernel: str, shape: AttentionShape, query_lens: Sequence[int], kv_lens: Sequence[int], max_blocks: int
     ) -> int:
         device = self.kernels.device
-        tokens, num_seqs = sum(query_lens), len(kv_lens)
-        cache = self._caches.get((shape, max_blocks))
-        if cache is None:
-            cache = self._caches[(shape, max_blocks)] = torch.empty(
-                (max_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=self.dtype, device=device
-            )
-        block_table = torch.arange(max_blocks, dtype=torch.int32, device=device).repeat(num_seqs, 1)
-        query = torch.empty(tokens, shape.num_heads, shape.head_dim, dtype=self.dtype, device=device)
+        block_table, num_blocks = probe_block_table(kv_lens, shape.block_size, max_blocks)
+        cache = self._cache(shape, num_blocks)
+        query = torch.empty(sum(query_lens), shape.num_heads, shape.head_dim, dtype=self.dtype, device=device)
         ends, total = [], 0
         for n in query_lens:
             total += n
             ends.append(total)
         return self.kernels.workspace_nbytes(
-            kernel, query, cache, cache, block_table, ends, kv_lens, shape.head_dim**-0.5, torch.empty_like(query)
+            kernel, query, cache, cache, block_table.to(device), ends, kv_lens, shape.head_dim**-0.5,
+            torch.empty_like(query),
         )
+
+    def _cache(self, shape: AttentionShape, num_blocks: int) -> torch.Tensor:
+        """A `[num_blocks, block_size, KVH, D]` cache: a view of the largest one made for `shape`."""
+        cache = self._caches.get(shape)
+        if cache is None or cache.shape[0] < num_blocks:
+            cache = self._caches[shape] = torch.empty(
+                (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=self.dtype,
+                device=self.kernels.device,
+            )
+        return cache[:num_blocks]
+
+
+def probe_block_table(kv_lens: Sequence[int], block_size: int, max_blocks: int) -> tuple[torch.Tensor, int]:
+    """A `[len(kv_lens), max_blocks]` int32 block table giving each sequence blocks of its own, and the
+    number of blocks it uses (at least 1): the smallest cache the device accepts for these lengths."""
+    table = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for row, kv in enumerate(kv_lens):
+        blocks = -(-int(kv) // block_size)
+        if blocks > max_blocks:
+            raise ValueError(f"kv_lens: {kv} needs {blocks} blocks of {block_size}, but rows hold {max_blocks}")
+        table[row, :blocks] = torch.arange(used, used + blocks, dtype=torch.int32)
+        used += blocks
+    return table, max(used, 1)
 
 
 def time_kernel(

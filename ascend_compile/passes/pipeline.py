@@ -19,7 +19,7 @@ from .find_attention import find_attention
 from .hoist_metadata import Prologue, hoist_metadata
 from .mutations import MutationFacts, analyse_mutations
 from .fx_utils import clone_graph_module, example_value
-from .roles import GraphSignature, assign_roles, evaluate
+from .roles import GraphSignature, assign_roles
 from .select_kernels import KernelPolicy, select_kernels
 from .write_back import WriteBack, build_write_back
 from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, node_need, plan_workspaces

@@ -85,6 +85,18 @@ class NpuGraph(DeviceGraph):
         self.native = runtime.npu.NPUGraph()
         self.groups = 0
         self.captured = False
+        self.host_tensors: list[torch.Tensor] = []
+
+    def warmup(self, run: Callable[[], Any]) -> None:
+        """Run the graph's work once eagerly, then synchronize, before its capture: ATB and aclnn set
+        an op up on its first call (tiling caches, kernel binaries, allocations), which must not
+        happen inside a global-mode capture. vLLM-Ascend runs eager dummy steps before each capture
+        (`vllm_ascend/worker/model_runner_v1.py`, `_dummy_run`), and torch_npu's
+        `make_graphed_callables` warms up with a synchronize on both sides (`torch_npu/npu/graphs.py`)."""
+        rt = self._runtime
+        rt.synchronize()
+        run()
+        rt.synchronize()
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -97,10 +109,13 @@ class NpuGraph(DeviceGraph):
         rt.capturing = self
         try:
             with rt.npu.graph(self.native, pool=rt.pool, stream=rt.capture_stream):
+                rt.kernels.take_host_tensors()  # entering the capture synchronized: earlier work is done
                 yield
         finally:
             rt.capturing = None
             group_open, rt.group_open = rt.group_open, False
+            # The captured tasks read these until a task update replaces them: they live with the graph.
+            self.host_tensors = rt.kernels.take_host_tensors()
         if group_open:
             raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
         self.captured = True
@@ -226,8 +241,10 @@ class NpuRuntime(Runtime):
             self.npu.graph_task_update_end(self.update_stream)
 
     def synchronize(self) -> None:
-        """Wait for everything launched on the device: replays and updates."""
+        """Wait for everything launched on the device: replays and updates. Host tensors passed to
+        the kernels launched meanwhile are read by then and may be freed."""
         self.npu.synchronize(self._device)
+        self.kernels.take_host_tensors()
 
     def kernel(self, op: Any) -> Callable[..., Any]:
         """The torch_npu binding of an ascend kernel op (PA, FIA); any other op runs as itself."""

@@ -13,6 +13,14 @@ quietly computing the eager answer:
   issue the same ops as the task group it replaces;
 - a kernel short of workspace writes past it into its neighbours (or raises, by option);
 - a replay waiting on an external event that was never recorded raises instead of hanging;
+- a kernel with a zero-length fast path (`SimRuntime.zero_length_fast_path`; by default the ascend
+  PA and FIA) called with every length 0 launches another task than with real lengths, so a task
+  captured that way cannot be updated to real lengths (the update is refused);
+- host tensors a kernel reads when its task runs (`SimRuntime.reads_on_host`, e.g. ATB's CPU
+  `context_lens`) are held weakly by the task, as the device holds only their address: one freed
+  before the task runs is an error;
+- an op that sets itself up on its first call (`SimRuntime.first_call`) may not make that call
+  inside a capture;
 - host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;
 - a functional collective (`_c10d_functional`) is issued again by every replay, in captured order,
   and its output reaches its captured address only once its work completes: at the graph's
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -130,8 +139,46 @@ class _MemRef:
         return f"<{self.segment.pool.name}#{self.segment.index}+{self.offset:#x} {self.dtype} {list(self.shape)}>"
 
 
+class _HostRef:
+    """A host tensor a task reads when it runs, held weakly: the device keeps its address, not it."""
+
+    __slots__ = ("ref", "name")
+
+    def __init__(self, tensor: torch.Tensor, name: str) -> None:
+        self.ref = weakref.ref(tensor)
+        self.name = name
+
+    def resolve(self) -> torch.Tensor:
+        tensor = self.ref()
+        if tensor is None:
+            raise ReplayError(
+                f"{self.name}: the host tensor this task reads when it runs was freed before it ran; keep it "
+                f"alive until the device has run the task (until the next synchronize, or for the graph's life)"
+            )
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"<host tensor {self.name}>"
+
+
 def _resolve(x: Any) -> Any:
-    return x.resolve() if isinstance(x, _MemRef) else x
+    return x.resolve() if isinstance(x, (_MemRef, _HostRef)) else x
+
+
+def _arg(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[Any, Any]:
+    """(key, value) of argument `name` of a call of `op`: its position in `args`, or its keyword."""
+    if name in kwargs:
+        return name, kwargs[name]
+    names = [a.name for a in op._schema.arguments]
+    index = names.index(name)
+    return (index, args[index]) if index < len(args) else (None, None)
+
+
+def _all_zero(lengths: Any) -> bool:
+    """Whether a host length argument (a list of ints or a host tensor) holds only zeros."""
+    if isinstance(lengths, torch.Tensor):
+        return not bool(torch.count_nonzero(lengths))
+    return not any(lengths or ())
 
 
 class _OpTask:
@@ -146,9 +193,10 @@ class _OpTask:
         kwargs: dict[str, Any],
         fresh: list[tuple[int, _MemRef]],
         label: str,
+        kind: str,
     ) -> None:
         self.op = op
-        self.kind = str(op)
+        self.kind = kind
         self.label = label
         self.fresh = fresh
         self.rebind(args, kwargs)
@@ -349,7 +397,8 @@ class _CaptureMode(TorchDispatchMode):
             # A "maybe view" op (reshape, contiguous, ... seen whole under inference mode) that
             # copied: it launches a kernel, so it is recorded like any other op.
         label = f"{self.graph.name} task {len(self.graph._tasks)} ({func})"
-        frozen_args, frozen_kwargs = pytree.tree_map(rt._describe, (args, kwargs))
+        frozen_args, frozen_kwargs = rt._record_operands(func, args, kwargs)
+        kind = rt._task_kind(func, args, kwargs)
         result = rt._launch(func, args, kwargs, label)
         inputs = {_storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         flat, spec = pytree.tree_flatten(result)
@@ -359,7 +408,7 @@ class _CaptureMode(TorchDispatchMode):
                 flat[i] = rt._graph_tensor_like(out)
                 rt._deliver(func, out, flat[i])
                 fresh.append((i, rt._describe(flat[i])))
-        self.graph._tasks.append(_OpTask(func, frozen_args, frozen_kwargs, fresh, label))
+        self.graph._tasks.append(_OpTask(func, frozen_args, frozen_kwargs, fresh, label, kind))
         return pytree.tree_unflatten(flat, spec)
 
 
@@ -370,14 +419,14 @@ class _UpdateMode(TorchDispatchMode):
         super().__init__()
         self.runtime = runtime
         self.handle = handle
-        self.recorded: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        self.recorded: list[tuple[Any, str, tuple[Any, ...], dict[str, Any]]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if _is_view(func):
             return func(*args, **kwargs)
-        frozen_args, frozen_kwargs = pytree.tree_map(self.runtime._describe, (args, kwargs))
-        self.recorded.append((func, frozen_args, frozen_kwargs))
+        frozen_args, frozen_kwargs = self.runtime._record_operands(func, args, kwargs)
+        self.recorded.append((func, self.runtime._task_kind(func, args, kwargs), frozen_args, frozen_kwargs))
         if not func._schema.returns:
             return None
         meta_args, meta_kwargs = pytree.tree_map_only(
@@ -417,6 +466,37 @@ class SimRuntime(Runtime):
         self._pending: list[SimGraph] = []
         self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graph_count = 0
+        self._fast_paths: dict[Any, str] = {}
+        self._host_reads: dict[Any, tuple[str, ...]] = {}
+        self._set_up: set[str] = set()
+        self.zero_length_fast_path(torch.ops.ascend.paged_attention, "context_lens")
+        self.zero_length_fast_path(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths_kv")
+
+    def zero_length_fast_path(self, op: Any, lengths: str) -> None:
+        """Declare that kernel `op` (an op packet) takes a fast path when every value of its host
+        argument `lengths` is 0: on the device it then launches other work (or none) than for real
+        lengths, so such a call records another task kind (`<op>[all lengths 0]`), and a task update
+        to real lengths does not match it. A kernel must be captured with lengths it really runs."""
+        self._fast_paths[op] = lengths
+
+    def reads_on_host(self, op: Any, *names: str) -> None:
+        """Declare that op packet `op` reads its tensor arguments `names` on the host when its task
+        runs (after the call returned, with a task queue): tasks hold them weakly, and running a task
+        whose host tensor was freed raises."""
+        self._host_reads[op] = names
+
+    def first_call(self, name: str) -> None:
+        """Called by a kernel each time it runs: its first call sets it up (tiling caches, binaries,
+        allocations), which a device cannot do inside a capture, so a first call during a capture
+        raises. Run the work once eagerly before capturing (`DeviceGraph.warmup`)."""
+        if name in self._set_up:
+            return
+        if self._capturing is not None:
+            raise CaptureError(
+                f"{name}: first call inside the capture of {self._capturing.name}; the op sets itself up on its "
+                f"first call, which the device cannot do while capturing: run it eagerly before capturing"
+            )
+        self._set_up.add(name)
 
     @property
     def device(self) -> torch.device:
@@ -480,15 +560,16 @@ class SimRuntime(Runtime):
         self._update = None
         mode.__exit__(None, None, None)
         tasks = mode.handle._tasks
-        got = [str(op) for op, _, _ in mode.recorded]
+        got = [kind for _, kind, _, _ in mode.recorded]
         if len(got) != len(tasks) or any(
-            not isinstance(t, _OpTask) or t.op is not op for t, (op, _, _) in zip(tasks, mode.recorded)
+            not isinstance(t, _OpTask) or t.op is not op or t.kind != kind
+            for t, (op, kind, _, _) in zip(tasks, mode.recorded)
         ):
             raise TaskUpdateMismatch(
                 f"task update of {mode.handle.graph.name} group {mode.handle.index} must issue the same ops as "
                 f"the group: expected {len(tasks)} {list(mode.handle.tasks)}, got {len(got)} {got}"
             )
-        for task, (_, args, kwargs) in zip(tasks, mode.recorded):
+        for task, (_, _, args, kwargs) in zip(tasks, mode.recorded):
             task.rebind(args, kwargs)
         logger.debug("updated %r", mode.handle)
 
@@ -546,6 +627,26 @@ class SimRuntime(Runtime):
             return None
         ptr = t.data_ptr()
         return self._general.locate(ptr) or self._graph_pool.locate(ptr)
+
+    def _task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The kind of task a call of `op` launches: its name, marked when its zero-length fast path
+        is taken."""
+        lengths = self._fast_paths.get(op.overloadpacket)
+        if lengths is not None and _all_zero(_arg(op, args, kwargs, lengths)[1]):
+            return f"{op}[all lengths 0]"
+        return str(op)
+
+    def _record_operands(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        """A task's operands: tensors as addresses, host tensors the op reads when it runs held weakly."""
+        args, kwargs = pytree.tree_map(self._describe, (args, kwargs))
+        for name in self._host_reads.get(op.overloadpacket, ()):
+            key, value = _arg(op, args, kwargs, name)
+            if isinstance(value, torch.Tensor):
+                if isinstance(key, int):
+                    args = (*args[:key], _HostRef(value, name), *args[key + 1:])
+                else:
+                    kwargs = {**kwargs, key: _HostRef(value, name)}
+        return args, kwargs
 
     def _describe(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
