@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -101,11 +101,11 @@ class LlamaDecoder(nn.Module):
     """input_ids/positions/slot_mapping `[T]`, block_table `[B, W]`, seq_lens `[B]`,
     query_start_loc `[B+1]` -> logits `[T, vocab]`."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, make_layer: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList((make_layer or (lambda: DecoderLayer(cfg)))() for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)

@@ -90,29 +90,12 @@ class TPLayer(nn.Module):
         return x + funcol.all_reduce(self.down(nn.functional.silu(gate) * up), "sum", self.group)
 
 
-class TPDecoder(nn.Module):
+class TPDecoder(LlamaDecoder):
     """Replicated embedding, final norm and head around tensor-parallel layers; same inputs and
     outputs as `examples.llama.LlamaDecoder`."""
 
     def __init__(self, cfg: LlamaConfig, world: int, group: Any) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TPLayer(cfg, world, group) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.to(cfg.dtype)
-
-    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping):
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        cos = freqs.cos().unsqueeze(1).to(self.cfg.dtype)
-        sin = freqs.sin().unsqueeze(1).to(self.cfg.dtype)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, block_table, seq_lens, query_start_loc, slot_mapping)
-        return self.lm_head(self.norm(x))
+        super().__init__(cfg, make_layer=lambda: TPLayer(cfg, world, group))
 
 
 def shard(full: LlamaDecoder, rank: int, world: int, group: Any, plain_tensors: bool = False) -> TPDecoder:
