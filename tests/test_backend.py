@@ -159,11 +159,27 @@ def test_clone_outputs_false_returns_views_the_next_step_overwrites():
     assert not torch.equal(first, kept)
 
 
+class DisjointBatch(PagedBatch):
+    """Steps that never share a cache block, so concurrent steps cannot see each other's cache
+    writes: the eager reference, which runs unlocked, then agrees with any interleaving."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        self.free = list(range(cfg.num_blocks))
+        self.rng.shuffle(self.free)
+
+    def blocks_for(self, context_lens):
+        need = [max(1, -(-n // self.cfg.block_size)) for n in context_lens]
+        width = max(need)
+        tables = [[self.free.pop() for _ in range(n)] for n in need]
+        return [t + [0] * (width - len(t)) for t in tables]
+
+
 def test_concurrent_callers_do_not_interleave_replays():
-    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    cfg = LlamaConfig(num_layers=1, num_blocks=2048)
     model, reference = build(cfg), build(cfg)
     fn, _ = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(8,))
-    batch = PagedBatch(cfg)
+    batch = DisjointBatch(cfg)
     rng = random.Random(0)
     steps = [random_step(rng, batch, n) for n in (3, 6, 5, 7, 6, 8, 4, 5)]
     errors = []
