@@ -413,6 +413,27 @@ def test_an_event_recorded_before_the_update_races_with_it() -> None:
         rt.synchronize()
 
 
+def test_without_the_reset_the_next_step_waits_on_a_stale_record_and_races() -> None:
+    # The graph waits but never resets: step 2's wait passes on step 1's record, before step 2's update.
+    rt = _rt()
+    x, out, ev = _static(rt, torch.ones(2, 3)), rt.empty((2, 3), torch.float32), rt.event("no_reset_node")
+    g = rt.graph()
+    with g.capture():
+        ev.wait()
+        rt.task_group_begin()
+        torch.ops.simtest.scale_rows(x, [1, 2], out)
+        handle = rt.task_group_end()
+    g.replay()
+    _update_rows(rt, handle, x, out, [3, 4])
+    ev.record()
+    rt.synchronize()
+    g.replay()
+    _update_rows(rt, handle, x, out, [5, 6])
+    ev.record()
+    with pytest.raises(StreamRace, match="node no_reset_node"):
+        rt.synchronize()
+
+
 def test_a_stream_runs_in_order_and_streams_meet_only_at_events() -> None:
     # A high-priority side stream is drained first: a replay issued there after one on the default
     # stream runs before it, unless it waits on an event recorded after the first.

@@ -112,7 +112,10 @@ class EventState:
 
 
 class RecordWork(Work):
-    """`record(stream)`: set the event with everything the stream has seen so far."""
+    """`record(stream)`: set the event with everything the stream has seen so far.
+
+    Recording an external event that is already set changes nothing a waiter can rely on: a wait
+    may have passed on the earlier record, so it stays ordered only after that one."""
 
     __slots__ = ("event", "done", "clock")
 
@@ -125,7 +128,9 @@ class RecordWork(Work):
 
     def run(self, stream: SimStream) -> None:
         self.clock = dict(stream.clock)
-        self.event.is_set, self.event.clock = True, self.clock
+        if not (self.event.external and self.event.is_set):
+            self.event.clock = self.clock
+        self.event.is_set = True
         self.done = True
 
 
