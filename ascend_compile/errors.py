@@ -38,3 +38,8 @@ class ReplayError(AscendCompileError):
 
 class TaskUpdateMismatch(AscendCompileError):
     """A task update issued other ops than the task group it replaces."""
+
+
+class StreamRace(ReplayError):
+    """Two accesses to one captured task that no event orders: a task update and a kernel reading the
+    arguments it rewrites. On a device the kernel would run with the old or the new arguments."""

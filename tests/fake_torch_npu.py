@@ -13,10 +13,11 @@ their workspace queries answer with the reference tiling (whose need peaks at an
 The device is the CPU and the simulator (`ascend_compile/runtime/sim.py`) plays the ACL runtime:
 captured ops become tasks, capture-time memory is poisoned, host arguments are frozen until a task
 update, and a replay that reaches an external event nobody recorded raises instead of hanging.
-Streams add two device rules: a replay runs when the host synchronizes, or earlier when a stream
-waits on an event recorded after it (`Stream.wait_event`); and a task update issued on a stream
-that a pending replay runs on raises, because on the device it would queue behind a replay that
-waits for it. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
+Each fake `Stream` is a simulator stream and each `Event` / `ExternalEvent` a simulator event, so
+replays, task updates and event records run asynchronously, ordered only by stream order and
+events: an update no event orders before the kernel it rewrites is a `StreamRace`, and a wait that
+nothing queued can satisfy (an update queued behind the replay waiting for it) raises naming the
+node. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
 a fast path that records another task than real lengths do; PA's task reads its CPU `context_lens`
 when it runs, so that tensor must outlive it. FIA refuses what its torch_npu documentation forbids
@@ -275,8 +276,6 @@ class FakeNpu:
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
         self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order
         self.pools: list[Any] = []
-        self.pending: list[tuple[int, Any]] = []  # (launch id, stream) of replays not yet run
-        self.launches = 0
         self.capturing: Any = None  # the capture stream while a capture is open
         self.ids = itertools.count()
         self.default_stream: Stream | None = None
@@ -296,29 +295,9 @@ class FakeNpu:
         return self.streams[-1] if self.streams else self.default_stream
 
     def synchronize(self) -> None:
-        """The host waits for the device: every pending replay runs."""
+        """The host waits for the device: every stream drains."""
         self.trace.append(("synchronize", None))
-        self.run_pending()
-
-    def run_pending(self) -> None:
         self.sim.synchronize()
-        self.pending.clear()
-
-    def launch(self, stream: "Stream") -> None:
-        self.launches += 1
-        self.pending.append((self.launches, stream))
-
-    def wait_for(self, stream: "Stream", event: "Event") -> None:
-        """`stream` waits for `event`: replays launched before its record must finish first."""
-        if event.recorded is None:
-            return  # waiting on a never-recorded event is a no-op, as on the device
-        on, upto = event.recorded
-        before = [launch for launch, s in self.pending if s is on and launch <= upto]
-        if not before:
-            return
-        if len(before) != len(self.pending):
-            raise NotImplementedError("fake: a stream waits for some of the pending replays but not all")
-        self.run_pending()
 
 
 _ACTIVE: FakeNpu | None = None
@@ -336,6 +315,7 @@ class Stream:
     def __new__(cls, device=None, priority=0, **kwargs):
         self = super().__new__(cls)
         self.device, self.priority, self.stream_id = device, priority, next(_fake().ids)
+        self.sim = _fake().sim.new_stream(f"npu stream {self.stream_id}", priority)
         return self
 
     def wait_event(self, event):
@@ -350,16 +330,14 @@ class Event:
 
     def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
         self = super().__new__(cls)
-        self.recorded = None
+        self.sim = _fake().sim.event("Event", external=False)
         return self
 
     def record(self, stream=None):
-        fake = _fake()
-        self.recorded = (stream or fake.current(), fake.launches)
+        self.sim.record((stream or _fake().current()).sim)
 
     def wait(self, stream=None):
-        fake = _fake()
-        fake.wait_for(stream or fake.current(), self)
+        self.sim.wait((stream or _fake().current()).sim)
 
 
 class ExternalEvent:
@@ -374,15 +352,15 @@ class ExternalEvent:
 
     def record(self, stream=None):
         _fake().trace.append(("ExternalEvent.record", stream))
-        self.sim.record()
+        self.sim.record((stream or _fake().current()).sim)
 
     def wait(self, stream=None):
         _fake().trace.append(("ExternalEvent.wait", stream))
-        self.sim.wait()
+        self.sim.wait((stream or _fake().current()).sim)
 
     def reset(self, stream=None):
         _fake().trace.append(("ExternalEvent.reset", stream))
-        self.sim.reset()
+        self.sim.reset((stream or _fake().current()).sim)
 
 
 class _NPUTaskGroupHandle:
@@ -421,8 +399,7 @@ class NPUGraph:
     def replay(self):
         fake = _fake()
         fake.trace.append(("replay", fake.current()))
-        self.sim.replay()
-        fake.launch(fake.current())
+        self.sim.replay(fake.current().sim)
 
     def pool(self):
         return self._pool
@@ -481,13 +458,8 @@ def graph_task_update_begin(stream, handle):
     fake = _fake()
     if stream is fake.capturing:
         raise RuntimeError("graph_task_update_begin: the stream is capturing")
-    if any(s is stream for _, s in fake.pending):
-        raise RuntimeError(
-            f"graph_task_update_begin on {stream!r}, where a replay is pending that waits for this update's "
-            f"event: the update would queue behind it and the device would hang"
-        )
     fake.trace.append(("graph_task_update_begin", stream))
-    fake.sim.task_update_begin(handle.task_group)
+    fake.sim.task_update_begin(handle.task_group, stream.sim)
 
 
 def graph_task_update_end(stream):

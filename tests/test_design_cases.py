@@ -7,13 +7,16 @@ import torch
 
 from ascend_compile.errors import ReplayError, WorkspaceTooSmall
 from ascend_compile.lowering.capture import legacy
+from ascend_compile.passes.roles import Role
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests.test_backend import compiled_model
 
 # Steps whose PA workspace need sits near PA's interior peak (lengths just under 4096 take 16
 # splits, lengths above it take long-sequence tiling), after steps that need little.
 CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
-STEPS = ([100, 200, 300], [900, 700, 800], [1000, 600, 513])
+# The first step is traced with a static batch of 3 (its own graph); the others, batches 2, 4 and 2,
+# share dynamo's dynamic graph, served from bucket 4: two of them are padded.
+STEPS = ([100, 200, 300], [900, 700], [1000, 600, 513, 77], [640, 320])
 
 
 def run_steps(steps, cfg, **options):
@@ -107,3 +110,47 @@ def test_legacy_rejects_unknown_switches():
     with pytest.raises(ValueError, match="unknown legacy switch"):
         with legacy(no_such_switch=True):
             pass
+
+
+# ------------------------------------------------------- padding, bucket choice, outputs
+
+
+def test_steps_smaller_than_the_bucket_are_padded_and_served_by_the_smallest_bucket():
+    results, artifacts = run_steps(STEPS + ([30, 40, 50],), CFG, **dict(OPTIONS, capture_sizes=(2, 4)))
+    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+    art = artifacts[-1]
+    # Batches of 2 replay bucket 2; of 4 and 3 (one padding sequence) bucket 4.
+    assert {str(key) for key, _ in art.graphs} == {"b2.decode", "b4.decode"}
+    assert art.stats["replays"] == 4 and art.stats["eager_fallbacks"] == 0
+
+
+def test_padding_sequences_have_length_0_in_the_static_seq_lens_buffer():
+    # DESIGN.md §5: seq_lens pads with 0, a sequence the kernels treat as empty. The host lengths
+    # the Ascend kernels take give padding KV length 1 (never 0, see lowering/inputs.py); the device
+    # buffer, which CUDA's device-length kernels read, must still say 0.
+    cfg = LlamaConfig(num_layers=1, num_blocks=512)
+    fn, artifacts = compiled_model(build(cfg), **OPTIONS)
+    batch = PagedBatch(cfg, seed=2)
+    with torch.no_grad():
+        for lens in ([5, 6, 7], [1000, 600, 513, 77], [50, 60]):  # block tables of 1, 63 and 4 blocks
+            fn(**batch.step(lens))
+    art = artifacts[-1]
+    (graph,) = art.graphs.values()
+    (spec,) = art.signature.by_role(Role.SEQ_LENS)
+    assert art.stats["replays"] == 2 and graph.buffers[spec.index].tolist() == [50, 60, 0, 0]
+
+
+def test_clone_outputs_true_returns_copies_the_next_step_leaves_alone():
+    cfg = LlamaConfig(num_layers=1, num_blocks=512)
+    fn, artifacts = compiled_model(build(cfg), **OPTIONS)
+    batch = PagedBatch(cfg, seed=2)
+    with torch.no_grad():
+        fn(**batch.step([5, 6, 7]))
+        first = fn(**batch.step([8, 9]))
+        kept = first.clone()
+        second = fn(**batch.step([10, 11]))
+    (graph,) = artifacts[-1].graphs.values()
+    static = {o.untyped_storage().data_ptr() for o in graph.outputs if isinstance(o, torch.Tensor)}
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+    assert first.untyped_storage().data_ptr() not in static
+

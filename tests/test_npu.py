@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ascend_compile.config import CompileConfig
-from ascend_compile.errors import ReplayError
+from ascend_compile.errors import ReplayError, StreamRace
 from ascend_compile.lowering.capture import legacy
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
@@ -107,24 +107,26 @@ def test_auto_kernel_policy_times_the_torch_npu_kernels(fake_npu):
 # ----------------------------------------------------------------------------- the update protocol
 
 
-def test_replay_is_launched_before_the_updates_which_record_the_events(fake_npu):
+@pytest.mark.parametrize("policy, kernel", [("pa", "_npu_paged_attention"),
+                                            ("fia", "npu_fused_infer_attention_score.out")])
+def test_replay_is_launched_before_the_updates_which_record_the_events(fake_npu, policy, kernel):
+    # On the simulator's streams: each update is ordered before its kernel only by the event.
     rng = random.Random(1)
     steps = [lengths(rng, n) for n in (3, 4, 2)]
     results, artifacts = run_model(steps, LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
-                                   capture_sizes=(4,), kernel_policy="pa")
+                                   capture_sizes=(4,), kernel_policy=policy)
     assert_all_close(results)
     rt, trace = artifacts[-1].runtime, fake_npu.trace
     # Capture of each kernel: wait and reset of its event, then its task group, on the capture stream.
     first = max(i for i, (what, _) in enumerate(trace) if what == "graph_task_group_end") - 4
     assert [what for what, _ in trace[first:first + 5]] == [
-        "ExternalEvent.wait", "ExternalEvent.reset", "graph_task_group_begin", "_npu_paged_attention",
-        "graph_task_group_end",
+        "ExternalEvent.wait", "ExternalEvent.reset", "graph_task_group_begin", kernel, "graph_task_group_end",
     ]
     assert all(stream is rt.capture_stream for _, stream in trace[first:first + 5])
     # A step: the replay first, then per layer the update and the record of its event, then sync.
     last = max(i for i, (what, _) in enumerate(trace) if what == "replay")
     assert [what for what, _ in trace[last:]] == ["replay"] + [
-        "graph_task_update_begin", "_npu_paged_attention", "graph_task_update_end", "ExternalEvent.record",
+        "graph_task_update_begin", kernel, "graph_task_update_end", "ExternalEvent.record",
     ] * 2 + ["synchronize"]
     assert all(stream is rt.update_stream for _, stream in trace[last + 1:-1])
     assert trace[last][1] is not rt.update_stream
@@ -163,12 +165,11 @@ def test_steps_are_ordered_on_the_device_without_a_host_sync(fake_npu, monkeypat
     assert executed == [(tiling.PA, (20, 21, 22, 1)), (tiling.PA, (30, 31, 1, 1))]  # padding: KV length 1
 
 
-def test_unordered_steps_reuse_events_and_hang(fake_npu, monkeypatch):
-    # Without the ordering, step 2's update rewrites replay 1's task and its event record is
-    # consumed by replay 1's reset: replay 2 waits for an event nobody records (a hang on the device).
-    with pytest.raises(ReplayError, match="never recorded"):
+def test_unordered_steps_race_on_the_device(fake_npu, monkeypatch):
+    # Without the ordering, nothing orders step 2's update after replay 1's kernel on the device: it
+    # may rewrite the task before replay 1 reads it (and its record be consumed by replay 1's reset).
+    with pytest.raises(StreamRace, match=r"_npu_paged_attention.*task update of graph\d+ group 0"):
         _two_unsynchronized_steps(fake_npu, monkeypatch, order_steps=False)
-    assert fake_npu.executed[0] == (tiling.PA, (30, 31, 1, 1))
 
 
 def test_replaying_on_the_update_stream_is_refused(fake_npu):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascend_compile.errors import CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
+from ascend_compile.errors import CaptureError, ReplayError, StreamRace, TaskUpdateMismatch, WorkspaceTooSmall
 from ascend_compile.runtime.sim import SimRuntime
 from ascend_compile.runtime.sim_pool import ALIGNMENT, SimPool
 from tests.helpers import make_problem
@@ -339,21 +339,167 @@ def test_host_args_are_frozen_at_capture_and_changed_by_an_update() -> None:
     assert _rows(out) == [1.0, 2.0]
     with rt.task_update(handle):
         torch.ops.simtest.scale_rows(x, [3, 4], out)
+    rt.synchronize()  # the update lands on the device; nothing orders it before a replay otherwise
     assert _rows(out) == [1.0, 2.0], "an update records, it does not run"
     g.replay()
     rt.synchronize()
     assert _rows(out) == [3.0, 4.0]
 
 
-def test_an_update_between_replay_and_synchronize_reaches_that_replay() -> None:
+def _capture_scale_rows_after_wait(rt: SimRuntime, name: str = "scale_rows_node"):
+    """`scale_rows` captured as the runtime captures a kernel: wait on its event, reset it, the group."""
+    x, out, ev = _static(rt, torch.ones(2, 3)), rt.empty((2, 3), torch.float32), rt.event(name)
+    g = rt.graph()
+    with g.capture():
+        ev.wait()
+        ev.reset()
+        rt.task_group_begin()
+        torch.ops.simtest.scale_rows(x, [1, 2], out)
+        handle = rt.task_group_end()
+    return g, handle, x, out, ev
+
+
+def _update_rows(rt: SimRuntime, handle, x, out, factors: list[int]) -> None:
+    with rt.task_update(handle):
+        torch.ops.simtest.scale_rows(x, factors, out)
+
+
+def test_an_update_ordered_by_the_graphs_event_reaches_the_pending_replay() -> None:
+    rt = _rt()
+    g, handle, x, out, ev = _capture_scale_rows_after_wait(rt)
+    g.replay()
+    _update_rows(rt, handle, x, out, [7, 8])
+    ev.record()  # on the update stream, after the update: releases the replay's wait
+    rt.synchronize()
+    assert _rows(out) == [7.0, 8.0]
+
+
+def test_an_update_no_event_orders_before_the_replay_is_a_race() -> None:
     rt = _rt()
     g, handle, x, out = _capture_scale_rows(rt, [1, 2])
     g.replay()
-    rt.task_update_begin(handle)
-    torch.ops.simtest.scale_rows(x, [7, 8], out)
-    rt.task_update_end()
+    _update_rows(rt, handle, x, out, [7, 8])
+    with pytest.raises(StreamRace, match="graph1 group 0") as err:
+        rt.synchronize()
+    assert "task update of graph1 group 0" in str(err.value)
+
+
+def test_the_update_of_the_next_step_while_a_replay_is_pending_is_a_race() -> None:
+    # The graph's event orders each update before its own replay's kernel, but nothing orders step
+    # 2's update after replay 1's kernel: on the device it could land before replay 1 reads.
+    rt = _rt()
+    g, handle, x, out, ev = _capture_scale_rows_after_wait(rt)
+    for factors in ([3, 4], [5, 6]):
+        g.replay()
+        _update_rows(rt, handle, x, out, factors)
+        ev.record()
+    with pytest.raises(StreamRace, match=r"node scale_rows_node"):
+        rt.synchronize()
+    rt = _rt()  # the failed drain left the event set: start from a fresh device
+    g, handle, x, out, ev = _capture_scale_rows_after_wait(rt)
+    for factors in ([3, 4], [5, 6]):  # with the host (or an event) between the steps, each gets its own
+        g.replay()
+        _update_rows(rt, handle, x, out, factors)
+        ev.record()
+        rt.synchronize()
+        assert _rows(out) == [float(f) for f in factors]
+
+
+def test_an_event_recorded_before_the_update_races_with_it() -> None:
+    rt = _rt()
+    g, handle, x, out, ev = _capture_scale_rows_after_wait(rt)
+    g.replay()
+    ev.record()
+    _update_rows(rt, handle, x, out, [7, 8])
+    with pytest.raises(StreamRace, match="scale_rows_node"):
+        rt.synchronize()
+
+
+def test_without_the_reset_the_next_step_waits_on_a_stale_record_and_races() -> None:
+    # The graph waits but never resets: step 2's wait passes on step 1's record, before step 2's update.
+    rt = _rt()
+    x, out, ev = _static(rt, torch.ones(2, 3)), rt.empty((2, 3), torch.float32), rt.event("no_reset_node")
+    g = rt.graph()
+    with g.capture():
+        ev.wait()
+        rt.task_group_begin()
+        torch.ops.simtest.scale_rows(x, [1, 2], out)
+        handle = rt.task_group_end()
+    g.replay()
+    _update_rows(rt, handle, x, out, [3, 4])
+    ev.record()
     rt.synchronize()
-    assert _rows(out) == [7.0, 8.0]
+    g.replay()
+    _update_rows(rt, handle, x, out, [5, 6])
+    ev.record()
+    with pytest.raises(StreamRace, match="node no_reset_node"):
+        rt.synchronize()
+
+
+def test_a_stream_runs_in_order_and_streams_meet_only_at_events() -> None:
+    # A high-priority side stream is drained first: a replay issued there after one on the default
+    # stream runs before it, unless it waits on an event recorded after the first.
+    rt = _rt()
+    x, side = _static(rt, torch.ones(4)), rt.new_stream("side", priority=-2)
+    producer, consumer = rt.graph(), rt.graph()
+    with producer.capture():
+        y = x * 2
+    with consumer.capture():
+        z = y + 1
+    for ordered, want in ((False, float("nan")), (True, 3.0)):
+        producer.replay()
+        consumer.replay()  # same stream: in issue order
+        rt.synchronize()
+        assert torch.equal(z, torch.full((4,), 3.0))
+        y.fill_(float("nan"))
+        done = rt.event("producer_done", external=False)
+        producer.replay()
+        done.record(rt.default_stream)
+        if ordered:
+            done.wait(side)
+        consumer.replay(side)
+        rt.synchronize()
+        torch.testing.assert_close(z, torch.full((4,), want), equal_nan=True)
+
+
+def test_a_wait_queued_behind_its_own_record_is_a_hang_naming_the_node() -> None:
+    rt = _rt()
+    g, handle, x, out, ev = _capture_scale_rows_after_wait(rt, "attn_layer_7")
+    g.replay(rt.update_stream)  # the record below queues behind the replay that waits for it
+    _update_rows(rt, handle, x, out, [7, 8])
+    ev.record(rt.update_stream)
+    with pytest.raises(ReplayError, match="attn_layer_7.*would hang"):
+        rt.synchronize()
+    assert rt.device_queue.idle
+
+
+def test_a_host_write_into_a_static_input_of_a_pending_replay_is_an_error() -> None:
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    g = rt.graph()
+    with g.capture():
+        y = x * 2
+    g.replay()
+    x.fill_(5.0)  # the replay, launched, has not run: on the device it would read 5s
+    with pytest.raises(ReplayError, match="host wrote after replay"):
+        rt.synchronize()
+    g.replay()
+    rt.synchronize()
+    x.fill_(3.0)  # after the replay ran: the next replay reads it
+    g.replay()
+    rt.synchronize()
+    assert torch.equal(y, torch.full((4,), 6.0))
+
+
+def test_the_device_clock_runs_queued_work_without_a_host_synchronize() -> None:
+    rt = _rt()
+    g, handle, x, out, ev = _capture_scale_rows_after_wait(rt)
+    g.replay()
+    assert rt.advance(10) == 1  # the launch check; then the replay waits for its event, not a hang yet
+    _update_rows(rt, handle, x, out, [4, 4])
+    ev.record()
+    assert rt.advance(10) > 0 and rt.device_queue.idle
+    assert _rows(out) == [4.0, 4.0]
 
 
 def test_an_update_can_move_tensor_operands() -> None:
@@ -362,6 +508,7 @@ def test_an_update_can_move_tensor_operands() -> None:
     other = _static(rt, torch.full((2, 3), 10.0))
     with rt.task_update(handle):
         torch.ops.simtest.scale_rows(other, [1, 2], out)
+    rt.synchronize()
     g.replay()
     rt.synchronize()
     assert _rows(out) == [10.0, 20.0]
@@ -377,6 +524,7 @@ def test_an_update_of_an_op_with_a_fresh_output_keeps_its_address() -> None:
         handle = rt.task_group_end()
     with rt.task_update(handle):
         dummy = torch.mul(x, 3.0)
+    rt.synchronize()
     assert dummy.shape == (4,)
     g.replay()
     rt.synchronize()
@@ -479,6 +627,7 @@ def test_workspace_overrun_raises_with_overflow_raise() -> None:
         handle = rt.task_group_end()
     with rt.task_update(handle):
         torch.ops.simtest.ws_fill(x, 2048, ws, out)
+    rt.synchronize()
     g.replay()
     with pytest.raises(WorkspaceTooSmall, match="graph2 task 0"):
         rt.synchronize()
@@ -498,6 +647,7 @@ def test_workspace_overrun_past_the_segment_end_is_a_fault() -> None:
         handle = rt.task_group_end()
     with rt.task_update(handle):
         torch.ops.simtest.ws_fill(x, 1024, ws, out)
+    rt.synchronize()
     g.replay()
     with pytest.raises(ReplayError, match="past its end"):
         rt.synchronize()
@@ -602,6 +752,7 @@ def test_a_kernel_captured_on_its_zero_length_fast_path_cannot_be_updated_to_rea
         _update_pa(rt, handle, prob, out, ws, [5, 9])
     graph, handle, prob, out, ws = _capture_pa(rt, [1, 1])  # captured with lengths it really runs
     _update_pa(rt, handle, prob, out, ws, [5, 9])
+    rt.synchronize()
     graph.replay()
     rt.synchronize()
     torch.testing.assert_close(out, prob.dense(), atol=2e-5, rtol=1e-4)
@@ -625,12 +776,14 @@ def test_a_host_tensor_a_task_reads_must_outlive_the_task() -> None:
         handle = rt.task_group_end()
     with rt.task_update(handle):
         torch.ops.simtest.host_rows(x, torch.tensor([4, 5]), out)  # dropped when the call returns
+    rt.synchronize()
     graph.replay()
     with pytest.raises(ReplayError, match="lens: the host tensor this task reads when it runs was freed"):
         rt.synchronize()
     alive = torch.tensor([4, 5])
     with rt.task_update(handle):
         torch.ops.simtest.host_rows(x, alive, out)
+    rt.synchronize()
     graph.replay()
     rt.synchronize()
     assert out[:, 0].tolist() == [4.0, 5.0]

@@ -13,9 +13,24 @@ and a call needs the sum of `per_token(kv_len)` over its query tokens (one token
 The need of a call is a sum of independent per-token terms, so the worst case for a graph of `T`
 query tokens is `T * max_L per_token(L)`; that is what `max_workspace` computes, by a vectorised scan.
 
-`splits(L)` is deliberately not monotonic: PA switches to long-sequence tiling (larger chunks, fewer
-splits) above `PA_LONG_SEQ`, so its need peaks at an interior length and falls after it, the way
-Ascend's PA workspace did (DESIGN.md §7 case 1).
+The split rules below are a **model**, not Ascend's tiling: nobody measured a device to write them.
+They are built to have the one property of Ascend's PA workspace that DESIGN.md §7 case 1 is about:
+`splits(L)` is not monotonic. PA switches to long-sequence tiling (larger chunks, fewer splits) above
+`PA_LONG_SEQ`, so its need peaks at an interior length (3841 here) and falls after it. The seed's
+peak was elsewhere (vLLM-Ascend pinned 6144); the sizes and the arg-max this module gives are the
+model's, and only the planning around them (exact maximum over every length) carries over.
+
+With a device, size workspaces from real queries instead: ask the kernel's workspace query for one
+query token at every length `L` in `[1, max_model_len]` (torch_npu's
+`_npu_paged_attention_get_workspace`), divide each answer by `split_record_nbytes(shape)` to get
+a split count, and register that table as the kernel's rule, so `max_workspace` scans the measured
+need::
+
+    table = torch.tensor([0] + [measured_nbytes(L) // split_record_nbytes(shape) for L in range(1, max_len + 1)])
+    register_tiling(PA, lambda kv_lens: table[kv_lens.clamp(max=max_len)])
+
+(`runtime="npu"` does the probing itself at compile time, `passes/probe.py`; this is for the model
+and for tools that plan workspaces without a device at hand.)
 """
 from __future__ import annotations
 
@@ -80,7 +95,8 @@ def register_tiling(kernel: str, splits: SplitsFn) -> None:
     """Declare the split rule of a kernel so its workspace can be sized and scanned.
 
     `splits` maps a tensor of KV lengths to the number of split-K chunks for each; the workspace
-    then follows the formula of this module.
+    then follows the formula of this module. A measured per-length table plugs in as a lookup
+    (see the module docstring): `register_tiling(PA, lambda kv_lens: table[kv_lens])`.
     """
     _SPLITS[kernel] = splits
 

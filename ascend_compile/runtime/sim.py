@@ -12,7 +12,13 @@ quietly computing the eager answer:
 - host arguments (lists of ints) are frozen at capture; only a task update changes them, and it must
   issue the same ops as the task group it replaces;
 - a kernel short of workspace writes past it into its neighbours (or raises, by option);
-- a replay waiting on an external event that was never recorded raises instead of hanging;
+- the device runs work asynchronously on **streams** (`sim_streams.py`): a default, a capture and an
+  update stream (more with `new_stream`). `SimGraph.replay` queues the graph's tasks on a stream,
+  `task_update_end` queues the update on the update stream, events are recorded, waited on and reset
+  on streams, and the queues drain on `synchronize` (or `advance`). Only events order two streams;
+- a task update and a replay's kernel that no event orders are a race (`StreamRace`), as is a host
+  write into a static input of a replay launched and not yet run (`ReplayError`); a replay waiting on
+  an event that nothing queued can record raises naming the node, instead of hanging;
 - a kernel with a zero-length fast path (`SimRuntime.zero_length_fast_path`; by default the ascend
   PA and FIA) called with every length 0 launches another task than with real lengths, so a task
   captured that way cannot be updated to real lengths (the update is refused);
@@ -22,19 +28,17 @@ quietly computing the eager answer:
 - an op that sets itself up on its first call (`SimRuntime.first_call`) may not make that call
   inside a capture;
 - host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;
-- a functional collective (`_c10d_functional`) is issued again by every replay, in captured order,
-  and its output reaches its captured address only once its work completes: at the graph's
-  `wait_tensor` of it, or at the end of the graph.
+- a functional collective (`_c10d_functional`) is a device task of the replay's stream whose output
+  reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
+  at the end of the graph; every replay issues it again, in captured order.
 
-Replay is asynchronous: `SimGraph.replay` launches, `SimRuntime.synchronize` runs every launched
-replay in order. Task updates and event records issued in between therefore reach that replay, as
-the graph's event wait guarantees on the device.
+Tasks and how ops are classified live in `sim_tasks.py`, memory in `sim_pool.py`.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-import weakref
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -45,198 +49,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
 from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
 from .sim_pool import Segment, SimPool, extent_bytes
+from .sim_streams import CallWork, EventState, SimDevice, SimStream, TaskAccess
+from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _MemRef, _OpTask, _EventTask, _Task, _aliases_inputs,
+                        _all_zero, _arg, _completes_at_wait, _contiguous_stride, _is_cpu_dense, _is_view, _is_wait,
+                        _storage_id, _syncs_host)
 
 logger = logging.getLogger("ascend_compile.sim")
 
-_aten = torch.ops.aten
-
-#: Ops whose output shape depends on tensor data: a device must synchronise with the host to run them.
-_DATA_DEPENDENT_SHAPE = frozenset(
-    {_aten.nonzero, _aten.masked_select, _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.unique_dim}
-)
-#: Ops that only allocate: on a device they launch no kernel, so capture records no task for them.
-_ALLOCATION_OPS = frozenset(
-    {
-        _aten.empty.memory_format,
-        _aten.empty_strided.default,
-        _aten.empty_like.default,
-        _aten.new_empty.default,
-        _aten.new_empty_strided.default,
-    }
-)
-#: Tensor methods that copy device data to the host without going through an aten op.
-_HOST_READ_METHODS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy})
-#: Namespace of the functional collectives, and the op that waits for one to complete.
-_COLLECTIVES = "_c10d_functional"
-_WAIT_TENSOR = "_c10d_functional::wait_tensor"
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for n in reversed(shape):
-        stride.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(stride))
-
-
-def _is_view(func: torch._ops.OpOverload) -> bool:
-    """True for ops that only make a new tensor over existing memory: no kernel, no task."""
-    if torch.Tag.inplace_view in func.tags:
-        return True
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def _syncs_host(func: torch._ops.OpOverload) -> bool:
-    """True for ops a device graph cannot capture because the host must read device data."""
-    return torch.Tag.data_dependent_output in func.tags or func.overloadpacket in _DATA_DEPENDENT_SHAPE
-
-
-def _is_wait(func: torch._ops.OpOverload) -> bool:
-    """True for `wait_tensor`, after which a functional collective's output may be read."""
-    return func._schema.name == _WAIT_TENSOR
-
-
-def _completes_at_wait(func: torch._ops.OpOverload) -> bool:
-    """True for a functional collective: it returns before its work is done, and c10d keys that work
-    by the output's storage, so the output is written, and may be read, only once it is waited on."""
-    return func.namespace == _COLLECTIVES and not _is_wait(func)
-
-
-def _aliases_inputs(result: Any, args: Any, kwargs: Any) -> bool:
-    """True when every tensor `result` holds shares storage with a tensor operand."""
-    inputs = {_storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-    return all(_storage_id(t) in inputs for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
-
-
-def _is_cpu_dense(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.layout == torch.strided
-
-
-def _storage_id(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-class _MemRef:
-    """Where a tensor operand of a task lives in simulated memory: what a task stores instead of it."""
-
-    __slots__ = ("segment", "offset", "dtype", "shape", "stride")
-
-    def __init__(
-        self, segment: Segment, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
-    ) -> None:
-        self.segment = segment
-        self.offset = offset
-        self.dtype = dtype
-        self.shape = shape
-        self.stride = stride
-
-    def resolve(self) -> torch.Tensor:
-        """A tensor at this address that does not own the memory (the graph uses it, it doesn't own it)."""
-        return self.segment.view(self.offset, self.dtype, self.shape, self.stride)
-
-    def __repr__(self) -> str:
-        return f"<{self.segment.pool.name}#{self.segment.index}+{self.offset:#x} {self.dtype} {list(self.shape)}>"
-
-
-class _HostRef:
-    """A host tensor a task reads when it runs, held weakly: the device keeps its address, not it."""
-
-    __slots__ = ("ref", "name")
-
-    def __init__(self, tensor: torch.Tensor, name: str) -> None:
-        self.ref = weakref.ref(tensor)
-        self.name = name
-
-    def resolve(self) -> torch.Tensor:
-        tensor = self.ref()
-        if tensor is None:
-            raise ReplayError(
-                f"{self.name}: the host tensor this task reads when it runs was freed before it ran; keep it "
-                f"alive until the device has run the task (until the next synchronize, or for the graph's life)"
-            )
-        return tensor
-
-    def __repr__(self) -> str:
-        return f"<host tensor {self.name}>"
-
-
-def _resolve(x: Any) -> Any:
-    return x.resolve() if isinstance(x, (_MemRef, _HostRef)) else x
-
-
-def _arg(op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> tuple[Any, Any]:
-    """(key, value) of argument `name` of a call of `op`: its position in `args`, or its keyword."""
-    if name in kwargs:
-        return name, kwargs[name]
-    names = [a.name for a in op._schema.arguments]
-    index = names.index(name)
-    return (index, args[index]) if index < len(args) else (None, None)
-
-
-def _all_zero(lengths: Any) -> bool:
-    """Whether a host length argument (a list of ints or a host tensor) holds only zeros."""
-    if isinstance(lengths, torch.Tensor):
-        return not bool(torch.count_nonzero(lengths))
-    return not any(lengths or ())
-
-
-class _OpTask:
-    """One recorded kernel launch: the op and its operands as addresses and frozen host values."""
-
-    __slots__ = ("op", "kind", "label", "args", "kwargs", "fresh", "_bound")
-
-    def __init__(
-        self,
-        op: torch._ops.OpOverload,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        fresh: list[tuple[int, _MemRef]],
-        label: str,
-        kind: str,
-    ) -> None:
-        self.op = op
-        self.kind = kind
-        self.label = label
-        self.fresh = fresh
-        self.rebind(args, kwargs)
-
-    def rebind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Replace the operands (a task update); they are resolved again at the next run."""
-        self.args = args
-        self.kwargs = kwargs
-        self._bound: Optional[tuple[tuple[Any, ...], dict[str, Any], list[tuple[int, torch.Tensor]]]] = None
-
-    def run(self, runtime: SimRuntime) -> None:
-        """Execute the task at its recorded addresses; fresh outputs land where they were captured."""
-        if self._bound is None:
-            args, kwargs = pytree.tree_map(_resolve, (self.args, self.kwargs))
-            self._bound = (args, kwargs, [(i, ref.resolve()) for i, ref in self.fresh])
-        args, kwargs, outs = self._bound
-        result = runtime._launch(self.op, args, kwargs, self.label)
-        if outs:
-            flat = [result] if isinstance(result, torch.Tensor) else pytree.tree_leaves(result)
-            for i, dst in outs:
-                runtime._deliver(self.op, flat[i], dst)
-
-
-class _EventTask:
-    """A recorded wait on, record of, or reset of an external event."""
-
-    __slots__ = ("event", "action", "kind", "label")
-
-    def __init__(self, event: SimEvent, action: str, label: str) -> None:
-        self.event = event
-        self.action = action
-        self.kind = f"event.{action}:{event.name}"
-        self.label = label
-
-    def run(self, runtime: SimRuntime) -> None:
-        """Apply the event action as the device would when the graph reaches it."""
-        self.event._apply(self.action, self.label)
-
-
-_Task = Union[_OpTask, _EventTask]
 
 
 class SimTaskHandle(TaskHandle):
@@ -257,48 +76,47 @@ class SimTaskHandle(TaskHandle):
 
 
 class SimEvent(ExternalEvent):
-    """An external event; `name` (the FX node's name) is what errors report.
+    """An event; `name` (the FX node's name) is what errors report.
 
-    Inside capture each call records a task; outside capture it takes effect at once. A recorded
-    wait whose event is not set when the replay reaches it raises `ReplayError` (the device hangs).
+    Inside capture each call records a task of the graph, which becomes an item of the replay's
+    stream when the graph is launched; outside capture each call is issued on a stream (`record`:
+    the update stream by default, `wait` and `reset`: the current stream). `external` events are
+    flags (waited until set, reset to clear); ordinary ones mark a point of a stream (see
+    `sim_streams`). A replay whose wait nothing queued can satisfy raises `ReplayError` at the
+    drain (the device hangs).
     """
 
-    def __init__(self, runtime: SimRuntime, name: str) -> None:
+    def __init__(self, runtime: SimRuntime, name: str, external: bool = True) -> None:
         self._runtime = runtime
         self.name = name
-        self._recorded = False
+        self.state = EventState(name, external)
 
     @property
     def recorded(self) -> bool:
-        """Whether the event is set (recorded and not reset since)."""
-        return self._recorded
+        """Whether the event is set on the device (recorded and not reset since)."""
+        return self.state.is_set
 
-    def wait(self) -> None:
+    def wait(self, stream: Optional[SimStream] = None) -> None:
         """Inside capture: the graph waits here at replay until the event is recorded."""
-        self._runtime._event_action(self, "wait")
+        self._runtime._event_action(self, "wait", stream)
 
-    def reset(self) -> None:
+    def reset(self, stream: Optional[SimStream] = None) -> None:
         """Inside capture: clear the event, so the next replay needs a fresh `record`."""
-        self._runtime._event_action(self, "reset")
+        if not self.state.external:
+            raise ValueError(f"reset() of {self.name!r}: only external events are reset")
+        self._runtime._event_action(self, "reset", stream)
 
-    def record(self) -> None:
-        """Outside capture: set the event, releasing the wait of the next replay to run."""
-        self._runtime._event_action(self, "record")
-
-    def _apply(self, action: str, where: str) -> None:
-        if action == "record":
-            self._recorded = True
-        elif action == "reset":
-            self._recorded = False
-        elif not self._recorded:
-            raise ReplayError(
-                f"{where}: waits on external event {self.name!r}, which was never recorded for this "
-                f"replay (on a device the graph would hang here); record it after the task update "
-                f"and before synchronize()"
-            )
+    def record(self, stream: Optional[SimStream] = None) -> None:
+        """Outside capture (after a task update): set the event on `stream` when it gets there."""
+        self._runtime._event_action(self, "record", stream)
 
     def __repr__(self) -> str:
-        return f"SimEvent({self.name!r}, recorded={self._recorded})"
+        return f"SimEvent({self.name!r}, recorded={self.recorded})"
+
+
+def _region(ref: _MemRef) -> tuple[Segment, int, int]:
+    """(segment, offset, bytes) an operand spans."""
+    return ref.segment, ref.offset, extent_bytes(ref.shape, ref.stride, ref.dtype)
 
 
 class SimGraph(DeviceGraph):
@@ -310,6 +128,8 @@ class SimGraph(DeviceGraph):
         self._tasks: list[_Task] = []
         self._groups = 0
         self._captured = False
+        self._program: list[Union[list[_OpTask], _EventTask]] = []
+        self._inputs: Optional[dict[tuple[Segment, int, int], str]] = None
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -326,8 +146,8 @@ class SimGraph(DeviceGraph):
     def capture(self) -> Iterator[None]:
         """Record the ops issued in this context (they also run once, on the real tensors).
 
-        Replays still pending are run first. Fresh outputs are placed in the runtime's graph pool;
-        when the context ends, every block allocated during it is poisoned.
+        The device is drained first. Fresh outputs are placed in the runtime's graph pool; when
+        the context ends, every block allocated during it is poisoned.
         """
         rt = self._runtime
         rt._begin_capture(self)
@@ -338,23 +158,88 @@ class SimGraph(DeviceGraph):
             group_open = rt._end_capture(self)
         if group_open:
             raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
+        self._program = self._segments()
         self._captured = True
 
-    def replay(self) -> None:
-        """Launch the graph; it runs at the next `SimRuntime.synchronize`."""
+    def replay(self, stream: Optional[SimStream] = None) -> None:
+        """Launch the graph on `stream` (default: the current stream); it runs when the device
+        drains that stream. Its static inputs are read as they are now: a host write into them
+        before the replay runs is an error then."""
+        rt = self._runtime
         if not self._captured:
             raise ReplayError(f"{self.name} cannot be replayed: it was never captured (or its capture failed)")
-        if self._runtime._capturing is not None:
-            raise ReplayError(f"cannot replay {self.name} while {self._runtime._capturing.name} is being captured")
-        self._runtime._pending.append(self)
+        if rt._capturing is not None:
+            raise ReplayError(f"cannot replay {self.name} while {rt._capturing.name} is being captured")
+        stream = stream or rt.current_stream
+        queue = rt.device_queue
+        snapshot = self._snapshot()
+        queue.enqueue(stream, CallWork(f"{self.name} launch", lambda s: self._check_inputs(snapshot)))
+        for part in self._program:
+            if isinstance(part, _EventTask):
+                queue.enqueue(stream, part.work())
+            else:
+                queue.enqueue(stream, CallWork(part[0].label, functools.partial(rt._run_tasks, part)))
+        queue.enqueue(stream, CallWork(f"{self.name} end", lambda s: rt._complete_all()))
 
-    def _execute(self) -> None:
+    def _segments(self) -> list[Union[list[_OpTask], _EventTask]]:
+        """The tasks as stream items: each event action alone, the op tasks between them together
+        (nothing can order anything inside such a run, so running it as one item loses no race)."""
+        program: list[Union[list[_OpTask], _EventTask]] = []
         for task in self._tasks:
-            task.run(self._runtime)
-        self._runtime._complete_all()
+            if isinstance(task, _EventTask):
+                program.append(task)
+            elif program and isinstance(program[-1], list):
+                program[-1].append(task)
+            else:
+                program.append([task])
+        return program
+
+    def _static_inputs(self) -> dict[tuple[Segment, int, int], str]:
+        """General-pool memory the graph reads and never writes (its static inputs), each with the
+        first task reading it; computed again after an update lands."""
+        if self._inputs is None:
+            written: set[tuple[Segment, int, int]] = set()
+            read: dict[tuple[Segment, int, int], str] = {}
+            for task in self._tasks:
+                if isinstance(task, _OpTask):
+                    written.update(_region(r) for r in task.writes())
+                    for ref in task.reads():
+                        read.setdefault(_region(ref), task.label)
+            self._inputs = {k: v for k, v in read.items() if k not in written and k[0].pool.name == "general"}
+        return self._inputs
+
+    def _snapshot(self) -> list[tuple[tuple[Segment, int, int], str, torch.Tensor]]:
+        with _disable_current_modes():
+            return [(key, label, key[0].data[key[1] : key[1] + key[2]].clone())
+                    for key, label in self._static_inputs().items()]
+
+    def _check_inputs(self, snapshot: list[tuple[tuple[Segment, int, int], str, torch.Tensor]]) -> None:
+        """At the start of the replay: its static inputs still hold what they held at launch."""
+        for (segment, offset, size), label, before in snapshot:
+            if not torch.equal(segment.data[offset : offset + size], before):
+                raise ReplayError(
+                    f"{label}: reads {segment.pool.name} memory #{segment.index}+{offset:#x} ({size} bytes), which "
+                    f"the host wrote after replay() of {self.name} and before the replay ran: on the device the "
+                    f"replay would read the new values. Write a static input before replay() or after "
+                    f"synchronize()"
+                )
 
     def __repr__(self) -> str:
         return f"SimGraph({self.name!r}, {len(self._tasks)} tasks, captured={self._captured})"
+
+
+def _waited_node(tasks: list[_Task]) -> str:
+    """" (node X)" when `tasks` (those just before a task group) wait on event X, the FX node's name."""
+    waits = [t.event.name for t in tasks if isinstance(t, _EventTask) and t.action == "wait"]
+    return f" (node {waits[-1]})" if waits else ""
+
+
+def _land(handle: SimTaskHandle, recorded: list[tuple[Any, str, tuple, dict]], label: str, stream: SimStream) -> None:
+    """A task update reaching the device: each task of the group takes its new operands."""
+    for task, (_, _, args, kwargs) in zip(handle._tasks, recorded):
+        task.access.update(stream, label)
+        task.rebind(args, kwargs)
+    handle.graph._inputs = None
 
 
 class _HostReadGuard(TorchFunctionMode):
@@ -415,10 +300,11 @@ class _CaptureMode(TorchDispatchMode):
 class _UpdateMode(TorchDispatchMode):
     """Records the ops of a task update instead of running them."""
 
-    def __init__(self, runtime: SimRuntime, handle: SimTaskHandle) -> None:
+    def __init__(self, runtime: SimRuntime, handle: SimTaskHandle, stream: SimStream) -> None:
         super().__init__()
         self.runtime = runtime
         self.handle = handle
+        self.stream = stream
         self.recorded: list[tuple[Any, str, tuple[Any, ...], dict[str, Any]]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -463,7 +349,11 @@ class SimRuntime(Runtime):
         self._group_start: Optional[int] = None
         self._captured_blocks: list[tuple[Segment, int, int]] = []
         self._update: Optional[_UpdateMode] = None
-        self._pending: list[SimGraph] = []
+        self.device_queue = SimDevice()
+        self.default_stream = self.device_queue.stream("default")
+        self.capture_stream = self.device_queue.stream("capture")
+        self.update_stream = self.device_queue.stream("update", priority=-1)
+        self._current: list[SimStream] = []
         self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graph_count = 0
         self._fast_paths: dict[Any, str] = {}
@@ -514,9 +404,34 @@ class SimRuntime(Runtime):
         self._graph_count += 1
         return SimGraph(self, f"graph{self._graph_count}")
 
-    def event(self, name: str) -> SimEvent:
-        """A new, unrecorded external event named `name`."""
-        return SimEvent(self, name)
+    def event(self, name: str, external: bool = True) -> SimEvent:
+        """A new, unrecorded event named `name`: external (a flag, ACL's `ExternalEvent`), or an
+        ordinary one that marks a point of a stream."""
+        return SimEvent(self, name, external)
+
+    def new_stream(self, name: str, priority: int = 0) -> SimStream:
+        """Another stream of the device (lower `priority` is served first)."""
+        return self.device_queue.stream(name, priority)
+
+    @property
+    def current_stream(self) -> SimStream:
+        """Where replays go by default: the innermost `stream()` context's, else the default stream."""
+        return self._current[-1] if self._current else self.default_stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream) -> Iterator[None]:
+        """Make `stream` current for the block."""
+        self._current.append(stream)
+        try:
+            yield
+        finally:
+            self._current.pop()
+
+    def advance(self, ticks: int) -> int:
+        """Tick the simulated device clock: run up to `ticks` queued items without the host waiting
+        for the rest; returns how many ran."""
+        with _disable_current_modes(), torch.inference_mode():
+            return self.device_queue.advance(ticks)
 
     def task_group_begin(self) -> None:
         """Inside capture: the tasks recorded from here to `task_group_end` form one group."""
@@ -530,15 +445,21 @@ class SimRuntime(Runtime):
         graph = self._require_capture("task_group_end()")
         if self._group_start is None:
             raise CaptureError("task_group_end() without task_group_begin()")
-        tasks = tuple(graph._tasks[self._group_start :])
-        self._group_start = None
+        start, self._group_start = self._group_start, None
+        tasks = tuple(graph._tasks[start:])
         if not tasks:
             raise CaptureError("empty task group: no op was issued between task_group_begin() and task_group_end()")
         graph._groups += 1
-        return SimTaskHandle(graph, graph._groups - 1, tasks)
+        handle = SimTaskHandle(graph, graph._groups - 1, tasks)
+        name = f"{graph.name} group {handle.index}" + _waited_node(graph._tasks[max(0, start - 2) : start])
+        for task in tasks:
+            if isinstance(task, _OpTask):
+                task.access = TaskAccess(name)
+        return handle
 
-    def task_update_begin(self, handle: TaskHandle) -> None:
-        """Outside capture: record (without running) the ops issued until `task_update_end`."""
+    def task_update_begin(self, handle: TaskHandle, stream: Optional[SimStream] = None) -> None:
+        """Outside capture: record (without running) the ops issued until `task_update_end`, an
+        update to be issued on `stream` (default: the update stream)."""
         if not isinstance(handle, SimTaskHandle) or handle.graph._runtime is not self:
             raise AscendCompileError(f"task_update_begin(): {handle!r} is not a task group of this runtime")
         if self._capturing is not None:
@@ -547,13 +468,14 @@ class SimRuntime(Runtime):
             raise AscendCompileError(
                 f"task_update_begin(): the update of {self._update.handle!r} is still open (call task_update_end())"
             )
-        mode = _UpdateMode(self, handle)
+        mode = _UpdateMode(self, handle, stream or self.update_stream)
         mode.__enter__()
         self._update = mode
 
     def task_update_end(self) -> None:
-        """Check the recorded ops match the group's tasks one for one, then give the tasks their
-        operands, for every replay not yet run (pending ones included)."""
+        """Check the recorded ops match the group's tasks one for one, then issue the update on its
+        stream: the tasks get their new operands when the device runs it, and a replay sees them
+        only if an event orders the update before the replay's kernel (else `StreamRace`)."""
         mode = self._update
         if mode is None:
             raise AscendCompileError("task_update_end() without task_update_begin()")
@@ -569,20 +491,17 @@ class SimRuntime(Runtime):
                 f"task update of {mode.handle.graph.name} group {mode.handle.index} must issue the same ops as "
                 f"the group: expected {len(tasks)} {list(mode.handle.tasks)}, got {len(got)} {got}"
             )
-        for task, (_, _, args, kwargs) in zip(tasks, mode.recorded):
-            task.rebind(args, kwargs)
-        logger.debug("updated %r", mode.handle)
+        handle, label = mode.handle, f"task update of {mode.handle.graph.name} group {mode.handle.index}"
+        self.device_queue.enqueue(mode.stream, CallWork(label, functools.partial(_land, handle, mode.recorded, label)))
+        logger.debug("issued the update of %r on %s", handle, mode.stream.name)
 
     def synchronize(self) -> None:
-        """Run every launched replay, in launch order, as a device would: outside any dispatch
-        mode and without autograd (so in-place writes to inference-mode caches are allowed)."""
+        """Wait for the device: drain every stream, as a device would, outside any dispatch mode
+        and without autograd (so in-place writes to inference-mode caches are allowed)."""
         if self._capturing is not None:
             raise CaptureError(f"synchronize() during the capture of {self._capturing.name}")
-        pending, self._pending = self._pending, []
-        if pending:
-            with _disable_current_modes(), torch.inference_mode():
-                for graph in pending:
-                    graph._execute()
+        with _disable_current_modes(), torch.inference_mode():
+            self.device_queue.drain()
 
     def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor at the same simulated address that does not keep the block allocated."""
@@ -687,12 +606,21 @@ class SimRuntime(Runtime):
         )
         return group_open
 
-    def _event_action(self, event: SimEvent, action: str) -> None:
+    def _event_action(self, event: SimEvent, action: str, stream: Optional[SimStream]) -> None:
+        """Inside capture: a task of the graph. Outside: issued on `stream` (a record by default on
+        the update stream, where the updates it follows are)."""
         graph = self._capturing
-        if graph is None:
-            event._apply(action, f"{action}() of {event.name!r} outside capture")
-        else:
-            graph._tasks.append(_EventTask(event, action, f"{graph.name} task {len(graph._tasks)}"))
+        if graph is not None:
+            graph._tasks.append(_EventTask(event.state, action, f"{graph.name} task {len(graph._tasks)}"))
+            return
+        default = self.update_stream if action == "record" else self.current_stream
+        task = _EventTask(event.state, action, f"{action}() of {event.name!r} outside capture")
+        self.device_queue.enqueue(stream or default, task.work())
+
+    def _run_tasks(self, tasks: list[_OpTask], stream: SimStream) -> None:
+        """Run a replay's op tasks on `stream`."""
+        for task in tasks:
+            task.run(self, stream)
 
     def _deliver(self, op: Any, result: torch.Tensor, dst: torch.Tensor) -> None:
         """Put a fresh output of `op` at its captured address `dst`: at once, or, for a functional

@@ -1,0 +1,174 @@
+"""Protocol mutants: put back, one at a time, a bug the tests must catch, and run the tests that should.
+
+    python tools/mutants.py [--only NAME ...] [--list]
+
+Each mutant is one textual edit of the package (in a scratch copy of the repository, never in place)
+and the tests that must fail with it. A mutant is **caught** when those tests fail, **survived**
+when they pass. The list holds the four bugs a mutation audit of the runner found the suite blind
+to (issue 11: an event recorded before its update, the event reset not captured, FIA captured without
+its event wait, the device seq_lens buffer padded unlike the host lengths) and one of each class of
+bug the audit's other mutants were (skipped update, stale padding, weak workspace, capture-time
+sizing, wrong bucket, missing address check, no clone, updates after synchronize).
+
+Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
+no longer applies (the code moved: update the mutant).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: What the scratch copy needs to import the package and run its tests.
+COPIED = ("ascend_compile", "tests", "examples", "pyproject.toml", "setup.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One bug: replace `old` (which must occur exactly once in `path`) by `new`; `tests` must fail."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+CASE2 = "tests/test_design_cases.py::test_case2_updates_refresh_lengths_every_step"
+PADDING = "tests/test_design_cases.py::test_padding_sequences_have_length_0_in_the_static_seq_lens_buffer"
+BUCKETS = "tests/test_design_cases.py::test_steps_smaller_than_the_bucket_are_padded_and_served_by_the_smallest_bucket"
+PROTOCOL_FIA = "tests/test_npu.py::test_replay_is_launched_before_the_updates_which_record_the_events"
+
+MUTANTS = (
+    Mutant(
+        "event recorded before the update", "ascend_compile/lowering/capture.py",
+        "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n"
+        "            if entry.event is not None:\n                entry.event.record()\n",
+        "            if entry.event is not None:\n                entry.event.record()\n"
+        "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n",
+        (CASE2,),
+    ),
+    Mutant(
+        "event reset not captured", "ascend_compile/lowering/capture.py",
+        "            event.wait()\n            event.reset()\n", "            event.wait()\n", (CASE2,),
+    ),
+    Mutant(
+        "FIA captured without an event wait", "ascend_compile/lowering/capture.py",
+        "        if not LEGACY.skip_event_waits:\n",
+        "        if not LEGACY.skip_event_waits and n.target.overloadpacket is torch.ops.ascend.paged_attention:\n",
+        (PROTOCOL_FIA,),
+    ),
+    Mutant(
+        "device seq_lens padded with 7", "ascend_compile/passes/roles.py",
+        "    Role.SEQ_LENS: 0,\n", "    Role.SEQ_LENS: 7,\n", (PADDING,),
+    ),
+    Mutant(
+        "skipped update", "ascend_compile/lowering/capture.py",
+        "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n", "", (CASE2,),
+    ),
+    Mutant(
+        "stale padding", "ascend_compile/lowering/inputs.py",
+        "            dest[region].fill_(pad)\n", "            continue\n", (PADDING,),
+    ),
+    Mutant(
+        "weak workspace", "ascend_compile/lowering/capture.py",
+        "        if not LEGACY.weakref_workspace:\n", "        if LEGACY.weakref_workspace:\n",
+        ("tests/test_design_cases.py::test_case3_artifact_owned_workspace_is_never_aliased",),
+    ),
+    Mutant(
+        "workspace sized at one length", "ascend_compile/ops/tiling.py",
+        "    lens = torch.arange(1, max_model_len + 1, dtype=torch.int64)\n",
+        "    lens = torch.tensor([max_model_len], dtype=torch.int64)\n",
+        ("tests/test_design_cases.py::test_case1_exact_maximum_serves_every_length",),
+    ),
+    Mutant(
+        "wrong bucket", "ascend_compile/lowering/inputs.py",
+        "    i = bisect.bisect_left(buckets, tokens)\n", "    i = bisect.bisect_right(buckets, tokens)\n", (BUCKETS,),
+    ),
+    Mutant(
+        "missing address check", "ascend_compile/lowering/runner.py",
+        "        moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]\n",
+        "        moved = []\n",
+        ("tests/test_backend.py::test_moved_kv_cache_is_recaptured_not_read_stale",),
+    ),
+    Mutant(
+        "no clone", "ascend_compile/lowering/runner.py",
+        "            out = view.clone() if clone else view\n", "            out = view\n",
+        ("tests/test_design_cases.py::test_clone_outputs_true_returns_copies_the_next_step_leaves_alone",),
+    ),
+    Mutant(
+        "updates after synchronize", "ascend_compile/lowering/runner.py",
+        "        self.graph.replay()\n", "        self.graph.replay()\n        art.runtime.synchronize()\n", (CASE2,),
+    ),
+)
+
+
+def apply(mutant: Mutant, root: Path) -> str:
+    """Edit the copy under `root`; returns the original text, to restore."""
+    path = root / mutant.path
+    text = path.read_text()
+    if text.count(mutant.old) != 1:
+        raise LookupError(f"{mutant.name}: its edit does not apply: {mutant.path} holds the text to replace "
+                          f"{text.count(mutant.old)} times, expected once (update the mutant)")
+    path.write_text(text.replace(mutant.old, mutant.new))
+    return text
+
+
+def run_tests(tests: tuple[str, ...], root: Path) -> tuple[bool, str]:
+    """(whether the tests failed, the first failing test) in the copy under `root`."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
+        cwd=root, env=env, capture_output=True, text=True,
+    )
+    failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return proc.returncode != 0, (failed[0] if failed else f"pytest exit {proc.returncode}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="run only the mutants with these names")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
+        return 0
+    caught = 0
+    with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
+        root = Path(scratch)
+        for name in COPIED:
+            src = ROOT / name
+            if src.is_dir():
+                shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+            elif src.exists():
+                shutil.copy2(src, root / name)
+        print(f"{'mutant':36} {'result':9} {'s':>5}  failing test")
+        for mutant in mutants:
+            start = time.perf_counter()
+            try:
+                original = apply(mutant, root)
+            except LookupError as err:
+                print(err)
+                return 2
+            try:
+                failed, test = run_tests(mutant.tests, root)
+            finally:
+                (root / mutant.path).write_text(original)
+            caught += failed
+            result = "caught" if failed else "SURVIVED"
+            print(f"{mutant.name:36} {result:9} {time.perf_counter() - start:5.1f}  {test if failed else '-'}")
+    print(f"{caught} caught, {len(mutants) - caught} survived")
+    return 0 if caught == len(mutants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
