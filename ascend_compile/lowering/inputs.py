@@ -70,12 +70,11 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def overlapping_inputs(signature: GraphSignature, alias_groups: Sequence[frozenset[int]], written: set[int],
-                       args: Sequence[Any]) -> list[str]:
+                       copied: set[int], args: Sequence[Any]) -> list[str]:
     """Names of inputs sharing memory with an input the graph writes, in this step, where one of the
     two is staged in a static buffer: the graph would read or write a copy, so such a step runs
     eagerly instead. Inputs used in place (e.g. KV caches that are views of one flat cache) see each
     other's writes as in eager."""
-    copied = {spec.index for spec in signature.inputs if spec.copied}
     for group in alias_groups:
         if not group & written or not group & copied:
             continue

@@ -240,6 +240,7 @@ class CompiledArtifact:
         self.seconds: collections.Counter = collections.Counter()
         self._fallbacks_logged: set[str] = set()
         self.written = self.rewritten.mutations.written()
+        self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
         for slot in rewritten.plan.slots.values():
             self.workspaces[slot.name] = runtime.empty((slot.nbytes,), torch.uint8)
         self.write_plan()
@@ -265,7 +266,8 @@ class CompiledArtifact:
         bucket = choose_bucket(self.rewritten.buckets, step.tokens)
         if bucket is None:
             return self._fallback(caller_args, step, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
-        overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, args)
+        overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, self.copied,
+                                     args)
         if overlap:
             return self._fallback(caller_args, step, f"inputs {overlap} overlap in memory and the graph writes one of them")
         key = self.rewritten.key_for(bucket, step.decode)

@@ -1,7 +1,8 @@
 """Small helpers over FX graphs shared by the passes."""
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, Callable, Iterable
 
 import sympy
 import torch
@@ -72,3 +73,76 @@ def fill_fake_values(graph: fx.Graph) -> None:
             else:
                 result = node.target(*args, **kwargs)
             node.meta["example_value"] = result
+
+
+def nodes_in(value: Any) -> list[fx.Node]:
+    """The FX nodes inside an argument structure (tuples, lists, slices, dicts)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return found
+
+
+def ancestors(values: Iterable[fx.Node]) -> list[fx.Node]:
+    """`values` and every node they are computed from (placeholders included), in graph order."""
+    needed: set[fx.Node] = set()
+    stack = list(values)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack += node.all_input_nodes
+    graph = next(iter(needed)).graph if needed else None
+    return [n for n in graph.nodes if n in needed] if graph is not None else []
+
+
+def extract_graph(gm: fx.GraphModule, nodes: Iterable[fx.Node],
+                  outputs: Callable[[fx.Graph, Callable[[Any], Any]], tuple]) -> fx.GraphModule:
+    """A graph over all of `gm`'s inputs holding copies of `nodes` (in graph order), returning what
+    `outputs(graph, remap)` builds (`remap` maps `gm`'s nodes inside an argument to their copies)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.placeholder(node.name)
+    wanted = set(nodes)
+    for node in gm.graph.nodes:
+        if node in wanted and node.op != "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(outputs(graph, lambda value: fx.node.map_arg(value, lambda n: env[n])))
+    return fx.GraphModule(gm, graph)
+
+
+#: Tensor methods and operators that write their first argument despite not ending in "_".
+_IN_PLACE_METHODS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__"})
+_IN_PLACE_OPERATORS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                 operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                                 operator.ixor})
+
+
+def schema_of(target: Any) -> torch.FunctionSchema | None:
+    """The schema of an op overload, or of an overload packet's default overload; None for others."""
+    schema = getattr(target, "_schema", None)
+    if schema is None and getattr(target, "overloads", None) is not None:
+        schema = getattr(getattr(target, "default", None), "_schema", None)
+    return schema
+
+
+def written_args(node: fx.Node) -> list[Any]:
+    """The arguments a call writes: an in-place method's or operator's self, an `out=` tensor, and
+    arguments its schema annotates as written (`Tensor(a!)`: in-place ops, custom ops' `mutates_args`)."""
+    written = []
+    if node.op == "call_method":
+        name = node.target
+        if name.endswith("_") and not name.startswith("_") or name in _IN_PLACE_METHODS:
+            written.append(node.args[0])
+    elif node.op == "call_function":
+        if node.target in _IN_PLACE_OPERATORS:
+            written.append(node.args[0])
+        schema = schema_of(node.target)
+        for i, spec in enumerate(schema.arguments if schema is not None else ()):
+            if spec.alias_info is not None and spec.alias_info.is_write:
+                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(spec.name))
+    if "out" in node.kwargs:
+        written.append(node.kwargs["out"])
+    return [w for w in written if w is not None]

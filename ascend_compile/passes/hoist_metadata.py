@@ -12,14 +12,13 @@ layers are hoisted once.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Sequence
 
 import torch
 from torch import fx
 
 from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
-from .fx_utils import example_value, is_op, placeholders
+from .fx_utils import ancestors, example_value, extract_graph, is_op, placeholders, written_args
 
 #: The metadata arguments that may be computed, by op: (argument position, name).
 HOISTED_ARGS = {
@@ -42,26 +41,12 @@ class Prologue:
         return (*args, *self.graph(*args))
 
 
-def _is_pure(node: fx.Node) -> bool:
-    """Whether a call computes a value without writing any tensor (no in-place method, item
-    assignment, `out=` or schema-annotated write)."""
-    if node.op == "call_method":
-        return not (node.target.endswith("_") and not node.target.startswith("_"))
-    if node.target is operator.setitem or "out" in node.kwargs:
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
 def _closure(value: fx.Node, what: str) -> list[fx.Node]:
-    """The nodes computing `value` from graph inputs; a clear error when one is not a pure op."""
-    needed: set[fx.Node] = set()
-    stack = [value]
-    while stack:
-        node = stack.pop()
-        if node in needed or node.op == "placeholder":
-            continue
-        if node.op not in ("call_function", "call_method") or not _is_pure(node) or any(
+    """The nodes computing `value` from graph inputs, in graph order; a clear error when one is not
+    a pure op (it writes a tensor, or is itself an attention or cache-write node)."""
+    nodes = [n for n in ancestors([value]) if n.op != "placeholder"]
+    for node in nodes:
+        if node.op not in ("call_function", "call_method") or written_args(node) or any(
             is_op(node, op) for op in HOISTED_ARGS
         ):
             raise ValueError(
@@ -69,9 +54,7 @@ def _closure(value: fx.Node, what: str) -> list[fx.Node]:
                 f"the runner reads attention metadata on the host before the step, so it must be an input or "
                 f"computed from inputs alone"
             )
-        needed.add(node)
-        stack += node.all_input_nodes
-    return [n for n in value.graph.nodes if n in needed]
+    return nodes
 
 
 def _key(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
@@ -92,18 +75,23 @@ def hoist_metadata(gm: fx.GraphModule) -> Prologue:
              if is_op(node, op) for position, name in args]
     memo: dict[fx.Node, Any] = {}
     hoisted: dict[Any, tuple[fx.Node, list[tuple[fx.Node, int]]]] = {}
+    computing: set[fx.Node] = set()  # the nodes of the values the prologue computes
     dead: set[fx.Node] = set()  # every node computing a hoisted argument: erased where nothing else uses it
     for node, position, name in sites:
         value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
         if not isinstance(value, fx.Node) or value.op == "placeholder":
             continue
-        dead.update(_closure(value, f"{node.name}.{name}"))
-        entry = hoisted.setdefault(_key(value, memo), (value, []))
-        entry[1].append((node, position))
+        closure = _closure(value, f"{node.name}.{name}")
+        dead.update(closure)
+        key = _key(value, memo)
+        if key not in hoisted:
+            hoisted[key] = (value, [])
+            computing.update(closure)
+        hoisted[key][1].append((node, position))
     if not hoisted:
         return Prologue(None)
     values = [value for value, _ in hoisted.values()]
-    prologue = _prologue_graph(gm, values, {n for value in values for n in _closure(value, value.name)})
+    prologue = extract_graph(gm, computing, lambda graph, remap: remap(tuple(values)))
     graph = gm.graph
     cursor = placeholders(gm)[-1]
     names = []
@@ -121,16 +109,3 @@ def hoist_metadata(gm: fx.GraphModule) -> Prologue:
     graph.lint()
     gm.recompile()
     return Prologue(prologue, tuple(names))
-
-
-def _prologue_graph(gm: fx.GraphModule, values: list[fx.Node], closure: set[fx.Node]) -> fx.GraphModule:
-    """An FX graph over `gm`'s inputs computing `values` (from the nodes of `closure`)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in placeholders(gm):
-        env[node] = graph.placeholder(node.name)
-    for node in gm.graph.nodes:
-        if node in closure:
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[v] for v in values))
-    return fx.GraphModule(gm, graph)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
-from .fx_utils import example_value, is_op, placeholders
+from .fx_utils import ancestors, example_value, is_op, nodes_in, placeholders, written_args
 
 #: Ops whose writes into graph inputs are safe under padding: the cache write skips padding
 #: rows (slot -1), so a padded step writes exactly what the real step writes.
@@ -169,31 +169,10 @@ def _written_target(node: fx.Node, storages_of, index: int) -> tuple[fx.Node | N
         if index in storages_of(example_value(base)) and _is_basic_index(item):
             return base, item
         return None, None
-    candidates = list(node.args[:1]) if node.op == "call_method" else []
-    candidates += [v for v in tree_flatten((node.args, node.kwargs))[0] if isinstance(v, fx.Node)]
-    for candidate in candidates:
-        if isinstance(candidate, fx.Node) and index in storages_of(example_value(candidate)) and _writes_arg(node, candidate):
+    for candidate in written_args(node):
+        if isinstance(candidate, fx.Node) and index in storages_of(example_value(candidate)):
             return candidate, None
     return None, None
-
-
-def _writes_arg(node: fx.Node, arg: fx.Node) -> bool:
-    """Whether `node` writes `arg` itself (not another argument that happens to alias it)."""
-    if node.op == "call_method":
-        return node.args[0] is arg and node.target.endswith("_") or node.kwargs.get("out") is arg
-    if node.kwargs.get("out") is arg:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        overloads = getattr(node.target, "overloads", None)
-        schema = getattr(getattr(node.target, "default", None), "_schema", None) if overloads else None
-    if schema is None:
-        return False
-    for i, spec in enumerate(schema.arguments):
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(spec.name)
-        if value is arg and spec.alias_info is not None and spec.alias_info.is_write:
-            return True
-    return False
 
 
 def _is_basic_index(item: Any) -> bool:
@@ -232,22 +211,15 @@ def written_view_value(write: InputWrite) -> Any:
 
 def target_nodes(write: InputWrite) -> list[fx.Node]:
     """The FX nodes that locate a write: the view, and the nodes of an item assignment's index."""
-    found = [write.target]
-    fx.node.map_arg(write.index, found.append)
-    return found
+    return [write.target, *nodes_in(write.index)]
 
 
 def view_closure(targets: Iterable[fx.Node], gm: fx.GraphModule) -> list[fx.Node] | None:
     """The nodes that compute `targets` from the graph inputs, if they are all views of inputs and
     size arithmetic (no tensor computation), in graph order; None otherwise."""
     input_storages = {_storage(example_value(n)) for n in placeholders(gm)} - {None}
-    needed: set[fx.Node] = set()
-    stack = [t for t in targets]
-    while stack:
-        node = stack.pop()
-        if node in needed:
-            continue
-        needed.add(node)
+    nodes = ancestors(targets)
+    for node in nodes:
         if node.op == "placeholder":
             continue
         if node.op not in ("call_function", "call_method"):
@@ -255,5 +227,4 @@ def view_closure(targets: Iterable[fx.Node], gm: fx.GraphModule) -> list[fx.Node
         value = example_value(node)
         if isinstance(value, torch.Tensor) and _storage(value) not in input_storages:
             return None  # a computed tensor: its value is the padded graph's, not the step's
-        stack += node.all_input_nodes
-    return [n for n in gm.graph.nodes if n in needed]
+    return nodes

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from .fx_utils import placeholders
+from .fx_utils import extract_graph, nodes_in
 from .mutations import MutationFacts, output_aliases, view_closure
 from .roles import GraphSignature
 
@@ -58,31 +58,16 @@ def build_write_back(gm: fx.GraphModule, signature: GraphSignature, facts: Mutat
 
 def _locate_graph(gm: fx.GraphModule, targets: Sequence[tuple[fx.Node, Any]]) -> fx.GraphModule:
     """An FX graph over `gm`'s inputs returning each target view (`x[index]` where an index is given)."""
-    nodes = [n for node, index in targets for n in [node, *_index_nodes(index)]]
+    nodes = [n for node, index in targets for n in [node, *nodes_in(index)]]
     closure = view_closure(nodes, gm)
     if closure is None:
         raise ValueError(f"write-back: {nodes} are not reached from the graph inputs by views alone")
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in placeholders(gm):
-        env[node] = graph.placeholder(node.name)
-    for node in closure:
-        if node.op != "placeholder":
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    results = []
-    for node, index in targets:
-        view = env[node]
-        if index is not None:
-            view = graph.call_function(operator.getitem, (view, fx.node.map_arg(index, lambda n: env[n])))
-        results.append(view)
-    graph.output(tuple(results))
-    return fx.GraphModule(gm, graph)
 
+    def views(graph: fx.Graph, remap: Any) -> tuple:
+        return tuple(remap(node) if index is None else graph.call_function(operator.getitem, remap((node, index)))
+                     for node, index in targets)
 
-def _index_nodes(index: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(index, found.append)
-    return found
+    return extract_graph(gm, closure, views)
 
 
 def overlapping_writes(views: Sequence[torch.Tensor], inputs: Sequence[int]) -> list[int]:
