@@ -37,6 +37,10 @@ def render(path: str, plan: dict[str, Any]) -> str:
                       [(i["index"], i["name"], i["role"], i["shape"]) for i in plan["inputs"] if i not in in_place]))
     caches = sum(1 for i in in_place if i["role"] == "kv_cache")
     out.append(f"used in place (address-checked every step): {caches} KV caches, {len(in_place) - caches} weights/buffers")
+    provided = plan.get("provided_inputs", [])
+    if provided:
+        out.append("\ninputs the runtime provides each step (read outside the graph)")
+        out.append(_table(["input", "read from"], [(p["name"], p["source"]) for p in provided]))
     out.append(f"padding: {plan['padding']}")
     out.append("sizes: " + ", ".join(f"{sym} {kind}" for sym, kind in plan["symbols"].items()))
     writes = plan["input_writes"]

@@ -5,6 +5,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+from .ops.kernel_policy import PA_MAX_BATCH
+
 DUMP_DIR_ENV = "ASCEND_COMPILE_DUMP_DIR"
 
 KERNEL_POLICIES = ("pa_max_batch", "pa_batch_sizes", "auto", "pa", "fia")
@@ -49,8 +51,8 @@ class CompileConfig:
         inner_compiler: how the non-attention ops run inside a graph: "eager" (op by op), or
             "inductor" (compiled by inductor for each bucket, attention staying our op; runtime
             "cuda" only).
-        clone_outputs: return copies of the graph's static outputs (False: views that the next
-            step overwrites).
+        clone_outputs: return copies of the graph's static outputs (False: views into the graph
+            pool all buckets share, which the next step of any bucket overwrites).
         capture_all: capture every bucket's decode graph at the first call instead of on first use.
         sim_overflow: what the simulator does when a kernel needs more workspace than it got:
             "write" past the buffer, like the device, or "raise".
@@ -63,7 +65,7 @@ class CompileConfig:
     capture_sizes: tuple[int, ...] = dataclasses.field(default_factory=default_capture_sizes)
     max_model_len: int | None = None
     kernel_policy: str = "pa_max_batch"
-    pa_max_batch: int = 16
+    pa_max_batch: int = PA_MAX_BATCH
     pa_batch_sizes: tuple[int, ...] = ()
     auto_seq_len: int | None = None
     workspace_seq_len: int | None = None

@@ -2,11 +2,14 @@
 shown absent with the project's real behaviour."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from ascend_compile.errors import ReplayError, WorkspaceTooSmall
-from ascend_compile.lowering.capture import legacy
+from ascend_compile.lowering.capture import UpdateSchedule, WorkspaceLifetime
+from ascend_compile.targets import default_target
 from ascend_compile.passes.roles import Role
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests.test_backend import compiled_model
@@ -19,10 +22,36 @@ CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
 STEPS = ([100, 200, 300], [900, 700], [1000, 600, 513, 77], [640, 320])
 
 
-def run_steps(steps, cfg, **options):
+class SkipUpdates(UpdateSchedule):
+    """Case 2's bug: the graph is replayed with the lengths frozen at capture (no task updates)."""
+
+    def apply(self, table, runtime, host):
+        return 0
+
+
+class SkipUpdatesAndEvents(SkipUpdates):
+    """... and no event in the graph to catch the missing update."""
+
+    def guard(self, runtime, name):
+        return None
+
+
+class CaptureAllocatedWorkspace(WorkspaceLifetime):
+    """Case 3's bug: the workspace allocated inside the capture, from the graph pool, held weakly."""
+
+    def during_capture(self, runtime, slot, allocate):
+        return runtime.weak_alias(allocate())
+
+
+def with_target(**policies):
+    """A target factory: the default target with some lowering policies replaced."""
+    return lambda device, config: dataclasses.replace(default_target(device, config), **policies)
+
+
+def run_steps(steps, cfg, target=None, **options):
     """Run `steps` compiled and eager; returns max |diff| per step, or the exception a step raised."""
     model, reference = build(cfg), build(cfg)
-    fn, artifacts = compiled_model(model, **options)
+    fn, artifacts = compiled_model(model, target=target, **options)
     batch = PagedBatch(cfg, seed=2)
     results = []
     with torch.no_grad():
@@ -71,16 +100,14 @@ OPTIONS = dict(max_model_len=1024, capture_sizes=(4,), kernel_policy="pa")
 
 
 def test_case2_skipped_update_hits_the_missing_event_error():
-    with legacy(skip_task_updates=True):
-        results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    results, _ = run_steps(STEPS, CFG, target=with_target(updates=SkipUpdates()), **OPTIONS)
     for r in results:
         assert isinstance(r, ReplayError)
         assert "'paged_attention_default'" in str(r) and "never recorded" in str(r)
 
 
 def test_case2_skipped_update_without_events_reads_stale_lengths():
-    with legacy(skip_task_updates=True, skip_event_waits=True):
-        results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    results, _ = run_steps(STEPS, CFG, target=with_target(updates=SkipUpdatesAndEvents()), **OPTIONS)
     assert all(isinstance(r, float) and r > 0.1 for r in results), results
 
 
@@ -93,8 +120,7 @@ def test_case2_updates_refresh_lengths_every_step():
 
 
 def test_case3_weakly_held_workspace_is_aliased_and_corrupts_the_output():
-    with legacy(weakref_workspace=True):
-        results, _ = run_steps(STEPS, CFG, **OPTIONS)
+    results, _ = run_steps(STEPS, CFG, target=with_target(workspaces=CaptureAllocatedWorkspace()), **OPTIONS)
     assert all(isinstance(r, float) and r > 0.1 for r in results), results
 
 
@@ -104,12 +130,6 @@ def test_case3_artifact_owned_workspace_is_never_aliased():
     art = artifacts[-1]
     workspace = art.workspaces["attn_workspace"]
     assert art.runtime.address_of(workspace)[0] == "general"  # not in the graph pool captures reuse
-
-
-def test_legacy_rejects_unknown_switches():
-    with pytest.raises(ValueError, match="unknown legacy switch"):
-        with legacy(no_such_switch=True):
-            pass
 
 
 # ------------------------------------------------------- padding, bucket choice, outputs
@@ -137,7 +157,7 @@ def test_padding_sequences_have_length_0_in_the_static_seq_lens_buffer():
     art = artifacts[-1]
     (graph,) = art.graphs.values()
     (spec,) = art.signature.by_role(Role.SEQ_LENS)
-    assert art.stats["replays"] == 2 and graph.buffers[spec.index].tolist() == [50, 60, 0, 0]
+    assert art.stats["replays"] == 2 and graph.staging.buffers[spec.index].tolist() == [50, 60, 0, 0]
 
 
 def test_clone_outputs_true_returns_copies_the_next_step_leaves_alone():

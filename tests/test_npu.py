@@ -11,7 +11,6 @@ import torch
 
 from ascend_compile.config import CompileConfig
 from ascend_compile.errors import ReplayError, StreamRace
-from ascend_compile.lowering.capture import legacy
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from ascend_compile.passes.fx_utils import is_op
@@ -133,9 +132,10 @@ def test_replay_is_launched_before_the_updates_which_record_the_events(fake_npu,
 
 
 def test_skipped_update_hits_the_missing_event_error(fake_npu):
-    with legacy(skip_task_updates=True):
-        results, _ = run_model([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
-                               capture_sizes=(4,), kernel_policy="pa")
+    from tests.test_design_cases import SkipUpdates, with_target
+
+    results, _ = run_model([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
+                           capture_sizes=(4,), kernel_policy="pa", target=with_target(updates=SkipUpdates()))
     error = results[0][0]
     assert isinstance(error, ReplayError) and "never recorded" in str(error)
 
@@ -264,7 +264,7 @@ def test_auto_picks_npu_when_torch_npu_reports_a_device(fake_npu, monkeypatch):
     assert resolve_runtime("auto", CPU) == "npu"
     runtime = create_runtime("auto", CPU)
     assert isinstance(runtime, NpuRuntime) and runtime.describe() == {
-        "name": "npu", "device": "cpu", "graphs": True, "torch_npu": "2.14.0",
+        "name": "npu", "device": "cpu", "graphs": True, "task_updates": True, "torch_npu": "2.14.0",
     }
     monkeypatch.setattr(torch.npu, "is_available", lambda: False)
     assert resolve_runtime("auto", CPU) == "sim"

@@ -11,14 +11,17 @@ import torch
 from torch import fx
 
 from ascend_compile import cli
-from ascend_compile.backend import kernel_policy
 from ascend_compile.config import CompileConfig
 from ascend_compile.ops import tiling
-from ascend_compile.passes import find_attention, pipeline
+from ascend_compile.ops.kernel_policy import KernelPolicy, choose_kernel
+from ascend_compile.passes import adapt_attention, pipeline
 from ascend_compile.passes.fx_utils import clone_graph_module, is_op
+from ascend_compile.passes.kernel_call import HOST_META_KEY, Conversion, HostSource, KernelCall
 from ascend_compile.passes.roles import Role, assign_roles
-from ascend_compile.passes.select_kernels import KernelPolicy, choose_kernel, select_kernels
+from ascend_compile.passes.select_kernels import select_kernels
 from ascend_compile.passes.workspaces import GraphKey, KernelSite, insert_workspaces, kernel_sites, plan_workspaces
+from ascend_compile.runtime.sim import SimRuntime
+from ascend_compile.targets import Target
 from examples.llama import LlamaConfig, PagedBatch, build
 
 SHAPE = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
@@ -49,7 +52,7 @@ def llama_graph():
 
 def test_roles_of_the_example_model(llama_graph):
     gm = clone_graph_module(llama_graph)
-    sig = assign_roles(gm, find_attention(gm))
+    sig = assign_roles(gm, adapt_attention(gm))
     roles = {spec.name: spec.role for spec in sig.inputs}
     assert roles["l_seq_lens_"] is Role.SEQ_LENS
     assert roles["l_block_table_"] is Role.BLOCK_TABLE
@@ -106,24 +109,25 @@ def test_auto_times_real_kernels_through_the_backend(tmp_path):
     model = build(LlamaConfig(num_layers=1))
     inputs = PagedBatch(model.cfg).step([3, 9])
     gm, _ = trace(model, inputs)
-    rewritten = pipeline.rewrite_buckets(gm, cfg, kernel_policy(cfg, gm, torch.device("cpu")))
-    for graph in rewritten.graphs.values():
-        for node in graph.graph.nodes:
-            if "ascend_kernel" in node.meta and node.meta["ascend_kernel"]["decode"]:
-                assert set(node.meta["ascend_kernel"]["times_ms"]) == {tiling.PA, tiling.FIA}
+    rewritten = pipeline.rewrite_buckets(gm, cfg, Target(SimRuntime()))
+    for key, choices in rewritten.choices.items():
+        if key.decode:
+            assert all(set(c.times_ms) == {tiling.PA, tiling.FIA} for c in choices)
 
 
 def test_select_kernels_rewrites_every_layer(llama_graph):
     gm = clone_graph_module(llama_graph)
-    find_attention(gm)
-    choices = select_kernels(gm, 4, KernelPolicy("pa_max_batch", pa_max_batch=4))
-    assert [c.kernel for c in choices] == [tiling.PA, tiling.PA]
+    adapt_attention(gm)
+    calls = select_kernels(gm, [tiling.PA, tiling.PA])
+    assert [c.meta.kernel for c in calls] == [tiling.PA, tiling.PA]
     assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.attention)]
     kernels = [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.paged_attention)]
-    assert len(kernels) == 2
-    host = [n for n in gm.graph.nodes if n.op == "placeholder" and "ascend_host_of" in n.meta]
-    assert [n.meta["ascend_host_of"] for n in host] == [{"input": "l_seq_lens_", "kind": "list"}]
-    assert all(k.args[4] is host[0] for k in kernels)
+    assert kernels == [c.node for c in calls]
+    host = [n for n in gm.graph.nodes if n.op == "placeholder" and HOST_META_KEY in n.meta]
+    assert [n.meta[HOST_META_KEY] for n in host] == [HostSource("l_seq_lens_", Conversion.LIST)]
+    assert all(KernelCall.of(k).arg("context_lens") is host[0] for k in kernels)
+    with pytest.raises(ValueError, match=r"kernels: expected one per attention node \(0\), got 1"):
+        select_kernels(gm, [tiling.PA])
 
 
 # ---------------------------------------------------------------- workspaces
@@ -191,11 +195,11 @@ def test_shared_slot_and_the_schemes_it_saves():
 
 def test_insert_workspaces_gives_all_layers_one_slot(llama_graph):
     gm = clone_graph_module(llama_graph)
-    find_attention(gm)
-    select_kernels(gm, 4, KernelPolicy("fia"))
+    adapt_attention(gm)
+    select_kernels(gm, [tiling.FIA, tiling.FIA])
     key = GraphKey(4, True)
     plan = plan_workspaces([(key, kernel_sites(gm))], max_model_len=2048)
-    ws = insert_workspaces(gm, key, plan)
+    ws = insert_workspaces(gm, [key], plan)
     nodes = [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)]
     assert nodes == [ws] and ws.args[0] == plan.slots["attn_workspace"].nbytes > 0
     assert len(ws.users) == 2
@@ -273,11 +277,11 @@ def test_foreign_op_is_rewritten_like_the_builtin_one():
                       seq_lens=torch.tensor([5, 17, 33], dtype=torch.int32),
                       query_start_loc=torch.tensor([0, 1, 2, 3], dtype=torch.int32))
         gm, _ = trace(model, inputs)
-        attn = find_attention(gm)
+        attn = adapt_attention(gm)
         assert len(attn) == 1
         assert "vllm_test.unified_attention_with_output" in attn[0].meta["ascend_adapted_from"]
         assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.vllm_test.unified_attention_with_output)]
-        select_kernels(gm, 3, KernelPolicy("pa"))
+        select_kernels(gm, [tiling.PA])
         assert [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.paged_attention)]
     finally:
         unregister_attention_op(torch.ops.vllm_test.unified_attention_with_output)
@@ -310,7 +314,7 @@ def test_bad_option_values(options, message):
 
 def test_missing_max_model_len_fails_clearly(llama_graph):
     with pytest.raises(ValueError, match="max_model_len: required for graphs with paged attention"):
-        pipeline.rewrite_buckets(clone_graph_module(llama_graph), CompileConfig(), KernelPolicy())
+        pipeline.rewrite_buckets(clone_graph_module(llama_graph), CompileConfig(), Target(SimRuntime()))
 
 
 def test_dump_dir_from_env(monkeypatch, tmp_path):
@@ -323,18 +327,25 @@ def test_dump_dir_from_env(monkeypatch, tmp_path):
 
 def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys):
     cfg = CompileConfig(max_model_len=512, capture_sizes=(1, 4, 16), dump_dir=str(tmp_path), pa_max_batch=4)
-    rewritten = pipeline.rewrite_buckets(clone_graph_module(llama_graph), cfg, KernelPolicy(pa_max_batch=4))
+    rewritten = pipeline.rewrite_buckets(clone_graph_module(llama_graph), cfg, Target(SimRuntime()))
     from ascend_compile.passes import dump
 
     dump.dump_plan(rewritten.graph_dir, rewritten.describe())
     graph_dir = tmp_path / os.path.basename(rewritten.graph_dir)
     files = sorted(p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*.py"))
     assert "original/dynamo.py" in files
-    for key in ("b1.decode", "b1.mixed", "b4.decode", "b4.mixed", "b16.decode"):
-        assert f"{key}/1_select_kernels.py" in files and f"{key}/2_insert_workspaces.py" in files
-    assert "b16.mixed/1_select_kernels.py" not in files  # FIA decode graph serves mixed steps
-    assert "paged_attention" in (graph_dir / "b4.decode" / "1_select_kernels.py").read_text()
+    # Each variant once (PA decode; FIA, serving b16's decode and every mixed step), whatever the buckets.
+    for variant in ("pa", "fia"):
+        assert f"{variant}/1_select_kernels.py" in files and f"{variant}/2_insert_workspaces.py" in files
+    assert len(files) == 5
+    assert "paged_attention" in (graph_dir / "pa" / "1_select_kernels.py").read_text()
     plan = json.loads((graph_dir / "plan.json").read_text())
+    assert plan["variants"] == {"pa": {"kernels": [tiling.PA] * 2, "graphs": ["b1.decode", "b4.decode"]},
+                                "fia": {"kernels": [tiling.FIA] * 2,
+                                        "graphs": ["b1.mixed", "b4.mixed", "b16.decode"]}}
+    assert plan["graphs"]["b16.decode"]["variant"] == "fia"
+    assert plan["graphs"]["b4.decode"]["kernels"][0]["host_args"] == {
+        "context_lens": {"input": "l_seq_lens_", "conversion": "list"}}
     assert plan["graphs"]["b16.decode"]["kernels"][0]["kernel"] == tiling.FIA
     assert plan["graphs"]["b4.decode"]["kernels"][0]["reason"] == "PA: bucket 4 <= pa_max_batch 4"
 
@@ -358,3 +369,29 @@ def test_inspect_errors_on_a_missing_directory(tmp_path, capsys):
 def test_no_step_needs_more_than_the_planned_maximum(kernel, lens):
     planned = tiling.max_workspace(kernel, SHAPE, len(lens), 6000)
     assert tiling.workspace_nbytes(kernel, SHAPE, lens) <= planned.nbytes
+
+
+def test_torch_trace_holds_our_graphs_and_plan_for_tlparse(tmp_path):
+    """Under TORCH_TRACE, every variant's stages and the plan are structured-trace artifacts beside dynamo's."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from examples.llama import LlamaConfig, PagedBatch, build\n"
+        "cfg = LlamaConfig(num_layers=1)\n"
+        "fn = torch.compile(build(cfg), backend='ascend_graph',\n"
+        "                   options={'max_model_len': 64, 'capture_sizes': [4], 'pa_max_batch': 4})\n"
+        "with torch.no_grad():\n"
+        "    fn(**PagedBatch(cfg).step([3, 9]))\n"
+    )
+    env = dict(os.environ, TORCH_TRACE=str(tmp_path / "trace"))
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    text = "".join(p.read_text() for p in (tmp_path / "trace").iterdir())
+    # glog-style lines: a prefix, then the record's JSON (payload lines follow, tab-indented)
+    records = [json.loads(line[line.index("] {") + 2:]) for line in text.splitlines() if "] {" in line]
+    names = {r["artifact"]["name"] for r in records if "artifact" in r}
+    assert {"ascend_compile_original_dynamo", "ascend_compile_pa_1_select_kernels",
+            "ascend_compile_pa_2_insert_workspaces", "ascend_compile_plan"} <= names
+    assert any("dynamo_output_graph" in r for r in records)  # dynamo's own graph, in the same trace
+    assert "torch.ops.ascend.paged_attention.default" in text

@@ -224,7 +224,7 @@ def test_writes_padding_would_change_are_captured_per_exact_size(body, reason, r
     assert reason in art.signature.pad_reason
     assert art.describe()["padding"] == art.signature.pad_reason
     if runtime == "sim":
-        assert all(g.num_tokens == dict(g.specialization).get(str(art.signature.tokens)) for g in art.graphs.values())
+        assert all(g.staging.geometry.tokens == dict(g.specialization).get(str(art.signature.tokens)) for g in art.graphs.values())
 
 
 @pytest.mark.parametrize("runtime", ["sim", "eager"])

@@ -9,6 +9,8 @@ Hopper on the CPU (Triton ships its own ptxas) to catch what the interpreter doe
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
 import importlib
 import os
 import random
@@ -23,17 +25,19 @@ from torch import fx
 import ascend_compile.ops  # noqa: F401
 from ascend_compile.config import CompileConfig
 from ascend_compile.errors import CaptureError, WorkspaceTooSmall
-from ascend_compile.lowering.runner import CompiledArtifact, _host_inputs
+from ascend_compile.backend import backend
 from ascend_compile.ops import cuda, tiling
-from ascend_compile.passes.device_lengths import apply_device_lengths, fixed_split_need, use_device_lengths
-from ascend_compile.passes.fx_utils import is_op
+from ascend_compile.passes.device_lengths import use_device_lengths
+from ascend_compile.passes.fx_utils import clone_graph_module, is_op
 from ascend_compile.passes.inner_compile import compile_inner
+from ascend_compile.passes.kernel_call import HOST_LENGTH_OPS, HOST_META_KEY, KernelCall, host_sources
 from ascend_compile.passes.pipeline import rewrite_buckets
-from ascend_compile.passes.select_kernels import KernelPolicy
-from ascend_compile.passes.workspaces import KERNEL_OPS
 from ascend_compile.runtime import create_runtime
+from ascend_compile.runtime.base import GraphRuntime
+from ascend_compile.runtime.cuda import CudaRuntime
 from ascend_compile.runtime.eager import EagerRuntime
 from ascend_compile.runtime.sim import SimRuntime
+from ascend_compile.targets import CudaTarget, Target
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests.helpers import TOLERANCE, make_problem
 
@@ -287,19 +291,21 @@ def splits_rule(kernel, shape, bucket):
     return {tiling.PA: 3, tiling.FIA: 2}[kernel] + (bucket >= 8)
 
 
+@dataclasses.dataclass
+class SplitsRuleTarget(CudaTarget):
+    """CUDA's target (device-length kernels, fixed splits per bucket) with `splits_rule`, on any runtime."""
+
+    def splits(self, config):
+        return splits_rule
+
+
 def device_length_model(model, capture_sizes, runtime):
-    """`torch.compile` through the backend's passes plus `use_device_lengths`, behind the runner."""
+    """`torch.compile` through the backend on CUDA's target, with `runtime` (a CPU one) and `splits_rule`."""
     config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=capture_sizes, pa_max_batch=4)
     artifacts = []
-
-    def backend_fn(gm, example_inputs):
-        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
-        apply_device_lengths(rewritten.graphs, splits_rule, None)
-        artifacts.append(CompiledArtifact(rewritten, runtime, config))
-        return artifacts[-1]
-
     torch._dynamo.reset()
-    return torch.compile(model, backend=backend_fn), artifacts
+    compile_fn = backend(config, on_compiled=artifacts.append, target=lambda device, c: SplitsRuleTarget(runtime))
+    return torch.compile(model, backend=compile_fn), artifacts
 
 
 def test_device_length_graphs_match_the_model_over_changing_steps():
@@ -319,12 +325,15 @@ def test_device_length_graphs_match_the_model_over_changing_steps():
     art = next(a for a in artifacts if a.rewritten.buckets == (2, 4, 8))  # the dynamic-shape graph
     assert {g.name for g in art.graphs.values()} == {"b4.decode", "b4.mixed", "b8.decode"}
     plan = art.describe()
-    kernels = {(g, k["kernel"], k["num_splits"], k["lengths"]) for g, d in plan["graphs"].items() for k in d["kernels"]}
+    specialized = {str(k) for k in art.specialized}  # the graph keys the steps used, specialised from their variants
+    assert specialized == {"b4.decode", "b4.mixed", "b8.decode"}
+    kernels = {(g, k["kernel"], k["num_splits"], k["lengths"])
+               for g, d in plan["graphs"].items() if g in specialized for k in d["kernels"]}
     assert ("b4.decode", tiling.PA, 3, "device") in kernels and ("b8.decode", tiling.FIA, 3, "device") in kernels
     assert ("b4.mixed", tiling.FIA, 2, "device") in kernels
-    for gm in art.rewritten.graphs.values():
-        assert not any(is_op(n, op) for n in gm.graph.nodes for op in KERNEL_OPS)
-        assert _host_inputs(gm) == []  # no host lists left for the runner to pass
+    for gm in art.specialized.values():
+        assert not any(is_op(n, op) for n in gm.graph.nodes for op in HOST_LENGTH_OPS.values())
+        assert host_sources(gm) == []  # no host lists left for the runner to pass
     model_shape = tiling.AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
     expected = max(cuda.dev_workspace_nbytes(b, model_shape, splits_rule(k, model_shape, b))
                    for b, k in ((2, tiling.PA), (4, tiling.PA), (2, tiling.FIA), (4, tiling.FIA), (8, tiling.FIA)))
@@ -336,39 +345,51 @@ def test_use_device_lengths_wires_the_graph_inputs():
     graphs = []
 
     def backend_fn(gm, example_inputs):
-        config = CompileConfig(max_model_len=64, capture_sizes=(4,))
-        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
-        graphs.append(rewritten.graphs)
+        config = CompileConfig(max_model_len=64, capture_sizes=(4,), pa_max_batch=4)
+        graphs.append(rewrite_buckets(gm, config, SplitsRuleTarget(EagerRuntime(torch.device("cpu")))))
         return gm.forward
 
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(build(cfg), backend=backend_fn)(**PagedBatch(cfg).step([3, 9]))
-    gm = next(iter(graphs[-1].values()))
-    host = [n.name for n in gm.graph.find_nodes(op="placeholder") if "ascend_host_of" in n.meta]
+    gm = clone_graph_module(graphs[-1].variants["pa"].gm)
+    host = [n.name for n in gm.graph.find_nodes(op="placeholder") if HOST_META_KEY in n.meta]
     assert host  # select_kernels added host lists
-    (node,) = use_device_lengths(gm, splits_rule)
-    assert node.target is ops.paged_attention_dev.default
-    seq_lens = node.args[4]
+    (call,) = use_device_lengths(gm, 4, splits_rule)
+    assert call.node.target is ops.paged_attention_dev.default
+    seq_lens = call.arg("seq_lens")
     assert isinstance(seq_lens, fx.Node) and seq_lens.meta["ascend_role"] == "seq_lens"
-    assert node.args[-1] == 3 and node.meta["ascend_kernel"]["num_splits"] == 3
+    assert call.arg("num_splits") == 3 and KernelCall.of(call.node).meta.num_splits == 3
     left = {n.name for n in gm.graph.find_nodes(op="placeholder")}
     assert not left & set(host)
 
 
 def test_host_length_kernels_are_refused_by_a_runtime_without_task_updates():
-    class NoUpdates(SimRuntime):
-        needs_task_updates = False
+    class GraphsOnly(GraphRuntime):
+        """The simulator's graphs without its task updates."""
+
+        name = "graphs_only"
+
+        def __init__(self):
+            self.sim = SimRuntime()
+
+        @property
+        def device(self):
+            return self.sim.device
+
+        def empty(self, shape, dtype):
+            return self.sim.empty(shape, dtype)
+
+        def synchronize(self):
+            self.sim.synchronize()
+
+        def graph(self):
+            return self.sim.graph()
 
     cfg = LlamaConfig(num_layers=1, num_blocks=256)
     config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=(4,))
-
-    def backend_fn(gm, example_inputs):
-        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4))
-        return CompiledArtifact(rewritten, NoUpdates(), config)
-
     torch._dynamo.reset()
-    fn = torch.compile(build(cfg), backend=backend_fn)
+    fn = torch.compile(build(cfg), backend=backend(config, target=lambda device, c: Target(GraphsOnly())))
     with torch.no_grad(), pytest.raises(CaptureError, match="takes host-side lengths"):
         fn(**PagedBatch(cfg).step([3, 9]))
 
@@ -389,10 +410,11 @@ def test_inductor_inner_graph_matches_the_model_from_inside_a_compiled_frame():
     graphs = []
 
     def backend_fn(gm, example_inputs):
-        config = CompileConfig(max_model_len=64, capture_sizes=(4,))
-        rewritten = rewrite_buckets(gm, config, KernelPolicy(pa_max_batch=4), fixed_split_need(splits_rule))
-        apply_device_lengths(rewritten.graphs, splits_rule, None)
-        gm4 = rewritten.graphs[next(iter(rewritten.graphs))]
+        config = CompileConfig(max_model_len=64, capture_sizes=(4,), pa_max_batch=4)
+        target = SplitsRuleTarget(EagerRuntime(torch.device("cpu")))
+        rewritten = rewrite_buckets(gm, config, target)
+        key = next(iter(rewritten.choices))
+        gm4 = target.specialize(rewritten.variant_for(key).gm, key, config)
         graphs.append(gm4)
         inner = compile_inner(gm4, "inductor")
         (ws_node,) = inner.workspaces
@@ -422,21 +444,21 @@ def test_inner_compiler_needs_a_runtime_without_task_updates():
         fn(**PagedBatch(cfg).step([3, 4]))
 
 
-def test_backend_rewrites_to_device_lengths_for_the_cuda_runtime(monkeypatch):
+def test_backend_rewrites_to_device_lengths_for_the_cuda_runtime():
     """compile_graph's CUDA path, on the CPU: a stand-in runtime named "cuda" (no graphs)."""
 
     class CpuStandIn(EagerRuntime):
         name = "cuda"
         num_sms = 64
 
-    monkeypatch.setattr(backend_mod, "create_runtime", lambda name, device, overflow: CpuStandIn(device))
     cfg = LlamaConfig(num_layers=2, num_blocks=600)
     model, reference = build(cfg), build(cfg)
     config = CompileConfig(max_model_len=1024, capture_sizes=(4, 8), pa_max_batch=4)
     artifacts = []
 
     def backend_fn(gm, example_inputs):
-        artifacts.append(backend_mod.compile_graph(gm, example_inputs, config))
+        artifacts.append(backend_mod.compile_graph(gm, example_inputs, config,
+                                                   target=lambda device, c: CudaTarget(CpuStandIn(device))))
         return artifacts[-1]
 
     torch._dynamo.reset()
@@ -447,9 +469,93 @@ def test_backend_rewrites_to_device_lengths_for_the_cuda_runtime(monkeypatch):
             inputs = batch.step([1000 - 90 * i for i in range(size)])
             torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
     art = artifacts[-1]
-    kernels = {k: g["kernels"][0] for k, g in art.describe()["graphs"].items()}
+    assert {str(k) for k in art.specialized} == {"b4.decode", "b8.decode"}  # those the steps used
+    kernels = {k: g["kernels"][0] for k, g in art.describe()["graphs"].items() if k in {"b4.decode", "b8.decode"}}
     # 4 sequences x 2 KV heads = 8 programs want 16 splits for 64 SMs; 1024 / 256 tokens allow 4
     assert kernels["b4.decode"]["num_splits"] == 4 and kernels["b8.decode"]["num_splits"] == 4
     assert all(k["lengths"] == "device" for k in kernels.values())
     shape = tiling.AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
     assert art.rewritten.plan.slots["attn_workspace"].nbytes == cuda.dev_workspace_nbytes(8, shape, 4)
+
+
+# ---------------------------------------------------------------- no host-device syncs per step on CUDA
+
+
+class StubGraph:
+    """A device graph whose capture runs the work once and whose replays do nothing (device calls stubbed)."""
+
+    def warmup(self, run):
+        pass
+
+    def capture(self):
+        return contextlib.nullcontext()
+
+    def replay(self):
+        pass
+
+
+class StubGraphRuntime(GraphRuntime):
+    """CUDA's runtime with its device calls stubbed: CPU memory, graphs that replay nothing."""
+
+    name = "cuda_stub"
+    num_sms = 64
+    after_replay = CudaRuntime.after_replay
+
+    def __init__(self):
+        self.synchronized = 0
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def synchronize(self):
+        self.synchronized += 1
+
+    def graph(self):
+        return StubGraph()
+
+
+def test_cuda_steps_make_no_device_to_host_syncs(monkeypatch):
+    cfg = LlamaConfig(num_layers=2, num_blocks=600)
+    runtime = StubGraphRuntime()
+    config = CompileConfig(max_model_len=1024, capture_sizes=(4, 8), pa_max_batch=4)
+    artifacts = []
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append,
+                                                   target=lambda device, c: CudaTarget(runtime)))
+    batch = PagedBatch(cfg, seed=5)
+    steps = [batch.step([900 - 90 * i for i in range(size)]) for size in (3, 6, 2, 8, 3)]
+    mixed = batch.step([40, 50], [2, 3])
+    with torch.no_grad():
+        for inputs in (steps + [mixed]) * 2:  # the compiles and captures (dynamo compiles more than one graph)
+            fn(**inputs)
+        calls = collections.Counter()
+        for name in ("tolist", "item", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _name=name, _original=original, **kwargs):
+                calls[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        before = runtime.synchronized
+        for inputs in steps + [mixed]:
+            fn(**inputs)
+    art = artifacts[-1]
+    assert art.stats["replays"] >= 6 and art.stats["eager_fallbacks"] == 0 and art.stats["host_conversions"] == 0
+    assert calls == {} and runtime.synchronized == before
+
+
+def test_cuda_device_checks_refuse_a_too_long_sequence():
+    cfg = LlamaConfig(num_layers=1, num_blocks=600)
+    config = CompileConfig(max_model_len=512, capture_sizes=(4,), pa_max_batch=4)
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend=backend(config, target=lambda device, c: CudaTarget(StubGraphRuntime())))
+    batch = PagedBatch(cfg, seed=5)
+    with torch.no_grad():
+        fn(**batch.step([100, 200, 300]))
+        with pytest.raises(RuntimeError, match="seq_lens: a sequence exceeds max_model_len=512"):
+            fn(**batch.step([100, 600, 300]))

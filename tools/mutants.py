@@ -57,12 +57,12 @@ MUTANTS = (
     ),
     Mutant(
         "event reset not captured", "ascend_compile/lowering/capture.py",
-        "            event.wait()\n            event.reset()\n", "            event.wait()\n", (CASE2,),
+        "        event.wait()\n        event.reset()\n", "        event.wait()\n", (CASE2,),
     ),
     Mutant(
         "FIA captured without an event wait", "ascend_compile/lowering/capture.py",
-        "        if not LEGACY.skip_event_waits:\n",
-        "        if not LEGACY.skip_event_waits and n.target.overloadpacket is torch.ops.ascend.paged_attention:\n",
+        "        event = self.schedule.guard(runtime, n.name)\n",
+        "        event = self.schedule.guard(runtime, n.name) if call.meta.kernel == \"paged_attention\" else None\n",
         (PROTOCOL_FIA,),
     ),
     Mutant(
@@ -79,7 +79,7 @@ MUTANTS = (
     ),
     Mutant(
         "weak workspace", "ascend_compile/lowering/capture.py",
-        "        if not LEGACY.weakref_workspace:\n", "        if LEGACY.weakref_workspace:\n",
+        "        return slot\n", "        return runtime.weak_alias(allocate())\n",
         ("tests/test_design_cases.py::test_case3_artifact_owned_workspace_is_never_aliased",),
     ),
     Mutant(
@@ -105,7 +105,7 @@ MUTANTS = (
     ),
     Mutant(
         "updates after synchronize", "ascend_compile/lowering/runner.py",
-        "        self.graph.replay()\n", "        self.graph.replay()\n        art.runtime.synchronize()\n", (CASE2,),
+        "        self.graph.replay()\n", "        self.graph.replay()\n        runtime.after_replay()\n", (CASE2,),
     ),
 )
 

@@ -2,9 +2,10 @@
 
 Each PA/FIA call is captured as: event wait, event reset, task group begin, the kernel, task group
 end. The update table keeps, per kernel node (by name), the group's handle, its event, the frozen
-host arguments and which runner input refreshes each; applying it re-issues the kernel inside a
-task update with the step's lengths and records the event, so the graph's wait releases.
-Workspaces are the compiled artifact's slots, alive for its whole life.
+host arguments and which host list refreshes each (`kernel_call.HostArg`); applying it re-issues
+the kernel inside a task update with the step's lengths and records the event, so the graph's wait
+releases (`UpdateSchedule`). Workspaces are the compiled artifact's slots, alive for its whole life
+(`WorkspaceLifetime`).
 
 A runtime without task updates (CUDA) captures graphs whose kernels read lengths on the device
 (`passes/device_lengths.py`): they need no update entries, and a host-length kernel is refused
@@ -14,9 +15,8 @@ for devices that must not initialise (or compile) anything inside a capture.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -24,41 +24,42 @@ from torch import fx
 from ..errors import CaptureError
 from ..passes.fx_utils import is_op
 from ..passes.inner_compile import INNER_KEY
-from ..passes.workspaces import KERNEL_OPS
-from ..runtime.base import ExternalEvent, Runtime, TaskHandle
+from ..passes.kernel_call import HostArg, HostSource, KernelCall, is_kernel, with_host_lengths
+from ..runtime.base import ExternalEvent, GraphRuntime, Runtime, TaskHandle, TaskUpdateRuntime
 
-#: Positions of the host-list arguments of each kernel.
-HOST_ARG_INDEX = {
-    torch.ops.ascend.paged_attention: {"context_lens": 4},
-    torch.ops.ascend.fused_infer_attention: {"actual_seq_lengths": 4, "actual_seq_lengths_kv": 5},
-}
+#: The tensor a workspace node stands for, in the graph being captured.
+WorkspaceFor = Callable[[fx.Node], torch.Tensor]
 
 
-@dataclasses.dataclass
-class LegacyBehaviour:
-    """Test-only switches that force the historical bugs of DESIGN.md §7 back in."""
+class UpdateSchedule:
+    """How captured kernels' host arguments stay current (DESIGN.md §4): in the graph, each kernel
+    waits on an external event; after each launch, `apply` re-issues every kernel with the step's
+    lengths in a task update and records its event, which releases the wait. Substitute a schedule
+    (through `targets.Target.updates`) to change that; the tests reproduce DESIGN.md §7 case 2 so."""
 
-    skip_task_updates: bool = False  # case 2: replay with the lengths frozen at capture
-    skip_event_waits: bool = False  # case 2: ... and no event to catch it
-    weakref_workspace: bool = False  # case 3: workspace allocated in capture, held by a weak ref
+    def guard(self, runtime: TaskUpdateRuntime, name: str) -> ExternalEvent | None:
+        """Inside capture, before a kernel: the event it waits on (reset for the next replay)."""
+        event = runtime.event(name)
+        event.wait()
+        event.reset()
+        return event
+
+    def apply(self, table: "UpdateTable", runtime: TaskUpdateRuntime, host: Mapping[HostSource, list[int]]) -> int:
+        """After a launch: refresh every entry of `table` with the step's host lists."""
+        return table.apply(runtime, host)
 
 
-LEGACY = LegacyBehaviour()
+class WorkspaceLifetime:
+    """Where a captured kernel's workspace lives: by default the compiled artifact's slot, allocated
+    outside every graph pool and alive as long as the artifact, so nothing later can take its memory.
+    Substitute one (through `targets.Target.workspaces`) to change that; the tests reproduce
+    DESIGN.md §7 case 3 so."""
 
-
-@contextlib.contextmanager
-def legacy(**switches: bool) -> Iterator[None]:
-    """Force historical behaviour for the duration of a test."""
-    saved = dataclasses.replace(LEGACY)
-    for name, value in switches.items():
-        if not hasattr(LEGACY, name):
-            raise ValueError(f"{name}: unknown legacy switch; known: {[f.name for f in dataclasses.fields(LEGACY)]}")
-        setattr(LEGACY, name, value)
-    try:
-        yield
-    finally:
-        for field in dataclasses.fields(LEGACY):
-            setattr(LEGACY, field.name, getattr(saved, field.name))
+    def during_capture(self, runtime: GraphRuntime, slot: torch.Tensor, allocate: Callable[[], torch.Tensor]
+                       ) -> torch.Tensor:
+        """The tensor a workspace node gives the kernels captured with it (`allocate`: a fresh one
+        from the graph pool, as the node itself would)."""
+        return slot
 
 
 @dataclasses.dataclass
@@ -73,7 +74,7 @@ class UpdateEntry:
     impl: Callable[..., Any]  # what runs it on the runtime (`Runtime.kernel`)
     args: list[Any]  # the kernel's arguments, tensors as non-owning aliases
     frozen: dict[str, list[int]]  # host arguments as captured
-    refresh: dict[str, tuple[str, str]]  # kernel argument -> (runner input, conversion)
+    host_args: tuple[HostArg, ...]  # which host list refreshes each host argument
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -81,7 +82,8 @@ class UpdateEntry:
             "kernel": self.kernel,
             "event": self.event is not None,
             "frozen_at_capture": {k: list(v) for k, v in self.frozen.items()},
-            "refresh": {k: {"input": src, "conversion": kind} for k, (src, kind) in self.refresh.items()},
+            "refresh": {a.kernel_arg: {"input": a.source.source, "conversion": a.source.conversion.value}
+                        for a in self.host_args},
         }
 
 
@@ -96,15 +98,10 @@ class UpdateTable:
             raise ValueError(f"node: {entry.node} captured twice in one graph")
         self.entries[entry.node] = entry
 
-    def apply(self, runtime: Runtime, host: Callable[[str, str], list[int]]) -> int:
-        """Re-issue every entry with the step's host lists (`host(input, conversion)`); returns the count."""
-        if LEGACY.skip_task_updates:
-            return 0
+    def apply(self, runtime: TaskUpdateRuntime, host: Mapping[HostSource, list[int]]) -> int:
+        """Re-issue every entry with the step's host lists; returns the count."""
         for entry in self.entries.values():
-            args = list(entry.args)
-            index = HOST_ARG_INDEX[entry.op.overloadpacket]
-            for name, (source, kind) in entry.refresh.items():
-                args[index[name]] = host(source, kind)
+            args = with_host_lengths(entry.op, entry.args, {a.kernel_arg: host[a.source] for a in entry.host_args})
             with runtime.task_update(entry.handle):
                 entry.impl(*args)
             if entry.event is not None:
@@ -116,60 +113,47 @@ class UpdateTable:
 
 
 class CaptureInterpreter(fx.Interpreter):
-    """Runs a bucket graph inside a capture, wrapping each kernel call for updates."""
+    """Runs a graph inside a capture, wrapping each kernel call for updates."""
 
-    def __init__(
-        self,
-        gm: fx.GraphModule,
-        runtime: Runtime,
-        table: UpdateTable,
-        workspaces: Callable[[fx.Node], torch.Tensor],
-    ) -> None:
+    def __init__(self, gm: fx.GraphModule, runtime: GraphRuntime, table: UpdateTable, workspaces: WorkspaceFor,
+                 schedule: UpdateSchedule, lifetime: WorkspaceLifetime) -> None:
         super().__init__(gm)
         self.runtime = runtime
         self.table = table
         self.workspaces = workspaces
+        self.schedule = schedule
+        self.lifetime = lifetime
 
     def run_node(self, n: fx.Node) -> Any:
         if is_op(n, torch.ops.ascend.workspace):
-            return self._workspace(n)
-        if any(is_op(n, op) for op in KERNEL_OPS):
-            return self._kernel(n)
+            return self.lifetime.during_capture(self.runtime, self.workspaces(n),
+                                                lambda: fx.Interpreter.run_node(self, n))
+        if is_kernel(n):
+            return self._kernel(KernelCall.of(n))
         return super().run_node(n)
 
-    def _workspace(self, n: fx.Node) -> torch.Tensor:
-        if not LEGACY.weakref_workspace:
-            return self.workspaces(n)
-        owned = super().run_node(n)
-        return self.runtime.weak_alias(owned)
-
-    def _kernel(self, n: fx.Node) -> Any:
+    def _kernel(self, call: KernelCall) -> Any:
+        n = call.node
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if kwargs:
             raise ValueError(f"{n.name}: kernel nodes take positional arguments only")
         runtime = self.runtime
-        if not runtime.needs_task_updates:
+        if not call.meta.host_args:
+            return runtime.kernel(n.target)(*args)
+        if not isinstance(runtime, TaskUpdateRuntime):
             raise CaptureError(
                 f"{n.name}: {n.target} takes host-side lengths, which a graph on runtime {runtime.name!r} "
                 f"(no task updates) would freeze at their capture values; rewrite the graph with "
                 f"passes.device_lengths.use_device_lengths so the kernel reads them on the device"
             )
-        event = None
-        if not LEGACY.skip_event_waits:
-            event = runtime.event(n.name)
-            event.wait()
-            event.reset()
+        event = self.schedule.guard(runtime, n.name)
         impl = runtime.kernel(n.target)
         runtime.task_group_begin()
         result = impl(*args)
         handle = runtime.task_group_end()
-        index = HOST_ARG_INDEX[n.target.overloadpacket]
-        frozen = {name: list(args[i]) for name, i in index.items()}
         aliases = [runtime.weak_alias(a) if isinstance(a, torch.Tensor) else a for a in args]
-        refresh = {name: tuple(n.meta["ascend_host_args"][name]) for name in index}
-        self.table.add(
-            UpdateEntry(n.name, n.meta["ascend_kernel"]["kernel"], handle, event, n.target, impl, aliases, frozen, refresh)
-        )
+        self.table.add(UpdateEntry(n.name, call.meta.kernel, handle, event, n.target, impl, aliases,
+                                   call.host_lengths(args), call.meta.host_args))
         return result
 
 
@@ -182,23 +166,19 @@ class WarmupInterpreter(fx.Interpreter):
         self.runtime = runtime
 
     def run_node(self, n: fx.Node) -> Any:
-        if any(is_op(n, op) for op in KERNEL_OPS):
+        if is_kernel(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             return self.runtime.kernel(n.target)(*args, **kwargs)
         return super().run_node(n)
 
 
-def workspace_env(gm: fx.GraphModule, workspaces: Callable[[fx.Node], torch.Tensor]) -> dict[fx.Node, torch.Tensor]:
+def workspace_env(gm: fx.GraphModule, workspaces: WorkspaceFor) -> dict[fx.Node, torch.Tensor]:
     """An interpreter environment giving each `ascend.workspace` node its artifact-owned slot."""
     return {n: workspaces(n) for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)}
 
 
-def capture_graph(
-    gm: fx.GraphModule,
-    runtime: Runtime,
-    args: Sequence[Any],
-    workspaces: Callable[[fx.Node], torch.Tensor],
-) -> tuple[Any, Any, UpdateTable]:
+def capture_graph(gm: fx.GraphModule, runtime: GraphRuntime, args: Sequence[Any], workspaces: WorkspaceFor,
+                  schedule: UpdateSchedule, lifetime: WorkspaceLifetime) -> tuple[Any, Any, UpdateTable]:
     """Capture `gm` on `runtime` with `args`; returns (device graph, static outputs, update table).
 
     A graph compiled by an inner compiler (`passes/inner_compile.py`) is captured as its compiled
@@ -211,9 +191,9 @@ def capture_graph(
         env = workspace_env(gm, workspaces)
         graph.warmup(lambda: WarmupInterpreter(gm, runtime).run(*args, initial_env=env))
         with graph.capture():
-            outputs = CaptureInterpreter(gm, runtime, table, workspaces).run(*args)
+            outputs = CaptureInterpreter(gm, runtime, table, workspaces, schedule, lifetime).run(*args)
         return graph, outputs, table
-    if runtime.needs_task_updates:
+    if isinstance(runtime, TaskUpdateRuntime):
         raise CaptureError(
             f"inner_compiler {inner.compiler!r}: its compiled graphs hold no task groups, which runtime "
             f"{runtime.name!r} needs for its updates"

@@ -1,4 +1,9 @@
-"""One step's inputs: host conversions (once per input), bucket choice, and padding by role.
+"""One step's inputs: host conversions (once per input), bucket choice, the step's plan, and
+padding by role.
+
+A step is read once (`read_step`: the host copies of its lengths, its sizes) and, once its graph
+is chosen, planned once (`plan_step`: every padded host list its kernels take), as FlashInfer splits
+`plan()` from `run()`: the update table and eager runs only consume the plan.
 
 Padding rules live here and nowhere else: `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
 extended so the padded tokens belong to padded (empty) sequences, block tables and batch data 0.
@@ -11,15 +16,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import torch
 
+from ..passes.kernel_call import Conversion, HostSource
 from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role, evaluate
-from ..passes.select_kernels import HOST_ENDS, HOST_LIST
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Step:
     """What the runner knows about one call before it picks a graph."""
 
@@ -29,13 +35,40 @@ class Step:
     decode: bool
     seq_lens: dict[str, list[int]]  # host copies, per seq_lens input
     query_start_loc: dict[str, list[int]]  # host copies, per query_start_loc input
-    host: dict[tuple[str, str], list[int]] = dataclasses.field(default_factory=dict)  # padded kernel lists
 
 
-def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int) -> Step:
-    """Host conversions of one step (one `tolist()` per length input) and its checks."""
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The padded size of a captured graph: its token and sequence counts."""
+
+    tokens: int
+    seqs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """A step planned for one graph: the step, and each host list its kernels take, padded."""
+
+    step: Step
+    host: dict[HostSource, list[int]]
+
+
+def plan_step(step: Step, sources: Sequence[HostSource], geometry: Geometry) -> StepPlan:
+    """The padded host list of every source a graph's kernels read, computed once for the step."""
+    return StepPlan(step, {src: host_value(step, src, geometry) for src in sources})
+
+
+def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int, host_lengths: bool = True) -> Step:
+    """Host conversions of one step (one `tolist()` per length input) and its checks.
+
+    Without `host_lengths` (a target whose kernels read lengths on the device) nothing is converted,
+    so the host never waits for the device: decode steps are those with as many tokens as sequences,
+    and the checks (`max_model_len`, at least one query token per sequence) run on the device."""
     symbols = signature.actual_symbols(args)
     tokens = evaluate(signature.tokens, symbols)
+    if not host_lengths:
+        _check_on_device(signature, args, max_model_len)
+        return Step(args, symbols, tokens, tokens == evaluate(signature.sequences, symbols), {}, {})
     seq_lens, starts = {}, {}
     for spec in signature.by_role(Role.SEQ_LENS):
         lens = args[spec.index].tolist()
@@ -52,6 +85,21 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
         starts[spec.name] = loc
         decode = decode and all(b - a == 1 for a, b in zip(loc, loc[1:]))
     return Step(args, symbols, tokens, decode, seq_lens, starts)
+
+
+def _check_on_device(signature: GraphSignature, args: Sequence[Any], max_model_len: int) -> None:
+    """The step's length checks as asynchronous device asserts (no host sync)."""
+    for spec in signature.by_role(Role.SEQ_LENS):
+        lens = args[spec.index]
+        if lens.numel():
+            torch._assert_async(lens.max() <= max_model_len,
+                                f"seq_lens: a sequence exceeds max_model_len={max_model_len}, the longest the "
+                                f"graphs' workspaces were sized for; compile with a larger max_model_len")
+    for spec in signature.by_role(Role.QUERY_START_LOC):
+        loc = args[spec.index]
+        if loc.numel() > 1:
+            torch._assert_async((loc[1:] - loc[:-1]).min() >= 1,
+                                "query_start_loc: every sequence needs at least one query token")
 
 
 def choose_bucket(buckets: Sequence[int], tokens: int) -> int | None:
@@ -102,11 +150,13 @@ def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded
 PA_CAPTURE_SEQ_LEN = 6144
 
 
-def capture_step(sources: Sequence[str], num_seqs: int, seq_len: int | None) -> Step:
-    """The step a graph is captured with: no real tokens, and each `seq_lens` source holding
-    `num_seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query)."""
-    lens = [seq_len] * num_seqs if seq_len is not None else []
-    return Step((), {}, 0, True, {src: list(lens) for src in sources}, {src: [0] for src in sources})
+def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int | None) -> StepPlan:
+    """The plan a graph is captured with: no real tokens, and each `seq_lens` source holding
+    `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query)."""
+    lens = [seq_len] * geometry.seqs if seq_len is not None else []
+    names = {src.source for src in sources}
+    step = Step((), {}, 0, True, {name: list(lens) for name in names}, {name: [0] for name in names})
+    return plan_step(step, sources, geometry)
 
 
 def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: int) -> list[int]:
@@ -118,14 +168,21 @@ def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: in
     return [max(1, b - a) for a, b in zip(ends[-count - 1:], ends[-count:])] if count else []
 
 
-def host_value(step: Step, source: str, kind: str, padded_tokens: int, padded_seqs: int) -> list[int]:
-    """The padded host list a kernel argument takes in a graph of this many tokens and sequences."""
-    if kind == HOST_LIST:
-        lens = step.seq_lens[source]
-        return lens + _padding_kv_lens(step, padded_seqs - len(lens), padded_tokens, padded_seqs)
-    if kind == HOST_ENDS:
-        return padded_start_loc(step.query_start_loc[source], step.tokens, padded_tokens, padded_seqs)[1:]
-    raise ValueError(f"kind: unknown host conversion {kind!r}")
+def host_value(step: Step, source: HostSource, geometry: Geometry) -> list[int]:
+    """The padded host list a kernel argument takes in a graph of this geometry."""
+    if source.conversion is Conversion.LIST:
+        lens = step.seq_lens[source.source]
+        return lens + _padding_kv_lens(step, geometry.seqs - len(lens), geometry.tokens, geometry.seqs)
+    return padded_start_loc(step.query_start_loc[source.source], step.tokens, geometry.tokens, geometry.seqs)[1:]
+
+
+@functools.lru_cache(maxsize=1024)
+def _start_loc_tail(count: int, tokens: int, padded_tokens: int, padded_seqs: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """The padded entries of `query_start_loc` after its `count` real ones (they depend on the sizes
+    only), made once on the device so a step copies them device to device."""
+    tail = padded_start_loc([0] * count, tokens, padded_tokens, padded_seqs)[count:]
+    return torch.tensor(tail, dtype=dtype, device=device)
 
 
 def padded_shape(spec: InputSpec, padded: dict) -> tuple[int, ...]:
@@ -135,8 +192,11 @@ def padded_shape(spec: InputSpec, padded: dict) -> tuple[int, ...]:
 def copy_padded(spec: InputSpec, value: torch.Tensor, dest: torch.Tensor, step: Step, padded_tokens: int) -> None:
     """Copy one input into its padded static buffer, writing the padding by the input's role."""
     if spec.role is Role.QUERY_START_LOC:
-        loc = padded_start_loc(step.query_start_loc[spec.name], step.tokens, padded_tokens, dest.shape[0] - 1)
-        dest.copy_(torch.tensor(loc, dtype=dest.dtype), non_blocking=True)
+        count = value.shape[0]
+        dest[:count].copy_(value, non_blocking=True)
+        if count < dest.shape[0]:
+            dest[count:].copy_(_start_loc_tail(count, step.tokens, padded_tokens, dest.shape[0] - 1, dest.dtype,
+                                               dest.device), non_blocking=True)
         return
     if any(a > p for a, p in zip(value.shape, dest.shape)):
         raise ValueError(

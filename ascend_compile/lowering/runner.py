@@ -1,12 +1,13 @@
 """The runner: what `torch.compile` calls each step.
 
 Per call: read the step (one host conversion per length input), pick the bucket and its graph
-(decode or mixed), copy the inputs into the graph's static buffers padded by role, launch the
-replay, apply the update table, synchronize, unpad and (by default) clone the outputs. Steps larger
-than every bucket run the original graph eagerly. Parameters, buffers and KV caches are used in
-place; their addresses are checked every step and a graph whose inputs moved is re-captured.
-Host scalars (0-d CPU tensors, e.g. dynamo's wrapped floats) are read at capture like any host
-argument, so their values are checked every step too.
+(decode or mixed), plan the step for that graph (its padded host lists), copy the inputs into the
+graph's static buffers, launch the replay, apply the update table, synchronize, copy back what
+the step writes, unpad and (by default) clone the outputs. Steps larger than every bucket run the
+original graph eagerly. Parameters, buffers and KV caches are used in place; their addresses are
+checked every step and a graph whose inputs moved is re-captured. Host scalars (0-d CPU tensors,
+e.g. dynamo's wrapped floats) are read at capture like any host argument, so their values are
+checked every step too.
 """
 from __future__ import annotations
 
@@ -14,42 +15,33 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 
 from ..config import CompileConfig
 from ..passes import dump
-from ..passes.fx_utils import is_op
+from ..passes.kernel_call import HostSource, host_sources, kernel_calls
 from ..passes.pipeline import RewrittenGraphs
-from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role, SymbolKind, evaluate
-from ..passes.write_back import copy_written, overlapping_writes
-from ..passes.workspaces import GraphKey
-from ..runtime.base import Runtime
+from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role, evaluate
+from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
+from ..runtime.base import GraphRuntime, Runtime, TaskUpdateRuntime
+from ..ops.tiling import PA
 from . import capture as capture_mod
-from .inputs import (PA_CAPTURE_SEQ_LEN, Step, capture_step, choose_bucket, copy_padded, host_value, overlapping_inputs,
-                     padded_shape, padded_start_loc, read_step)
+from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
+    read_step
+from .staging import Staging
 
 log = logging.getLogger("ascend_compile")
-
-
-def _host_inputs(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """(runner input, conversion) of each host-list placeholder a bucket graph appends."""
-    return [
-        (n.meta["ascend_host_of"]["input"], n.meta["ascend_host_of"]["kind"])
-        for n in gm.graph.nodes
-        if n.op == "placeholder" and "ascend_host_of" in n.meta
-    ]
 
 
 def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool) -> tuple:
     result = []
     for out, shape in zip(outputs, shapes):
         if isinstance(out, torch.Tensor) and shape is not None:
-            actual = [evaluate(d, symbols) for d in shape]
             view = out
-            for dim, n in enumerate(actual):
+            for dim, n in enumerate(evaluate(d, symbols) for d in shape):
                 if view.shape[dim] != n:
                     view = view.narrow(dim, 0, n)
             out = view.clone() if clone else view
@@ -62,36 +54,20 @@ def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str
     return tuple((str(sym), symbols[sym]) for sym in signature.specialized)
 
 
-class BucketGraph:
-    """One captured graph: its static buffers, device graph, outputs and update table.
+class GraphEntry:
+    """One graph of a compiled artifact, for one graph key and one value of each specialized symbol:
+    its staging and, once captured, its device graph, static outputs and update table."""
 
-    It serves one graph key and one value of each specialized symbol (`specialization`)."""
-
-    def __init__(self, artifact: "CompiledArtifact", key: GraphKey, symbols: dict) -> None:
-        self.artifact = artifact
+    def __init__(self, key: GraphKey, specialization: tuple, gm: fx.GraphModule, staging: Staging) -> None:
         self.key = key
-        self.gm = artifact.rewritten.graphs[key]
-        self.host_inputs = _host_inputs(self.gm)
-        sig = artifact.signature
-        self.specialization = _specialization(sig, symbols)
-        self.padded = sig.padded_symbols(key.bucket, artifact.rewritten.max_blocks, symbols)
-        self.num_tokens = evaluate(sig.tokens, self.padded)
-        self.num_seqs = evaluate(sig.sequences, self.padded)
-        runtime = artifact.runtime
-        self.buffers: dict[int, torch.Tensor] = {}
-        for spec in sig.inputs:
-            if spec.copied:
-                dtype = self.gm.graph.find_nodes(op="placeholder")[spec.index].meta["example_value"].dtype
-                self.buffers[spec.index] = runtime.empty(padded_shape(spec, self.padded), dtype)
-        for sym, kind in sig.symbol_kinds.items():
-            if kind is SymbolKind.LAYOUT:
-                source = sig.symbol_sources[sym]
-                self.padded[sym] = source.read(self.buffers[source.index])
+        self.specialization = specialization
+        self.gm = gm
+        self.staging = staging
+        self.sources: list[HostSource] = host_sources(gm)
         self.graph = None
         self.outputs = None
-        self.written_views: list[torch.Tensor] = []
+        self.table = capture_mod.UpdateTable()
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
-        self.table: capture_mod.UpdateTable | None = None
         self.addresses: dict[int, int] = {}
         self.scalars: dict[int, Any] = {}
         self.capture_seconds = 0.0
@@ -101,153 +77,100 @@ class BucketGraph:
         """The graph key, with the specialized sizes it was captured for."""
         return str(self.key) + "".join(f"[{s}={v}]" for s, v in self.specialization)
 
-    def graph_args(self, step_args: Sequence[Any]) -> list[Any]:
-        """Arguments of the bucket graph: static buffers, in-place inputs, padded symbols."""
-        args = []
-        for spec in self.artifact.signature.inputs:
-            if spec.index in self.buffers:
-                args.append(self.buffers[spec.index])
-            elif spec.role is Role.SYMINT:
-                args.append(evaluate(spec.expr, self.padded))
-            else:
-                args.append(step_args[spec.index])
-        return args
+    def plan(self, step: Step) -> StepPlan:
+        return plan_step(step, self.sources, self.staging.geometry)
 
-    def capture(self, step_args: Sequence[Any]) -> None:
+    def capture(self, runtime: GraphRuntime, step_args: Sequence[Any], workspaces: capture_mod.WorkspaceFor,
+                seq_len: int | None, restore: Sequence[int], updates: capture_mod.UpdateSchedule,
+                lifetime: capture_mod.WorkspaceLifetime) -> None:
         """Capture with an all-padding step in the buffers (nothing depends on capture-time values),
-        its kernels given non-zero KV lengths (`_capture_seq_len`)."""
-        art = self.artifact
+        its kernels given KV lengths `seq_len` (None: padding lengths). Inputs in `restore`, which
+        the graph writes in place by plain ops, get their contents back after the capture's run."""
         start = time.perf_counter()
-        for spec in art.signature.inputs:
-            if spec.index in self.buffers:
-                buf = self.buffers[spec.index]
-                if spec.role is Role.QUERY_START_LOC:
-                    buf.copy_(torch.tensor(padded_start_loc([0], 0, self.num_tokens, self.num_seqs), dtype=buf.dtype))
-                else:
-                    buf.fill_(PAD_VALUE.get(spec.role, 0))
-        empty = capture_step([src for src, _ in self.host_inputs], self.num_seqs, self._capture_seq_len())
-        host = [host_value(empty, src, kind, self.num_tokens, self.num_seqs) for src, kind in self.host_inputs]
-        graph_args = self.graph_args(step_args)
-        # Capture runs the graph once; inputs it writes in place get their contents back after it.
-        unsafe = {w.input for w in art.rewritten.mutations.unsafe()}
-        saved = {i: step_args[i].clone() for i in unsafe if not art.signature.inputs[i].copied}
-        self.graph, outputs, self.table = capture_mod.capture_graph(self.gm, art.runtime, graph_args + host, art.workspace_for)
+        self.staging.fill_padding()
+        plan = capture_plan(self.sources, self.staging.geometry, seq_len)
+        graph_args = self.staging.graph_args(step_args)
+        saved = {i: step_args[i].clone() for i in restore}
+        self.graph, self.outputs, self.table = capture_mod.capture_graph(
+            self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
         for i, contents in saved.items():
             step_args[i].copy_(contents)
-        self.outputs = outputs
+        # Only one graph replays at a time and its outputs are read (cloned) right after: they need
+        # not pin their memory, which later captures of other buckets may then reuse from the pool.
+        self.outputs = [runtime.weak_alias(o) if isinstance(o, torch.Tensor) else o for o in self.outputs]
         self.locate_writes(graph_args)
-        self.addresses = {
-            spec.index: step_args[spec.index].data_ptr()
-            for spec in art.signature.inputs
-            if spec.role in IN_PLACE_ROLES and isinstance(step_args[spec.index], torch.Tensor)
-        }
-        self.scalars = {spec.index: step_args[spec.index].item() for spec in art.signature.by_role(Role.SCALAR)}
+        signature = self.staging.signature
+        self.addresses = {spec.index: step_args[spec.index].data_ptr() for spec in signature.inputs
+                          if spec.role in IN_PLACE_ROLES and isinstance(step_args[spec.index], torch.Tensor)}
+        self.scalars = {spec.index: step_args[spec.index].item() for spec in signature.by_role(Role.SCALAR)}
         self.capture_seconds = time.perf_counter() - start
-        art.stats["captures"] += 1
-        log.info("ascend_compile: captured %s%s in %.3f s (%d update entries)", self.key,
-                 "".join(f" {s}={v}" for s, v in self.specialization), self.capture_seconds, len(self.table.entries))
 
     def locate_writes(self, graph_args: Sequence[Any]) -> None:
-        """Where the graph writes its copied inputs, in the static buffers (fixed for the graph's
-        life); writes that overlap there cannot be copied back exactly, so the graph serves no step."""
-        write_back = self.artifact.rewritten.write_back
-        self.written_views = write_back.views(graph_args)[0]
-        clashes = overlapping_writes(self.written_views, write_back.located)
+        clashes = self.staging.locate_writes(graph_args)
         if clashes:
-            names = [self.artifact.signature.inputs[i].name for i in clashes]
-            self.eager_reason = f"{self.name}: inputs {names} are written twice at overlapping places in the padded graph"
+            self.eager_reason = f"{self.name}: inputs {clashes} are written twice at overlapping places in the padded graph"
 
-    def _capture_seq_len(self) -> int | None:
-        """The KV length a decode graph with PA is captured at, within what its block table holds
-        (never 0: a kernel's zero-length fast path would record another task than its updates
-        issue); None for padding lengths."""
-        pa = [n for n in self.gm.graph.nodes if is_op(n, torch.ops.ascend.paged_attention)]
-        if not self.key.decode or not pa:
-            return None
-        sig = self.artifact.signature
-        widths = [self.buffers[s.index].shape[-1] for s in sig.by_role(Role.BLOCK_TABLE) if s.index in self.buffers]
-        capacity = min(widths, default=PA_CAPTURE_SEQ_LEN) * pa[0].meta["ascend_shape"].block_size
-        return min(PA_CAPTURE_SEQ_LEN, capacity, self.artifact.config.max_model_len or PA_CAPTURE_SEQ_LEN)
-
-    def moved_inputs(self, step_args: Sequence[Any]) -> list[str]:
+    def moved_inputs(self, step_args: Sequence[Any], names: dict[int, str]) -> list[str]:
         """In-place inputs at another address, and host scalars of another value, than at capture."""
-        names = {s.index: s.name for s in self.artifact.signature.inputs}
         moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
         return moved + [names[i] for i, v in self.scalars.items() if step_args[i].item() != v]
 
-    def copy_in(self, step: Step) -> None:
-        """The step's inputs into the static buffers, padded by role."""
-        for spec in self.artifact.signature.inputs:
-            if spec.index in self.buffers:
-                copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.num_tokens)
-
-    def copy_back(self, step: Step) -> dict[int, torch.Tensor]:
-        """Exactly what the graph wrote into copied inputs, into the caller's tensors; returns, by
-        output position, the outputs that are views of copied inputs, as views of the caller's."""
-        write_back = self.artifact.rewritten.write_back
-        written, aliased = write_back.views(step.args)
-        for dest, src in zip(written, self.written_views):
-            copy_written(dest, src)
-        for index in write_back.whole:
-            copy_written(step.args[index], self.buffers[index])
-        return dict(zip(write_back.outputs, aliased))
-
-    def run(self, step: Step) -> Any:
-        art = self.artifact
-        seconds = art.seconds
+    def replay(self, runtime: GraphRuntime, plan: StepPlan, updates: capture_mod.UpdateSchedule,
+               seconds: collections.Counter) -> int:
+        """Copy in, launch, update, synchronize; returns the number of task updates issued."""
         t0 = time.perf_counter()
-        self.copy_in(step)
+        self.staging.copy_in(plan.step)
         t1 = time.perf_counter()
         self.graph.replay()
-        art.stats["updates"] += self.table.apply(art.runtime, lambda src, kind: step.host[(src, kind)])
+        count = updates.apply(self.table, runtime, plan.host) if isinstance(runtime, TaskUpdateRuntime) else 0
         t2 = time.perf_counter()
-        art.runtime.synchronize()
+        runtime.after_replay()
         t3 = time.perf_counter()
         seconds["copy_in"] += t1 - t0
         seconds["launch_and_updates"] += t2 - t1
         seconds["synchronize"] += t3 - t2
-        art.stats["replays"] += 1
-        return self.outputs
+        return count
 
-    def run_eager(self, step: Step) -> Any:
-        """Run the bucket graph directly (a runtime without graphs), workspaces from the artifact."""
-        art = self.artifact
-        self.copy_in(step)
-        host = [step.host[(src, kind)] for src, kind in self.host_inputs]
-        env = capture_mod.workspace_env(self.gm, art.workspace_for)
-        return fx.Interpreter(self.gm).run(*self.graph_args(step.args), *host, initial_env=env)
+    def run_eager(self, plan: StepPlan, workspaces: capture_mod.WorkspaceFor) -> Any:
+        """Run the graph op by op (a runtime without graphs), workspaces from the artifact."""
+        self.staging.copy_in(plan.step)
+        env = capture_mod.workspace_env(self.gm, workspaces)
+        args = self.staging.graph_args(plan.step.args) + [plan.host[s] for s in self.sources]
+        return fx.Interpreter(self.gm).run(*args, initial_env=env)
 
     def memory(self) -> dict[str, int]:
-        static = sum(b.numel() * b.element_size() for b in self.buffers.values())
         outs = sum(o.numel() * o.element_size() for o in (self.outputs or ()) if isinstance(o, torch.Tensor))
-        return {"static_inputs_bytes": static, "outputs_bytes": outs}
+        return {"static_inputs_bytes": self.staging.nbytes(), "outputs_bytes": outs}
 
 
 class CompiledArtifact:
     """The callable dynamo runs in place of the graph; owns graphs, buffers and workspace slots."""
 
-    def __init__(self, rewritten: RewrittenGraphs, runtime: Runtime, config: CompileConfig) -> None:
+    def __init__(self, rewritten: RewrittenGraphs, target: Any, config: CompileConfig) -> None:
         self.rewritten = rewritten
         self.signature: GraphSignature = rewritten.signature
-        self.runtime = runtime
+        self.target = target
+        self.runtime: Runtime = target.runtime
         self.config = config
         self.lock = threading.Lock()
-        self.graphs: dict[tuple[GraphKey, tuple], BucketGraph] = {}
-        self.workspaces: dict[str, torch.Tensor] = {}
+        self.graphs: dict[tuple[GraphKey, tuple], GraphEntry] = {}
+        self.specialized: dict[GraphKey, fx.GraphModule] = {}
         self.stats: collections.Counter = collections.Counter()
         #: Seconds spent per phase of graph steps: copy_in, launch_and_updates, synchronize (the
         #: device work, or on the simulator its execution), host (the rest of the runner's step).
         self.seconds: collections.Counter = collections.Counter()
         self._fallbacks_logged: set[str] = set()
-        self.written = self.rewritten.mutations.written()
+        self.written = rewritten.mutations.written()
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
-        for slot in rewritten.plan.slots.values():
-            self.workspaces[slot.name] = runtime.empty((slot.nbytes,), torch.uint8)
+        self.names = {spec.index: spec.name for spec in self.signature.inputs}
+        self.restore = sorted({w.input for w in rewritten.mutations.unsafe()} - self.copied)
+        self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
+                           for slot in rewritten.plan.slots.values()}
         self.write_plan()
 
-    def workspace_for(self, node: fx.Node) -> torch.Tensor:
-        """The artifact-owned tensor of the slot a workspace node stands for."""
-        return self.workspaces[node.meta["ascend_workspace_slot"]["name"]]
+    def workspaces_for(self, key: GraphKey) -> capture_mod.WorkspaceFor:
+        """The artifact-owned tensor of the slot each workspace node stands for in `key`'s graph."""
+        return lambda node: self.workspaces[node.meta[WORKSPACE_META_KEY][str(key)]]
 
     def __call__(self, *args: Any) -> Any:
         with self.lock:
@@ -259,68 +182,104 @@ class CompiledArtifact:
 
     def _step(self, args: Sequence[Any], caller_args: Sequence[Any]) -> Any:
         """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata)."""
-        max_len = self.config.max_model_len
-        step = read_step(self.signature, args, max_len)
+        step = read_step(self.signature, args, self.config.max_model_len, self.target.host_lengths)
         self.stats["steps"] += 1
         self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
         bucket = choose_bucket(self.rewritten.buckets, step.tokens)
         if bucket is None:
-            return self._fallback(caller_args, step, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
-        overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, self.copied,
-                                     args)
+            return self._fallback(caller_args, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
+        overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, self.copied, args)
         if overlap:
-            return self._fallback(caller_args, step, f"inputs {overlap} overlap in memory and the graph writes one of them")
+            return self._fallback(caller_args, f"inputs {overlap} overlap in memory and the graph writes one of them")
         key = self.rewritten.key_for(bucket, step.decode)
-        graph = self._graph(key, args, step.symbols)
-        if graph is None:
-            return self._fallback(caller_args, step, f"{key} already has {self.config.max_specializations} captures "
-                                              f"for other values of {[str(s) for s in self.signature.specialized]}")
-        if graph.eager_reason:
-            return self._fallback(caller_args, step, graph.eager_reason)
-        step.host = {(src, kind): host_value(step, src, kind, graph.num_tokens, graph.num_seqs)
-                     for src, kind in graph.host_inputs}
-        if self.runtime.supports_graphs:
-            outputs, clone = graph.run(step), self.config.clone_outputs
+        entry = self._entry(key, args, step.symbols)
+        if entry is None:
+            return self._fallback(caller_args, f"{key} already has {self.config.max_specializations} captures "
+                                               f"for other values of {[str(s) for s in self.signature.specialized]}")
+        if entry.eager_reason:
+            return self._fallback(caller_args, entry.eager_reason)
+        plan = entry.plan(step)
+        if isinstance(self.runtime, GraphRuntime):
+            self.stats["updates"] += entry.replay(self.runtime, plan, self.target.updates, self.seconds)
+            self.stats["replays"] += 1
+            outputs, clone = entry.outputs, self.config.clone_outputs
         else:
-            outputs, clone = graph.run_eager(step), False
-        aliased = graph.copy_back(step)
+            outputs, clone = entry.run_eager(plan, self.workspaces_for(key)), False
+        aliased = entry.staging.copy_back(step)
         result = _unpad(outputs, self.signature.outputs, step.symbols, clone=clone)
         return tuple(aliased.get(i, out) for i, out in enumerate(result))
 
-    def _graph(self, key: GraphKey, args: Sequence[Any], symbols: dict) -> BucketGraph | None:
+    def specialize(self, key: GraphKey) -> fx.GraphModule:
+        """`key`'s graph: its variant, specialised by the target for the bucket (once per key)."""
+        gm = self.specialized.get(key)
+        if gm is None:
+            variant = self.rewritten.variant_for(key)
+            gm = self.specialized[key] = self.target.specialize(variant.gm, key, self.config)
+            if gm is not variant.gm:
+                dump.dump_graph(gm, self.rewritten.graph_dir, str(key), "3_specialized")
+        return gm
+
+    def _new_entry(self, key: GraphKey, symbols: dict) -> GraphEntry:
+        gm = self.specialize(key)
+        padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, symbols)
+        staging = Staging(self.signature, self.rewritten.write_back, self.runtime, gm, padded)
+        return GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
+
+    def _entry(self, key: GraphKey, args: Sequence[Any], symbols: dict) -> GraphEntry | None:
         """The graph serving `key` at these symbol values, captured if new; None when the key has
         used up its captures for other values of the specialized symbols."""
         specialization = _specialization(self.signature, symbols)
-        graph = self.graphs.get((key, specialization))
-        if graph is None:
+        entry = self.graphs.get((key, specialization))
+        if entry is None:
             if sum(1 for k, _ in self.graphs if k == key) >= self.config.max_specializations:
                 return None
             if specialization:
                 log.info("ascend_compile: %s: new value %s of the specialized sizes: capturing it", key,
                          ", ".join(f"{s}={v}" for s, v in specialization))
-            graph = self.graphs[(key, specialization)] = BucketGraph(self, key, symbols)
-        if not self.runtime.supports_graphs:
-            if not graph.written_views and self.rewritten.write_back.located:
-                graph.locate_writes(graph.graph_args(args))
-            return graph
-        if graph.graph is not None:
-            moved = graph.moved_inputs(args)
+            entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
+        if not isinstance(self.runtime, GraphRuntime):
+            if not entry.staging.written_views and self.rewritten.write_back.located:
+                entry.locate_writes(entry.staging.graph_args(args))
+            return entry
+        if entry.graph is not None:
+            moved = entry.moved_inputs(args, self.names)
             if moved:
                 log.warning("ascend_compile: inputs %s moved since %s was captured: re-capturing", moved, key)
                 self.stats["recaptures"] += 1
-                graph = self.graphs[(key, specialization)] = BucketGraph(self, key, symbols)
-        if graph.graph is None:
+                entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
+        if entry.graph is None:
             if self.config.capture_all and self.stats["captures"] == 0:
                 self.capture_all(args, symbols)
             else:
-                graph.capture(args)
+                self._capture(entry, args)
             self.write_plan()
         return self.graphs[(key, specialization)]
 
+    def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
+        target = self.target
+        entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry), self.restore,
+                      target.updates, target.workspaces)
+        self.stats["captures"] += 1
+        log.info("ascend_compile: captured %s in %.3f s (%d update entries)", entry.name, entry.capture_seconds,
+                 len(entry.table.entries))
+
+    def _capture_seq_len(self, entry: GraphEntry) -> int | None:
+        """The KV length a decode graph with PA is captured at, within what its block table holds
+        (never 0: a kernel's zero-length fast path would record another task than its updates
+        issue); None (padding lengths) for other graphs."""
+        pa = [c for c in kernel_calls(entry.gm) if c.meta.kernel == PA]
+        if not entry.key.decode or not pa:
+            return None
+        buffers = entry.staging.buffers
+        widths = [buffers[s.index].shape[-1] for s in self.signature.by_role(Role.BLOCK_TABLE) if s.index in buffers]
+        capacity = min(widths, default=PA_CAPTURE_SEQ_LEN) * pa[0].meta.shape.block_size
+        return min(PA_CAPTURE_SEQ_LEN, capacity, self.config.max_model_len or PA_CAPTURE_SEQ_LEN)
+
     def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
-        """Capture every bucket's decode graph now (with a progress bar when tqdm is installed),
-        at the specialized sizes of `symbols`."""
-        keys = [k for k in self.rewritten.graphs if k.decode]
+        """Capture every bucket's decode graph now, largest first so that smaller graphs fit in the
+        pool memory larger ones left (with a progress bar when tqdm is installed), at the
+        specialized sizes of `symbols`."""
+        keys: Any = sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket)
         try:
             from tqdm import tqdm
 
@@ -329,12 +288,12 @@ class CompiledArtifact:
             pass
         specialization = _specialization(self.signature, symbols)
         for key in keys:
-            graph = self.graphs.get((key, specialization)) or BucketGraph(self, key, symbols)
-            self.graphs[(key, specialization)] = graph
-            if graph.graph is None:
-                graph.capture(args)
+            entry = self.graphs.get((key, specialization)) or self._new_entry(key, symbols)
+            self.graphs[(key, specialization)] = entry
+            if entry.graph is None:
+                self._capture(entry, args)
 
-    def _fallback(self, args: Sequence[Any], step: Step, why: str) -> Any:
+    def _fallback(self, args: Sequence[Any], why: str) -> Any:
         if why not in self._fallbacks_logged:
             log.info("ascend_compile: %s: running eagerly", why)
             self._fallbacks_logged.add(why)
@@ -347,7 +306,7 @@ class CompiledArtifact:
             "workspace_bytes": {name: t.numel() for name, t in self.workspaces.items()},
             "graphs": {g.name: g.memory() for g in self.graphs.values() if g.graph is not None},
         }
-        stats = getattr(self.runtime, "memory_stats", None)
+        stats: Callable[[], Any] | None = getattr(self.runtime, "memory_stats", None)
         if stats is not None:
             report["pool"] = stats()
         return report
@@ -356,15 +315,18 @@ class CompiledArtifact:
         plan = self.rewritten.describe()
         plan["runtime"] = self.runtime.describe()
         plan["config"] = {k: v for k, v in vars(self.config).items()}
-        for (key, specialization), graph in self.graphs.items():
-            if graph.table is None:
+        for key, gm in self.specialized.items():
+            for kernel, call in zip(plan["graphs"][str(key)]["kernels"], kernel_calls(gm)):
+                kernel.update(call.meta.describe(), node=call.node.name)
+        for (key, specialization), entry in self.graphs.items():
+            if entry.graph is None:
                 continue
-            entry = plan["graphs"][str(key)]
-            capture = {"update_table": graph.table.describe(), "capture_seconds": round(graph.capture_seconds, 4)}
+            graph = plan["graphs"][str(key)]
+            captured = {"update_table": entry.table.describe(), "capture_seconds": round(entry.capture_seconds, 4)}
             if specialization:
-                entry.setdefault("specializations", {})[graph.name] = capture
-            if not specialization or "update_table" not in entry:
-                entry.update(capture)
+                graph.setdefault("specializations", {})[entry.name] = captured
+            if not specialization or "update_table" not in graph:
+                graph.update(captured)
         return plan
 
     def write_plan(self) -> None:

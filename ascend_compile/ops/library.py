@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import reference, tiling, validate
+from .kernel_policy import KernelPolicy, choose_kernel
 
-#: `ascend.attention` in eager picks PA for decode-only batches up to this size, FIA otherwise.
-EAGER_PA_MAX_BATCH = 16
+#: The policy `ascend.attention` uses in eager: the compiler's default one.
+EAGER_POLICY = KernelPolicy()
 
 
 def _check_out(query: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor) -> None:
@@ -162,10 +163,10 @@ def check_attention_metadata(
     validate.check_attention_tensors(query, key_cache, value_cache, block_table, num_seqs)
 
 
-def choose_eager_kernel(query_lens: list[int]) -> str:
-    """The kernel `ascend.attention` uses in eager: PA for small decode-only batches, else FIA."""
+def choose_eager_kernel(query_lens: list[int], shape: tiling.AttentionShape) -> str:
+    """The kernel `ascend.attention` uses in eager: the default policy's, for this batch."""
     decode = all(n == 1 for n in query_lens)
-    return tiling.PA if decode and len(query_lens) <= EAGER_PA_MAX_BATCH else tiling.FIA
+    return choose_kernel(EAGER_POLICY, len(query_lens), decode, shape).kernel
 
 
 @torch.library.custom_op("ascend::attention", mutates_args=())
@@ -182,8 +183,8 @@ def attention(
     check_attention_metadata(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     query_lens = validate.query_lens_from_start_loc(starts, query.shape[0])
-    kernel = choose_eager_kernel(query_lens)
     shape = tiling.AttentionShape.of(query, key_cache)
+    kernel = choose_eager_kernel(query_lens, shape)
     scratch = torch.empty(
         tiling.workspace_nbytes(kernel, shape, lens, query_lens), dtype=torch.uint8, device=query.device
     )

@@ -1,7 +1,9 @@
-"""Dumps: every stage of every bucket graph as readable Python, and one plan.json per compiled graph.
+"""Dumps: every stage of every graph as readable Python, and one plan.json per compiled graph.
 
-Written only when a dump directory is configured (`dump_dir` or env ASCEND_COMPILE_DUMP_DIR);
-`ascend-compile inspect DIR` renders them.
+Files are written only when a dump directory is configured (`dump_dir` or env
+ASCEND_COMPILE_DUMP_DIR); `ascend-compile inspect DIR` renders them. The same graphs and plans go to
+torch's structured trace as artifacts named `ascend_compile_*` (`TORCH_TRACE=dir`, read with
+`tlparse`), beside dynamo's and inductor's graphs of the same compile.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import logging
 import os
 from typing import Any
 
+import torch
 from torch import fx
+from torch._logging import trace_structured
 
 log = logging.getLogger("ascend_compile")
 
@@ -30,8 +34,21 @@ def new_graph_dir(dump_dir: str) -> str:
             continue
 
 
+def _tracing() -> bool:
+    """Whether torch's structured trace goes to a file (`TORCH_TRACE`): only then are payloads built."""
+    return getattr(torch._logging._internal, "LOG_TRACE_HANDLER", True) is not None
+
+
+def _trace(name: str, payload: Any, encoding: str) -> None:
+    if not _tracing():
+        return
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload,
+                     expect_trace_id=False)
+
+
 def dump_graph(gm: fx.GraphModule, graph_dir: str | None, key: str, stage: str) -> str | None:
-    """Write `gm` as readable Python to `graph_dir/key/stage.py`; no-op without a directory."""
+    """Write `gm` as readable Python to `graph_dir/key/stage.py` (with a directory) and to the trace."""
+    _trace(f"ascend_compile_{key}_{stage}", lambda: gm.print_readable(print_output=False), "string")
     if graph_dir is None:
         return None
     folder = os.path.join(graph_dir, key)
@@ -44,7 +61,8 @@ def dump_graph(gm: fx.GraphModule, graph_dir: str | None, key: str, stage: str) 
 
 
 def dump_plan(graph_dir: str | None, plan: dict[str, Any]) -> str | None:
-    """Write (or rewrite) the graph's plan.json; no-op without a directory."""
+    """Write (or rewrite) the graph's plan.json (with a directory) and trace it."""
+    _trace("ascend_compile_plan", lambda: json.dumps(plan, default=str), "json")
     if graph_dir is None:
         return None
     path = os.path.join(graph_dir, PLAN_FILE)

@@ -1,8 +1,9 @@
-"""Find the attention nodes of a graph, bringing other runtimes' attention ops onto the contract.
+"""Attention nodes of a graph, and the pass bringing other runtimes' attention ops onto the contract.
 
 `ascend.attention` is found as is. Another runtime registers its own op with an adapter
-(`register_attention_op`); `find_attention` calls the adapter to rewrite each such node into an
-`ascend.attention` node, so every later pass sees one kind of attention node.
+(`register_attention_op`); `adapt_attention` (the pipeline's first pass) calls the adapter to rewrite
+each such node into an `ascend.attention` node, so every later pass sees one kind of attention node,
+which `attention_nodes` lists without changing anything.
 """
 from __future__ import annotations
 
@@ -63,8 +64,18 @@ def _adapter_for(node: fx.Node) -> Adapter | None:
     return None
 
 
-def find_attention(gm: fx.GraphModule) -> list[fx.Node]:
-    """All `ascend.attention` nodes of `gm`, after rewriting registered foreign ops into them."""
+def attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The `ascend.attention` nodes of `gm`, in graph order."""
+    return [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.attention)]
+
+
+def has_attention(gm: fx.GraphModule) -> bool:
+    """Whether `gm` calls attention: `ascend.attention` or a registered foreign op."""
+    return any(is_op(n, torch.ops.ascend.attention) or _adapter_for(n) is not None for n in gm.graph.nodes)
+
+
+def adapt_attention(gm: fx.GraphModule) -> list[fx.Node]:
+    """Rewrite registered foreign attention ops of `gm` into `ascend.attention`; returns all attention nodes."""
     graph = gm.graph
     for node in list(graph.nodes):
         adapter = _adapter_for(node)
@@ -81,5 +92,5 @@ def find_attention(gm: fx.GraphModule) -> list[fx.Node]:
         fill_fake_values(graph)
     graph.lint()
     gm.recompile()
-    return [n for n in graph.nodes if is_op(n, torch.ops.ascend.attention)]
+    return attention_nodes(gm)
 

@@ -19,6 +19,7 @@ from torch import fx
 
 from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
 from .fx_utils import ancestors, example_value, extract_graph, is_op, placeholders, written_args
+from .providers import Provider
 
 #: The metadata arguments that may be computed, by op: (argument position, name).
 HOISTED_ARGS = {
@@ -29,13 +30,17 @@ HOISTED_ARGS = {
 
 @dataclasses.dataclass(frozen=True)
 class Prologue:
-    """Computes the hoisted metadata inputs from a step's inputs (None: nothing was hoisted)."""
+    """Computes a step's extra graph inputs from its arguments: first what a provider supplies
+    (`passes/providers.py`), then the hoisted metadata (None: nothing was hoisted)."""
 
     graph: fx.GraphModule | None
     names: tuple[str, ...] = ()
+    provider: Provider | None = None
 
     def extend(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        """The step's inputs followed by the hoisted metadata."""
+        """The step's inputs followed by the provided inputs and the hoisted metadata."""
+        if self.provider is not None:
+            args = (*args, *self.provider.read(args))
         if self.graph is None:
             return tuple(args)
         return (*args, *self.graph(*args))
@@ -68,9 +73,10 @@ def _key(node: fx.Node, memo: dict[fx.Node, Any]) -> Any:
     return memo[node]
 
 
-def hoist_metadata(gm: fx.GraphModule) -> Prologue:
+def hoist_metadata(gm: fx.GraphModule, provider: Provider | None = None) -> Prologue:
     """Turn every computed metadata argument of `gm`'s attention and cache-write nodes into a new
-    graph input (after the existing ones), and return the prologue computing them."""
+    graph input (after the existing ones, `provider`'s included), and return the prologue computing
+    them (and reading `provider`'s)."""
     sites = [(node, position, name) for node in gm.graph.nodes for op, args in HOISTED_ARGS.items()
              if is_op(node, op) for position, name in args]
     memo: dict[fx.Node, Any] = {}
@@ -89,7 +95,7 @@ def hoist_metadata(gm: fx.GraphModule) -> Prologue:
             computing.update(closure)
         hoisted[key][1].append((node, position))
     if not hoisted:
-        return Prologue(None)
+        return Prologue(None, (), provider)
     values = [value for value, _ in hoisted.values()]
     prologue = extract_graph(gm, computing, lambda graph, remap: remap(tuple(values)))
     graph = gm.graph
@@ -108,4 +114,4 @@ def hoist_metadata(gm: fx.GraphModule) -> Prologue:
             graph.erase_node(node)
     graph.lint()
     gm.recompile()
-    return Prologue(prologue, tuple(names))
+    return Prologue(prologue, tuple(names), provider)

@@ -1,30 +1,58 @@
-"""The pass pipeline: one dynamo graph in, one rewritten graph per bucket and a workspace plan out.
+"""The pass pipeline: one dynamo graph in; its kernel variants, bucket table and workspace plan out.
 
-For each bucket there is a decode graph (the policy's kernel) and, where that kernel is PA, a
-separate mixed graph (FIA) for steps with several query tokens per sequence. The workspace plan
-covers all of them, so it is computed after every graph's kernels are chosen.
+Every pass runs here, once per compile, in this order: adapt foreign attention ops, hoist metadata,
+analyse input writes, assign roles, build the write-back; then the policy picks each bucket's
+kernels (decode steps, and for buckets whose decode kernel is PA, mixed steps on FIA), buckets whose
+choices agree share one rewritten graph (a *variant*: at most a few, whatever the bucket count),
+the workspace plan covers every bucket exactly (arithmetic over each bucket's sites) and each
+variant gets its workspace node. A bucket is specialised from its variant only when it is captured
+(`Target.specialize`). Every stage is dumped here (`dump.py`: files and `TORCH_TRACE` artifacts).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import fx
 
 from ..config import CompileConfig
-from ..ops.tiling import PA
+from ..ops.kernel_policy import KernelChoice, KernelPolicy
+from ..ops.tiling import FIA, PA
 from . import dump
-from .find_attention import find_attention
-from .hoist_metadata import Prologue, hoist_metadata
-from .mutations import MutationFacts, analyse_mutations
+from .find_attention import AttentionArgs, adapt_attention
 from .fx_utils import clone_graph_module, example_value
+from .hoist_metadata import Prologue, hoist_metadata
+from .kernel_call import KernelCall, kernel_calls
+from .mutations import MutationFacts, analyse_mutations
+from .providers import Binder
 from .roles import GraphSignature, assign_roles
-from .select_kernels import KernelPolicy, select_kernels
+from .select_kernels import attention_shapes, choose_kernels, select_kernels
+from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
 from .write_back import WriteBack, build_write_back
-from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, node_need, plan_workspaces
 
 log = logging.getLogger("ascend_compile")
+
+SHORT = {PA: "pa", FIA: "fia"}
+
+
+class PassTarget(Protocol):
+    """What the passes ask of the device they compile for (`targets.Target`)."""
+
+    def kernel_policy(self, config: CompileConfig, dtype: torch.dtype) -> KernelPolicy: ...
+
+    def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn: ...
+
+
+@dataclasses.dataclass
+class Variant:
+    """One rewritten graph: a kernel per attention node, serving every graph key in `keys`."""
+
+    name: str
+    kernels: tuple[str, ...]
+    gm: fx.GraphModule
+    keys: list[GraphKey]
 
 
 @dataclasses.dataclass
@@ -33,7 +61,8 @@ class RewrittenGraphs:
 
     original: fx.GraphModule
     signature: GraphSignature
-    graphs: dict[GraphKey, fx.GraphModule]
+    variants: dict[str, Variant]
+    choices: dict[GraphKey, tuple[KernelChoice, ...]]  # each graph key's kernels, and why
     plan: WorkspacePlan
     buckets: tuple[int, ...]
     block_size: int
@@ -44,23 +73,27 @@ class RewrittenGraphs:
     prologue: Prologue  # the hoisted metadata inputs, computed from the step's inputs
 
     def key_for(self, bucket: int, decode: bool) -> GraphKey:
-        """The graph serving a step: a bucket's FIA decode graph also serves its mixed steps."""
+        """The graph serving a step: a bucket whose decode kernels are all FIA serves its mixed steps too."""
         key = GraphKey(bucket, decode)
-        return key if key in self.graphs else GraphKey(bucket, True)
+        return key if key in self.choices else GraphKey(bucket, True)
+
+    def variant_for(self, key: GraphKey) -> Variant:
+        return next(v for v in self.variants.values() if key in v.keys)
 
     def describe(self) -> dict[str, Any]:
         """The plan.json content the passes know (lowering adds update tables)."""
+        provider = self.prologue.provider
+        provided = {i.name: i.source for i in provider.inputs} if provider is not None else {}
         graphs = {}
-        for key, gm in self.graphs.items():
-            kernels = [
-                {"node": n.name, "attention": n.meta["ascend_attention"], **n.meta["ascend_kernel"]}
-                for n in gm.graph.nodes
-                if "ascend_kernel" in n.meta
-            ]
+        for key, choices in self.choices.items():
+            variant = self.variant_for(key)
+            calls = [c.node for c in kernel_calls(variant.gm)]
             graphs[str(key)] = {
                 "bucket": key.bucket,
                 "decode": key.decode,
-                "kernels": kernels,
+                "variant": variant.name,
+                "kernels": [{"node": call.name, **KernelCall.of(call).meta.describe(), "reason": choice.reason,
+                             "times_ms": choice.times_ms} for call, choice in zip(calls, choices)],
                 "workspace_slot": self.plan.graph_slot[str(key)],
             }
         return {
@@ -73,13 +106,17 @@ class RewrittenGraphs:
                               "padding_safe": w.padding_safe} for w in self.mutations.writes],
             "write_back": self.write_back.describe(),
             "hoisted_metadata": list(self.prologue.names),
+            "provided_inputs": self.prologue.provider.describe() if self.prologue.provider else [],
             "block_size": self.block_size,
             "max_blocks": self.max_blocks,
             "inputs": [
                 {"index": s.index, "name": s.name, "role": s.role.value, "mutated": s.mutated,
-                 "shape": None if s.shape is None else [str(d) for d in s.shape]}
+                 "shape": None if s.shape is None else [str(d) for d in s.shape],
+                 **({"provided_by": provided[s.name]} if s.name in provided else {})}
                 for s in self.signature.inputs
             ],
+            "variants": {name: {"kernels": list(v.kernels), "graphs": [str(k) for k in v.keys]}
+                         for name, v in self.variants.items()},
             "graphs": graphs,
             "workspace": self.plan.to_json(),
         }
@@ -92,29 +129,50 @@ def _buckets(signature: GraphSignature, config: CompileConfig) -> tuple[int, ...
     return config.capture_sizes
 
 
-def rewrite_buckets(
-    gm: fx.GraphModule, config: CompileConfig, policy: KernelPolicy, need_fn: NeedFn = node_need
-) -> RewrittenGraphs | None:
-    """Run every pass over `gm` for every bucket; None when the graph has no attention.
+def bucket_choices(shapes: list, buckets: tuple[int, ...], policy: KernelPolicy
+                   ) -> dict[GraphKey, tuple[KernelChoice, ...]]:
+    """Each graph key's kernels: every bucket's decode steps, and the mixed steps of a bucket whose
+    decode kernels include PA (PA is decode-only; FIA decode graphs serve mixed steps too)."""
+    choices = {}
+    for bucket in buckets:
+        decode = choose_kernels(shapes, bucket, policy, decode=True)
+        choices[GraphKey(bucket, True)] = decode
+        log.debug("ascend_compile: bucket %d decode steps: %s", bucket, decode[0].reason)
+        if any(c.kernel == PA for c in decode):
+            choices[GraphKey(bucket, False)] = choose_kernels(shapes, bucket, policy, decode=False)
+    return choices
 
-    `need_fn` sizes workspaces (see `plan_workspaces`)."""
-    attention = find_attention(gm)
-    if not attention:
+
+def _variant_name(kernels: tuple[str, ...]) -> str:
+    if len(set(kernels)) == 1:
+        return SHORT[kernels[0]]
+    return "+".join(SHORT[k] for k in kernels)
+
+
+def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarget,
+                    bind: Binder | None = None) -> RewrittenGraphs | None:
+    """Run every pass over `gm`; None when the graph has no attention. `bind` (an integration's
+    binder, `passes/providers.py`) first turns what the graph's ops read from outside it into
+    provided inputs."""
+    original, gm = gm, clone_graph_module(gm)
+    provider = bind(gm) if bind is not None else None
+    if not adapt_attention(gm):
         return None
     if config.max_model_len is None:
         raise ValueError(
             "max_model_len: required for graphs with paged attention (workspaces are sized for every "
             "length up to it); pass options={'max_model_len': N}"
         )
-    original, gm = gm, clone_graph_module(gm)
-    prologue = hoist_metadata(gm)
-    attention = find_attention(gm)
+    prologue = hoist_metadata(gm, provider)
+    attention = adapt_attention(gm)
     mutations = analyse_mutations(gm)
     signature = assign_roles(gm, attention, mutations)
     write_back = build_write_back(gm, signature, mutations)
     if signature.pad_reason:
         log.info("ascend_compile: steps are not padded (each size is captured as is): %s", signature.pad_reason)
-    block_size = int(example_value(attention[0].args[1]).shape[1])
+    first = AttentionArgs.of(attention[0])
+    dtype = example_value(first.query).dtype
+    block_size = int(example_value(first.key_cache).shape[1])
     max_blocks = -(-config.max_model_len // block_size)
     graph_dir = dump.new_graph_dir(config.dump_dir) if config.dump_dir else None
     dump.dump_graph(original, graph_dir, "original", "dynamo")
@@ -122,28 +180,31 @@ def rewrite_buckets(
         dump.dump_graph(prologue.graph, graph_dir, "original", "prologue")
 
     buckets = _buckets(signature, config)
-    graphs: dict[GraphKey, fx.GraphModule] = {}
-    for bucket in buckets:
-        decode_graph = clone_graph_module(gm)
-        choices = select_kernels(decode_graph, bucket, policy, decode=True)
-        graphs[GraphKey(bucket, True)] = decode_graph
-        log.debug("ascend_compile: bucket %d decode steps: %s", bucket, choices[0].reason)
-        if any(c.kernel == PA for c in choices):
-            mixed_graph = clone_graph_module(gm)
-            select_kernels(mixed_graph, bucket, policy, decode=False)
-            graphs[GraphKey(bucket, False)] = mixed_graph
-    plan = plan_workspaces(((k, kernel_sites(g)) for k, g in graphs.items()), config.max_model_len,
-                           config.workspace_seq_len, config.share_workspace, need_fn)
+    choices = bucket_choices(attention_shapes(gm), buckets, target.kernel_policy(config, dtype))
+    variants: dict[str, Variant] = {}
+    for key, chosen in choices.items():
+        kernels = tuple(c.kernel for c in chosen)
+        name = _variant_name(kernels)
+        if name not in variants:
+            variant_gm = clone_graph_module(gm)
+            select_kernels(variant_gm, kernels)
+            variants[name] = Variant(name, kernels, variant_gm, [])
+        variants[name].keys.append(key)
+    plan = plan_workspaces(((k, kernel_sites(variants[_variant_name(tuple(c.kernel for c in ch))].gm))
+                            for k, ch in choices.items()),
+                           config.max_model_len, config.workspace_seq_len, config.share_workspace,
+                           target.workspace_need(config, dtype))
     for warning in plan.warnings():
         log.warning(warning)
-    for key, graph in graphs.items():
-        dump.dump_graph(graph, graph_dir, str(key), "1_select_kernels")
-        insert_workspaces(graph, key, plan)
-        dump.dump_graph(graph, graph_dir, str(key), "2_insert_workspaces")
-    result = RewrittenGraphs(original, signature, graphs, plan, buckets, block_size, max_blocks, graph_dir, mutations,
-                             write_back, prologue)
+    for variant in variants.values():
+        dump.dump_graph(variant.gm, graph_dir, variant.name, "1_select_kernels")
+        insert_workspaces(variant.gm, variant.keys, plan)
+        dump.dump_graph(variant.gm, graph_dir, variant.name, "2_insert_workspaces")
+    result = RewrittenGraphs(original, signature, variants, choices, plan, buckets, block_size, max_blocks, graph_dir,
+                             mutations, write_back, prologue)
     log.info(
-        "ascend_compile: %d attention nodes, %d graphs over buckets %s, workspace %s",
-        len(attention), len(graphs), list(buckets), {n: s.nbytes for n, s in plan.slots.items()},
+        "ascend_compile: %d attention nodes, %d variants (%s) over buckets %s, workspace %s",
+        len(attention), len(variants), ", ".join(variants), list(buckets),
+        {n: s.nbytes for n, s in plan.slots.items()},
     )
     return result

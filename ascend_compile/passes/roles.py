@@ -149,6 +149,8 @@ def evaluate(expr: Any, values: dict[sympy.Symbol, int]) -> int:
     """An int or a size expression at the given symbol values."""
     if isinstance(expr, int):
         return expr
+    if isinstance(expr, sympy.Symbol):  # the common case, on every step's hot path
+        return values[expr]
     return int(expr.xreplace(values))
 
 

@@ -1,136 +1,88 @@
-"""Rewrite each attention node into the kernel chosen for a bucket: PA or FIA.
+"""Rewrite each attention node into a kernel: PA or FIA, with host-side lengths.
 
-The kernels take host-side lengths; the rewrite adds one host-list input per runner input it
-converts (one `seq_lens` list shared by every layer), which the runner fills once per step and
-lowering freezes into captured tasks. Each kernel node gets an unplanned workspace (0 bytes) that
-`insert_workspaces` replaces; the choice and its reason are recorded on the node.
+The kernels take host-side lengths; the rewrite adds one host-list input per source it converts
+(one `seq_lens` list shared by every layer), which the runner fills once per step and lowering
+freezes into captured tasks. Each kernel node gets an unplanned workspace (0 bytes) that
+`insert_workspaces` replaces, and its `KernelMeta` (see `kernel_call.py`).
+
+Which kernel serves a bucket is the policy's (`ops.kernel_policy`); buckets whose choices agree
+share one rewritten graph, a *variant* (`choose_kernels` per bucket, `select_kernels` per variant).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
+from typing import Sequence
 
 import torch
 from torch import fx
 
 from ..ops import tiling
-from .find_attention import AttentionArgs
-from .fx_utils import example_value, is_op
-
-#: Times one call of (kernel, shape, bucket) on the target runtime, in seconds.
-KernelTimer = Callable[[str, tiling.AttentionShape, int], float]
-
-HOST_LIST = "list"  # input.tolist()
-HOST_ENDS = "ends"  # input[1:].tolist() (cumulative query ends from query_start_loc)
+from ..ops.kernel_policy import KernelChoice, KernelPolicy, choose_kernel
+from .find_attention import AttentionArgs, attention_nodes
+from .fx_utils import example_value
+from .kernel_call import (HOST_LENGTH_OPS, HOST_META_KEY, META_KEY, Conversion, HostArg, HostSource, KernelCall,
+                          KernelMeta, build_args)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelPolicy:
-    """How a bucket's kernel is chosen (see `CompileConfig.kernel_policy`)."""
-
-    kind: str = "pa_max_batch"
-    pa_max_batch: int = 16
-    pa_batch_sizes: tuple[int, ...] = ()
-    timer: KernelTimer | None = None
-    timing_seq_len: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.kind == "auto" and self.timer is None:
-            raise ValueError("timer: the 'auto' kernel policy needs a timer to measure both kernels")
+def attention_shapes(gm: fx.GraphModule) -> list[tiling.AttentionShape]:
+    """The static shape of each attention node of `gm`, in graph order."""
+    shapes = []
+    for node in attention_nodes(gm):
+        args = AttentionArgs.of(node)
+        shapes.append(tiling.AttentionShape.of(example_value(args.query), example_value(args.key_cache)))
+    return shapes
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelChoice:
-    """The kernel of one attention node in one bucket, and why."""
-
-    kernel: str
-    reason: str
-    times_ms: dict[str, float] | None = None
+def choose_kernels(shapes: Sequence[tiling.AttentionShape], bucket: int, policy: KernelPolicy,
+                   decode: bool) -> tuple[KernelChoice, ...]:
+    """The policy's kernel for each attention node in a graph of `bucket` tokens."""
+    return tuple(choose_kernel(policy, bucket, decode, shape) for shape in shapes)
 
 
-def choose_kernel(policy: KernelPolicy, bucket: int, decode: bool, shape: tiling.AttentionShape) -> KernelChoice:
-    """The kernel `policy` picks for a bucket of `bucket` tokens."""
-    pa, fia = tiling.PA, tiling.FIA
-    if not decode:
-        return KernelChoice(fia, "FIA: steps with several query tokens per sequence; PA is decode-only")
-    if policy.kind == "pa":
-        return KernelChoice(pa, "PA: kernel_policy='pa'")
-    if policy.kind == "fia":
-        return KernelChoice(fia, "FIA: kernel_policy='fia'")
-    if policy.kind == "pa_max_batch":
-        if bucket <= policy.pa_max_batch:
-            return KernelChoice(pa, f"PA: bucket {bucket} <= pa_max_batch {policy.pa_max_batch}")
-        return KernelChoice(fia, f"FIA: bucket {bucket} > pa_max_batch {policy.pa_max_batch}")
-    if policy.kind == "pa_batch_sizes":
-        if bucket in policy.pa_batch_sizes:
-            return KernelChoice(pa, f"PA: bucket {bucket} in pa_batch_sizes {list(policy.pa_batch_sizes)}")
-        return KernelChoice(fia, f"FIA: bucket {bucket} not in pa_batch_sizes {list(policy.pa_batch_sizes)}")
-    if policy.kind == "auto":
-        times = {k: policy.timer(k, shape, bucket) * 1e3 for k in (pa, fia)}
-        best = min(times, key=times.get)
-        label = "PA" if best == pa else "FIA"
-        return KernelChoice(
-            best,
-            f"{label}: measured PA {times[pa]:.3f} ms vs FIA {times[fia]:.3f} ms "
-            f"at batch {bucket}, context {policy.timing_seq_len}",
-            times,
-        )
-    raise ValueError(f"kernel_policy: unknown policy {policy.kind!r}")
-
-
-def _host_input(graph: fx.Graph, source: fx.Node, kind: str) -> fx.Node:
-    """The placeholder carrying the host-side list of `source` (created once per source and kind)."""
-    name = f"{source.name}_{'ends' if kind == HOST_ENDS else 'host'}"
-    for node in graph.nodes:
-        if node.op == "placeholder" and node.name == name:
+def _host_input(graph: fx.Graph, source: fx.Node, conversion: Conversion) -> fx.Node:
+    """The placeholder carrying the host-side list of `source` (created once per source and conversion)."""
+    host = HostSource(source.name, conversion)
+    name = host.placeholder_name()
+    for node in graph.find_nodes(op="placeholder"):
+        if node.name == name:
             return node
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    last = graph.find_nodes(op="placeholder")[-1]
     with graph.inserting_after(last):
         node = graph.placeholder(name)
-    node.meta["ascend_host_of"] = {"input": source.name, "kind": kind}
+    node.meta[HOST_META_KEY] = host
     return node
 
 
-def select_kernels(gm: fx.GraphModule, bucket: int, policy: KernelPolicy, decode: bool = True) -> list[KernelChoice]:
-    """Rewrite every `ascend.attention` node of `gm` into PA or FIA for `bucket` tokens."""
+def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCall]:
+    """Rewrite the attention nodes of `gm` into `kernels` (one per node, in graph order)."""
     graph = gm.graph
-    choices = []
-    for node in [n for n in graph.nodes if is_op(n, torch.ops.ascend.attention)]:
+    nodes = attention_nodes(gm)
+    if len(nodes) != len(kernels):
+        raise ValueError(f"kernels: expected one per attention node ({len(nodes)}), got {len(kernels)}")
+    calls = []
+    for node, kernel in zip(nodes, kernels):
         args = AttentionArgs.of(node)
         query = example_value(args.query)
         shape = tiling.AttentionShape.of(query, example_value(args.key_cache))
-        choice = choose_kernel(policy, bucket, decode, shape)
-        seq_host = _host_input(graph, args.seq_lens, HOST_LIST)
+        lengths = {"context_lens": (args.seq_lens, Conversion.LIST)} if kernel == tiling.PA else {
+            "actual_seq_lengths": (args.query_start_loc, Conversion.ENDS),
+            "actual_seq_lengths_kv": (args.seq_lens, Conversion.LIST),
+        }
         with graph.inserting_before(node):
             out = graph.call_function(torch.empty_like, (args.query,))
             out.meta["example_value"] = example_value(node)
             workspace = graph.call_function(torch.ops.ascend.workspace.default, (0, query.device))
-            common = (args.query, args.key_cache, args.value_cache, args.block_table)
-            if choice.kernel == tiling.PA:
-                call = graph.call_function(
-                    torch.ops.ascend.paged_attention.default,
-                    (*common, seq_host, args.scale, workspace, out),
-                )
-                host_args = {"context_lens": (args.seq_lens.name, HOST_LIST)}
-            else:
-                ends_host = _host_input(graph, args.query_start_loc, HOST_ENDS)
-                call = graph.call_function(
-                    torch.ops.ascend.fused_infer_attention.default,
-                    (*common, ends_host, seq_host, args.scale, workspace, out),
-                )
-                host_args = {
-                    "actual_seq_lengths": (args.query_start_loc.name, HOST_ENDS),
-                    "actual_seq_lengths_kv": (args.seq_lens.name, HOST_LIST),
-                }
-        call.meta.update(
-            ascend_kernel=dataclasses.asdict(choice) | {"bucket": bucket, "decode": decode},
-            ascend_shape=shape,
-            ascend_host_args=host_args,
-            ascend_attention=node.name,
-        )
+            hosts = {name: _host_input(graph, src, conv) for name, (src, conv) in lengths.items()}
+            op = HOST_LENGTH_OPS[kernel]
+            call = graph.call_function(op, build_args(op, {
+                "query": args.query, "key_cache": args.key_cache, "value_cache": args.value_cache,
+                "block_table": args.block_table, **hosts, "scale": args.scale, "workspace": workspace, "out": out,
+            }))
+        host_args = tuple(HostArg(name, host.meta[HOST_META_KEY]) for name, host in hosts.items())
+        call.meta[META_KEY] = meta = KernelMeta(kernel, node.name, shape, host_args)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        choices.append(choice)
+        calls.append(KernelCall(call, meta))
     graph.lint()
     gm.recompile()
-    return choices
+    return calls
+

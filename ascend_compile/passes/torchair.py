@@ -31,10 +31,12 @@ from torch import fx
 from ..config import CompileConfig
 from ..ops import npu as npu_ops
 from ..ops import tiling
-from .find_attention import AttentionArgs, find_attention
-from .fx_utils import example_value, is_op
+from ..ops.kernel_policy import KernelChoice, KernelPolicy
+from .find_attention import AttentionArgs, adapt_attention
+from .fx_utils import example_value
+from .kernel_call import KernelCall, host_placeholders, kernel_calls
 from .probe import ProbedWorkspaceNeed
-from .select_kernels import KernelChoice, KernelPolicy, select_kernels
+from .select_kernels import attention_shapes, choose_kernels, select_kernels
 from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
 
 #: npugraph_ex's hook calling convention: (graph module, example inputs, its CompilerConfig).
@@ -59,16 +61,16 @@ def _policy(config: CompileConfig) -> KernelPolicy:
     return KernelPolicy(config.kernel_policy, config.pa_max_batch, config.pa_batch_sizes)
 
 
-def _probing_need(gm: fx.GraphModule, config: CompileConfig) -> ProbedWorkspaceNeed:
+def _probing_need(attention: fx.Node, config: CompileConfig) -> ProbedWorkspaceNeed:
     """Workspaces sized by torch_npu's own workspace queries (the kernels are torch_npu's)."""
-    query = example_value(AttentionArgs.of(find_attention(gm)[0]).query)
+    query = example_value(AttentionArgs.of(attention).query)
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), query.device)
     return ProbedWorkspaceNeed(npu_ops.NpuWorkspaceQuery(kernels, query.dtype), config.workspace_probe_lens)
 
 
-def _graph_key(gm: fx.GraphModule, bucket: int | None, decode: bool | None) -> GraphKey:
+def _graph_key(attention: fx.Node, bucket: int | None, decode: bool | None) -> GraphKey:
     """The bucket (query tokens) and kind of a graph npugraph_ex compiles for one input shape."""
-    args = AttentionArgs.of(find_attention(gm)[0])
+    args = AttentionArgs.of(attention)
     tokens = example_value(args.query).shape[0]
     seqs = example_value(args.seq_lens).shape[0]
     if bucket is None:
@@ -80,9 +82,10 @@ def _graph_key(gm: fx.GraphModule, bucket: int | None, decode: bool | None) -> G
     return GraphKey(bucket, decode)
 
 
-def _host_lengths(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+def _host_lengths(gm: fx.GraphModule, call: KernelCall) -> fx.Node:
     """The graph input PA's `context_lens` comes from, checked to be what npugraph_ex refreshes."""
-    source = node.meta["ascend_host_args"]["context_lens"][0]
+    (host,) = call.meta.host_args
+    source = host.source.source
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == source)
     value = example_value(placeholder)
     if value.dtype != torch.int32 or value.device.type != "cpu":
@@ -93,12 +96,12 @@ def _host_lengths(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
     return placeholder
 
 
-def _refuse_fia(gm: fx.GraphModule) -> None:
+def _refuse_fia(calls: list[KernelCall], choices: tuple[KernelChoice, ...]) -> None:
     """FIA's lengths would stay frozen inside npugraph_ex (see the module docstring)."""
-    fia = next((n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.fused_infer_attention)), None)
+    fia = next(((call, choice) for call, choice in zip(calls, choices) if call.meta.kernel == tiling.FIA), None)
     if fia is not None:
         raise ValueError(
-            f"{fia.name}: kernel_policy chose FIA for this graph ({fia.meta['ascend_kernel']['reason']}); "
+            f"{fia[0].node.name}: kernel_policy chose FIA for this graph ({fia[1].reason}); "
             f"npugraph_ex refreshes FIA's lengths only from SymInt graph inputs, and ascend.attention passes "
             f"them as tensors, so they would stay frozen at capture. Under npugraph_ex choose PA for decode "
             f"buckets (kernel_policy 'pa' or a pa_max_batch covering them) and run mixed steps through "
@@ -112,20 +115,20 @@ def _lower_to_torch_npu(gm: fx.GraphModule) -> None:
     npu_ops.load_torch_npu()
     pa_op = torch.ops.atb._npu_paged_attention.default
     graph = gm.graph
-    for node in [n for n in graph.nodes if is_op(n, torch.ops.ascend.paged_attention)]:
-        query, key_cache, value_cache, block_table, _, scale, workspace, out = node.args
-        shape: tiling.AttentionShape = node.meta["ascend_shape"]
-        lengths = _host_lengths(gm, node)
+    for call in kernel_calls(gm):
+        node, args, shape = call.node, call.args(), call.meta.shape
+        lengths = _host_lengths(gm, call)
         with graph.inserting_before(node):
-            call = graph.call_function(
+            lowered = graph.call_function(
                 pa_op,
-                (query, key_cache, value_cache, shape.num_kv_heads, shape.num_heads, scale, block_table, lengths, out),
-                {"workspace": workspace},
+                (args["query"], args["key_cache"], args["value_cache"], shape.num_kv_heads, shape.num_heads,
+                 args["scale"], args["block_table"], lengths, args["out"]),
+                {"workspace": args["workspace"]},
             )
-        call.meta.update(node.meta)
-        node.replace_all_uses_with(call)
+        lowered.meta.update(node.meta)
+        node.replace_all_uses_with(lowered)
         graph.erase_node(node)
-    for node in [n for n in graph.nodes if n.op == "placeholder" and "ascend_host_of" in n.meta]:
+    for node, _ in host_placeholders(gm):
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
@@ -146,16 +149,18 @@ def rewrite_for_npugraph_ex(
     `need_fn`: how workspaces are sized (default: torch_npu's workspace queries, probed over
     `config.workspace_probe_lens`).
     """
-    if not find_attention(gm):
+    attention = adapt_attention(gm)
+    if not attention:
         return None
     if config.max_model_len is None:
         raise ValueError("max_model_len: required (workspaces are sized for every length up to it)")
-    key = _graph_key(gm, bucket, decode)
-    need_fn = need_fn or _probing_need(gm, config)
-    choices = select_kernels(gm, key.bucket, _policy(config), decode=key.decode)
-    _refuse_fia(gm)
+    key = _graph_key(attention[0], bucket, decode)
+    need_fn = need_fn or _probing_need(attention[0], config)
+    choices = choose_kernels(attention_shapes(gm), key.bucket, _policy(config), key.decode)
+    calls = select_kernels(gm, [c.kernel for c in choices])
+    _refuse_fia(calls, choices)
     plan = plan_workspaces([(key, kernel_sites(gm))], config.max_model_len, config.workspace_seq_len, True, need_fn)
-    insert_workspaces(gm, key, plan)
+    insert_workspaces(gm, [key], plan)
     _lower_to_torch_npu(gm)
     return TorchairRewrite(key, tuple(choices), plan)
 

@@ -9,16 +9,17 @@ plan keeps what per-bucket and per-layer workspaces would reserve, so the saving
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import fx
 
 from ..ops import tiling
 from .fx_utils import is_op
+from .kernel_call import kernel_calls
 
-KERNEL_OPS = (torch.ops.ascend.paged_attention, torch.ops.ascend.fused_infer_attention)
-WORKSPACE_ARG = {torch.ops.ascend.paged_attention: 6, torch.ops.ascend.fused_infer_attention: 7}
+#: fx.Node.meta key of a workspace node: the slot serving each graph key the node's graph serves.
+WORKSPACE_META_KEY = "ascend_workspace"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +111,7 @@ class WorkspacePlan:
 
 def kernel_sites(gm: fx.GraphModule) -> list[KernelSite]:
     """The PA/FIA nodes of a graph rewritten by `select_kernels`."""
-    return [
-        KernelSite(n.name, n.meta["ascend_kernel"]["kernel"], n.meta["ascend_shape"])
-        for n in gm.graph.nodes
-        if any(is_op(n, op) for op in KERNEL_OPS)
-    ]
+    return [KernelSite(c.node.name, c.meta.kernel, c.meta.shape) for c in kernel_calls(gm)]
 
 
 def node_need(site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len: int | None) -> NodeNeed:
@@ -174,27 +171,28 @@ def plan_workspaces(
     return WorkspacePlan(max_model_len, pinned_seq_len, shared, slots, graph_slot, needs, schemes)
 
 
-def insert_workspaces(gm: fx.GraphModule, key: GraphKey, plan: WorkspacePlan) -> fx.Node | None:
-    """Give every kernel node of `gm` the graph's planned workspace slot (one `ascend.workspace` node)."""
+def insert_workspaces(gm: fx.GraphModule, keys: Sequence[GraphKey], plan: WorkspacePlan) -> fx.Node | None:
+    """Give every kernel node of `gm` one workspace node standing for the planned slot of each graph
+    key `gm` serves (the runner binds the slot of the key it captures); sized for the largest."""
     graph = gm.graph
-    kernels = [n for n in graph.nodes if any(is_op(n, op) for op in KERNEL_OPS)]
-    if not kernels:
+    calls = kernel_calls(gm)
+    if not calls:
         return None
-    slot = plan.slot_for(key)
-    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    old = []
-    for node in kernels:
-        index = WORKSPACE_ARG[node.target.overloadpacket]
-        old.append(node.args[index])
-    device = old[0].args[1]
-    with graph.inserting_after(last_input):
-        workspace = graph.call_function(torch.ops.ascend.workspace.default, (slot.nbytes, device))
-    workspace.meta["ascend_workspace_slot"] = dataclasses.asdict(slot) | {"undersized": slot.undersized}
-    for node, previous in zip(kernels, old):
-        index = WORKSPACE_ARG[node.target.overloadpacket]
-        node.update_arg(index, workspace)
+    slots = {str(key): plan.slot_for(key) for key in keys}
+    largest = max(slots.values(), key=lambda slot: slot.nbytes)
+    old = [call.workspace for call in calls]
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+        workspace = graph.call_function(torch.ops.ascend.workspace.default, (largest.nbytes, old[0].args[1]))
+    workspace.meta[WORKSPACE_META_KEY] = {key: slot.name for key, slot in slots.items()}
+    for call, previous in zip(calls, old):
+        call.set_workspace(workspace)
         if not previous.users:
             graph.erase_node(previous)
     graph.lint()
     gm.recompile()
     return workspace
+
+
+def workspace_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The planned workspace nodes of `gm` (`insert_workspaces`)."""
+    return [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace) and WORKSPACE_META_KEY in n.meta]

@@ -51,13 +51,14 @@ class DeviceGraph(abc.ABC):
 
 
 class Runtime(abc.ABC):
-    """A device that can capture and replay graphs (or, with `supports_graphs` False, cannot)."""
+    """A device the runner can stage static memory on and run kernels on.
+
+    What else a runtime can do is its type: a `GraphRuntime` captures and replays graphs, a
+    `TaskUpdateRuntime` also re-issues the host arguments of captured kernels before a replay. A
+    runtime offers only what it supports; callers ask with `isinstance`.
+    """
 
     name: str = "base"
-    supports_graphs: bool = True
-    #: True where kernels take host-side lengths frozen at capture (sim, npu) and need task
-    #: updates; False where kernels read lengths from device buffers (cuda).
-    needs_task_updates: bool = True
 
     @property
     @abc.abstractmethod
@@ -69,8 +70,44 @@ class Runtime(abc.ABC):
         """Static memory owned by the caller for as long as it holds the tensor."""
 
     @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all launched work, replays included."""
+
+    def kernel(self, op: Any) -> Callable[..., Any]:
+        """The callable that runs an `ascend` kernel op on this runtime (captured, and re-issued in
+        task updates). By default the op itself; a runtime binding a vendor API returns its binding."""
+        return op
+
+    def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor on the same memory that does not keep it allocated (as vLLM's `weak_ref_tensors`).
+
+        Update tables hold the captured kernels' arguments this way: the addresses the tasks read,
+        without pinning memory the graph pool may hand to later allocations of the same capture.
+        """
+        return tensor
+
+    def describe(self) -> dict[str, Any]:
+        """What the dump records about this runtime."""
+        return {"name": self.name, "device": str(self.device), "graphs": isinstance(self, GraphRuntime),
+                "task_updates": isinstance(self, TaskUpdateRuntime)}
+
+
+class GraphRuntime(Runtime):
+    """A runtime that captures device graphs; its kernels read lengths on the device (no updates)."""
+
+    @abc.abstractmethod
     def graph(self) -> DeviceGraph:
         """A new, empty graph whose captures share this runtime's graph memory pool."""
+
+    def after_replay(self) -> None:
+        """After a replay (and its updates): make its results ready for what the host issues next.
+        By default `synchronize`; a device whose later work is ordered on the same stream needs nothing."""
+        self.synchronize()
+
+
+class TaskUpdateRuntime(GraphRuntime):
+    """A graph runtime whose kernels take host-side lengths frozen at capture, refreshed before each
+    replay by task updates, ordered by external events (Ascend's ACL graphs; the simulator)."""
 
     @abc.abstractmethod
     def event(self, name: str) -> ExternalEvent:
@@ -92,22 +129,6 @@ class Runtime(abc.ABC):
     def task_update_end(self) -> None:
         """Finish the update started by `task_update_begin`."""
 
-    @abc.abstractmethod
-    def synchronize(self) -> None:
-        """Wait for all launched work, replays included."""
-
-    def kernel(self, op: Any) -> Callable[..., Any]:
-        """The callable that runs an `ascend` kernel op on this runtime (captured, and re-issued in
-        task updates). By default the op itself; a runtime binding a vendor API returns its binding."""
-        return op
-
-    def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor on the same memory that does not keep it allocated.
-
-        Only used to reproduce the historical workspace-lifetime bug (DESIGN.md §7 case 3).
-        """
-        return tensor
-
     @contextlib.contextmanager
     def task_update(self, handle: TaskHandle) -> Iterator[None]:
         """`task_update_begin` / `task_update_end` as a context."""
@@ -116,7 +137,3 @@ class Runtime(abc.ABC):
             yield
         finally:
             self.task_update_end()
-
-    def describe(self) -> dict[str, Any]:
-        """What the dump records about this runtime."""
-        return {"name": self.name, "device": str(self.device), "graphs": self.supports_graphs}

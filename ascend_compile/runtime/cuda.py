@@ -3,7 +3,7 @@
 Kernels on CUDA read sequence lengths from device buffers (`passes/device_lengths.py`), so a
 captured graph needs no task updates: the runner's copy of each step's inputs into the graph's
 static buffers is the whole update, one copy per input per step. Task groups, task updates and
-external events are therefore not offered (`needs_task_updates` is False).
+external events are therefore not offered (it is a `GraphRuntime`, not a `TaskUpdateRuntime`).
 
 Graphs of different buckets never replay at once, and each keeps its outputs alive, so they share
 one graph memory pool: what one capture freed, a later one may reuse. Each capture runs on a side
@@ -13,12 +13,11 @@ Triton compilation) happens before the capture, not inside it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import CaptureError
-from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
+from .base import DeviceGraph, GraphRuntime
 
 #: Eager runs of a bucket graph on the capture stream before its capture (as
 #: `torch.cuda.make_graphed_callables` does by default).
@@ -49,12 +48,10 @@ class CudaGraph(DeviceGraph):
         self.graph.replay()
 
 
-class CudaRuntime(Runtime):
+class CudaRuntime(GraphRuntime):
     """CUDA graphs on one device; the kernels read lengths on the device, so no task updates."""
 
     name = "cuda"
-    supports_graphs = True
-    needs_task_updates = False
 
     def __init__(self, device: torch.device) -> None:
         device = torch.device(device)
@@ -82,33 +79,15 @@ class CudaRuntime(Runtime):
     def graph(self) -> CudaGraph:
         return CudaGraph(self)
 
-    def _no_updates(self, what: str) -> NoReturn:
-        raise CaptureError(
-            f"runtime: the cuda runtime has no {what}: its kernels read lengths from device buffers "
-            f"(graphs rewritten by passes.device_lengths.use_device_lengths need none)"
-        )
-
-    def event(self, name: str) -> ExternalEvent:
-        self._no_updates("external events")
-
-    def task_group_begin(self) -> None:
-        self._no_updates("task groups")
-
-    def task_group_end(self) -> TaskHandle:
-        self._no_updates("task groups")
-
-    def task_update_begin(self, handle: TaskHandle) -> None:
-        self._no_updates("task updates")
-
-    def task_update_end(self) -> None:
-        self._no_updates("task updates")
-
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)
+
+    def after_replay(self) -> None:
+        """Nothing: the copies out of the graph's outputs run after it on the same stream, so the host
+        never waits for the device within a step."""
 
     def describe(self) -> dict[str, Any]:
         return super().describe() | {
             "device_name": torch.cuda.get_device_name(self._device),
             "sms": self.num_sms,
-            "task_updates": False,
         }

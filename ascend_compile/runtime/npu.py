@@ -21,7 +21,7 @@ import torch
 
 from ..errors import AscendCompileError, CaptureError, ReplayError
 from ..ops.npu import NpuKernels, load_torch_npu
-from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
+from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime
 
 log = logging.getLogger("ascend_compile")
 
@@ -139,7 +139,7 @@ class NpuGraph(DeviceGraph):
         rt.step_done(stream)
 
 
-class NpuRuntime(Runtime):
+class NpuRuntime(TaskUpdateRuntime):
     """ACL-graph capture and replay through torch_npu, with task-group updates on a side stream.
 
     Steps are ordered on the device, as torchair's npugraph_ex orders them: each replay makes the
@@ -153,8 +153,6 @@ class NpuRuntime(Runtime):
     """
 
     name = "npu"
-    supports_graphs = True
-    needs_task_updates = True
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.torch_npu = load_torch_npu()

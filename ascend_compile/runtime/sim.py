@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
-from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
+from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime
 from .sim_pool import Segment, SimPool, extent_bytes
 from .sim_streams import CallWork, EventState, SimDevice, SimStream, TaskAccess
 from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _MemRef, _OpTask, _EventTask, _Task, _aliases_inputs,
@@ -327,7 +327,7 @@ class _UpdateMode(TorchDispatchMode):
         )
 
 
-class SimRuntime(Runtime):
+class SimRuntime(TaskUpdateRuntime):
     """The ACL-graph simulator (see the module docstring for the device rules it enforces).
 
     `segment_bytes`: size of each simulated memory segment (a larger request gets its own).
@@ -336,8 +336,6 @@ class SimRuntime(Runtime):
     """
 
     name = "sim"
-    supports_graphs = True
-    needs_task_updates = True
 
     def __init__(self, segment_bytes: int = 64 << 20, overflow: str = "write") -> None:
         if overflow not in ("write", "raise"):

@@ -1,0 +1,330 @@
+"""`ascend_graph` inside vLLM and vLLM-Ascend: their real attention ops, metadata from the forward context.
+
+vLLM's model graphs call `vllm::unified_attention_with_output(query, key, value, output, layer_name,
+...)` and, where the attention backend does not write the cache itself (FLASH_ATTN),
+`vllm::unified_kv_cache_update(key, value, layer_name)`. Both take only a layer name: the metadata,
+the layer and its KV cache come from `get_forward_context()` (`attn_metadata[layer_name]`,
+`no_compile_layers[layer_name].kv_cache`, `slot_mapping[layer_name]`). `ForwardContextBinder` is the
+binder (`passes/providers.py`) that rewrites both ops onto `ascend.reshape_and_cache` /
+`ascend.attention` and makes every value they read a provided input, read from the forward context
+once per step: the runner stages it by role like any input, and the update table refreshes PA/FIA
+host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
+
+Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
+qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
+"cudagraph_mode": "NONE"}`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
+tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from ..backend import compile_graph
+from ..config import CompileConfig
+from ..lowering.runner import CompiledArtifact
+from ..passes.fx_utils import example_value, fill_fake_values, is_op, placeholders
+from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
+from ..targets import TargetFactory, default_target
+
+log = logging.getLogger("ascend_compile")
+
+#: The vLLM versions whose op schemas and forward context this module was written against.
+SUPPORTED = ("0.23",)
+ATTENTION_OP = "unified_attention_with_output"
+CACHE_UPDATE_OP = "unified_kv_cache_update"
+
+
+def _vllm_op(name: str) -> Any:
+    """`torch.ops.vllm.<name>`, or None where vLLM (or a stand-in) has not registered it."""
+    try:
+        return getattr(torch.ops.vllm, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _default_forward_context() -> Any:
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context()
+
+
+def vllm_graph_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The graph's vLLM attention and cache-update nodes."""
+    attention, update = _vllm_op(ATTENTION_OP), _vllm_op(CACHE_UPDATE_OP)
+    return ([n for n in gm.graph.nodes if attention is not None and is_op(n, attention)],
+            [n for n in gm.graph.nodes if update is not None and is_op(n, update)])
+
+
+@dataclasses.dataclass
+class _Reader:
+    """One provided input: where it goes in the graph and how to read it from a forward context."""
+
+    provided: ProvidedInput
+    read: Callable[[Any], torch.Tensor]
+
+
+def _arg(node: fx.Node, index: int, name: str) -> Any:
+    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
+
+
+class ForwardContextBinder:
+    """A binder for vLLM graphs: see the module docstring. `get_forward_context` is vLLM's by default."""
+
+    def __init__(self, get_forward_context: Callable[[], Any] | None = None,
+                 example_inputs: Sequence[Any] = ()) -> None:
+        self.get_forward_context = get_forward_context or _default_forward_context
+        self.example_inputs = list(example_inputs)
+
+    # -------------------------------------------------------------- what the forward context holds
+
+    def ready(self) -> bool:
+        """Whether the current forward context has the metadata and caches a compile binds to (vLLM's
+        profiling run has no metadata and no caches yet: such steps run eagerly, uncompiled)."""
+        try:
+            ctx = self.get_forward_context()
+        except AssertionError:
+            return False
+        metadata = ctx.attn_metadata
+        if metadata is None or isinstance(metadata, list):
+            return False
+        layers = list(ctx.no_compile_layers.values())
+        return bool(layers) and all(_has_cache(getattr(layer, "kv_cache", None)) for layer in layers
+                                    if hasattr(layer, "impl"))
+
+    def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
+        """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph
+        input (torch >= 2.11), whose example input holds it."""
+        arg = _arg(node, 2 if is_op(node, _vllm_op(CACHE_UPDATE_OP)) else 4, "layer_name")
+        if isinstance(arg, fx.Node):
+            index = placeholders(gm).index(arg)
+            value = self.example_inputs[index] if index < len(self.example_inputs) else example_value(arg)
+            arg = getattr(value, "value", value)
+        if not isinstance(arg, str):
+            raise TypeError(f"{node.name}.layer_name: expected a str or vLLM LayerName, got {type(arg).__name__}")
+        return arg
+
+    # -------------------------------------------------------------- the rewrite
+
+    def __call__(self, gm: fx.GraphModule) -> Provider | None:
+        attention, updates = vllm_graph_nodes(gm)
+        if not attention:
+            return None
+        ctx = self.get_forward_context()
+        if ctx.attn_metadata is None or isinstance(ctx.attn_metadata, list):
+            raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata at compile time "
+                             "(a step with metadata), got "
+                             + ("None" if ctx.attn_metadata is None else "a list (DBO / ubatching: not supported)"))
+        fake_mode = fake_mode_of(gm)
+        readers: list[_Reader] = []
+        groups: dict[int, dict[str, fx.Node]] = {}
+        caches: dict[str, tuple[fx.Node, fx.Node]] = {}
+        graph = gm.graph
+
+        def provide(name: str, source: str, read: Callable[[Any], torch.Tensor], fake: torch.Tensor) -> fx.Node:
+            reader = _Reader(ProvidedInput(name, source), read)
+            readers.append(reader)
+            return add_provided_input(gm, reader.provided, fake)
+
+        def metadata_inputs(layer: str, tokens: Any) -> dict[str, fx.Node]:
+            metadata = ctx.attn_metadata[layer]
+            key = id(metadata)
+            if key not in groups:
+                groups[key] = self._bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
+            return groups[key]
+
+        def cache_inputs(layer: str) -> tuple[fx.Node, fx.Node]:
+            if layer not in caches:
+                caches[layer] = self._bind_cache(len(caches), layer, ctx.no_compile_layers[layer], fake_mode, provide)
+            return caches[layer]
+
+        slots: dict[int, fx.Node] = {}
+        for node in updates:
+            layer = self.layer_name(gm, node)
+            key, value = node.args[0], node.args[1]
+            real = ctx.slot_mapping[layer]
+            if id(real) not in slots:
+                slots[id(real)] = self._bind_slot_mapping(len(slots), layer, real, example_value(key).shape[0],
+                                                          fake_mode, provide)
+            slot_mapping = slots[id(real)]
+            key_cache, value_cache = cache_inputs(layer)
+            with graph.inserting_before(node):
+                graph.call_function(torch.ops.ascend.reshape_and_cache.default,
+                                    (key, value, key_cache, value_cache, slot_mapping))
+                dummy = graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
+                                            {"dtype": example_value(key).dtype, "device": example_value(key).device})
+            node.replace_all_uses_with(dummy)
+            graph.erase_node(node)
+        for node in attention:
+            self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs)
+        for node in reversed(list(graph.nodes)):
+            if node.op == "call_function" and node.target is torch.ops.aten.empty.memory_format and not node.users:
+                graph.erase_node(node)
+        fill_fake_values(graph)
+        graph.lint()
+        gm.recompile()
+        get = self.get_forward_context
+        return Provider(tuple(r.provided for r in readers), lambda args: _read_all(get(), readers))
+
+    def _rewrite_attention(self, gm: fx.GraphModule, node: fx.Node, ctx: Any, metadata_inputs: Callable,
+                           cache_inputs: Callable) -> None:
+        layer_name = self.layer_name(gm, node)
+        query, key, value, output = node.args[:4]
+        for position, name in ((5, "output_scale"), (6, "output_block_scale")):
+            if _arg(node, position, name) is not None:
+                raise ValueError(f"{node.name}.{name}: fused output quantization is not supported by ascend_graph")
+        layer = ctx.no_compile_layers[layer_name]
+        tokens = example_value(query).shape[0]
+        metadata = metadata_inputs(layer_name, tokens)
+        key_cache, value_cache = cache_inputs(layer_name)
+        graph = gm.graph
+        with graph.inserting_before(node):
+            if getattr(layer.attn_backend, "forward_includes_kv_cache_update", True) and key is not None:
+                graph.call_function(torch.ops.ascend.reshape_and_cache.default,
+                                    (key, value, key_cache, value_cache, metadata["slot_mapping"]))
+            result = graph.call_function(torch.ops.ascend.attention.default, (
+                query, key_cache, value_cache, metadata["block_table"], metadata["seq_lens"],
+                metadata["query_start_loc"], float(layer.impl.scale)))
+            graph.call_method("copy_", (output, result))
+        result.meta["ascend_adapted_from"] = f"vllm.{ATTENTION_OP} ({node.name}, layer {layer_name!r})"
+        graph.erase_node(node)
+
+    @staticmethod
+    def _bind_metadata(index: int, layer: str, metadata: Any, tokens: Any, fake_mode: Any,
+                       provide: Callable) -> dict[str, fx.Node]:
+        """The metadata inputs of one metadata object (a KV-cache group: every layer sharing it)."""
+        table_field = "block_table" if hasattr(metadata, "block_table") else "block_tables"
+        where = f"forward_context.attn_metadata[{layer!r}]"
+        seq_lens = metadata.seq_lens
+        seqs = fresh_size(fake_mode, seq_lens.shape[0], f"seqs_{index}")
+        table = getattr(metadata, table_field)
+        inputs = {
+            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: _meta(ctx, layer).seq_lens,
+                                fake_like(fake_mode, seq_lens, (seqs,))),
+            "query_start_loc": provide(
+                f"vllm_query_start_loc_{index}", f"{where}.query_start_loc[:num_reqs + 1]",
+                lambda ctx: _meta(ctx, layer).query_start_loc[: _meta(ctx, layer).seq_lens.shape[0] + 1],
+                fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
+            "block_table": provide(
+                f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
+                lambda ctx: getattr(_meta(ctx, layer), table_field)[: _meta(ctx, layer).seq_lens.shape[0]],
+                fake_like(fake_mode, table, (seqs, table.shape[1]))),
+        }
+        if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
+            inputs["slot_mapping"] = provide(
+                f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
+                lambda ctx: _meta(ctx, layer).slot_mapping[: _meta(ctx, layer).num_actual_tokens],
+                fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
+        return inputs
+
+    @staticmethod
+    def _bind_slot_mapping(index: int, layer: str, real: torch.Tensor, tokens: Any, fake_mode: Any,
+                           provide: Callable) -> fx.Node:
+        """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
+        layer sharing the tensor)."""
+        return provide(f"vllm_slot_mapping_{index}", f"forward_context.slot_mapping[{layer!r}]",
+                       lambda c: c.slot_mapping[layer], fake_like(fake_mode, real, (tokens,)))
+
+    @staticmethod
+    def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
+                    ) -> tuple[fx.Node, fx.Node]:
+        """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM's
+        `[num_blocks, 2, ...]` cache unbound on dim 1, or vLLM-Ascend's `(key, value)` pair."""
+        where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
+        key, value = _split_cache(attn_layer.kv_cache, where)
+        name = layer.replace(".", "_")
+        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: _cache(ctx, layer, where)[0],
+                        fake_like(fake_mode, key)),
+                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: _cache(ctx, layer, where)[1],
+                        fake_like(fake_mode, value)))
+
+
+def _has_cache(kv_cache: Any) -> bool:
+    if isinstance(kv_cache, (tuple, list)):
+        return len(kv_cache) >= 2 and all(isinstance(t, torch.Tensor) and t.numel() for t in kv_cache[:2])
+    return isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5
+
+
+def _split_cache(kv_cache: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) >= 2:
+        return kv_cache[0], kv_cache[1]
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
+        return kv_cache[:, 0], kv_cache[:, 1]
+    raise ValueError(f"{where}: expected a (key, value) pair or a [num_blocks, 2, block_size, kv_heads, head_dim] "
+                     f"tensor (FLASH_ATTN's layout), got "
+                     f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
+
+
+def _meta(ctx: Any, layer: str) -> Any:
+    metadata = ctx.attn_metadata
+    if not isinstance(metadata, dict):
+        raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata, got "
+                         + ("None" if metadata is None else type(metadata).__name__))
+    return metadata[layer]
+
+
+def _cache(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _split_cache(ctx.no_compile_layers[layer].kv_cache, where)
+
+
+def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
+    return [r.read(ctx) for r in readers]
+
+
+class DeferredCompile:
+    """What the backend returns for a vLLM graph: it runs the graph as traced (vLLM's own ops) until a
+    step's forward context has metadata and caches, then compiles once against it (vLLM compiles
+    during its profiling run, before the KV caches exist)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
+                 binder: ForwardContextBinder, target: TargetFactory,
+                 on_compiled: Callable[[CompiledArtifact], None] | None) -> None:
+        self.gm, self.example_inputs, self.config = gm, list(example_inputs), config
+        self.binder, self.target, self.on_compiled = binder, target, on_compiled
+        self.compiled: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            if not self.binder.ready():
+                return self.gm(*args)
+            self.compiled = compile_graph(self.gm, self.example_inputs, self.config, self.target, bind=self.binder)
+            if self.on_compiled is not None and isinstance(self.compiled, CompiledArtifact):
+                self.on_compiled(self.compiled)
+        return self.compiled(*args)
+
+
+def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,
+            get_forward_context: Callable[[], Any] | None = None, target: TargetFactory = default_target,
+            **options: Any) -> Callable[..., Any]:
+    """A dynamo backend for vLLM model graphs (see the module docstring); graphs without vLLM's
+    attention ops compile as with `ascend_compile.backend`."""
+    if config is None:
+        config = CompileConfig.from_options(options)
+    elif options:
+        raise ValueError("backend: pass either a CompileConfig or options, not both")
+
+    def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        attention, _ = vllm_graph_nodes(gm)
+        if not attention:
+            compiled = compile_graph(gm, example_inputs, config, target)
+            if on_compiled is not None and isinstance(compiled, CompiledArtifact):
+                on_compiled(compiled)
+            return compiled
+        binder = ForwardContextBinder(get_forward_context, example_inputs)
+        return DeferredCompile(gm, example_inputs, config, binder, target, on_compiled)
+
+    return compile_fn
+
+
+def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """The backend for vLLM's `compilation_config.backend` (a qualified name, so no arguments): options
+    from the environment variable `ASCEND_COMPILE_OPTIONS` (JSON), e.g. `{"max_model_len": 8192}`."""
+    import json
+    import os
+
+    options = json.loads(os.environ.get("ASCEND_COMPILE_OPTIONS", "{}"))
+    return backend(**options)(gm, example_inputs)

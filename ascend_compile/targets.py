@@ -1,0 +1,135 @@
+"""One target per device: everything the compiler asks of the device it compiles for.
+
+A target bundles the runtime (what it can do is its type: `runtime/base.py`), how workspaces are
+sized there, the kernel timer of the "auto" policy, how a bucket's graph is specialised from its
+variant when it is captured (CUDA: device-length kernels and the inner compiler), and the two
+lowering policies a capture follows (`UpdateSchedule`, `WorkspaceLifetime`). The backend asks the
+target and never a runtime's name; a new device is a new target here and a runtime in `runtime/`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, ClassVar
+
+import torch
+from torch import fx
+
+from .config import CompileConfig
+from .lowering.capture import UpdateSchedule, WorkspaceLifetime
+from .ops import timing
+from .ops.kernel_policy import KernelPolicy, KernelTimer
+from .passes.fx_utils import clone_graph_module
+from .passes.workspaces import GraphKey, NeedFn, node_need
+from .runtime import create_runtime, resolve_runtime
+from .runtime.base import Runtime
+
+#: Builds the target for a graph's device and config (`backend(target=...)` takes one).
+TargetFactory = Callable[[torch.device, CompileConfig], "Target"]
+
+
+@dataclasses.dataclass
+class Target:
+    """The simulator's and the eager runtime's target, and the base of the others: exact workspace
+    formulas, kernels timed as torch ops on the device, graphs captured as their variant."""
+
+    runtime: Runtime
+    #: Whether kernels take host lengths, which the runner then reads from each step (one host copy
+    #: of each length input); False where they read them on the device, so no step waits for it.
+    host_lengths: ClassVar[bool] = True
+    updates: UpdateSchedule = dataclasses.field(default_factory=UpdateSchedule)
+    workspaces: WorkspaceLifetime = dataclasses.field(default_factory=WorkspaceLifetime)
+
+    def check(self, config: CompileConfig) -> None:
+        """Refuse options this target cannot honour."""
+        if config.inner_compiler != "eager":
+            raise ValueError(
+                f"inner_compiler: {config.inner_compiler!r} compiles the graphs that runtime 'cuda' captures; "
+                f"runtime {self.runtime.name!r} has no such graphs (its kernels need task updates, or it has no "
+                f"graphs), use inner_compiler='eager' there"
+            )
+
+    def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
+        device = self.runtime.device
+        return lambda kernel, shape, bucket: timing.time_kernel(kernel, shape, bucket, config.auto_timing_seq_len,
+                                                                dtype, device)
+
+    def kernel_policy(self, config: CompileConfig, dtype: torch.dtype) -> KernelPolicy:
+        """The policy of `config`; for "auto", timing this target's kernels (once per shape and bucket)."""
+        timer = functools.lru_cache(maxsize=None)(self.kernel_timer(config, dtype)) \
+            if config.kernel_policy == "auto" else None
+        return KernelPolicy(kind=config.kernel_policy, pa_max_batch=config.pa_max_batch,
+                            pa_batch_sizes=config.pa_batch_sizes, timer=timer,
+                            timing_seq_len=config.auto_timing_seq_len)
+
+    def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
+        """How a kernel node's workspace is sized: the exact formula scan."""
+        return node_need
+
+    def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
+        """The graph `key` captures, from its variant `gm`: the variant itself."""
+        return gm
+
+
+@dataclasses.dataclass
+class NpuTarget(Target):
+    """Ascend through torch_npu: workspaces from torch_npu's own queries, probed at compile time
+    (no formula), and "auto" timing the torch_npu kernels the runtime binds."""
+
+    def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
+        from .ops import npu as npu_ops
+
+        runtime = self.runtime
+        return lambda kernel, shape, bucket: npu_ops.time_kernel(
+            runtime.kernels, runtime.synchronize, kernel, shape, bucket, config.auto_timing_seq_len, dtype)
+
+    def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
+        from .ops import npu as npu_ops
+        from .passes.probe import ProbedWorkspaceNeed
+
+        return ProbedWorkspaceNeed(npu_ops.NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
+
+
+@dataclasses.dataclass
+class CudaTarget(Target):
+    """CUDA graphs: kernels read lengths on the device (no task updates), split a fixed number of
+    times per bucket, which fixes their workspaces; an inner compiler (inductor) may compile each
+    bucket's graph around them."""
+
+    host_lengths: ClassVar[bool] = False
+
+    def check(self, config: CompileConfig) -> None:
+        """Every option holds on CUDA, the inner compiler included."""
+
+    def splits(self, config: CompileConfig):
+        from .ops.cuda import gpu_splits
+
+        return gpu_splits(self.runtime.num_sms, config.max_model_len)
+
+    def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
+        from .passes.device_lengths import fixed_split_need
+
+        return fixed_split_need(self.splits(config))
+
+    def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
+        """A copy of the variant whose kernels read lengths on the device, split for `key`'s bucket,
+        compiled by the inner compiler when one is configured."""
+        from .passes.device_lengths import use_device_lengths
+        from .passes.inner_compile import compile_inner
+
+        gm = clone_graph_module(gm)
+        use_device_lengths(gm, key.bucket, self.splits(config))
+        if config.inner_compiler != "eager":
+            compile_inner(gm, config.inner_compiler)
+        return gm
+
+
+def default_target(device: torch.device, config: CompileConfig) -> Target:
+    """The target `config.runtime` means for tensors on `device`."""
+    name = resolve_runtime(config.runtime, device)
+    runtime = create_runtime(name, device, config.sim_overflow)
+    if name == "npu":
+        return NpuTarget(runtime)
+    if name == "cuda":
+        return CudaTarget(runtime)
+    return Target(runtime)
