@@ -366,6 +366,7 @@ def extract(vllm_root: Path, ascend_root: Path | None, wheel: Path | None, ascen
             "metadata_fields": list(_class_fields(fa_meta)),
             "metadata_field_types": _class_fields(fa_meta),
             "forward_includes_kv_cache_update": _class_attr(fa_backend, "forward_includes_kv_cache_update"),
+            "impl_init_self_attrs": _self_attrs(_method(flash.top("FlashAttentionImpl", ast.ClassDef), "__init__")),
             "kv_cache_shape": _returned_source(fa_backend, "get_kv_cache_shape"),
             "where": {"FlashAttentionMetadata": flash.lines(fa_meta), "FlashAttentionBackend": flash.lines(fa_backend)},
         },
@@ -446,6 +447,7 @@ def extract_ascend(root: Path) -> dict:
             "kv_cache_shape": ast.unparse(next(
                 n for n in ast.walk(_method(backend, "get_kv_cache_shape")) if isinstance(n, ast.Return)).value),
             "layer_kv_cache": "(k_cache, v_cache), each get_kv_cache_shape(...)[1:]",
+            "impl_init_self_attrs": _self_attrs(_method(impl, "__init__")),
             "where": attn.lines(backend),
         },
         "update_graph_params": {
