@@ -509,6 +509,7 @@ class AscendAttentionBackendImpl:
 
     def __init__(self, *args, **kwargs):
         _attention_impl_init(self, *args, **kwargs)
+        del self.logits_soft_cap  # vLLM-Ascend's impl does not keep it
         self.hidden_size = self.num_heads * self.head_size
         self.key_cache = None
         self.value_cache = None
