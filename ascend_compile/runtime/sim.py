@@ -32,7 +32,9 @@ quietly computing the eager answer:
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
 
-Tasks and how ops are classified live in `sim_tasks.py`, memory in `sim_pool.py`.
+Tasks and how ops are classified live in `sim_tasks.py`, memory in `sim_pool.py` and, as the runtime
+uses it, `sim_memory.py`; workspace overruns in `sim_overrun.py`, collectives in flight in
+`sim_collectives.py`.
 """
 from __future__ import annotations
 
@@ -48,11 +50,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
 from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
-from .sim_pool import Segment, SimPool, extent_bytes
+from .sim_collectives import InFlight
+from .sim_memory import SimMemory, _region
+from .sim_overrun import widen_workspace
+from .sim_pool import Segment
 from .sim_streams import CallWork, EventState, SimDevice, SimStream, TaskAccess
-from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _MemRef, _OpTask, _EventTask, _Task, _aliases_inputs,
-                        _all_zero, _arg, _completes_at_wait, _contiguous_stride, _is_cpu_dense, _is_view, _is_wait,
-                        _storage_id, _syncs_host)
+from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _OpTask, _EventTask, _Task, _aliases_inputs,
+                        _all_zero, _arg, _contiguous_stride, _is_cpu_dense, _is_view, _is_wait, _storage_id, _syncs_host)
 
 logger = logging.getLogger("ascend_compile.sim")
 
@@ -112,11 +116,6 @@ class SimEvent(ExternalEvent):
 
     def __repr__(self) -> str:
         return f"SimEvent({self.name!r}, recorded={self.recorded})"
-
-
-def _region(ref: _MemRef) -> tuple[Segment, int, int]:
-    """(segment, offset, bytes) an operand spans."""
-    return ref.segment, ref.offset, extent_bytes(ref.shape, ref.stride, ref.dtype)
 
 
 class SimGraph(DeviceGraph):
@@ -179,7 +178,7 @@ class SimGraph(DeviceGraph):
                 queue.enqueue(stream, part.work())
             else:
                 queue.enqueue(stream, CallWork(part[0].label, functools.partial(rt._run_tasks, part)))
-        queue.enqueue(stream, CallWork(f"{self.name} end", lambda s: rt._complete_all()))
+        queue.enqueue(stream, CallWork(f"{self.name} end", lambda s: rt._in_flight.complete_all()))
 
     def _segments(self) -> list[Union[list[_OpTask], _EventTask]]:
         """The tasks as stream items: each event action alone, the op tasks between them together
@@ -266,7 +265,7 @@ class _CaptureMode(TorchDispatchMode):
         kwargs = kwargs or {}
         rt = self.runtime
         if func in _ALLOCATION_OPS:
-            return pytree.tree_map_only(torch.Tensor, rt._graph_tensor_like, func(*args, **kwargs))
+            return pytree.tree_map_only(torch.Tensor, lambda t: rt._memory.like(t, capturing=True), func(*args, **kwargs))
         if _syncs_host(func) and any(
             rt._locate(t) is not None for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         ):
@@ -290,9 +289,9 @@ class _CaptureMode(TorchDispatchMode):
         fresh = []
         for i, out in enumerate(flat):
             if _is_cpu_dense(out) and _storage_id(out) not in inputs:
-                flat[i] = rt._graph_tensor_like(out)
-                rt._deliver(func, out, flat[i])
-                fresh.append((i, rt._describe(flat[i])))
+                flat[i] = rt._memory.like(out, capturing=True)
+                rt._in_flight.deliver(func, out, flat[i])
+                fresh.append((i, rt._memory.describe(flat[i])))
         self.graph._tasks.append(_OpTask(func, frozen_args, frozen_kwargs, fresh, label, kind))
         return pytree.tree_unflatten(flat, spec)
 
@@ -343,18 +342,16 @@ class SimRuntime(Runtime):
         if overflow not in ("write", "raise"):
             raise ValueError(f"overflow must be 'write' or 'raise', got {overflow!r}")
         self.overflow = overflow
-        self._general = SimPool("general", segment_bytes)
-        self._graph_pool = SimPool("graph", segment_bytes)
+        self._memory = SimMemory(segment_bytes)
         self._capturing: Optional[SimGraph] = None
         self._group_start: Optional[int] = None
-        self._captured_blocks: list[tuple[Segment, int, int]] = []
         self._update: Optional[_UpdateMode] = None
         self.device_queue = SimDevice()
         self.default_stream = self.device_queue.stream("default")
         self.capture_stream = self.device_queue.stream("capture")
         self.update_stream = self.device_queue.stream("update", priority=-1)
         self._current: list[SimStream] = []
-        self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._in_flight = InFlight()
         self._graph_count = 0
         self._fast_paths: dict[Any, str] = {}
         self._host_reads: dict[Any, tuple[str, ...]] = {}
@@ -523,29 +520,17 @@ class SimRuntime(Runtime):
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Per pool ("general", "graph"): reserved_bytes, allocated_bytes, segments, free_blocks."""
-        return {pool.name: pool.stats() for pool in (self._general, self._graph_pool)}
+        return self._memory.stats()
 
     def describe(self) -> dict[str, Any]:
         """What the dump records about this runtime."""
-        return {**super().describe(), "segment_bytes": self._general.segment_bytes, "overflow": self.overflow}
+        return {**super().describe(), "segment_bytes": self._memory.general.segment_bytes, "overflow": self.overflow}
 
     def _allocate(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        pool = self._general if self._capturing is None else self._graph_pool
-        block = pool.allocate(extent_bytes(shape, stride, dtype))
-        if self._capturing is not None:
-            self._captured_blocks.append((block.segment, block.offset, block.size))
-        return pool.tensor(block, shape, stride, dtype)
-
-    def _graph_tensor_like(self, t: torch.Tensor) -> torch.Tensor:
-        if not _is_cpu_dense(t):
-            return t
-        return self._allocate(tuple(t.shape), t.stride(), t.dtype)
+        return self._memory.allocate(shape, stride, dtype, capturing=self._capturing is not None)
 
     def _locate(self, t: torch.Tensor) -> Optional[tuple[Segment, int]]:
-        if not _is_cpu_dense(t):
-            return None
-        ptr = t.data_ptr()
-        return self._general.locate(ptr) or self._graph_pool.locate(ptr)
+        return self._memory.locate(t)
 
     def _task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The kind of task a call of `op` launches: its name, marked when its zero-length fast path
@@ -557,7 +542,7 @@ class SimRuntime(Runtime):
 
     def _record_operands(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
         """A task's operands: tensors as addresses, host tensors the op reads when it runs held weakly."""
-        args, kwargs = pytree.tree_map(self._describe, (args, kwargs))
+        args, kwargs = pytree.tree_map(self._memory.describe, (args, kwargs))
         for name in self._host_reads.get(op.overloadpacket, ()):
             key, value = _arg(op, args, kwargs, name)
             if isinstance(value, torch.Tensor):
@@ -566,14 +551,6 @@ class SimRuntime(Runtime):
                 else:
                     kwargs = {**kwargs, key: _HostRef(value, name)}
         return args, kwargs
-
-    def _describe(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        where = self._locate(x)
-        if where is None:
-            return x
-        return _MemRef(where[0], where[1], x.dtype, tuple(x.shape), x.stride())
 
     def _require_capture(self, what: str) -> SimGraph:
         if self._capturing is None:
@@ -595,11 +572,9 @@ class SimRuntime(Runtime):
         self._capturing = None
         group_open = self._group_start is not None
         self._group_start = None
-        blocks, self._captured_blocks = self._captured_blocks, []
         with _disable_current_modes():
-            self._complete_all()
-            for segment, offset, size in blocks:
-                segment.data[offset : offset + size].fill_(0xFF)
+            self._in_flight.complete_all()
+            blocks = self._memory.poison_captured()
         logger.debug(
             "captured %s: %d tasks; poisoned %d graph-pool blocks (%d bytes)",
             graph.name, len(graph._tasks), len(blocks), sum(b[2] for b in blocks),
@@ -622,72 +597,17 @@ class SimRuntime(Runtime):
         for task in tasks:
             task.run(self, stream)
 
-    def _deliver(self, op: Any, result: torch.Tensor, dst: torch.Tensor) -> None:
-        """Put a fresh output of `op` at its captured address `dst`: at once, or, for a functional
-        collective, when it completes (the result is not written before then)."""
-        if _completes_at_wait(op):
-            self._in_flight[dst.data_ptr()] = (result, dst)
-        else:
-            dst.copy_(result)
-
-    def _complete(self, tensor: torch.Tensor) -> None:
-        """Wait for the collective in flight to `tensor`'s address, if any, and deliver its output."""
-        pending = self._in_flight.pop(tensor.data_ptr(), None)
-        if pending is not None:
-            result, dst = pending
-            torch.ops._c10d_functional.wait_tensor(result)
-            dst.copy_(result)
-
-    def _complete_all(self) -> None:
-        """Complete every collective still in flight: the end of a graph joins its work, as on the device."""
-        for _, dst in list(self._in_flight.values()):
-            self._complete(dst)
-
     def _launch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], label: str) -> Any:
         """Call `op`; a `WorkspaceTooSmall` becomes an overrun of the workspace (or is re-raised).
         A `wait_tensor` first completes the collective in flight to its operand's address."""
         if _is_wait(op):
-            self._complete(args[0] if args else kwargs["tensor"])
+            self._in_flight.complete(args[0] if args else kwargs["tensor"])
         try:
             return op(*args, **kwargs)
         except WorkspaceTooSmall as err:
             if self.overflow == "raise":
                 err.args = (f"{err.args[0]} [in {label}]",)
                 raise
-            args, kwargs = self._overrun(op, args, kwargs, err, label)
+            error = CaptureError if self._capturing is not None else ReplayError
+            args, kwargs = widen_workspace(op, args, kwargs, err, label, self._locate, error)
         return op(*args, **kwargs)
-
-    def _overrun(
-        self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], err: WorkspaceTooSmall, label: str
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The operands with the workspace widened to `err.needed` bytes in place, as the kernel
-        would write them on the device: into whatever follows the buffer in its segment."""
-        error = CaptureError if self._capturing is not None else ReplayError
-        name = err.arg_name
-        names = [a.name for a in op._schema.arguments]
-        index = names.index(name) if name in names else len(names)
-        if name in kwargs:
-            buf = kwargs[name]
-        elif index < len(args):
-            buf = args[index]
-        else:
-            raise error(f"{label}: {err}; {op} was not passed an argument {name!r} to overrun") from err
-        where = self._locate(buf)
-        if where is None:
-            raise error(
-                f"{label}: {err}; the buffer is not simulator memory, so its overrun cannot be simulated"
-            ) from err
-        segment, offset = where
-        count = -(-err.needed // buf.dtype.itemsize)
-        if offset + count * buf.dtype.itemsize > segment.size:
-            raise error(
-                f"{label}: {err}; writing {err.needed} bytes from offset {offset} of {segment.pool.name} "
-                f"segment {segment.index} runs past its end ({segment.size} bytes): the device would fault"
-            ) from err
-        logger.debug(
-            "%s: workspace overrun: %s writes %d bytes into a %d-byte buffer", label, op, err.needed, err.given
-        )
-        wide = segment.view(offset, buf.dtype, (count,), (1,))
-        if name in kwargs:
-            return args, {**kwargs, name: wide}
-        return (*args[:index], wide, *args[index + 1 :]), kwargs

@@ -209,7 +209,7 @@ class _OpTask:
         if outs:
             flat = [result] if isinstance(result, torch.Tensor) else pytree.tree_leaves(result)
             for i, dst in outs:
-                runtime._deliver(self.op, flat[i], dst)
+                runtime._in_flight.deliver(self.op, flat[i], dst)
 
 
 #: The stream item each event action of a graph becomes when the graph is launched.
