@@ -32,9 +32,9 @@ quietly computing the eager answer:
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
 
-Tasks and how ops are classified live in `sim_tasks.py`, memory in `sim_pool.py` and, as the runtime
-uses it, `sim_memory.py`; workspace overruns in `sim_overrun.py`, collectives in flight in
-`sim_collectives.py`.
+Tasks and how ops are classified live in `sim_tasks.py`, their recording under the dispatcher in
+`sim_dispatch.py`, memory in `sim_pool.py` and, as the runtime uses it, `sim_memory.py`; workspace
+overruns in `sim_overrun.py`, collectives in flight in `sim_collectives.py`.
 """
 from __future__ import annotations
 
@@ -44,19 +44,17 @@ import logging
 from typing import Any, Iterator, Optional, Union
 
 import torch
-import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
 from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
 from .sim_collectives import InFlight
+from .sim_dispatch import _CaptureMode, _HostReadGuard, _UpdateMode
 from .sim_memory import SimMemory, _region
 from .sim_overrun import widen_workspace
 from .sim_pool import Segment
 from .sim_streams import CallWork, EventState, SimDevice, SimStream, TaskAccess
-from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _OpTask, _EventTask, _Task, _aliases_inputs,
-                        _all_zero, _arg, _contiguous_stride, _is_cpu_dense, _is_view, _is_wait, _storage_id, _syncs_host)
+from .sim_tasks import _EventTask, _OpTask, _Task, _contiguous_stride, _is_wait
 
 logger = logging.getLogger("ascend_compile.sim")
 
@@ -239,91 +237,6 @@ def _land(handle: SimTaskHandle, recorded: list[tuple[Any, str, tuple, dict]], l
         task.access.update(stream, label)
         task.rebind(args, kwargs)
     handle.graph._inputs = None
-
-
-class _HostReadGuard(TorchFunctionMode):
-    """During capture, refuses tensor-to-host conversions that bypass the dispatcher (`tolist`)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _HOST_READ_METHODS:
-            raise CaptureError(
-                f"Tensor.{func.__name__}() during graph capture: a device graph cannot copy device data "
-                f"to the host; do host conversions before capture (or before the task update)"
-            )
-        return func(*args, **(kwargs or {}))
-
-
-class _CaptureMode(TorchDispatchMode):
-    """Runs each op once and records it as a task of `graph`, with fresh outputs in the graph pool."""
-
-    def __init__(self, runtime: SimRuntime, graph: SimGraph) -> None:
-        super().__init__()
-        self.runtime = runtime
-        self.graph = graph
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        rt = self.runtime
-        if func in _ALLOCATION_OPS:
-            return pytree.tree_map_only(torch.Tensor, lambda t: rt._memory.like(t, capturing=True), func(*args, **kwargs))
-        if _syncs_host(func) and any(
-            rt._locate(t) is not None for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        ):
-            raise CaptureError(
-                f"{func} during graph capture reads device data on the host (.item(), bool(tensor), "
-                f"a data-dependent output shape, ...); a device graph cannot record a host "
-                f"synchronisation: move it out of the captured region"
-            )
-        if _is_view(func):
-            result = func(*args, **kwargs)
-            if _aliases_inputs(result, args, kwargs):
-                return result
-            # A "maybe view" op (reshape, contiguous, ... seen whole under inference mode) that
-            # copied: it launches a kernel, so it is recorded like any other op.
-        label = f"{self.graph.name} task {len(self.graph._tasks)} ({func})"
-        frozen_args, frozen_kwargs = rt._record_operands(func, args, kwargs)
-        kind = rt._task_kind(func, args, kwargs)
-        result = rt._launch(func, args, kwargs, label)
-        inputs = {_storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        flat, spec = pytree.tree_flatten(result)
-        fresh = []
-        for i, out in enumerate(flat):
-            if _is_cpu_dense(out) and _storage_id(out) not in inputs:
-                flat[i] = rt._memory.like(out, capturing=True)
-                rt._in_flight.deliver(func, out, flat[i])
-                fresh.append((i, rt._memory.describe(flat[i])))
-        self.graph._tasks.append(_OpTask(func, frozen_args, frozen_kwargs, fresh, label, kind))
-        return pytree.tree_unflatten(flat, spec)
-
-
-class _UpdateMode(TorchDispatchMode):
-    """Records the ops of a task update instead of running them."""
-
-    def __init__(self, runtime: SimRuntime, handle: SimTaskHandle, stream: SimStream) -> None:
-        super().__init__()
-        self.runtime = runtime
-        self.handle = handle
-        self.stream = stream
-        self.recorded: list[tuple[Any, str, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if _is_view(func):
-            return func(*args, **kwargs)
-        frozen_args, frozen_kwargs = self.runtime._record_operands(func, args, kwargs)
-        self.recorded.append((func, self.runtime._task_kind(func, args, kwargs), frozen_args, frozen_kwargs))
-        if not func._schema.returns:
-            return None
-        meta_args, meta_kwargs = pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
-            (args, kwargs),
-        )
-        return pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"),
-            func(*meta_args, **meta_kwargs),
-        )
 
 
 class SimRuntime(Runtime):
@@ -531,26 +444,6 @@ class SimRuntime(Runtime):
 
     def _locate(self, t: torch.Tensor) -> Optional[tuple[Segment, int]]:
         return self._memory.locate(t)
-
-    def _task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The kind of task a call of `op` launches: its name, marked when its zero-length fast path
-        is taken."""
-        lengths = self._fast_paths.get(op.overloadpacket)
-        if lengths is not None and _all_zero(_arg(op, args, kwargs, lengths)[1]):
-            return f"{op}[all lengths 0]"
-        return str(op)
-
-    def _record_operands(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        """A task's operands: tensors as addresses, host tensors the op reads when it runs held weakly."""
-        args, kwargs = pytree.tree_map(self._memory.describe, (args, kwargs))
-        for name in self._host_reads.get(op.overloadpacket, ()):
-            key, value = _arg(op, args, kwargs, name)
-            if isinstance(value, torch.Tensor):
-                if isinstance(key, int):
-                    args = (*args[:key], _HostRef(value, name), *args[key + 1:])
-                else:
-                    kwargs = {**kwargs, key: _HostRef(value, name)}
-        return args, kwargs
 
     def _require_capture(self, what: str) -> SimGraph:
         if self._capturing is None:
