@@ -34,7 +34,8 @@ quietly computing the eager answer:
 
 Tasks and how ops are classified live in `sim_tasks.py`, their recording under the dispatcher in
 `sim_dispatch.py`, memory in `sim_pool.py` and, as the runtime uses it, `sim_memory.py`; workspace
-overruns in `sim_overrun.py`, collectives in flight in `sim_collectives.py`.
+overruns in `sim_overrun.py`, collectives in flight in `sim_collectives.py`, events in `sim_events.py`,
+task groups and updates in `sim_updates.py`.
 """
 from __future__ import annotations
 
@@ -47,73 +48,20 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
-from .base import DeviceGraph, ExternalEvent, Runtime, TaskHandle
+from .base import DeviceGraph, Runtime, TaskHandle
 from .sim_collectives import InFlight
 from .sim_dispatch import _CaptureMode, _HostReadGuard, _UpdateMode
+from .sim_events import SimEvent
 from .sim_memory import SimMemory, _region
 from .sim_overrun import widen_workspace
 from .sim_pool import Segment
-from .sim_streams import CallWork, EventState, SimDevice, SimStream, TaskAccess
+from .sim_streams import CallWork, SimDevice, SimStream, TaskAccess
 from .sim_tasks import _EventTask, _OpTask, _Task, _contiguous_stride, _is_wait
+from .sim_updates import SimTaskHandle, _land, _waited_node
+
+__all__ = ["SimEvent", "SimGraph", "SimRuntime", "SimTaskHandle"]
 
 logger = logging.getLogger("ascend_compile.sim")
-
-
-
-class SimTaskHandle(TaskHandle):
-    """The tasks one `task_group_begin` / `task_group_end` pair enclosed, for later task updates."""
-
-    def __init__(self, graph: SimGraph, index: int, tasks: tuple[_Task, ...]) -> None:
-        self.graph = graph
-        self.index = index
-        self._tasks = tasks
-
-    @property
-    def tasks(self) -> tuple[str, ...]:
-        """The kinds of the grouped tasks (op names), which an update must issue again in order."""
-        return tuple(t.kind for t in self._tasks)
-
-    def __repr__(self) -> str:
-        return f"SimTaskHandle({self.graph.name} group {self.index}: {list(self.tasks)})"
-
-
-class SimEvent(ExternalEvent):
-    """An event; `name` (the FX node's name) is what errors report.
-
-    Inside capture each call records a task of the graph, which becomes an item of the replay's
-    stream when the graph is launched; outside capture each call is issued on a stream (`record`:
-    the update stream by default, `wait` and `reset`: the current stream). `external` events are
-    flags (waited until set, reset to clear); ordinary ones mark a point of a stream (see
-    `sim_streams`). A replay whose wait nothing queued can satisfy raises `ReplayError` at the
-    drain (the device hangs).
-    """
-
-    def __init__(self, runtime: SimRuntime, name: str, external: bool = True) -> None:
-        self._runtime = runtime
-        self.name = name
-        self.state = EventState(name, external)
-
-    @property
-    def recorded(self) -> bool:
-        """Whether the event is set on the device (recorded and not reset since)."""
-        return self.state.is_set
-
-    def wait(self, stream: Optional[SimStream] = None) -> None:
-        """Inside capture: the graph waits here at replay until the event is recorded."""
-        self._runtime._event_action(self, "wait", stream)
-
-    def reset(self, stream: Optional[SimStream] = None) -> None:
-        """Inside capture: clear the event, so the next replay needs a fresh `record`."""
-        if not self.state.external:
-            raise ValueError(f"reset() of {self.name!r}: only external events are reset")
-        self._runtime._event_action(self, "reset", stream)
-
-    def record(self, stream: Optional[SimStream] = None) -> None:
-        """Outside capture (after a task update): set the event on `stream` when it gets there."""
-        self._runtime._event_action(self, "record", stream)
-
-    def __repr__(self) -> str:
-        return f"SimEvent({self.name!r}, recorded={self.recorded})"
 
 
 class SimGraph(DeviceGraph):
@@ -223,20 +171,6 @@ class SimGraph(DeviceGraph):
 
     def __repr__(self) -> str:
         return f"SimGraph({self.name!r}, {len(self._tasks)} tasks, captured={self._captured})"
-
-
-def _waited_node(tasks: list[_Task]) -> str:
-    """" (node X)" when `tasks` (those just before a task group) wait on event X, the FX node's name."""
-    waits = [t.event.name for t in tasks if isinstance(t, _EventTask) and t.action == "wait"]
-    return f" (node {waits[-1]})" if waits else ""
-
-
-def _land(handle: SimTaskHandle, recorded: list[tuple[Any, str, tuple, dict]], label: str, stream: SimStream) -> None:
-    """A task update reaching the device: each task of the group takes its new operands."""
-    for task, (_, _, args, kwargs) in zip(handle._tasks, recorded):
-        task.access.update(stream, label)
-        task.rebind(args, kwargs)
-    handle.graph._inputs = None
 
 
 class SimRuntime(Runtime):
@@ -473,17 +407,6 @@ class SimRuntime(Runtime):
             graph.name, len(graph._tasks), len(blocks), sum(b[2] for b in blocks),
         )
         return group_open
-
-    def _event_action(self, event: SimEvent, action: str, stream: Optional[SimStream]) -> None:
-        """Inside capture: a task of the graph. Outside: issued on `stream` (a record by default on
-        the update stream, where the updates it follows are)."""
-        graph = self._capturing
-        if graph is not None:
-            graph._tasks.append(_EventTask(event.state, action, f"{graph.name} task {len(graph._tasks)}"))
-            return
-        default = self.update_stream if action == "record" else self.current_stream
-        task = _EventTask(event.state, action, f"{action}() of {event.name!r} outside capture")
-        self.device_queue.enqueue(stream or default, task.work())
 
     def _run_tasks(self, tasks: list[_OpTask], stream: SimStream) -> None:
         """Run a replay's op tasks on `stream`."""

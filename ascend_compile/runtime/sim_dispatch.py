@@ -25,7 +25,8 @@ from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _OpTask, 
                         _is_cpu_dense, _is_view, _storage_id, _syncs_host)
 
 if TYPE_CHECKING:
-    from .sim import SimGraph, SimRuntime, SimTaskHandle
+    from .sim import SimGraph, SimRuntime
+    from .sim_updates import SimTaskHandle
 
 
 def task_kind(fast_paths: dict[Any, str], op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
