@@ -32,17 +32,16 @@ quietly computing the eager answer:
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
 
-Tasks and how ops are classified live in `sim_tasks.py`, their recording under the dispatcher in
-`sim_dispatch.py`, memory in `sim_pool.py` and, as the runtime uses it, `sim_memory.py`; workspace
-overruns in `sim_overrun.py`, collectives in flight in `sim_collectives.py`, events in `sim_events.py`,
-task groups and updates in `sim_updates.py`.
+This module holds the runtime and its graphs; beside it, one concern per module: `sim_tasks`,
+`sim_dispatch` (recording under the dispatcher), `sim_memory` over `sim_pool`, `sim_streams`,
+`sim_events`, `sim_updates` (task groups and updates), `sim_inputs`, `sim_overrun`, `sim_collectives`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -52,11 +51,12 @@ from .base import DeviceGraph, Runtime, TaskHandle
 from .sim_collectives import InFlight
 from .sim_dispatch import _CaptureMode, _HostReadGuard, _UpdateMode
 from .sim_events import SimEvent
-from .sim_memory import SimMemory, _region
+from .sim_inputs import Region, check_unchanged, snapshot, static_inputs
+from .sim_memory import SimMemory
 from .sim_overrun import widen_workspace
 from .sim_pool import Segment
 from .sim_streams import CallWork, SimDevice, SimStream, TaskAccess
-from .sim_tasks import _EventTask, _OpTask, _Task, _contiguous_stride, _is_wait
+from .sim_tasks import _EventTask, _Item, _OpTask, _Task, _contiguous_stride, _is_wait, _program
 from .sim_updates import SimTaskHandle, _land, _waited_node
 
 __all__ = ["SimEvent", "SimGraph", "SimRuntime", "SimTaskHandle"]
@@ -73,8 +73,8 @@ class SimGraph(DeviceGraph):
         self._tasks: list[_Task] = []
         self._groups = 0
         self._captured = False
-        self._program: list[Union[list[_OpTask], _EventTask]] = []
-        self._inputs: Optional[dict[tuple[Segment, int, int], str]] = None
+        self._program: list[_Item] = []
+        self._inputs: Optional[dict[Region, str]] = None
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -103,7 +103,7 @@ class SimGraph(DeviceGraph):
             group_open = rt._end_capture(self)
         if group_open:
             raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
-        self._program = self._segments()
+        self._program = _program(self._tasks)
         self._captured = True
 
     def replay(self, stream: Optional[SimStream] = None) -> None:
@@ -117,8 +117,8 @@ class SimGraph(DeviceGraph):
             raise ReplayError(f"cannot replay {self.name} while {rt._capturing.name} is being captured")
         stream = stream or rt.current_stream
         queue = rt.device_queue
-        snapshot = self._snapshot()
-        queue.enqueue(stream, CallWork(f"{self.name} launch", lambda s: self._check_inputs(snapshot)))
+        saved = snapshot(self._static_inputs())
+        queue.enqueue(stream, CallWork(f"{self.name} launch", lambda s: check_unchanged(self.name, saved)))
         for part in self._program:
             if isinstance(part, _EventTask):
                 queue.enqueue(stream, part.work())
@@ -126,48 +126,12 @@ class SimGraph(DeviceGraph):
                 queue.enqueue(stream, CallWork(part[0].label, functools.partial(rt._run_tasks, part)))
         queue.enqueue(stream, CallWork(f"{self.name} end", lambda s: rt._in_flight.complete_all()))
 
-    def _segments(self) -> list[Union[list[_OpTask], _EventTask]]:
-        """The tasks as stream items: each event action alone, the op tasks between them together
-        (nothing can order anything inside such a run, so running it as one item loses no race)."""
-        program: list[Union[list[_OpTask], _EventTask]] = []
-        for task in self._tasks:
-            if isinstance(task, _EventTask):
-                program.append(task)
-            elif program and isinstance(program[-1], list):
-                program[-1].append(task)
-            else:
-                program.append([task])
-        return program
-
-    def _static_inputs(self) -> dict[tuple[Segment, int, int], str]:
+    def _static_inputs(self) -> dict[Region, str]:
         """General-pool memory the graph reads and never writes (its static inputs), each with the
         first task reading it; computed again after an update lands."""
         if self._inputs is None:
-            written: set[tuple[Segment, int, int]] = set()
-            read: dict[tuple[Segment, int, int], str] = {}
-            for task in self._tasks:
-                if isinstance(task, _OpTask):
-                    written.update(_region(r) for r in task.writes())
-                    for ref in task.reads():
-                        read.setdefault(_region(ref), task.label)
-            self._inputs = {k: v for k, v in read.items() if k not in written and k[0].pool.name == "general"}
+            self._inputs = static_inputs(self._tasks)
         return self._inputs
-
-    def _snapshot(self) -> list[tuple[tuple[Segment, int, int], str, torch.Tensor]]:
-        with _disable_current_modes():
-            return [(key, label, key[0].data[key[1] : key[1] + key[2]].clone())
-                    for key, label in self._static_inputs().items()]
-
-    def _check_inputs(self, snapshot: list[tuple[tuple[Segment, int, int], str, torch.Tensor]]) -> None:
-        """At the start of the replay: its static inputs still hold what they held at launch."""
-        for (segment, offset, size), label, before in snapshot:
-            if not torch.equal(segment.data[offset : offset + size], before):
-                raise ReplayError(
-                    f"{label}: reads {segment.pool.name} memory #{segment.index}+{offset:#x} ({size} bytes), which "
-                    f"the host wrote after replay() of {self.name} and before the replay ran: on the device the "
-                    f"replay would read the new values. Write a static input before replay() or after "
-                    f"synchronize()"
-                )
 
     def __repr__(self) -> str:
         return f"SimGraph({self.name!r}, {len(self._tasks)} tasks, captured={self._captured})"
