@@ -25,13 +25,13 @@ torch_npu is imported lazily, by `load_torch_npu`: importing this module needs n
 from __future__ import annotations
 
 import importlib
-import time
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
 import torch
 
 from . import library, tiling
+from .timing import median_seconds
 from .tiling import AttentionShape
 
 #: FIA's sparse_mode for causal attention whose queries end their sequence (rightDownCausal).
@@ -318,12 +318,4 @@ def time_kernel(
     workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = (lens,) if kernel == tiling.PA else (ends, lens)
     args = (query, key_cache, value_cache, block_table, *host, scale, workspace, out)
-    kernels.call(kernel, *args)
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        kernels.call(kernel, *args)
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(lambda: kernels.call(kernel, *args), synchronize, warmup=1, iters=repeats)

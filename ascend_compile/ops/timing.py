@@ -44,15 +44,25 @@ def time_kernel(
                 torch.ops.ascend.fused_infer_attention(
                     query, key_cache, value_cache, block_table, ends, lens, scale, workspace, out
                 )
-    call()
+    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    return median_seconds(call, synchronize, warmup=1, iters=repeats)
+
+
+def median_seconds(run: Callable[[], object], synchronize: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median wall-clock seconds of `run()` over `iters` timed calls, after `warmup` untimed ones.
+
+    Each timed call is bracketed by `synchronize()` (waiting for the device), so it measures the
+    work `run` queued and not only its launch. The one timing loop of the package: `time_kernel`
+    here and `ops.npu.time_kernel` both use it.
+    """
+    for _ in range(warmup):
+        run()
     times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    for _ in range(iters):
+        synchronize()
         start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        run()
+        synchronize()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 

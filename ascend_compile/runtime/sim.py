@@ -32,91 +32,36 @@ quietly computing the eager answer:
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
 
-Tasks and how ops are classified live in `sim_tasks.py`, memory in `sim_pool.py`.
+This module holds the runtime and its graphs; beside it, one concern per module: `sim_tasks`,
+`sim_dispatch` (recording under the dispatcher), `sim_memory` over `sim_pool`, `sim_streams`,
+`sim_events`, `sim_updates` (task groups and updates), `sim_inputs`, `sim_overrun`, `sim_collectives`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
-import torch.utils._pytree as pytree
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
-from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime
-from .sim_pool import Segment, SimPool, extent_bytes
-from .sim_streams import CallWork, EventState, SimDevice, SimStream, TaskAccess
-from .sim_tasks import (_ALLOCATION_OPS, _HOST_READ_METHODS, _HostRef, _MemRef, _OpTask, _EventTask, _Task, _aliases_inputs,
-                        _all_zero, _arg, _completes_at_wait, _contiguous_stride, _is_cpu_dense, _is_view, _is_wait,
-                        _storage_id, _syncs_host)
+from .base import DeviceGraph, TaskHandle, TaskUpdateRuntime
+from .sim_collectives import InFlight
+from .sim_dispatch import _CaptureMode, _HostReadGuard, _UpdateMode
+from .sim_events import SimEvent
+from .sim_inputs import Region, check_unchanged, snapshot, static_inputs
+from .sim_memory import SimMemory
+from .sim_overrun import widen_workspace
+from .sim_pool import Segment
+from .sim_streams import CallWork, SimDevice, SimStream, TaskAccess
+from .sim_tasks import _EventTask, _Item, _OpTask, _Task, _contiguous_stride, _is_wait, _program
+from .sim_updates import SimTaskHandle, _land, _waited_node
+
+__all__ = ["SimEvent", "SimGraph", "SimRuntime", "SimTaskHandle"]
 
 logger = logging.getLogger("ascend_compile.sim")
-
-
-
-class SimTaskHandle(TaskHandle):
-    """The tasks one `task_group_begin` / `task_group_end` pair enclosed, for later task updates."""
-
-    def __init__(self, graph: SimGraph, index: int, tasks: tuple[_Task, ...]) -> None:
-        self.graph = graph
-        self.index = index
-        self._tasks = tasks
-
-    @property
-    def tasks(self) -> tuple[str, ...]:
-        """The kinds of the grouped tasks (op names), which an update must issue again in order."""
-        return tuple(t.kind for t in self._tasks)
-
-    def __repr__(self) -> str:
-        return f"SimTaskHandle({self.graph.name} group {self.index}: {list(self.tasks)})"
-
-
-class SimEvent(ExternalEvent):
-    """An event; `name` (the FX node's name) is what errors report.
-
-    Inside capture each call records a task of the graph, which becomes an item of the replay's
-    stream when the graph is launched; outside capture each call is issued on a stream (`record`:
-    the update stream by default, `wait` and `reset`: the current stream). `external` events are
-    flags (waited until set, reset to clear); ordinary ones mark a point of a stream (see
-    `sim_streams`). A replay whose wait nothing queued can satisfy raises `ReplayError` at the
-    drain (the device hangs).
-    """
-
-    def __init__(self, runtime: SimRuntime, name: str, external: bool = True) -> None:
-        self._runtime = runtime
-        self.name = name
-        self.state = EventState(name, external)
-
-    @property
-    def recorded(self) -> bool:
-        """Whether the event is set on the device (recorded and not reset since)."""
-        return self.state.is_set
-
-    def wait(self, stream: Optional[SimStream] = None) -> None:
-        """Inside capture: the graph waits here at replay until the event is recorded."""
-        self._runtime._event_action(self, "wait", stream)
-
-    def reset(self, stream: Optional[SimStream] = None) -> None:
-        """Inside capture: clear the event, so the next replay needs a fresh `record`."""
-        if not self.state.external:
-            raise ValueError(f"reset() of {self.name!r}: only external events are reset")
-        self._runtime._event_action(self, "reset", stream)
-
-    def record(self, stream: Optional[SimStream] = None) -> None:
-        """Outside capture (after a task update): set the event on `stream` when it gets there."""
-        self._runtime._event_action(self, "record", stream)
-
-    def __repr__(self) -> str:
-        return f"SimEvent({self.name!r}, recorded={self.recorded})"
-
-
-def _region(ref: _MemRef) -> tuple[Segment, int, int]:
-    """(segment, offset, bytes) an operand spans."""
-    return ref.segment, ref.offset, extent_bytes(ref.shape, ref.stride, ref.dtype)
 
 
 class SimGraph(DeviceGraph):
@@ -128,8 +73,8 @@ class SimGraph(DeviceGraph):
         self._tasks: list[_Task] = []
         self._groups = 0
         self._captured = False
-        self._program: list[Union[list[_OpTask], _EventTask]] = []
-        self._inputs: Optional[dict[tuple[Segment, int, int], str]] = None
+        self._program: list[_Item] = []
+        self._inputs: Optional[dict[Region, str]] = None
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -158,7 +103,7 @@ class SimGraph(DeviceGraph):
             group_open = rt._end_capture(self)
         if group_open:
             raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
-        self._program = self._segments()
+        self._program = _program(self._tasks)
         self._captured = True
 
     def replay(self, stream: Optional[SimStream] = None) -> None:
@@ -172,159 +117,24 @@ class SimGraph(DeviceGraph):
             raise ReplayError(f"cannot replay {self.name} while {rt._capturing.name} is being captured")
         stream = stream or rt.current_stream
         queue = rt.device_queue
-        snapshot = self._snapshot()
-        queue.enqueue(stream, CallWork(f"{self.name} launch", lambda s: self._check_inputs(snapshot)))
+        saved = snapshot(self._static_inputs())
+        queue.enqueue(stream, CallWork(f"{self.name} launch", lambda s: check_unchanged(self.name, saved)))
         for part in self._program:
             if isinstance(part, _EventTask):
                 queue.enqueue(stream, part.work())
             else:
                 queue.enqueue(stream, CallWork(part[0].label, functools.partial(rt._run_tasks, part)))
-        queue.enqueue(stream, CallWork(f"{self.name} end", lambda s: rt._complete_all()))
+        queue.enqueue(stream, CallWork(f"{self.name} end", lambda s: rt._in_flight.complete_all()))
 
-    def _segments(self) -> list[Union[list[_OpTask], _EventTask]]:
-        """The tasks as stream items: each event action alone, the op tasks between them together
-        (nothing can order anything inside such a run, so running it as one item loses no race)."""
-        program: list[Union[list[_OpTask], _EventTask]] = []
-        for task in self._tasks:
-            if isinstance(task, _EventTask):
-                program.append(task)
-            elif program and isinstance(program[-1], list):
-                program[-1].append(task)
-            else:
-                program.append([task])
-        return program
-
-    def _static_inputs(self) -> dict[tuple[Segment, int, int], str]:
+    def _static_inputs(self) -> dict[Region, str]:
         """General-pool memory the graph reads and never writes (its static inputs), each with the
         first task reading it; computed again after an update lands."""
         if self._inputs is None:
-            written: set[tuple[Segment, int, int]] = set()
-            read: dict[tuple[Segment, int, int], str] = {}
-            for task in self._tasks:
-                if isinstance(task, _OpTask):
-                    written.update(_region(r) for r in task.writes())
-                    for ref in task.reads():
-                        read.setdefault(_region(ref), task.label)
-            self._inputs = {k: v for k, v in read.items() if k not in written and k[0].pool.name == "general"}
+            self._inputs = static_inputs(self._tasks)
         return self._inputs
-
-    def _snapshot(self) -> list[tuple[tuple[Segment, int, int], str, torch.Tensor]]:
-        with _disable_current_modes():
-            return [(key, label, key[0].data[key[1] : key[1] + key[2]].clone())
-                    for key, label in self._static_inputs().items()]
-
-    def _check_inputs(self, snapshot: list[tuple[tuple[Segment, int, int], str, torch.Tensor]]) -> None:
-        """At the start of the replay: its static inputs still hold what they held at launch."""
-        for (segment, offset, size), label, before in snapshot:
-            if not torch.equal(segment.data[offset : offset + size], before):
-                raise ReplayError(
-                    f"{label}: reads {segment.pool.name} memory #{segment.index}+{offset:#x} ({size} bytes), which "
-                    f"the host wrote after replay() of {self.name} and before the replay ran: on the device the "
-                    f"replay would read the new values. Write a static input before replay() or after "
-                    f"synchronize()"
-                )
 
     def __repr__(self) -> str:
         return f"SimGraph({self.name!r}, {len(self._tasks)} tasks, captured={self._captured})"
-
-
-def _waited_node(tasks: list[_Task]) -> str:
-    """" (node X)" when `tasks` (those just before a task group) wait on event X, the FX node's name."""
-    waits = [t.event.name for t in tasks if isinstance(t, _EventTask) and t.action == "wait"]
-    return f" (node {waits[-1]})" if waits else ""
-
-
-def _land(handle: SimTaskHandle, recorded: list[tuple[Any, str, tuple, dict]], label: str, stream: SimStream) -> None:
-    """A task update reaching the device: each task of the group takes its new operands."""
-    for task, (_, _, args, kwargs) in zip(handle._tasks, recorded):
-        task.access.update(stream, label)
-        task.rebind(args, kwargs)
-    handle.graph._inputs = None
-
-
-class _HostReadGuard(TorchFunctionMode):
-    """During capture, refuses tensor-to-host conversions that bypass the dispatcher (`tolist`)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _HOST_READ_METHODS:
-            raise CaptureError(
-                f"Tensor.{func.__name__}() during graph capture: a device graph cannot copy device data "
-                f"to the host; do host conversions before capture (or before the task update)"
-            )
-        return func(*args, **(kwargs or {}))
-
-
-class _CaptureMode(TorchDispatchMode):
-    """Runs each op once and records it as a task of `graph`, with fresh outputs in the graph pool."""
-
-    def __init__(self, runtime: SimRuntime, graph: SimGraph) -> None:
-        super().__init__()
-        self.runtime = runtime
-        self.graph = graph
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        rt = self.runtime
-        if func in _ALLOCATION_OPS:
-            return pytree.tree_map_only(torch.Tensor, rt._graph_tensor_like, func(*args, **kwargs))
-        if _syncs_host(func) and any(
-            rt._locate(t) is not None for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-        ):
-            raise CaptureError(
-                f"{func} during graph capture reads device data on the host (.item(), bool(tensor), "
-                f"a data-dependent output shape, ...); a device graph cannot record a host "
-                f"synchronisation: move it out of the captured region"
-            )
-        if _is_view(func):
-            result = func(*args, **kwargs)
-            if _aliases_inputs(result, args, kwargs):
-                return result
-            # A "maybe view" op (reshape, contiguous, ... seen whole under inference mode) that
-            # copied: it launches a kernel, so it is recorded like any other op.
-        label = f"{self.graph.name} task {len(self.graph._tasks)} ({func})"
-        frozen_args, frozen_kwargs = rt._record_operands(func, args, kwargs)
-        kind = rt._task_kind(func, args, kwargs)
-        result = rt._launch(func, args, kwargs, label)
-        inputs = {_storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        flat, spec = pytree.tree_flatten(result)
-        fresh = []
-        for i, out in enumerate(flat):
-            if _is_cpu_dense(out) and _storage_id(out) not in inputs:
-                flat[i] = rt._graph_tensor_like(out)
-                rt._deliver(func, out, flat[i])
-                fresh.append((i, rt._describe(flat[i])))
-        self.graph._tasks.append(_OpTask(func, frozen_args, frozen_kwargs, fresh, label, kind))
-        return pytree.tree_unflatten(flat, spec)
-
-
-class _UpdateMode(TorchDispatchMode):
-    """Records the ops of a task update instead of running them."""
-
-    def __init__(self, runtime: SimRuntime, handle: SimTaskHandle, stream: SimStream) -> None:
-        super().__init__()
-        self.runtime = runtime
-        self.handle = handle
-        self.stream = stream
-        self.recorded: list[tuple[Any, str, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if _is_view(func):
-            return func(*args, **kwargs)
-        frozen_args, frozen_kwargs = self.runtime._record_operands(func, args, kwargs)
-        self.recorded.append((func, self.runtime._task_kind(func, args, kwargs), frozen_args, frozen_kwargs))
-        if not func._schema.returns:
-            return None
-        meta_args, meta_kwargs = pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
-            (args, kwargs),
-        )
-        return pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"),
-            func(*meta_args, **meta_kwargs),
-        )
 
 
 class SimRuntime(TaskUpdateRuntime):
@@ -341,18 +151,16 @@ class SimRuntime(TaskUpdateRuntime):
         if overflow not in ("write", "raise"):
             raise ValueError(f"overflow must be 'write' or 'raise', got {overflow!r}")
         self.overflow = overflow
-        self._general = SimPool("general", segment_bytes)
-        self._graph_pool = SimPool("graph", segment_bytes)
+        self._memory = SimMemory(segment_bytes)
         self._capturing: Optional[SimGraph] = None
         self._group_start: Optional[int] = None
-        self._captured_blocks: list[tuple[Segment, int, int]] = []
         self._update: Optional[_UpdateMode] = None
         self.device_queue = SimDevice()
         self.default_stream = self.device_queue.stream("default")
         self.capture_stream = self.device_queue.stream("capture")
         self.update_stream = self.device_queue.stream("update", priority=-1)
         self._current: list[SimStream] = []
-        self._in_flight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._in_flight = InFlight()
         self._graph_count = 0
         self._fast_paths: dict[Any, str] = {}
         self._host_reads: dict[Any, tuple[str, ...]] = {}
@@ -521,57 +329,17 @@ class SimRuntime(TaskUpdateRuntime):
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Per pool ("general", "graph"): reserved_bytes, allocated_bytes, segments, free_blocks."""
-        return {pool.name: pool.stats() for pool in (self._general, self._graph_pool)}
+        return self._memory.stats()
 
     def describe(self) -> dict[str, Any]:
         """What the dump records about this runtime."""
-        return {**super().describe(), "segment_bytes": self._general.segment_bytes, "overflow": self.overflow}
+        return {**super().describe(), "segment_bytes": self._memory.general.segment_bytes, "overflow": self.overflow}
 
     def _allocate(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        pool = self._general if self._capturing is None else self._graph_pool
-        block = pool.allocate(extent_bytes(shape, stride, dtype))
-        if self._capturing is not None:
-            self._captured_blocks.append((block.segment, block.offset, block.size))
-        return pool.tensor(block, shape, stride, dtype)
-
-    def _graph_tensor_like(self, t: torch.Tensor) -> torch.Tensor:
-        if not _is_cpu_dense(t):
-            return t
-        return self._allocate(tuple(t.shape), t.stride(), t.dtype)
+        return self._memory.allocate(shape, stride, dtype, capturing=self._capturing is not None)
 
     def _locate(self, t: torch.Tensor) -> Optional[tuple[Segment, int]]:
-        if not _is_cpu_dense(t):
-            return None
-        ptr = t.data_ptr()
-        return self._general.locate(ptr) or self._graph_pool.locate(ptr)
-
-    def _task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-        """The kind of task a call of `op` launches: its name, marked when its zero-length fast path
-        is taken."""
-        lengths = self._fast_paths.get(op.overloadpacket)
-        if lengths is not None and _all_zero(_arg(op, args, kwargs, lengths)[1]):
-            return f"{op}[all lengths 0]"
-        return str(op)
-
-    def _record_operands(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        """A task's operands: tensors as addresses, host tensors the op reads when it runs held weakly."""
-        args, kwargs = pytree.tree_map(self._describe, (args, kwargs))
-        for name in self._host_reads.get(op.overloadpacket, ()):
-            key, value = _arg(op, args, kwargs, name)
-            if isinstance(value, torch.Tensor):
-                if isinstance(key, int):
-                    args = (*args[:key], _HostRef(value, name), *args[key + 1:])
-                else:
-                    kwargs = {**kwargs, key: _HostRef(value, name)}
-        return args, kwargs
-
-    def _describe(self, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        where = self._locate(x)
-        if where is None:
-            return x
-        return _MemRef(where[0], where[1], x.dtype, tuple(x.shape), x.stride())
+        return self._memory.locate(t)
 
     def _require_capture(self, what: str) -> SimGraph:
         if self._capturing is None:
@@ -593,99 +361,31 @@ class SimRuntime(TaskUpdateRuntime):
         self._capturing = None
         group_open = self._group_start is not None
         self._group_start = None
-        blocks, self._captured_blocks = self._captured_blocks, []
         with _disable_current_modes():
-            self._complete_all()
-            for segment, offset, size in blocks:
-                segment.data[offset : offset + size].fill_(0xFF)
+            self._in_flight.complete_all()
+            blocks = self._memory.poison_captured()
         logger.debug(
             "captured %s: %d tasks; poisoned %d graph-pool blocks (%d bytes)",
             graph.name, len(graph._tasks), len(blocks), sum(b[2] for b in blocks),
         )
         return group_open
 
-    def _event_action(self, event: SimEvent, action: str, stream: Optional[SimStream]) -> None:
-        """Inside capture: a task of the graph. Outside: issued on `stream` (a record by default on
-        the update stream, where the updates it follows are)."""
-        graph = self._capturing
-        if graph is not None:
-            graph._tasks.append(_EventTask(event.state, action, f"{graph.name} task {len(graph._tasks)}"))
-            return
-        default = self.update_stream if action == "record" else self.current_stream
-        task = _EventTask(event.state, action, f"{action}() of {event.name!r} outside capture")
-        self.device_queue.enqueue(stream or default, task.work())
-
     def _run_tasks(self, tasks: list[_OpTask], stream: SimStream) -> None:
         """Run a replay's op tasks on `stream`."""
         for task in tasks:
             task.run(self, stream)
 
-    def _deliver(self, op: Any, result: torch.Tensor, dst: torch.Tensor) -> None:
-        """Put a fresh output of `op` at its captured address `dst`: at once, or, for a functional
-        collective, when it completes (the result is not written before then)."""
-        if _completes_at_wait(op):
-            self._in_flight[dst.data_ptr()] = (result, dst)
-        else:
-            dst.copy_(result)
-
-    def _complete(self, tensor: torch.Tensor) -> None:
-        """Wait for the collective in flight to `tensor`'s address, if any, and deliver its output."""
-        pending = self._in_flight.pop(tensor.data_ptr(), None)
-        if pending is not None:
-            result, dst = pending
-            torch.ops._c10d_functional.wait_tensor(result)
-            dst.copy_(result)
-
-    def _complete_all(self) -> None:
-        """Complete every collective still in flight: the end of a graph joins its work, as on the device."""
-        for _, dst in list(self._in_flight.values()):
-            self._complete(dst)
-
     def _launch(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], label: str) -> Any:
         """Call `op`; a `WorkspaceTooSmall` becomes an overrun of the workspace (or is re-raised).
         A `wait_tensor` first completes the collective in flight to its operand's address."""
         if _is_wait(op):
-            self._complete(args[0] if args else kwargs["tensor"])
+            self._in_flight.complete(args[0] if args else kwargs["tensor"])
         try:
             return op(*args, **kwargs)
         except WorkspaceTooSmall as err:
             if self.overflow == "raise":
                 err.args = (f"{err.args[0]} [in {label}]",)
                 raise
-            args, kwargs = self._overrun(op, args, kwargs, err, label)
+            error = CaptureError if self._capturing is not None else ReplayError
+            args, kwargs = widen_workspace(op, args, kwargs, err, label, self._locate, error)
         return op(*args, **kwargs)
-
-    def _overrun(
-        self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], err: WorkspaceTooSmall, label: str
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The operands with the workspace widened to `err.needed` bytes in place, as the kernel
-        would write them on the device: into whatever follows the buffer in its segment."""
-        error = CaptureError if self._capturing is not None else ReplayError
-        name = err.arg_name
-        names = [a.name for a in op._schema.arguments]
-        index = names.index(name) if name in names else len(names)
-        if name in kwargs:
-            buf = kwargs[name]
-        elif index < len(args):
-            buf = args[index]
-        else:
-            raise error(f"{label}: {err}; {op} was not passed an argument {name!r} to overrun") from err
-        where = self._locate(buf)
-        if where is None:
-            raise error(
-                f"{label}: {err}; the buffer is not simulator memory, so its overrun cannot be simulated"
-            ) from err
-        segment, offset = where
-        count = -(-err.needed // buf.dtype.itemsize)
-        if offset + count * buf.dtype.itemsize > segment.size:
-            raise error(
-                f"{label}: {err}; writing {err.needed} bytes from offset {offset} of {segment.pool.name} "
-                f"segment {segment.index} runs past its end ({segment.size} bytes): the device would fault"
-            ) from err
-        logger.debug(
-            "%s: workspace overrun: %s writes %d bytes into a %d-byte buffer", label, op, err.needed, err.given
-        )
-        wide = segment.view(offset, buf.dtype, (count,), (1,))
-        if name in kwargs:
-            return args, {**kwargs, name: wide}
-        return (*args[:index], wide, *args[index + 1 :]), kwargs

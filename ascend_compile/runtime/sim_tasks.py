@@ -2,7 +2,8 @@
 
 A task is one kernel launch with its operands as simulated addresses (`_MemRef`) and frozen host
 values, or one event action. Also here: how the simulator classifies ops (views, host syncs,
-allocations, functional collectives), since capture and task updates both need it.
+allocations, functional collectives), since capture and task updates both need it, and how a
+captured graph's tasks become the items a replay queues on its stream (`_program`).
 """
 from __future__ import annotations
 
@@ -209,7 +210,7 @@ class _OpTask:
         if outs:
             flat = [result] if isinstance(result, torch.Tensor) else pytree.tree_leaves(result)
             for i, dst in outs:
-                runtime._deliver(self.op, flat[i], dst)
+                runtime._in_flight.deliver(self.op, flat[i], dst)
 
 
 #: The stream item each event action of a graph becomes when the graph is launched.
@@ -233,3 +234,20 @@ class _EventTask:
 
 
 _Task = Union[_OpTask, _EventTask]
+
+#: A stream item of a replay: one event action, or a run of op tasks between two.
+_Item = Union[list[_OpTask], _EventTask]
+
+
+def _program(tasks: list[_Task]) -> list[_Item]:
+    """The tasks as stream items: each event action alone, the op tasks between them together
+    (nothing can order anything inside such a run, so running it as one item loses no race)."""
+    program: list[_Item] = []
+    for task in tasks:
+        if isinstance(task, _EventTask):
+            program.append(task)
+        elif program and isinstance(program[-1], list):
+            program[-1].append(task)
+        else:
+            program.append([task])
+    return program
