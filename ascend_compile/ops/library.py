@@ -219,8 +219,10 @@ def reshape_and_cache(
             f"slot_mapping: expected slots below {key_cache.shape[0] * key_cache.shape[1]} "
             f"(num_blocks * block_size) or -1, got {int(slots.max())}"
         )
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[valid]
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[valid]
+    # by block and offset, so caches that are strided views (vLLM's [num_blocks, 2, ...] cache unbound) work too
+    blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
+    key_cache[blocks, offsets] = key[valid]
+    value_cache[blocks, offsets] = value[valid]
 
 
 def check_cache_write(

@@ -1,0 +1,153 @@
+"""The vLLM integration against the stand-in (`tests/vllm_standin.py`, checked against the pinned vLLM
+source by `tests/test_vllm_fixture.py`): vLLM's real attention ops, metadata and caches only in the
+forward context, compiled through `ascend_compile.integrations.vllm.backend`."""
+from __future__ import annotations
+
+import collections
+import json
+import random
+
+import pytest
+import torch
+
+from ascend_compile import cli
+from ascend_compile.config import CompileConfig
+from ascend_compile.integrations import vllm as integration
+from tests import fake_torch_npu
+from tests import vllm_standin as v
+
+BUCKETS = (4, 8)
+MAX_LEN = 512
+
+
+class Pair:
+    """The stand-in model compiled and an identical eager one, each with its own caches and config."""
+
+    def __init__(self, backend: str, block_size: int, runtime: str, artifacts: list, **options) -> None:
+        self.block_size, self.num_blocks = block_size, 96
+        self.configs = v.VllmConfig(), v.VllmConfig()
+        self.models = [v.StandInModel(c, backend=backend, seed=3) for c in self.configs]
+        for model in self.models:
+            v.bind_kv_cache(model, self.num_blocks, block_size)
+        config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=BUCKETS, pa_max_batch=4, runtime=runtime, **options)
+        torch._dynamo.reset()
+        compile_fn = integration.backend(config, on_compiled=artifacts.append, get_forward_context=v.get_forward_context)
+        self.compiled = torch.compile(self.models[0], backend=compile_fn, dynamic=True)
+
+    def step(self, rng: random.Random, batch: int, mixed: bool) -> v.Step:
+        width = MAX_LEN // self.block_size
+        seq_lens = [rng.randint(4, MAX_LEN - 4) for _ in range(batch)]
+        query_lens = [rng.randint(1, 3) if mixed else 1 for _ in range(batch)]
+        blocks = torch.randperm(self.num_blocks)[: batch * width] if batch * width <= self.num_blocks else \
+            torch.randint(0, self.num_blocks, (batch * width,))
+        return v.Step(seq_lens, query_lens, blocks.view(batch, width).to(torch.int32), self.block_size)
+
+    def run(self, step: v.Step) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 64, (step.num_tokens,), generator=torch.Generator().manual_seed(step.num_tokens))
+        positions = torch.tensor(step.positions())
+        outs = []
+        for model, config, fn in zip(self.models, self.configs, (self.compiled, self.models[1])):
+            attn_metadata, slot_mapping = v.build_metadata(model, step)
+            with torch.no_grad(), v.set_forward_context(attn_metadata, config, slot_mapping=slot_mapping):
+                outs.append(fn(ids, positions))
+        return outs[0], outs[1]
+
+    def assert_caches_close(self) -> None:
+        """The compiled model's caches hold what the eager one's do (up to the rounding of the padded
+        batch's matmuls)."""
+        a, b = (m.attention_layers() for m in self.models)
+        for x, y in zip(a.values(), b.values()):
+            for got, expected in zip(_pair(x.kv_cache), _pair(y.kv_cache)):
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _pair(kv_cache):
+    return kv_cache if isinstance(kv_cache, tuple) else kv_cache.unbind(1)
+
+
+# batches inside, between and above the buckets; decode and mixed
+STEPS = [(3, False), (4, False), (2, True), (6, False), (5, True), (8, False), (1, False), (11, False), (3, True)]
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+@pytest.mark.parametrize("runtime", ["sim", "npu"])
+def test_vllm_model_equals_eager_with_metadata_only_in_the_forward_context(backend, runtime, monkeypatch):
+    if runtime == "npu":
+        fake_torch_npu.install(monkeypatch)
+    artifacts = []
+    pair = Pair(backend, 128 if runtime == "npu" else 16, runtime, artifacts)
+    rng = random.Random(f"{backend}{runtime}")
+    for batch, mixed in STEPS:
+        got, expected = pair.run(pair.step(rng, batch, mixed))
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        pair.assert_caches_close()
+    stats = sum((a.stats for a in artifacts), start=collections.Counter())
+    # every step replayed a graph, but those above the largest bucket (11 tokens, big mixed steps): eager
+    assert stats["steps"] == len(STEPS) == stats["replays"] + stats["eager_fallbacks"]
+    assert 1 <= stats["eager_fallbacks"] <= 3 and stats["captures"] >= 3
+
+
+def test_update_table_names_the_forward_context_fields(tmp_path, capsys):
+    artifacts = []
+    pair = Pair("FLASH_ATTN", 16, "sim", artifacts, dump_dir=str(tmp_path))
+    pair.run(pair.step(random.Random(0), 3, False))
+    plan = artifacts[-1].describe()
+    layer = "model.layers.0.self_attn.attn"
+    provided = {p["name"]: p["source"] for p in plan["provided_inputs"]}
+    assert provided["vllm_seq_lens_0"] == f"forward_context.attn_metadata[{layer!r}].seq_lens"
+    assert provided["vllm_slot_mapping_0"] == f"forward_context.slot_mapping[{layer!r}]"
+    assert provided[f"vllm_key_cache_{layer.replace('.', '_')}"] == f"forward_context.no_compile_layers[{layer!r}].kv_cache (key)"
+    (entry, _) = plan["graphs"]["b4.decode"]["update_table"]
+    assert entry["refresh"] == {"context_lens": {"input": "vllm_seq_lens_0", "conversion": "list"}}
+    roles = {i["name"]: i["role"] for i in plan["inputs"]}
+    assert roles["vllm_seq_lens_0"] == "seq_lens" and roles["vllm_block_table_0"] == "block_table"
+    assert roles[f"vllm_key_cache_{layer.replace('.', '_')}"] == "kv_cache"
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "inputs the runtime provides each step" in text and "forward_context.attn_metadata" in text
+    assert json.loads(json.dumps(plan, default=str))["provided_inputs"]
+
+
+def test_profiling_run_without_metadata_runs_as_traced_then_compiles():
+    artifacts = []
+    pair = Pair("FLASH_ATTN", 16, "sim", artifacts)
+    ids, positions = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])
+    with torch.no_grad(), v.set_forward_context(None, pair.configs[0]):
+        assert torch.count_nonzero(pair.compiled(ids, positions)) > 0  # vLLM's ops zero-fill attention only
+    assert artifacts == []
+    got, expected = pair.run(pair.step(random.Random(1), 3, False))
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert len(artifacts) == 1
+
+
+def test_binder_leaves_other_graphs_and_refuses_unknown_cache_layouts():
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    binder = integration.ForwardContextBinder(v.get_forward_context)
+    assert binder(gm) is None  # no vLLM attention: nothing to bind
+    with pytest.raises(ValueError, match="a \\(key, value\\) pair or a \\[num_blocks, 2, block_size"):
+        integration._split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
+
+
+def test_qualified_name_backend_takes_its_options_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"max_model_len": 64, "no_such_option": 1}))
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    with pytest.raises(ValueError, match="unknown option\\(s\\) \\['no_such_option'\\]"):
+        integration.vllm_backend(gm, [])
+    monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"max_model_len": 64}))
+    assert integration.vllm_backend(gm, []) == gm.forward  # no attention: runs as traced
+
+
+@pytest.mark.skipif(not v.HAS_OPAQUE_TYPE, reason="torch without opaque types: vLLM uses str layer names")
+def test_opaque_layer_names_hoisted_to_graph_inputs():
+    v.register("LayerName")
+    try:
+        artifacts = []
+        pair = Pair("FLASH_ATTN", 16, "sim", artifacts)
+        rng = random.Random(2)
+        for batch, mixed in STEPS[:4]:
+            got, expected = pair.run(pair.step(rng, batch, mixed))
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        assert len(artifacts) == 1 and artifacts[0].stats["replays"] == 4
+    finally:
+        torch._dynamo.reset()
+        v.register("str")
