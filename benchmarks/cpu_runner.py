@@ -91,6 +91,7 @@ def bench_depth(layers: int, steps: int, batch_size: int) -> dict:
     plan = art.rewritten.plan
     n = max(done["steps"], 1)
     host_ms = sum(v for k, v in phase_ms.items() if k != "synchronize")
+    runner_us = (phase_ms.get("host", 0.0) + phase_ms.get("copy_in", 0.0)) * 1e3
     return {
         "layers": layers,
         "buckets": len(art.rewritten.buckets),
@@ -103,6 +104,7 @@ def bench_depth(layers: int, steps: int, batch_size: int) -> dict:
         "copy_in_ms": round(phase_ms["copy_in"], 3),
         "launch_and_updates_ms": round(phase_ms["launch_and_updates"], 3),
         "runner_host_ms": round(host_ms, 3),
+        "runner_us": round(runner_us, 1),
         "eager_step_ms": round(eager_ms, 3),
         "host_vs_eager": round(host_ms / eager_ms, 3),
         "host_conversions_per_step": done["host_conversions"] / n,
@@ -126,13 +128,13 @@ def main() -> None:
     print(f"ascend_graph on the CPU simulator, example model, {rows[0]['buckets']} buckets, decode batch {args.batch}, "
           f"max_model_len {MAX_LEN}, {torch.get_num_threads()} threads")
     head = (f"{'layers':>6} {'1st call s':>10} {'capture s/bucket':>16} {'step ms':>8} {'execute ms':>10} "
-            f"{'host ms':>8} {'copy-in':>8} {'launch+upd':>10} {'eager ms':>8} {'host/eager':>10} "
+            f"{'host ms':>8} {'copy-in':>8} {'launch+upd':>10} {'runner us':>9} {'eager ms':>8} {'host/eager':>10} "
             f"{'conv/step':>9} {'upd/step':>8} {'ws q/step':>9}")
     print(head)
     for r in rows:
         print(f"{r['layers']:>6} {r['first_dynamic_call_s']:>10.2f} {r['capture_s_per_bucket']['mean']:>16.4f} "
               f"{r['step_ms']:>8.2f} {r['execute_ms']:>10.2f} {r['runner_host_ms']:>8.2f} {r['copy_in_ms']:>8.2f} "
-              f"{r['launch_and_updates_ms']:>10.2f} {r['eager_step_ms']:>8.2f} {r['host_vs_eager']:>10.3f} "
+              f"{r['launch_and_updates_ms']:>10.2f} {r['runner_us']:>9.1f} {r['eager_step_ms']:>8.2f} {r['host_vs_eager']:>10.3f} "
               f"{r['host_conversions_per_step']:>9.1f} {r['task_updates_per_step']:>8.1f} "
               f"{r['workspace_queries_per_step']:>9.1f}")
     print("\nworkspace bytes reserved: shared slot vs per-bucket vs per-layer")

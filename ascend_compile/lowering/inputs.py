@@ -198,6 +198,9 @@ def copy_padded(spec: InputSpec, value: torch.Tensor, dest: torch.Tensor, step: 
             dest[count:].copy_(_start_loc_tail(count, step.tokens, padded_tokens, dest.shape[0] - 1, dest.dtype,
                                                dest.device), non_blocking=True)
         return
+    if value.shape == dest.shape:  # nothing to pad
+        dest.copy_(value, non_blocking=True)
+        return
     if any(a > p for a, p in zip(value.shape, dest.shape)):
         raise ValueError(
             f"{spec.name}: shape {tuple(value.shape)} does not fit the graph's padded shape {tuple(dest.shape)}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Sequence
 
 import sympy
@@ -122,13 +123,18 @@ class GraphSignature:
         """Whether steps are padded up to a bucket (else every distinct size is captured as is)."""
         return self.pad_reason is None
 
-    @property
+    @functools.cached_property
     def specialized(self) -> tuple[sympy.Symbol, ...]:
         """The symbols whose every distinct value gets its own capture, in a fixed order."""
         return tuple(sorted((s for s, k in self.symbol_kinds.items() if k is SymbolKind.SPECIALIZED), key=str))
 
-    def by_role(self, role: Role) -> list[InputSpec]:
-        return [spec for spec in self.inputs if spec.role is role]
+    @functools.cached_property
+    def _by_role(self) -> dict[Role, tuple[InputSpec, ...]]:
+        return {role: tuple(spec for spec in self.inputs if spec.role is role) for role in Role}
+
+    def by_role(self, role: Role) -> tuple[InputSpec, ...]:
+        """The inputs of one role, in order (computed once: the runner asks on every step)."""
+        return self._by_role[role]
 
     def padded_symbols(self, bucket: int, max_blocks: int, actual: dict[sympy.Symbol, int] | None = None
                        ) -> dict[sympy.Symbol, int]:
