@@ -94,8 +94,8 @@ MUTANTS = (
     ),
     Mutant(
         "missing address check", "ascend_compile/lowering/runner.py",
-        "        moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]\n",
-        "        moved = []\n",
+        "            moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]\n",
+        "            moved = []\n",
         ("tests/test_backend.py::test_moved_kv_cache_is_recaptured_not_read_stale",),
     ),
     Mutant(

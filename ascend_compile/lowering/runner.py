@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -49,6 +50,14 @@ def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool) -> t
     return tuple(result)
 
 
+def _gather(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A function picking `indices` out of a step's arguments as a tuple, at C speed."""
+    if len(indices) == 1:
+        (index,) = indices
+        return lambda args: (args[index],)
+    return operator.itemgetter(*indices) if indices else (lambda args: ())
+
+
 def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
     """The values of the graph's specialized symbols in a step: part of the key of its capture."""
     return tuple((str(sym), symbols[sym]) for sym in signature.specialized)
@@ -69,7 +78,7 @@ class GraphEntry:
         self.table = capture_mod.UpdateTable()
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
         self.addresses: dict[int, int] = {}
-        self._address_list: tuple[list[int], list[int]] = ([], [])
+        self._checked: tuple = ()
         self.scalars: dict[int, Any] = {}
         self.capture_seconds = 0.0
 
@@ -103,8 +112,10 @@ class GraphEntry:
         signature = self.staging.signature
         self.addresses = {spec.index: step_args[spec.index].data_ptr() for spec in signature.inputs
                           if spec.role in IN_PLACE_ROLES and isinstance(step_args[spec.index], torch.Tensor)}
-        self._address_list = (list(self.addresses), list(self.addresses.values()))
         self.scalars = {spec.index: step_args[spec.index].item() for spec in signature.by_role(Role.SCALAR)}
+        # what the per-step check compares, gathered and read at C speed
+        self._checked = (_gather(list(self.addresses)), list(self.addresses.values()),
+                         _gather(list(self.scalars)), list(self.scalars.values()))
         self.capture_seconds = time.perf_counter() - start
 
     def locate_writes(self, graph_args: Sequence[Any]) -> None:
@@ -114,11 +125,13 @@ class GraphEntry:
 
     def moved_inputs(self, step_args: Sequence[Any], names: dict[int, str]) -> list[str]:
         """In-place inputs at another address, and host scalars of another value, than at capture."""
-        indices, ptrs = self._address_list
-        if list(map(torch.Tensor.data_ptr, map(step_args.__getitem__, indices))) == ptrs and not self.scalars:
-            return []  # the common case, checked at C speed
-        moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
-        return moved + [names[i] for i, v in self.scalars.items() if step_args[i].item() != v]
+        in_place, ptrs, scalar_args, values = self._checked
+        moved = []
+        if list(map(torch.Tensor.data_ptr, in_place(step_args))) != ptrs:
+            moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
+        if list(map(torch.Tensor.item, scalar_args(step_args))) != values:
+            moved += [names[i] for i, v in self.scalars.items() if step_args[i].item() != v]
+        return moved
 
     def replay(self, runtime: GraphRuntime, plan: StepPlan, updates: capture_mod.UpdateSchedule,
                seconds: collections.Counter) -> int:
