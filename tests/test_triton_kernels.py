@@ -60,17 +60,41 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-def run_triton(kernels, p, num_splits, decode):
-    """The Triton attention on problem `p`, into an output and a workspace full of garbage (NaN bytes)."""
+def run_triton(kernels, p, num_splits, decode, guard=0, workspace=False, **knobs):
+    """The Triton attention on problem `p`, into an output and a workspace full of garbage (NaN
+    bytes) of exactly `dev_workspace_nbytes` plus `guard` bytes; `knobs` go to `attention_dev`.
+    Returns the output (and the workspace, with `workspace=True`)."""
     seq_lens, loc = p.tensors()
     shape = tiling.AttentionShape.of(p.query, p.key_cache)
-    ws = torch.full((cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits),), 0xFF, dtype=torch.uint8)
+    nbytes = cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits)
+    ws = torch.full((nbytes + guard,), 0xFF, dtype=torch.uint8)
     out = torch.full_like(p.query, float("nan"))
     args = on_device(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, loc, ws, out)
     query, key_cache, value_cache, block_table, seq_lens, loc, ws, out = args
     kernels.attention_dev(query, key_cache, value_cache, block_table, seq_lens, None if decode else loc,
-                          p.scale, ws, out, num_splits)
-    return out.cpu()
+                          p.scale, ws, out, num_splits, **knobs)
+    return (out.cpu(), ws.cpu()) if workspace else out.cpu()
+
+
+def reference_dev(p, num_splits, decode):
+    """The device-length op's reference kernel (`ops/reference.py`) on the CPU for problem `p`."""
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    ws = torch.empty(cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits), dtype=torch.uint8)
+    out = torch.empty_like(p.query)
+    args = (p.query, p.key_cache, p.value_cache, p.block_table)
+    if decode:
+        ops.paged_attention_dev(*args, seq_lens, p.scale, ws, out, num_splits)
+    else:
+        ops.fused_infer_attention_dev(*args, loc, seq_lens, p.scale, ws, out, num_splits)
+    return out
+
+
+def assert_exact(out, p, num_splits, decode):
+    """`out` matches the reference kernel and the dense softmax within the float32 tolerance."""
+    tol = dict(atol=TOLERANCE[torch.float32], rtol=1e-4)
+    torch.testing.assert_close(out, reference_dev(p, num_splits, decode), **tol)
+    torch.testing.assert_close(out, p.dense(), **tol)
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreted on the CPU)
@@ -149,6 +173,115 @@ def test_triton_reshape_and_cache_skips_padding_slots(kernels):
     key, value, key_cache, value_cache, slots = on_device(key, value, key_cache, value_cache, slots)
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache.cpu(), expected_k) and torch.equal(value_cache.cpu(), expected_v)
+
+
+# Small knobs so that short sequences split: 16-key tiles, splits of one tile and up.
+SPLITTY = dict(key_tile=16, min_split_tiles=1)
+
+
+@pytest.mark.parametrize("block_size", [8, 12, 16, 64])  # below, not a multiple of, and multiples of the tile
+def test_triton_constexpr_block_sizes(kernels, block_size):
+    """`BLOCK_SIZE` is a compile-time constant: the per-key lookup (8, 12) and one lookup per tile
+    (16, 32, 64 with 16-key tiles), around block boundaries, decode and FIA."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 0]
+    p = make_problem(lens, heads=4, kv_heads=2, dim=16, block_size=block_size, seed=block_size)
+    assert_exact(run_triton(kernels, p, 3, decode=True, **SPLITTY), p, 3, decode=True)
+    m = make_problem(lens, [1, 2, 1, 3, 4, 1], heads=4, kv_heads=2, dim=16, block_size=block_size, seed=block_size)
+    assert_exact(run_triton(kernels, m, 2, decode=False, **SPLITTY), m, 2, decode=False)
+
+
+def test_decode_schedule_fits_the_workspace_and_balances():
+    """The host mirror of the device schedule: never more units than the workspace holds, S splits
+    for uniform batches, the long sequence of an uneven batch split far more than S times."""
+    from ascend_compile.ops.cuda_triton import MIN_SPLIT_TILES, decode_schedule
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        num_seqs, splits = rng.randint(1, 40), rng.randint(2, 8)
+        lens = [rng.choice([0, rng.randint(1, 64), rng.randint(1, 1 << 15)]) for _ in range(num_seqs)]
+        chunk, units = decode_schedule(lens, splits, key_tile=16, min_split_tiles=rng.randint(1, 4))
+        assert sum(units) <= num_seqs * splits and min(units) >= 1
+        assert all(-(-n // 16) <= chunk * u for n, u in zip(lens, units))  # every tile has a unit
+    assert decode_schedule([1024] * 8, 4) == (4, [4] * 8)  # uniform: S splits of 256 tokens
+    assert decode_schedule([100] * 8, 4) == (MIN_SPLIT_TILES, [1] * 8)  # short: one split each, direct
+    chunk, units = decode_schedule([32768] + [64] * 127, 2)  # one long sequence among short ones
+    assert units[0] == 128 and units[1:] == [1] * 127 and chunk * 64 == 256  # vs 2 splits of 16384 keys
+
+
+def test_triton_device_side_split_counts(kernels):
+    """Which workspace records the kernels write is the device's schedule: decode units per
+    sequence (a sequence of one unit writes its output directly), FIA splits per sequence, and
+    nothing past the workspace (a guard behind it stays untouched)."""
+    from ascend_compile.ops.cuda_triton import decode_schedule
+
+    heads, dim, splits = 4, 16, 3
+    p = make_problem([300, 5, 0, 90, 17], heads=heads, kv_heads=2, dim=dim, block_size=16, seed=21)
+    chunk, units = decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1)
+    assert units == [7, 1, 1, 2, 1] and chunk == 3
+    out, ws = run_triton(kernels, p, splits, decode=True, guard=64, workspace=True, **SPLITTY)
+    assert_exact(out, p, splits, decode=True)
+    records = 5 * splits
+    assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
+    lse = ws[:-64].view(torch.float32)[records * heads * dim:].view(records, heads)
+    written = [bool(torch.isfinite(lse[u]).all()) for u in range(records)]
+    expected = [False] * records
+    first = 0
+    for n in units:
+        for u in range(first, first + n):
+            expected[u] = n > 1
+        first += n
+    assert written == expected
+
+    # FIA: min(S, ceil(kv tiles / 1), ceil(S / query tiles)) splits; 4-token tiles (16 rows, group 4)
+    m = make_problem([40, 33, 3, 0], [1, 9, 2, 1], heads=8, kv_heads=2, dim=dim, block_size=16, seed=22)
+    out, ws = run_triton(kernels, m, splits, decode=False, guard=64, workspace=True, **SPLITTY)
+    assert_exact(out, m, splits, decode=False)
+    assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
+    tokens = m.query.shape[0]
+    lse = ws[:-64].view(torch.float32)[tokens * splits * 8 * dim:].view(tokens, splits, 8)
+    per_seq = [3, 1, 1, 1]  # 3 tiles / 1 query tile; 9 tokens = 3 query tiles; 1 tile; no keys
+    token_splits = [n for n, q in zip(per_seq, m.query_lens) for _ in range(q)]
+    for token, n in enumerate(token_splits):
+        used = torch.isfinite(lse[token]).all(dim=1) | (lse[token] == float("-inf")).all(dim=1)
+        assert used.tolist() == [n > 1 and s < n for s in range(splits)], token
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_triton_uneven_batch(kernels, decode):
+    """Very different lengths in one batch: the long sequence takes most of the units."""
+    lens = [700, 3, 0, 40, 1, 260, 16]
+    p = make_problem(lens, None if decode else [1, 2, 1, 5, 1, 17, 1], heads=4, kv_heads=1, dim=16,
+                     block_size=16, seed=31)
+    assert_exact(run_triton(kernels, p, 2, decode=decode, **SPLITTY), p, 2, decode=decode)
+    if decode:
+        from ascend_compile.ops.cuda_triton import decode_schedule
+
+        chunk, units = decode_schedule(lens, 2, key_tile=16, min_split_tiles=1)
+        assert units[0] >= 6 and sum(units) <= 14  # 2 fixed splits would leave 350 keys to one program
+
+
+@pytest.mark.parametrize("rows, group", [(64, 4), (128, 2)])
+def test_triton_prefill_large_query_tiles(kernels, rows, group):
+    """FIA with 64- and 128-row query tiles: long chunks span several tiles, short and decode
+    tokens share a batch with them, causal within each chunk."""
+    heads = 2 * group
+    lens, qlens = [90, 40, 9, 0], [90, 20, 1, 1]  # 90 tokens: 6 tiles of 16 (64 rows, group 4) or 2 of 64
+    p = make_problem(lens, qlens, heads=heads, kv_heads=1, dim=16, block_size=16, seed=rows + group)
+    out = run_triton(kernels, p, 2, decode=False, key_tile=32, min_split_tiles=1, tile_rows=rows)
+    assert_exact(out, p, 2, decode=False)
+
+
+def test_triton_launch_config_picks_large_tiles_for_prefill(kernels):
+    bf16 = kernels.launch_config
+    assert bf16(torch.bfloat16, 128, False, 512, 4) == (kernels.PREFILL_TILE_ROWS, kernels.NUM_STAGES)
+    assert bf16(torch.bfloat16, 128, False, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # one token each
+    assert bf16(torch.bfloat16, 128, True, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
+    assert bf16(torch.float32, 128, False, 512, 4) == (kernels.TILE_ROWS, 2)  # the documented fallback
+    assert bf16(torch.bfloat16, 256, False, 512, 4) == (kernels.TILE_ROWS, 2)
+    # bf16 on the default launch: a prefill chunk through 64-row tiles, against the reference op
+    p = make_problem([80, 5], [70, 1], heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.bfloat16, seed=41)
+    out = run_triton(kernels, p, 1, decode=False)
+    torch.testing.assert_close(out.float(), reference_dev(p, 1, decode=False).float(), atol=3e-2, rtol=3e-2)
 
 
 #: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
