@@ -206,6 +206,11 @@ def test_decode_schedule_fits_the_workspace_and_balances():
     assert decode_schedule([100] * 8, 4) == (MIN_SPLIT_TILES, [1] * 8)  # short: one split each, direct
     chunk, units = decode_schedule([32768] + [64] * 127, 2)  # one long sequence among short ones
     assert units[0] == 128 and units[1:] == [1] * 127 and chunk * 64 == 256  # vs 2 splits of 16384 keys
+    # the GPU's fair share bounds the chunk: a large uniform batch keeps one unit per sequence (no
+    # reduce), an uneven one still splits its long sequence (132 SMs x 3 programs, 8 KV heads)
+    assert decode_schedule([1024] * 256, 2, num_kv_heads=8, slots=396)[1] == [1] * 256
+    chunk, units = decode_schedule([32768] + [64] * 255, 2, num_kv_heads=8, slots=396)
+    assert chunk == 16 and units[0] == 32 and units[1:] == [1] * 255
 
 
 def test_triton_device_side_split_counts(kernels):
@@ -218,19 +223,23 @@ def test_triton_device_side_split_counts(kernels):
     p = make_problem([300, 5, 0, 90, 17], heads=heads, kv_heads=2, dim=dim, block_size=16, seed=21)
     chunk, units = decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1)
     assert units == [7, 1, 1, 2, 1] and chunk == 3
-    out, ws = run_triton(kernels, p, splits, decode=True, guard=64, workspace=True, **SPLITTY)
-    assert_exact(out, p, splits, decode=True)
+    # with 8 slots, 28 tiles x 2 KV heads make a fair share of 7 tiles per unit
+    assert decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1, num_kv_heads=2, slots=8) == \
+        (7, [3, 1, 1, 1, 1])
     records = 5 * splits
-    assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
-    lse = ws[:-64].view(torch.float32)[records * heads * dim:].view(records, heads)
-    written = [bool(torch.isfinite(lse[u]).all()) for u in range(records)]
-    expected = [False] * records
-    first = 0
-    for n in units:
-        for u in range(first, first + n):
-            expected[u] = n > 1
-        first += n
-    assert written == expected
+    for slots, units in ((None, [7, 1, 1, 2, 1]), (8, [3, 1, 1, 1, 1])):
+        out, ws = run_triton(kernels, p, splits, decode=True, guard=64, workspace=True, slots=slots, **SPLITTY)
+        assert_exact(out, p, splits, decode=True)
+        assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
+        lse = ws[:-64].view(torch.float32)[records * heads * dim:].view(records, heads)
+        written = [bool(torch.isfinite(lse[u]).all()) for u in range(records)]
+        expected = [False] * records
+        first = 0
+        for n in units:
+            for u in range(first, first + n):
+                expected[u] = n > 1
+            first += n
+        assert written == expected, slots
 
     # FIA: min(S, ceil(kv tiles / 1), ceil(S / query tiles)) splits; 4-token tiles (16 rows, group 4)
     m = make_problem([40, 33, 3, 0], [1, 9, 2, 1], heads=8, kv_heads=2, dim=dim, block_size=16, seed=22)
@@ -276,8 +285,8 @@ def test_triton_launch_config_picks_large_tiles_for_prefill(kernels):
     assert bf16(torch.bfloat16, 128, False, 512, 4) == (kernels.PREFILL_TILE_ROWS, kernels.NUM_STAGES)
     assert bf16(torch.bfloat16, 128, False, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # one token each
     assert bf16(torch.bfloat16, 128, True, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
-    assert bf16(torch.float32, 128, False, 512, 4) == (kernels.TILE_ROWS, 2)  # the documented fallback
-    assert bf16(torch.bfloat16, 256, False, 512, 4) == (kernels.TILE_ROWS, 2)
+    assert bf16(torch.float32, 128, False, 512, 4) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # the fallback
+    assert bf16(torch.bfloat16, 256, False, 512, 4) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
     # bf16 on the default launch: a prefill chunk through 64-row tiles, against the reference op
     p = make_problem([80, 5], [70, 1], heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.bfloat16, seed=41)
     out = run_triton(kernels, p, 1, decode=False)
@@ -285,52 +294,82 @@ def test_triton_launch_config_picks_large_tiles_for_prefill(kernels):
 
 
 #: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
-#: without a GPU); prints the spilled bytes (cuobjdump's STACK) of each variant, or -1 without cuobjdump.
+#: without a GPU), with the options `attention_dev` launches them with; prints, per variant, the
+#: registers and spilled bytes (cuobjdump's REG and STACK, -1 without cuobjdump), the shared memory
+#: and how many K/V tiles the key loop keeps in flight (its shared buffers' depth, 0 for kernels
+#: without a key loop).
 COMPILE_SCRIPT = r"""
 import os, re, subprocess, tempfile
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ascend_compile.ops import cuda_triton as ct
 
-def build(fn, types, constexprs):
+def build(fn, types, constexprs, stages):
     names = fn.arg_names
     constexprs = dict(constexprs, **{n: 1 for n in names if n.startswith("stride") and n.endswith("d")})
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in constexprs and (sig[n].startswith("*") or n.startswith("stride"))}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    depth = [int(d) for d in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x128x", kernel.asm["ttgir"])]
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return -1
+        return -1, -1, kernel.metadata.shared, min(depth, default=0)
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
+    regs, stack = (int(re.search(name + r":(\d+)", usage).group(1)) for name in ("REG", "STACK"))
+    return regs, stack, kernel.metadata.shared, min(depth, default=0)
 
+def report(*name, result):
+    print(*name, *result, flush=True)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 for dt in ("bf16", "fp32"):
+    types = {"query": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt, "block_table": "*i32",
+             "seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32", "out": "*" + dt,
+             "scale_log2": "fp32"}
+    base = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=ct.KEY_TILE, BLOCK_B=256,
+                MIN_TILES=ct.MIN_SPLIT_TILES, DIRECT=False, PRECISION="ieee" if dt == "fp32" else "tf32",
+                DOT_FP32=False)
+    # decode: the schedule with one block-table entry per tile (block 128) and per key (block 16)
+    rows, stages = ct.launch_config(DTYPES[dt], 128, True, 256, 256)
+    for block in (128, 16):
+        consts = dict(base, BLOCK_Q=1, BLOCK_M=rows, BLOCK_SIZE=block, DECODE=True, NUM_STAGES=stages)
+        report("split", dt, "decode", block, result=build(ct._split_kernel, types, consts, stages))
+    # the JIT turns int arguments equal to 1 into constants: one sequence, one split, block table stride 1
+    ones = dict(base, BLOCK_Q=1, BLOCK_M=rows, BLOCK_SIZE=128, DECODE=True, NUM_STAGES=stages, DIRECT=True,
+                num_seqs=1, num_splits=1, stride_bt=1)
+    report("split-ones", dt, "decode", 128, result=build(ct._split_kernel, types, ones, stages))
+    # FIA: prefill chunks (64-row tiles in bf16) and one token per sequence (16 rows)
+    for name, tokens, block in (("fia-prefill", 4096, 128), ("fia-prefill", 4096, 16), ("fia-tokens", 256, 128)):
+        rows, stages = ct.launch_config(DTYPES[dt], 128, False, tokens, 256)
+        if name == "fia-tokens" and ct.launch_config(DTYPES[dt], 128, False, 4096, 256)[0] == rows:
+            continue  # the fallback's (fp32) prefill tiles are these: the same kernel again
+        consts = dict(base, BLOCK_Q=ct.tile_tokens(2, rows), BLOCK_M=rows, BLOCK_SIZE=block, DECODE=False,
+                      NUM_STAGES=stages)
+        report("split", dt, name, block, result=build(ct._split_kernel, types, consts, stages))
     for decode in (True, False):
-        types = {"query": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt, "block_table": "*i32",
-                 "seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32", "out": "*" + dt,
-                 "scale_log2": "fp32"}
-        consts = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=ct.KEY_TILE,
-                      BLOCK_Q=1 if decode else ct.tile_tokens(2), BLOCK_M=16, DECODE=decode, DIRECT=False,
-                      PRECISION="ieee" if dt == "fp32" else "tf32", DOT_FP32=False)
-        print("split", dt, "decode" if decode else "fia", build(ct._split_kernel, types, consts))
-        # the JIT turns int arguments equal to 1 into constants: one sequence, one split, block table stride 1
-        ones = dict(consts, num_seqs=1, num_splits=1, stride_bt=1, DIRECT=True)
-        print("split-ones", dt, "decode" if decode else "fia", build(ct._split_kernel, types, ones))
-    print("reduce", dt, build(ct._reduce_kernel, {"workspace": "*fp32", "out": "*" + dt},
-                                dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=8)))
-    print("cache", dt, build(ct._cache_write_kernel,
-                             {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
-                              "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024)))
+        consts = dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=ct.REDUCE_SPLITS, BLOCK_N=ct.KEY_TILE,
+                      BLOCK_Q=8, BLOCK_B=256, MIN_TILES=ct.MIN_SPLIT_TILES, DECODE=decode)
+        report("reduce", dt, "decode" if decode else "fia", 0,
+               result=build(ct._reduce_kernel, {"seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32",
+                                           "out": "*" + dt}, consts, 1))
+    report("cache", dt, "-", 0, result=build(ct._cache_write_kernel,
+           {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
+            "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024), 1))
 """
+#: Shared memory one Hopper program may use (227 KB).
+HOPPER_SHARED = 232448
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled and run for real")
 def test_triton_kernels_compile_for_hopper_without_spills():
+    """Every kernel variant compiles for sm_90 without spilling, fits Hopper's shared memory, and
+    the key loops keep K/V two tiles in flight (one with the fp32 fallback's 16-row tiles)."""
     pytest.importorskip("triton", reason="needs triton")
     pytest.importorskip("triton.compiler", reason="needs triton's compiler API")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -339,9 +378,13 @@ def test_triton_kernels_compile_for_hopper_without_spills():
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines()]
-    assert len(lines) == 12
-    assert all(int(spill) <= 0 for *_, spill in lines), result.stdout  # no stack: nothing spilled
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert len(rows) == 17, result.stdout
+    for kernel, dt, variant, block, regs, stack, shared, depth in rows:
+        assert int(stack) <= 0, result.stdout  # no stack: nothing spilled
+        assert int(shared) <= HOPPER_SHARED, result.stdout
+        if kernel.startswith("split"):
+            assert int(depth) >= 2, result.stdout
 
 
 # ---------------------------------------------------------------- device-length ops (reference kernels)

@@ -10,13 +10,15 @@ which is what a captured CUDA graph needs. `num_splits` (S) is fixed on the host
 sizes the workspace; how the splits are spent is decided on the device, from the lengths:
 
 - **decode (PA)**: the grid has `B * S` *work units* per KV head. Every program computes the same
-  schedule from `seq_lens` (`_decode_schedule`): the smallest chunk of key tiles (at least
-  `min_split_tiles`) such that giving each sequence `max(1, ceil(tiles_b / chunk))` units fits in
-  `B * S` units; units are numbered sequence after sequence. A long sequence in a batch of short
-  ones thus gets most of the units (uneven batches balance), a uniform batch gets S splits each,
-  and a sequence of one unit writes its output directly (no workspace, no reduce). A chunk of
-  `ceil(total_tiles / (B*S - B))` tiles always fits (each sequence rounds up by less than one
-  unit), which bounds the search. Units past the schedule's end exit at once.
+  schedule from `seq_lens` (`_decode_schedule`): a chunk of key tiles, and `max(1, ceil(tiles_b /
+  chunk))` units for each sequence, numbered sequence after sequence. The chunk is the smallest
+  that fits in `B * S` units (a few unrolled steps of binary search) but no smaller than
+  `min_split_tiles` nor than the GPU's fair share (`ceil(total_tiles * KVH / slots)`, slots = SMs x
+  `PROGRAMS_PER_SM`: below that, more units only add reduce work). So a long sequence in a batch
+  of short ones gets most of the units (uneven batches balance), a large uniform batch one unit
+  per sequence, and a sequence of one unit writes its output directly (no workspace, no reduce).
+  A chunk of `ceil(total_tiles / (B*S - B))` tiles always fits (each sequence rounds up by less
+  than one unit), which bounds the search. Units past the schedule's end exit at once.
 - **FIA (mixed steps)**: one program per (query tile, KV head, split). A query tile holds
   `BLOCK_Q` query tokens of one sequence and, for each, the `GROUP` query heads sharing the KV
   head (64 rows for steps with more tokens than sequences, `PREFILL_TILE_ROWS`, so a long chunk
@@ -36,6 +38,8 @@ bytes whatever the lengths (none with `S == 1`); the reduce kernel combines the 
 (token, head) whose sequence used more than one split.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -59,6 +63,11 @@ NUM_STAGES = 3
 #: least that can fit) and `ceil(tiles / (units - B))` (always fits), whose ratio is at most
 #: S / (S - 1): after 4 steps the chunk is within 1/16 of that gap of the best.
 SEARCH_STEPS: tl.constexpr = tl.constexpr(4)
+#: Programs per SM the decode schedule counts on: its chunk is at least the fair share of key tiles
+#: of `num_sms * PROGRAMS_PER_SM` programs (smaller chunks only add units and reduce work).
+PROGRAMS_PER_SM = 3
+#: The slot count off CUDA (the interpreter): no fair-share bound, so short test sequences split.
+UNBOUNDED_SLOTS = 1 << 30
 #: Splits the reduce kernel combines per step of its loop.
 REDUCE_SPLITS = 16
 
@@ -95,8 +104,8 @@ def _sequence_of_token(query_start_loc, token, num_seqs):
 
 
 @triton.jit
-def _decode_schedule(seq_lens, num_seqs, num_units, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MIN_TILES: tl.constexpr):
+def _decode_schedule(seq_lens, num_seqs, num_units, num_kv_heads, slots, BLOCK_B: tl.constexpr,
+                     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """The decode schedule of `num_units` (> num_seqs) work units, the same in every program:
     (key tiles per unit, units of each sequence [BLOCK_B], inclusive cumulative units [BLOCK_B])."""
     seqs = tl.arange(0, BLOCK_B)
@@ -104,7 +113,8 @@ def _decode_schedule(seq_lens, num_seqs, num_units, BLOCK_B: tl.constexpr, BLOCK
     lens = tl.load(seq_lens + seqs, mask=valid, other=0)
     tiles = (lens + BLOCK_N - 1) // BLOCK_N
     total = tl.sum(tiles, 0)
-    lo = tl.maximum((total + num_units - 1) // num_units, MIN_TILES)  # no smaller chunk fits
+    fair = (total * num_kv_heads + slots - 1) // slots  # a chunk below the GPU's fair share gains nothing
+    lo = tl.maximum(tl.maximum((total + num_units - 1) // num_units, MIN_TILES), fair)  # no smaller chunk fits
     spare = num_units - num_seqs
     hi = tl.maximum((total + spare - 1) // spare, lo)  # always fits: see the module docstring
     # A few steps of binary search towards the smallest chunk that fits, unrolled (a loop here
@@ -205,7 +215,7 @@ def _attend(
 @triton.jit
 def _split_kernel(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out,
-    scale_log2, num_seqs, lse_base, num_splits,
+    scale_log2, num_seqs, lse_base, num_splits, slots,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -229,8 +239,8 @@ def _split_kernel(
             first_tile = 0
             chunk = 0  # unused: the whole sequence
         else:
-            chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, BLOCK_B, BLOCK_N,
-                                                  MIN_TILES)
+            chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, tl.num_programs(1),
+                                                  slots, BLOCK_B, BLOCK_N, MIN_TILES)
             seqs = tl.arange(0, BLOCK_B)
             seq = tl.sum((ends <= program).to(tl.int32), 0)
             mine = seqs == seq
@@ -308,7 +318,7 @@ def _split_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    seq_lens, query_start_loc, workspace, out, num_seqs, lse_base, num_splits,
+    seq_lens, query_start_loc, workspace, out, num_seqs, lse_base, num_splits, num_kv_heads, slots,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, MIN_TILES: tl.constexpr,
@@ -318,7 +328,8 @@ def _reduce_kernel(
     token = tl.program_id(0)
     head = tl.program_id(1)
     if DECODE:
-        chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, BLOCK_B, BLOCK_N, MIN_TILES)
+        chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, num_kv_heads, slots,
+                                              BLOCK_B, BLOCK_N, MIN_TILES)
         mine = tl.arange(0, BLOCK_B) == token
         n = tl.sum(tl.where(mine, units, 0), 0)
         first = (tl.sum(tl.where(mine, ends, 0), 0) - n).to(tl.int64)  # the sequence's first unit
@@ -388,26 +399,33 @@ def tile_tokens(group: int, rows: int = TILE_ROWS) -> int:
     return max(1, rows // group)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch_config(dtype: torch.dtype, head_dim: int, decode: bool, num_tokens: int, num_seqs: int) -> tuple[int, int]:
     """(rows of an attention tile, pipeline stages) of a call, checked for sm_90 by the compile test.
 
     FIA tiles hold `PREFILL_TILE_ROWS` rows when some sequence has several query tokens (T > B:
     prefill chunks, whose KV prefix each tile re-reads), else `TILE_ROWS` (one token per sequence,
     as in decode: larger tiles would only hold empty rows). Key loops run `NUM_STAGES` deep.
-    Fallback for 4-byte dtypes and head dims above 128, whose K/V tiles are twice as large (larger
-    tiles would spill registers or pass Hopper's 227 KB of shared memory): 16-row tiles, 2 stages,
-    so long float32 prefill chunks re-read their prefix once per 16 rows.
+    Fallback for 4-byte dtypes and head dims above 128, whose K/V tiles are twice as large (64-row
+    tiles would spill registers or, 3 stages deep, pass Hopper's 227 KB of shared memory): 16-row
+    tiles, so long float32 prefill chunks re-read their prefix once per 16 rows (~140 KB of shared
+    memory: one program per SM; float32 is for checking, not for speed).
     """
     small = torch.empty((), dtype=dtype).element_size() <= 2 and head_dim <= 128
     if not small:
-        return TILE_ROWS, 2
+        return TILE_ROWS, NUM_STAGES
     if decode or num_tokens <= num_seqs:
         return TILE_ROWS, NUM_STAGES
     return PREFILL_TILE_ROWS, NUM_STAGES
 
 
 def decode_schedule(seq_lens: list[int], num_splits: int, key_tile: int = KEY_TILE,
-                    min_split_tiles: int = MIN_SPLIT_TILES) -> tuple[int, list[int]]:
+                    min_split_tiles: int = MIN_SPLIT_TILES, num_kv_heads: int = 1,
+                    slots: int = UNBOUNDED_SLOTS) -> tuple[int, list[int]]:
     """The host mirror of `_decode_schedule` (for tests and tools): (key tiles per unit, units of
     each sequence) for `len(seq_lens) * num_splits` units; `num_splits == 1`: one unit each."""
     num_seqs = len(seq_lens)
@@ -416,7 +434,7 @@ def decode_schedule(seq_lens: list[int], num_splits: int, key_tile: int = KEY_TI
     num_units = num_seqs * num_splits
     tiles = [-(-n // key_tile) for n in seq_lens]
     total = sum(tiles)
-    lo = max(-(-total // num_units), min_split_tiles)
+    lo = max(-(-total // num_units), min_split_tiles, -(-total * num_kv_heads // slots))
     hi = max(-(-total // (num_units - num_seqs)), lo)
     for _ in range(SEARCH_STEPS.value):
         mid = (lo + hi) // 2
@@ -443,6 +461,7 @@ def attention_dev(
     min_split_tiles: int = MIN_SPLIT_TILES,
     tile_rows: int | None = None,
     num_stages: int | None = None,
+    slots: int | None = None,
 ) -> None:
     """Split-K paged attention into `out`, lengths read on the device; no host synchronisation.
 
@@ -464,6 +483,8 @@ def attention_dev(
     decode = query_start_loc is None
     rows, stages = launch_config(query.dtype, head_dim, decode, num_tokens, num_seqs)
     rows, stages = tile_rows or rows, num_stages or stages
+    if slots is None:
+        slots = _num_sms(query.device) * PROGRAMS_PER_SM if query.device.type == "cuda" else UNBOUNDED_SLOTS
     block_q = 1 if decode else tile_tokens(group, rows)
     block_m = max(TILE_ROWS, triton.next_power_of_2(block_q * group))
     direct = num_splits == 1
@@ -481,7 +502,7 @@ def attention_dev(
     loc = seq_lens if decode else query_start_loc
     _split_kernel[grid](
         query, key_cache, value_cache, block_table, seq_lens, loc, partials, out,
-        scale * LOG2E, num_seqs, lse_base, num_splits,
+        scale * LOG2E, num_seqs, lse_base, num_splits, slots,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=key_tile,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_B=block_b, MIN_TILES=min_split_tiles,
@@ -490,7 +511,7 @@ def attention_dev(
     )
     if not direct:
         _reduce_kernel[(num_tokens, num_heads)](
-            seq_lens, loc, partials, out, num_seqs, lse_base, num_splits, *out.stride(),
+            seq_lens, loc, partials, out, num_seqs, lse_base, num_splits, num_kv_heads, slots, *out.stride(),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=min(REDUCE_SPLITS, max(2, triton.next_power_of_2(num_splits))),
             BLOCK_N=key_tile, BLOCK_Q=block_q, BLOCK_B=block_b, MIN_TILES=min_split_tiles, DECODE=decode,
