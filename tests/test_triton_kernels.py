@@ -449,6 +449,9 @@ def test_split_choice_fills_the_sms_within_bounds():
     rule = cuda.gpu_splits(num_sms=132, max_model_len=1024)
     shape = tiling.AttentionShape(num_heads=16, num_kv_heads=8, head_dim=128, block_size=128)
     assert [rule(tiling.PA, shape, b) for b in (1, 8, 32)] == [4, 4, 2]
+    # a batch that fills the GPU alone: PA keeps spare capacity to rebalance uneven lengths, FIA none
+    assert [rule(k, shape, 256) for k in (tiling.PA, tiling.FIA)] == [cuda.PA_MIN_SPLITS, 1]
+    assert cuda.gpu_splits(num_sms=132, max_model_len=256)(tiling.PA, shape, 256) == 1  # too short to split
     with pytest.raises(ValueError, match="num_sms: expected a positive int"):
         cuda.choose_num_splits(8, 4096, 128, 0)
 
