@@ -212,7 +212,12 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+#: Runtime ints that vary with the batch: not specialised (divisibility by 16, == 1), so one
+#: compiled variant serves every batch of a kind.
+_VARYING = ["num_seqs", "lse_base", "slots"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _split_kernel(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out,
     scale_log2, num_seqs, lse_base, num_splits, slots,
@@ -316,7 +321,7 @@ def _split_kernel(
                 tl.store(workspace + lse_base + record, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _reduce_kernel(
     seq_lens, query_start_loc, workspace, out, num_seqs, lse_base, num_splits, num_kv_heads, slots,
     stride_ot, stride_oh, stride_od,
@@ -489,7 +494,8 @@ def attention_dev(
     block_m = max(TILE_ROWS, triton.next_power_of_2(block_q * group))
     direct = num_splits == 1
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_b = max(2, triton.next_power_of_2(num_seqs))
+    # only the decode schedule reads BLOCK_B lengths at once; a fixed value elsewhere spares compiles
+    block_b = max(16, triton.next_power_of_2(num_seqs)) if decode and not direct else 16
     if decode:
         grid = (num_seqs * num_splits, num_kv_heads)
     else:
