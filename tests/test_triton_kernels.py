@@ -340,9 +340,10 @@ for dt in ("bf16", "fp32"):
     for block in (128, 16):
         consts = dict(base, BLOCK_Q=1, BLOCK_M=rows, BLOCK_SIZE=block, DECODE=True, NUM_STAGES=stages)
         report("split", dt, "decode", block, result=build(ct._split_kernel, types, consts, stages))
-    # the JIT turns int arguments equal to 1 into constants: one sequence, one split, block table stride 1
+    # the JIT turns int arguments equal to 1 into constants (but not those in `_VARYING`): one split,
+    # block table stride 1
     ones = dict(base, BLOCK_Q=1, BLOCK_M=rows, BLOCK_SIZE=128, DECODE=True, NUM_STAGES=stages, DIRECT=True,
-                num_seqs=1, num_splits=1, stride_bt=1)
+                num_splits=1, stride_bt=1)
     report("split-ones", dt, "decode", 128, result=build(ct._split_kernel, types, ones, stages))
     # FIA: prefill chunks (64-row tiles in bf16) and one token per sequence (16 rows)
     for name, tokens, block in (("fia-prefill", 4096, 128), ("fia-prefill", 4096, 16), ("fia-tokens", 256, 128)):
