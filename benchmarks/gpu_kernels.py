@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ascend_compile.ops  # noqa: E402,F401
 from ascend_compile.ops import cuda as cuda_ops  # noqa: E402
 from ascend_compile.ops import tiling  # noqa: E402
-from bench_util import Results, copy_bandwidth, nominal_gbps, time_throughput  # noqa: E402
+from bench_util import Results, copy_bandwidth, nominal_gbps, synchronize, time_throughput  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 128
 DTYPE = torch.bfloat16
@@ -99,14 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows here, rewritten after each")
     parser.add_argument("--quick", action="store_true", help="only the copy and the target case")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the cases left after this many seconds")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the script's own check on the CPU: tiny cases, reference kernels and Triton's "
+                             "interpreter (run with TRITON_INTERPRET=1); its figures mean nothing")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.smoke:
+        global ITERS
+        ITERS = 2
+        device, sms = torch.device("cpu"), 4
+        pa_cases, uneven, prefill = [(2, 256), (4, 128)], [512] + [16] * 3, 64
+    elif not torch.cuda.is_available():
         print("gpu_kernels: needs CUDA", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
+    else:
+        device, sms = torch.device("cuda"), cuda_ops.device_sm_count(torch.device("cuda"))
+        pa_cases = [(64, 4096)] if args.quick else [(64, 4096), (1, 4096), (8, 4096), (32, 4096), (128, 4096),
+                                                      (256, 2048)]
+        uneven, prefill = [65536] + [1024] * 63, 4096
     began = time.perf_counter()
-    sms = cuda_ops.device_sm_count(device)
-    info = {"device_name": torch.cuda.get_device_name(device), "sms": sms, "torch": torch.__version__,
+    info = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "sms": sms, "torch": torch.__version__,
             "dtype": str(DTYPE), "shape": vars(shape()), "nominal_gbps": nominal_gbps(device), "iters": ITERS}
     try:
         import triton
@@ -118,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(args.json, info)
     print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
 
-    copy = copy_bandwidth(device, 1 << 30) / 1e9
+    copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (16 << 20)) / 1e9
     results.add({"case": "copy", "bytes": 2 << 30, "gbps": copy})
     print(f"copy: {copy:.0f} GB/s measured (nominal {info['nominal_gbps']} GB/s)", flush=True)
 
@@ -130,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             start = time.perf_counter()
             call()  # compile
-            torch.cuda.synchronize()
+            synchronize(device)
             first = time.perf_counter() - start
             seconds = time_throughput(call, device, ITERS)
         except Exception as err:  # one failing case must not cost the others
@@ -146,12 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case:12} {' '.join(f'{k}={v}' for k, v in fields.items()):42} {row['ms']:8.3f} ms "
               f"{row['gbps']:6.0f} GB/s {row['of_copy']:5.0%} of copy{extra}", flush=True)
 
-    cases = [(64, 4096)] if args.quick else [(64, 4096), (1, 4096), (8, 4096), (32, 4096), (128, 4096), (256, 2048)]
-    for batch, context in cases:
+    for batch, context in pa_cases:
         p = Paged([context] * batch, device)
         splits = cuda_ops.gpu_splits(sms, context)(tiling.PA, shape(), batch)
         measure("pa", pa_call(p, splits, device), p.bytes, batch=batch, context=context, splits=splits)
-        if (batch, context) == (64, 4096):
+        if (batch, context) == pa_cases[0]:
             loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
             fia_splits = cuda_ops.gpu_splits(sms, context)(tiling.FIA, shape(), batch)
             measure("fia-decode", fia_call(p, loc, fia_splits, device), p.bytes, batch=batch, context=context,
@@ -160,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         return 0
 
-    lens = [65536] + [1024] * 63
-    p = Paged(lens, device)
-    splits = cuda_ops.gpu_splits(sms, 65536)(tiling.PA, shape(), len(lens))
+    p = Paged(uneven, device)
+    splits = cuda_ops.gpu_splits(sms, uneven[0])(tiling.PA, shape(), len(uneven))
     for s in (splits, 1):
-        measure("pa-uneven", pa_call(p, s, device), p.bytes, batch=len(lens), context="65536+63x1024", splits=s)
+        measure("pa-uneven", pa_call(p, s, device), p.bytes, batch=len(uneven),
+                context=f"{uneven[0]}+{len(uneven) - 1}x{uneven[1]}", splits=s)
     del p
 
-    tokens = 4096
+    tokens = prefill
     p = Paged([tokens], device, query_tokens=tokens)
     loc = torch.tensor([0, tokens], dtype=torch.int32, device=device)
     flops = 4 * HEADS * HEAD_DIM * tokens * tokens / 2  # causal: half the score matrix
