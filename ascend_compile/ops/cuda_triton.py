@@ -14,7 +14,7 @@ sizes the workspace; how the splits are spent is decided on the device, from the
   chunk))` units for each sequence, numbered sequence after sequence. The chunk is the smallest
   that fits in `B * S` units (a few unrolled steps of binary search) but no smaller than
   `min_split_tiles` nor than the GPU's fair share (`ceil(total_tiles * KVH / slots)`, slots = SMs x
-  `PROGRAMS_PER_SM`: below that, more units only add reduce work). So a long sequence in a batch
+  `SLOTS_PER_SM`: below that, more units only add reduce work). So a long sequence in a batch
   of short ones gets most of the units (uneven batches balance), a large uniform batch one unit
   per sequence, and a sequence of one unit writes its output directly (no workspace, no reduce).
   A chunk of `ceil(total_tiles / (B*S - B))` tiles always fits (each sequence rounds up by less
@@ -64,8 +64,8 @@ NUM_STAGES = 3
 #: S / (S - 1): after 4 steps the chunk is within 1/16 of that gap of the best.
 SEARCH_STEPS: tl.constexpr = tl.constexpr(4)
 #: Programs per SM the decode schedule counts on: its chunk is at least the fair share of key tiles
-#: of `num_sms * PROGRAMS_PER_SM` programs (smaller chunks only add units and reduce work).
-PROGRAMS_PER_SM = 3
+#: of `num_sms * SLOTS_PER_SM` programs (smaller chunks only add units and reduce work).
+SLOTS_PER_SM = 3
 #: The slot count off CUDA (the interpreter): no fair-share bound, so short test sequences split.
 UNBOUNDED_SLOTS = 1 << 30
 #: Splits the reduce kernel combines per step of its loop.
@@ -489,7 +489,7 @@ def attention_dev(
     rows, stages = launch_config(query.dtype, head_dim, decode, num_tokens, num_seqs)
     rows, stages = tile_rows or rows, num_stages or stages
     if slots is None:
-        slots = _num_sms(query.device) * PROGRAMS_PER_SM if query.device.type == "cuda" else UNBOUNDED_SLOTS
+        slots = _num_sms(query.device) * SLOTS_PER_SM if query.device.type == "cuda" else UNBOUNDED_SLOTS
     block_q = 1 if decode else tile_tokens(group, rows)
     block_m = max(TILE_ROWS, triton.next_power_of_2(block_q * group))
     direct = num_splits == 1
