@@ -227,7 +227,7 @@ def test_triton_device_side_split_counts(kernels):
     assert decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1, num_kv_heads=2, slots=8) == \
         (7, [3, 1, 1, 1, 1])
     records = 5 * splits
-    for slots, units in ((None, [7, 1, 1, 2, 1]), (8, [3, 1, 1, 1, 1])):
+    for slots, units in ((kernels.UNBOUNDED_SLOTS, [7, 1, 1, 2, 1]), (8, [3, 1, 1, 1, 1])):
         out, ws = run_triton(kernels, p, splits, decode=True, guard=64, workspace=True, slots=slots, **SPLITTY)
         assert_exact(out, p, splits, decode=True)
         assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
