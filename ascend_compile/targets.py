@@ -18,7 +18,7 @@ from torch import fx
 from .config import CompileConfig
 from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
-from .ops.kernel_policy import KernelPolicy, KernelTimer
+from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
 from .passes.fx_utils import clone_graph_module
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
@@ -100,6 +100,16 @@ class CudaTarget(Target):
 
     def check(self, config: CompileConfig) -> None:
         """Every option holds on CUDA, the inner compiler included."""
+
+    def kernel_policy(self, config: CompileConfig, dtype: torch.dtype) -> KernelPolicy:
+        """The decode kernel (PA) for every decode-only bucket under the default policy: its device
+        schedule balances any batch, so `pa_max_batch` (an Ascend heuristic) does not apply here;
+        an explicit policy, `auto` included, is kept."""
+        policy = super().kernel_policy(config, dtype)
+        if config.kernel_policy == "pa_max_batch" and config.pa_max_batch == PA_MAX_BATCH:
+            return dataclasses.replace(policy, kind="pa", why_pa="decode-only bucket on CUDA, whose device schedule "
+                                                                 "balances any batch")
+        return policy
 
     def splits(self, config: CompileConfig):
         from .ops.cuda import gpu_splits

@@ -1,18 +1,27 @@
 """Decode-step benchmark: a Llama-style model over a paged KV cache, compiled every way there is.
 
 Two variants of the same weights: **plain** (attention in plain PyTorch: gather the sequence's
-blocks, masked SDPA, what a user without this project writes; decode only) and **op** (attention
-through `ascend.attention`). In one process, on identical inputs, for each batch: the median time
-of one decode step in eager, `torch.compile` (default) and `torch.compile(mode="reduce-overhead")`
-on both variants (compiled with `dynamic=True`, as a server compiles one graph for every batch),
-and `ascend_graph` with the eager and the inductor inner compiler on the op variant; the ratio of
-each to an HBM roofline (weights read once plus the KV actually attended, at `--hbm-gbps`); the
-largest absolute difference to eager of the same variant; and the first call's time (compile +
-capture). With CUDA, also a kernel benchmark: the PA and FIA kernels' achieved bandwidth at batch
-64 x context 4096 against a device-to-device copy in the same run, for several split counts.
+blocks, SDPA with a float padding mask, the query heads sharing a KV head folded into SDPA's query
+length so no K/V is expanded; what a careful user without this project writes; decode only) and
+**op** (attention through `ascend.attention`). On CUDA the plain variant runs with SDPA restricted
+to one fused backend (efficient attention, else cuDNN), checked to run before anything is timed,
+so the peer is not the math fallback; the backend is in the results' `info`.
 
-    python benchmarks/decode.py --preset tiny             # CPU, under a minute
-    python benchmarks/decode.py --preset small --json out.json    # a GPU (H200-sized)
+In one process, on identical inputs, for each batch: the median time of one decode step (CUDA
+events around each step) in eager, `torch.compile` (default) and `torch.compile(mode=
+"reduce-overhead")` on both variants (compiled with `dynamic=True`, as a server compiles one graph
+for every batch), and `ascend_graph` with the eager and the inductor inner compiler on the op
+variant; the ratio of each to an HBM roofline (weights read once plus the KV actually attended)
+at the bandwidth of a device-to-device copy measured in the same run (`x roof`; the nominal HBM
+bandwidth beside it, `x nom`, where the device is known); the largest absolute difference to eager
+of the same variant; and the first call's time (compile + capture). Modes run in order of
+importance (the target comparisons first); each row is printed and the JSON rewritten as soon as
+it is measured, and `--budget-s` skips the modes left once a time budget is spent, so a cut run
+still returns every finished row. The kernels' own bandwidth is `benchmarks/gpu_kernels.py`.
+
+    python benchmarks/decode.py --preset tiny             # CPU, about a minute
+    python benchmarks/decode.py --preset h200 --json out.json --budget-s 150   # phase 3 of run_gpu.sh
+    python benchmarks/decode.py --preset small --json out.json    # 8 layers, 5 batches: ~10 min
 
 Modes a device cannot run (CUDA graphs on the CPU) are skipped with the reason printed.
 """
@@ -20,11 +29,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
-import json
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -35,8 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ascend_compile  # noqa: E402
-from ascend_compile.ops import cuda as cuda_ops  # noqa: E402
-from ascend_compile.ops import tiling  # noqa: E402
+from bench_util import Results, copy_bandwidth, nominal_gbps, synchronize, time_median  # noqa: E402
 from examples.llama import Attention, LlamaConfig, PagedBatch, build  # noqa: E402
 
 
@@ -60,31 +67,77 @@ PRESETS = {
                     ffn_size=5632, block_size=128, num_blocks=256 * 8 + 8, dtype=torch.bfloat16),
         context=1024, batches=(1, 8, 32, 128, 256), device="cuda", iters=20,
     ),
+    # The decode table of `benchmarks/run_gpu.sh` (phase 3, about 4 minutes on an H200): "small" with
+    # 4 layers (every layer is the same, so the ratios hardly move, and compiles take half as long)
+    # and 3 batches (the targets need batch 32 and up; batch 1 is the latency case).
+    "h200": Preset(
+        LlamaConfig(vocab_size=32000, hidden_size=2048, num_layers=4, num_heads=16, num_kv_heads=8, head_dim=128,
+                    ffn_size=5632, block_size=128, num_blocks=128 * 8 + 8, dtype=torch.bfloat16),
+        context=1024, batches=(1, 32, 128), device="cuda", iters=20,
+    ),
 }
 
+#: Every (variant, mode), in the order they run: the eager references, then what the targets
+#: compare (ours, the plain variant's best torch.compile, reduce-overhead on the op variant), then
+#: the rest, so a time budget cuts the least important.
 MODES = (
-    ("plain", "eager"), ("plain", "compile"), ("plain", "reduce-overhead"),
-    ("op", "eager"), ("op", "compile"), ("op", "reduce-overhead"),
-    ("op", "ascend_graph"), ("op", "ascend_graph+inductor"),
+    ("plain", "eager"), ("op", "eager"),
+    ("op", "ascend_graph+inductor"), ("plain", "reduce-overhead"), ("op", "reduce-overhead"),
+    ("plain", "compile"), ("op", "ascend_graph"), ("op", "compile"),
 )
 
 
 class PlainAttention(Attention):
-    """Decode attention in plain PyTorch: index the cache with the block table, mask, SDPA."""
+    """Decode attention in plain PyTorch: index the cache with the block table, SDPA.
+
+    The `G` query heads sharing a KV head become `G` query positions of that head (`[B, KVH, G,
+    D]`), so no K/V is expanded for GQA; the padding mask is additive (float), which the fused
+    efficient-attention backend takes (a boolean mask or `enable_gqa` can send SDPA to the math
+    fallback)."""
 
     def attend(self, q, k, v, block_table, seq_lens, query_start_loc, slot_mapping):
         cfg = self.cfg
         self.key_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slot_mapping, k)
         self.value_cache.view(-1, cfg.num_kv_heads, cfg.head_dim).index_copy_(0, slot_mapping, v)
-        batch = block_table.shape[0]
+        batch, group = block_table.shape[0], cfg.num_heads // cfg.num_kv_heads
         keys = self.key_cache[block_table].flatten(1, 2).transpose(1, 2)  # [B, KVH, L, D]
         values = self.value_cache[block_table].flatten(1, 2).transpose(1, 2)
-        visible = torch.arange(keys.shape[2], device=q.device) < seq_lens.unsqueeze(1)  # [B, L]
+        hidden = torch.arange(keys.shape[2], device=q.device) >= seq_lens.unsqueeze(1)  # [B, L]
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
         out = F.scaled_dot_product_attention(
-            q.view(batch, cfg.num_heads, 1, cfg.head_dim), keys, values,
-            attn_mask=visible[:, None, None, :], scale=cfg.head_dim**-0.5, enable_gqa=True,
+            q.view(batch, cfg.num_kv_heads, group, cfg.head_dim), keys, values,
+            attn_mask=mask[:, None, None, :], scale=cfg.head_dim**-0.5,
         )
-        return out.view(batch, cfg.num_heads, cfg.head_dim)
+        return out.reshape(batch, cfg.num_heads, cfg.head_dim)
+
+
+#: SDPA backends the plain variant may run on CUDA, best first; the first that runs its step is used.
+SDPA_BACKENDS = ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+def sdpa_backend(model: torch.nn.Module, step: dict[str, torch.Tensor], device: torch.device) -> tuple[str, Any]:
+    """(name, context manager) of the SDPA backend the plain variant runs with: on CUDA the first
+    of `SDPA_BACKENDS` that runs `step` alone (SDPA raises when a restricted backend cannot), else
+    the math fallback, named so; elsewhere torch's own choice."""
+    if device.type != "cuda":
+        return "default (not CUDA)", contextlib.nullcontext
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return "default (no torch.nn.attention)", contextlib.nullcontext
+    for name in SDPA_BACKENDS:
+        backend = getattr(SDPBackend, name, None)
+        if backend is None:
+            continue
+        try:
+            with sdpa_kernel([backend]), torch.no_grad():
+                model(**step)
+            synchronize(device)
+        except RuntimeError as err:
+            print(f"plain variant: SDPA backend {name} does not run this step ({str(err)[:200]})")
+            continue
+        return name, functools.partial(sdpa_kernel, [backend])
+    return "MATH (no fused backend ran: a weak peer)", functools.partial(sdpa_kernel, [SDPBackend.MATH])
 
 
 def build_variant(preset: Preset, variant: str) -> torch.nn.Module:
@@ -110,46 +163,6 @@ def kv_bytes(cfg: LlamaConfig, seq_lens: list[int]) -> int:
     """Bytes of K and V the attention of one step reads, over every layer."""
     itemsize = torch.empty((), dtype=cfg.dtype).element_size()
     return sum(seq_lens) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy of `nbytes` (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = time_loop(functools.partial(dst.copy_, src), device, iters=20)
-    return 2 * nbytes / seconds
-
-
-def time_loop(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Seconds per call of `fn` over `iters` calls back to back (one synchronisation at each end):
-    a kernel's throughput, without the host's per-call synchronisation."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - start) / iters
-
-
-def time_call(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Median seconds of `fn` (synchronised), after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def decode_steps(cfg: LlamaConfig, preset: Preset, device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
@@ -194,14 +207,13 @@ def compiled(model: torch.nn.Module, mode: str, preset: Preset, artifacts: list)
     return torch.compile(model, backend=backend, dynamic=True)
 
 
-def run_mode(model, mode, preset, steps, expected, bandwidth, device) -> list[dict[str, Any]]:
-    """Time `mode` at every batch; one result row per batch. Rows of `ascend_graph` modes also
-    split a step's time into the runner's phases; rows of CUDA-graph modes note graphs inductor
-    declined to capture."""
+def run_mode(model, mode, preset, steps, expected, bandwidth, nominal, device):
+    """Time `mode` at every batch, yielding one result row per batch as soon as it is measured.
+    Rows of `ascend_graph` modes also split a step's time into the runner's phases; rows of
+    CUDA-graph modes note graphs inductor declined to capture."""
     artifacts: list = []
     fn = compiled(model, mode, preset, artifacts)
     counters = torch._dynamo.utils.counters["inductor"]
-    rows = []
     with torch.no_grad():
         for batch in preset.batches:
             inputs = steps[batch]
@@ -212,101 +224,64 @@ def run_mode(model, mode, preset, steps, expected, bandwidth, device) -> list[di
             first = time.perf_counter() - start
             diff = (out.float() - expected[batch].float()).abs().max().item()
             before = sum((a.seconds for a in artifacts), start=collections.Counter())
-            seconds = time_call(functools.partial(fn, **inputs), device, preset.iters)
-            calls = preset.iters + 2  # time_call's warm-up calls included
+            seconds = time_median(functools.partial(fn, **inputs), device, preset.iters)
+            calls = preset.iters + 2  # time_median's warm-up calls included
             phases = sum((a.seconds for a in artifacts), start=collections.Counter()) - before
-            roofline = (weight_bytes(model, batch) + kv_bytes(preset.model, [preset.context] * batch)) / bandwidth
+            nbytes = weight_bytes(model, batch) + kv_bytes(preset.model, [preset.context] * batch)
+            roofline = nbytes / bandwidth
             row = {
                 "batch": batch, "median_ms": seconds * 1e3, "roofline_ms": roofline * 1e3,
                 "x_roofline": seconds / roofline, "max_abs_diff": diff, "first_call_s": first,
             }
+            if nominal:
+                row["x_nominal"] = seconds / (nbytes / nominal)
             if phases:
                 row["runner_ms"] = {k: v * 1e3 / calls for k, v in sorted(phases.items())}
             if counters["cudagraph_skips"] > skips:
                 row["note"] = "inductor skipped CUDA graphs (see its warning)"
-            rows.append(row)
-    return rows
+            yield row
 
 
-def kernel_benchmark(preset: Preset, device: torch.device, batch: int = 64, context: int = 4096) -> dict[str, Any]:
-    """PA and FIA (device-length Triton kernels) bandwidth at `batch` x `context`, vs a copy."""
-    cfg = preset.model
-    shape = tiling.AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
-    blocks = -(-context // cfg.block_size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    cache_shape = (batch * blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-    key_cache = torch.randn(cache_shape, generator=gen, device=device).to(cfg.dtype)
-    value_cache = torch.randn(cache_shape, generator=gen, device=device).to(cfg.dtype)
-    perm = torch.randperm(batch * blocks, generator=gen, device=device)
-    block_table = perm.view(batch, blocks).to(torch.int32)
-    query = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=gen, device=device).to(cfg.dtype)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    out = torch.empty_like(query)
-    nbytes = kv_bytes(dataclasses.replace(cfg, num_layers=1), [context] * batch) + 2 * query.numel() * query.element_size()
-    copy = copy_bandwidth(device, nbytes // 2)
-    chosen = cuda_ops.choose_num_splits(batch * cfg.num_kv_heads, context, cfg.block_size,
-                                        cuda_ops.device_sm_count(device))
-    result: dict[str, Any] = {"batch": batch, "context": context, "bytes": nbytes, "copy_gbps": copy / 1e9,
-                              "chosen_splits": chosen, "kernels": []}
-    scale = cfg.head_dim**-0.5
-    for splits in sorted({chosen, 1, 2, 4, 8}):
-        ws = torch.empty(cuda_ops.dev_workspace_nbytes(batch, shape, splits), dtype=torch.uint8, device=device)
-        calls = {
-            "PA": functools.partial(torch.ops.ascend.paged_attention_dev,
-                                    query, key_cache, value_cache, block_table, seq_lens, scale, ws, out, splits),
-            "FIA": functools.partial(torch.ops.ascend.fused_infer_attention_dev,
-                                     query, key_cache, value_cache, block_table, start_loc, seq_lens, scale, ws, out,
-                                     splits),
-        }
-        for name, call in calls.items():
-            seconds = time_loop(call, device, iters=20)
-            gbps = nbytes / seconds / 1e9
-            result["kernels"].append({"kernel": name, "splits": splits, "ms": seconds * 1e3, "gbps": gbps,
-                                      "of_copy": gbps / result["copy_gbps"]})
-    return result
-
-
-def targets(rows: list[dict[str, Any]], kernels: dict[str, Any] | None) -> list[str]:
-    """The issue's targets, checked against this run's figures."""
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's decode-table targets, checked against this run's figures (the kernel target is
+    `benchmarks/gpu_kernels.py`'s; `benchmarks/verdicts.py` puts them together)."""
     by = {(r["variant"], r["mode"], r["batch"]): r for r in rows if "median_ms" in r}
     lines = []
     for batch in sorted({r["batch"] for r in rows if "batch" in r}):
         ours = by.get(("op", "ascend_graph+inductor", batch))
         if ours is None:
             continue
-        plain = [by[k]["median_ms"] for k in by if k[0] == "plain" and k[1] != "eager" and k[2] == batch]
+        plain = {k[1]: by[k]["median_ms"] for k in by if k[0] == "plain" and k[1] != "eager" and k[2] == batch}
         ro = by.get(("op", "reduce-overhead", batch))
         if batch >= 32 and plain:
-            speedup = min(plain) / ours["median_ms"]
+            best = min(plain, key=plain.get)
+            speedup = plain[best] / ours["median_ms"]
             lines.append(f"batch {batch}: ascend_graph+inductor {speedup:.2f}x faster than the best torch.compile "
-                         f"on plain (target >= 2): {'PASS' if speedup >= 2 else 'FAIL'}; "
-                         f"{ours['x_roofline']:.2f}x roofline (target <= 1.5): "
+                         f"on plain ({best}; measured: {', '.join(sorted(plain))}) (target >= 2): "
+                         f"{'PASS' if speedup >= 2 else 'FAIL'}; {ours['x_roofline']:.2f}x roofline (target <= 1.5): "
                          f"{'PASS' if ours['x_roofline'] <= 1.5 else 'FAIL'}")
         if ro is not None:
             ratio = ours["median_ms"] / ro["median_ms"]
             lines.append(f"batch {batch}: ascend_graph+inductor / reduce-overhead on op = {ratio:.2f} "
                          f"(target <= 1): {'PASS' if ratio <= 1 else 'FAIL'}")
-    if kernels:
-        pa = [k for k in kernels["kernels"] if k["kernel"] == "PA" and k["splits"] == kernels["chosen_splits"]][0]
-        lines.append(f"PA kernel at batch {kernels['batch']} x {kernels['context']}: {pa['of_copy']:.0%} of copy "
-                     f"bandwidth (target >= 70%): {'PASS' if pa['of_copy'] >= 0.7 else 'FAIL'}")
     return lines
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'variant':7} {'mode':22} {'batch':>5} {'median ms':>10} {'roofline ms':>11} {'x roof':>7} " \
-             f"{'max|diff|':>10} {'first s':>8}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        if "median_ms" not in r:
-            print(f"{r['variant']:7} {r['mode']:22} {'':>5} skipped: {r['skipped']}")
-            continue
-        extra = " ".join(f"{k}={v:.3f}" for k, v in r.get("runner_ms", {}).items())
-        print(f"{r['variant']:7} {r['mode']:22} {r['batch']:5d} {r['median_ms']:10.3f} {r['roofline_ms']:11.3f} "
-              f"{r['x_roofline']:7.2f} {r['max_abs_diff']:10.2e} {r['first_call_s']:8.2f}"
-              + (f"  runner ms/step: {extra}" if extra else "") + (f"  ({r['note']})" if "note" in r else ""))
+def print_row(r: dict[str, Any]) -> None:
+    if "median_ms" not in r:
+        print(f"{r['variant']:7} {r['mode']:22} {'':>5} {r.get('skipped') or 'ERROR ' + r.get('error', '')}",
+              flush=True)
+        return
+    extra = " ".join(f"{k}={v:.3f}" for k, v in r.get("runner_ms", {}).items())
+    nominal = f"{r['x_nominal']:6.2f}" if "x_nominal" in r else f"{'-':>6}"
+    print(f"{r['variant']:7} {r['mode']:22} {r['batch']:5d} {r['median_ms']:10.3f} {r['roofline_ms']:11.3f} "
+          f"{r['x_roofline']:7.2f} {nominal} {r['max_abs_diff']:10.2e} {r['first_call_s']:8.2f}"
+          + (f"  runner ms/step: {extra}" if extra else "") + (f"  ({r['note']})" if "note" in r else ""),
+          flush=True)
+
+
+HEADER = (f"{'variant':7} {'mode':22} {'batch':>5} {'median ms':>10} {'roofline ms':>11} {'x roof':>7} {'x nom':>6} "
+          f"{'max|diff|':>10} {'first s':>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,14 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None, help="timed steps per measurement (default: the preset's)")
     parser.add_argument("--device", default=None, help="torch device (default: the preset's)")
     parser.add_argument("--hbm-gbps", type=float, default=None,
-                        help="bandwidth of the roofline in GB/s (default: 4800, the H200's, on CUDA; a measured "
-                             "copy elsewhere)")
+                        help="bandwidth of the roofline in GB/s (default: a device-to-device copy measured now)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of torch (default: 1 on the CPU, where timings of small models with "
                              "several threads are dominated by thread spinning; unchanged with CUDA)")
-    parser.add_argument("--no-kernel-bench", action="store_true", help="skip the PA/FIA kernel benchmark")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no mode after this many seconds (the rest are recorded as skipped)")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file (after every row)")
     args = parser.parse_args(argv)
+    began = time.perf_counter()
 
     preset = PRESETS[args.preset]
     preset = dataclasses.replace(
@@ -350,73 +326,64 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    bandwidth = (args.hbm_gbps * 1e9 if args.hbm_gbps else
-                 4800e9 if device.type == "cuda" else copy_bandwidth(device, 64 << 20))
+    copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    bandwidth = args.hbm_gbps * 1e9 if args.hbm_gbps else copy
+    nominal = (nominal_gbps(device) or 0) * 1e9 or None
     steps = decode_steps(cfg, preset, device)
     info = {
         "preset": args.preset, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "context": preset.context, "batches": list(preset.batches),
-        "dtype": str(cfg.dtype), "roofline_gbps": bandwidth / 1e9, "iters": preset.iters,
-        "threads": torch.get_num_threads(),
+        "layers": cfg.num_layers, "dtype": str(cfg.dtype), "copy_gbps": copy / 1e9,
+        "roofline_gbps": bandwidth / 1e9, "nominal_gbps": nominal / 1e9 if nominal else None,
+        "iters": preset.iters, "threads": torch.get_num_threads(), "timing": "CUDA events" if
+        device.type == "cuda" else "wall clock",
     }
-    print(" ".join(f"{k}={v}" for k, v in info.items()))
-
-    rows: list[dict[str, Any]] = []
+    models = {variant: build_variant(preset, variant) for variant in ("plain", "op") if any(v == variant for v, _ in modes)}
     expected: dict[str, dict[int, torch.Tensor]] = {}
-    for variant in ("plain", "op"):
-        runnable = []
-        for mode in [m for v, m in modes if v == variant]:
-            reason = skip_reason(variant, mode, device)
-            if reason is None:
-                runnable.append(mode)
-            else:
-                print(f"skipping {variant}/{mode}: {reason}")
-                rows.append({"variant": variant, "mode": mode, "skipped": reason})
-        if not runnable:
-            continue
-        model = build_variant(preset, variant)
-        with torch.no_grad():
-            expected[variant] = {b: model(**steps[b]).clone() for b in preset.batches}
-        for mode in runnable:
-            print(f"running {variant}/{mode} ...", flush=True)
-            for row in run_mode(model, mode, preset, steps, expected[variant], bandwidth, device):
-                rows.append({"variant": variant, "mode": mode, **row})
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    contexts: dict[str, Any] = {}
+    with torch.no_grad():
+        for variant, model in models.items():
+            contexts[variant] = contextlib.nullcontext
+            if variant == "plain":
+                info["sdpa_backend"], contexts[variant] = sdpa_backend(model, steps[preset.batches[0]], device)
+            with contexts[variant]():
+                expected[variant] = {b: model(**steps[b]).clone() for b in preset.batches}
     if "plain" in expected and "op" in expected:
         info["plain_vs_op_max_abs_diff"] = max(
             (expected["plain"][b].float() - expected["op"][b].float()).abs().max().item() for b in preset.batches
         )
+    results = Results(args.json, info)
+    print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    print(HEADER, flush=True)
 
-    kernels = None
-    reason = "--no-kernel-bench" if args.no_kernel_bench else skip_reason("op", "kernels", device)
-    if device.type != "cuda":
-        reason = reason or "the Triton kernels need a CUDA device"
-    if reason is None:
-        kernels = kernel_benchmark(preset, device)
-    else:
-        print(f"skipping the kernel benchmark: {reason}")
+    for variant, mode in modes:
+        reason = skip_reason(variant, mode, device)
+        if reason is None and args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+            reason = f"time budget of {args.budget_s:.0f} s spent"
+        if reason is not None:
+            print_row(results.add({"variant": variant, "mode": mode, "skipped": reason}))
+            continue
+        try:
+            with contexts[variant]():
+                for row in run_mode(models[variant], mode, preset, steps, expected[variant], bandwidth, nominal,
+                                    device):
+                    print_row(results.add({"variant": variant, "mode": mode, **row}))
+        except Exception as err:  # one failing mode must not cost the others
+            print_row(results.add({"variant": variant, "mode": mode, "error": f"{type(err).__name__}: {err}"[:800]}))
+        results.set("targets", targets(results.rows))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    print()
-    print_table(rows)
     if "plain_vs_op_max_abs_diff" in info:
         print(f"plain vs op (eager) max|diff|: {info['plain_vs_op_max_abs_diff']:.2e}")
-    if kernels:
-        print(f"\nkernels at batch {kernels['batch']} x context {kernels['context']} ({kernels['bytes'] / 1e9:.2f} GB "
-              f"read): copy {kernels['copy_gbps']:.0f} GB/s; chosen splits {kernels['chosen_splits']}")
-        for k in kernels["kernels"]:
-            print(f"  {k['kernel']:3} splits {k['splits']:2d}: {k['ms']:.3f} ms, {k['gbps']:.0f} GB/s, "
-                  f"{k['of_copy']:.0%} of copy")
-    checks = targets(rows, kernels)
+    checks = targets(results.rows)
     if checks:
         print("\ntargets")
         for line in checks:
             print(f"  {line}")
+    results.set("elapsed_s", time.perf_counter() - began)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows, "kernels": kernels, "targets": checks}, f, indent=2)
         print(f"\nwrote {args.json}")
     return 0
 

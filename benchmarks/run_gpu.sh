@@ -1,31 +1,132 @@
 #!/usr/bin/env bash
-# One command on a CUDA machine with torch and triton already installed (no internet needed): the
-# GPU tests, then the full decode benchmark (preset "small"). Results go to $OUT (default
-# benchmarks/results): gpu_tests.log, decode_small.txt, decode_small.json.
+# The GPU check, in one command that fits one 10-minute call on an H200 (torch and triton already
+# installed, no internet). Three phases, each cut at its time budget (the script then goes on), each
+# printing and writing its rows to $OUT as it measures them, so even a cut run returns figures:
 #
-#   bash benchmarks/run_gpu.sh                 # extra arguments go to benchmarks/decode.py
-#   RUN_TESTS=0 bash benchmarks/run_gpu.sh     # the benchmark only (RUN_BENCH=0: the tests only)
+#   1. GPU tests       tests/test_cuda_gpu.py and the Triton kernel tests of tests/test_triton_kernels.py,
+#                      two pytest processes side by side; a row per test in gpu_tests.json as it ends
+#   2. kernels         benchmarks/gpu_kernels.py: a device-to-device copy (the roofline), then the PA
+#                      and FIA kernels' bandwidth and the prefill tiles vs FlashAttention (kernels.json)
+#   3. decode table    benchmarks/decode.py --preset h200: one decode step, every compile mode, the
+#                      target comparisons first (decode.json)
+#
+# then benchmarks/verdicts.py writes summary.md: the three targets' verdicts and the tables.
+#
+#   bash benchmarks/run_gpu.sh              # everything (default OUT=benchmarks/results)
+#   bash benchmarks/run_gpu.sh --dry-run    # the phases, their commands and budgets; runs nothing, needs no CUDA
+#   PHASES="2 3" bash benchmarks/run_gpu.sh # some phases; P1_S=... P2_S=... P3_S=... change their budgets
+#
+# $OUT receives at most 6 files (the device tool returns 8): run.log, gpu_tests.log, gpu_tests.json,
+# kernels.json, decode.json, summary.md.
+#
+# Time on an H200 (estimates: the kernels have never run on one). Triton compiles a variant of
+# these kernels in ~1-2 s on one core; inductor compiles a 4-layer model in ~20-30 s with its
+# worker pool; a timed step or kernel call takes milliseconds.
+#   setup     ~15 s   pip install -e (no deps), torch import, device line              budget 30 s
+#   phase 1  ~120 s   test_cuda_gpu.py: 9 kernel-vs-reference cases (~6 compiles each) ~70 s, two
+#                     small compiled models (dynamo + inductor) ~40 s, graph replays; in parallel the
+#                     ~30 Triton kernel tests (~40 compiles) ~80 s                       budget 150 s
+#   phase 2   ~45 s   ~15 compiles, ~12 timed cases of 20 calls, 1 GiB copy             budget 75 s
+#   phase 3  ~200 s   two 4-layer models; eager modes ~10 s; ascend_graph+inductor (3 bucket graphs)
+#                     ~50 s; reduce-overhead on each variant ~50 s each (batch 1 compiles apart); the
+#                     modes after these start only within the first 130 s                budget 220 s
+#   summary    ~1 s
+#   total    ~6.5 min expected; at most 30 + 150 + 75 + 220 + ~5 = ~8 min when every phase is cut.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-benchmarks/results}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
-# The package from this checkout, without downloading anything; PYTHONPATH if pip cannot install it.
-if ! python3 -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/install.log" 2>&1; then
-    echo "pip install -e . failed (see $OUT/install.log): using PYTHONPATH"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-tests_rc=0
-if [ "${RUN_TESTS:-1}" != 0 ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_gpu.py tests/test_triton_kernels.py 2>&1 | tee "$OUT/gpu_tests.log"
-    tests_rc=${PIPESTATUS[0]}
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
+if [ "$#" -gt 0 ]; then echo "usage: bash benchmarks/run_gpu.sh [--dry-run]" >&2; exit 2; fi
+
+OUT="${OUT:-benchmarks/results}"
+PY="${PYTHON:-python3}"
+PHASES="${PHASES:-1 2 3}"
+SETUP_S=30
+P1_S="${P1_S:-150}"
+P2_S="${P2_S:-75}"
+P3_S="${P3_S:-220}"
+# Soft budgets inside the phases: no new benchmark case / mode once spent, so a phase ends by itself
+# before its hard budget (a mode's compiles take up to ~90 s).
+P2_SOFT=$((P2_S - 25))
+P3_SOFT=$((P3_S - 90))
+
+PYTEST="$PY -m pytest -q -rfE -p no:cacheprovider -p pytest_rows"
+P1A="$PYTEST tests/test_cuda_gpu.py"
+# the kernel tests run compiled on the GPU; the model-level ones are CPU checks (CI runs them)
+P1B="$PYTEST tests/test_triton_kernels.py -k 'not (model or inductor or backend)'"
+P2="$PY benchmarks/gpu_kernels.py --json $OUT/kernels.json --budget-s $P2_SOFT"
+P3="$PY benchmarks/decode.py --preset h200 --json $OUT/decode.json --budget-s $P3_SOFT"
+SUMMARY="$PY benchmarks/verdicts.py $OUT"
+
+if [ "$DRY_RUN" = 1 ]; then
+    echo "GPU check (dry run): phases [$PHASES], results in $OUT"
+    echo "setup:   budget ${SETUP_S}s, estimate ~15s: pip install -e . --no-deps; torch/triton/device line"
+    echo "phase 1: GPU tests, budget ${P1_S}s, estimate ~120s (two processes side by side)"
+    echo "    $P1A"
+    echo "    $P1B"
+    echo "phase 2: kernel bandwidth, budget ${P2_S}s (no new case after ${P2_SOFT}s), estimate ~45s"
+    echo "    $P2"
+    echo "phase 3: decode table, budget ${P3_S}s (no new mode after ${P3_SOFT}s), estimate ~200s"
+    echo "    $P3"
+    echo "summary: estimate ~1s"
+    echo "    $SUMMARY"
+    echo "total: estimate ~6.5 min, at most $((SETUP_S + P1_S + P2_S + P3_S + 5))s with every phase cut"
+    exit 0
 fi
-bench_rc=0
-if [ "${RUN_BENCH:-1}" != 0 ]; then
-    python3 benchmarks/decode.py --preset small --json "$OUT/decode_small.json" "$@" 2>&1 | tee "$OUT/decode_small.txt"
-    bench_rc=${PIPESTATUS[0]}
+
+mkdir -p "$OUT"
+rm -f "$OUT"/gpu_tests.json "$OUT"/gpu_tests*.log "$OUT"/kernels.json "$OUT"/decode.json "$OUT"/summary.md
+exec > >(tee -a "$OUT/run.log") 2>&1
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
+export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"  # the checkout, and pytest_rows
+export GPU_TESTS_JSON="$OUT/gpu_tests.json"
+START=$SECONDS
+stamp() { echo "== [$((SECONDS - START))s] $*"; }
+
+stamp "setup"
+# The package from this checkout, without downloading anything (for the "ascend_graph" entry point;
+# PYTHONPATH covers the rest). INSTALL=0 skips it (a shared environment whose install must stay).
+if [ "${INSTALL:-1}" != 0 ]; then
+    timeout "$SETUP_S" "$PY" -m pip install -q -e . --no-deps --no-build-isolation >/dev/null 2>&1 \
+        || echo "pip install -e . failed or timed out: using PYTHONPATH"
 fi
-echo "gpu tests: exit $tests_rc; benchmark: exit $bench_rc; results in $OUT"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+timeout "$SETUP_S" "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())" \
+    || echo "torch/triton/CUDA check failed"
+
+status=0
+run_phase() {  # run_phase NAME BUDGET COMMAND: the command cut at its budget; its exit status noted
+    local name=$1 budget=$2 cmd=$3 rc
+    stamp "$name (budget ${budget}s): $cmd"
+    timeout -k 10 "$budget" bash -c "$cmd"
+    rc=$?
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "$name: cut at its budget of ${budget}s"
+    stamp "$name: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+if [[ " $PHASES " == *" 1 "* ]]; then
+    stamp "phase 1: GPU tests (budget ${P1_S}s, two processes)"
+    timeout -k 10 "$P1_S" bash -c "$P1A" >"$OUT/gpu_tests_cuda.log" 2>&1 &
+    pid_a=$!
+    timeout -k 10 "$P1_S" bash -c "$P1B" >"$OUT/gpu_tests_triton.log" 2>&1 &
+    pid_b=$!
+    wait "$pid_a"; rc_a=$?
+    wait "$pid_b"; rc_b=$?
+    for part in cuda triton; do
+        sed "s/^/[$part] /" "$OUT/gpu_tests_$part.log" >>"$OUT/gpu_tests.log" && rm -f "$OUT/gpu_tests_$part.log"
+    done
+    grep -E "^\[(cuda|triton)\] (FAILED|ERROR|.* in [0-9.]+s)" "$OUT/gpu_tests.log" | tail -20
+    for rc in $rc_a $rc_b; do
+        [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "phase 1: a pytest process was cut at its budget of ${P1_S}s"
+        [ "$rc" -eq 0 ] || status=1
+    done
+    stamp "phase 1: exit $rc_a (test_cuda_gpu) $rc_b (test_triton_kernels)"
+fi
+[[ " $PHASES " == *" 2 "* ]] && run_phase "phase 2: kernels" "$P2_S" "$P2"
+[[ " $PHASES " == *" 3 "* ]] && run_phase "phase 3: decode table" "$P3_S" "$P3"
+
+stamp "summary"
+$SUMMARY || status=1
+stamp "done: exit $status; results in $OUT"
+exit "$status"

@@ -177,3 +177,35 @@ def test_auto_policy_times_the_cuda_kernels():
             torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
     reasons = [k["reason"] for a in artifacts for g in a.describe()["graphs"].values() for k in g["kernels"]]
     assert reasons and all("measured" in r for r in reasons if "decode-only" not in r)
+
+
+@pytest.mark.parametrize("block", [128, 16])
+def test_captured_decode_rebalances_uneven_lengths_on_every_replay(block):
+    """One captured PA call (2 splits of capacity, the real key tiles and slots) replayed with
+    uniform, uneven and padded lengths: the device schedule follows each replay's lengths."""
+    batch, max_len = 16, 4096
+    p = make_problem([max_len] * batch, heads=16, kv_heads=8, dim=128, block_size=block, dtype=torch.bfloat16,
+                     max_blocks=max_len // block)
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    q, kc, vc, bt = cuda_copy(p.query, p.key_cache, p.value_cache, p.block_table)
+    seq_lens = torch.full((batch,), max_len, dtype=torch.int32, device=GPU)
+    ws = torch.empty(cuda.dev_workspace_nbytes(batch, shape, 2), dtype=torch.uint8, device=GPU)
+    out = torch.empty_like(q)
+    call = lambda: ops.paged_attention_dev(q, kc, vc, bt, seq_lens, p.scale, ws, out, 2)  # noqa: E731
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for lens in ([max_len] * batch, [max_len] + [7] * (batch - 1), [0, 1, 4000, 65, 0, 3000] + [129] * (batch - 6)):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        p.seq_lens = lens
+        torch.testing.assert_close(out.cpu().float(), p.dense(), atol=2e-2, rtol=2e-2)
+
+
+def test_fia_prefill_chunks_with_large_query_tiles_on_cuda():
+    """A 1000-token chunk over a 3000-token prefix next to decode tokens: 64-row tiles (bf16)."""
+    p = make_problem([4000, 300, 1, 77], [1000, 1, 1, 77], heads=16, kv_heads=8, dim=128, block_size=128,
+                     dtype=torch.bfloat16)
+    for splits in (1, 2):
+        torch.testing.assert_close(dev_call(p, splits, False, GPU).float(), p.dense(), atol=3e-2, rtol=3e-2)

@@ -32,6 +32,7 @@ from ascend_compile.passes.fx_utils import clone_graph_module, is_op
 from ascend_compile.passes.inner_compile import compile_inner
 from ascend_compile.passes.kernel_call import HOST_LENGTH_OPS, HOST_META_KEY, KernelCall, host_sources
 from ascend_compile.passes.pipeline import rewrite_buckets
+from ascend_compile.passes.workspaces import GraphKey
 from ascend_compile.runtime import create_runtime
 from ascend_compile.runtime.base import GraphRuntime
 from ascend_compile.runtime.cuda import CudaRuntime
@@ -64,17 +65,41 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
-def run_triton(kernels, p, num_splits, decode):
-    """The Triton attention on problem `p`, into an output and a workspace full of garbage (NaN bytes)."""
+def run_triton(kernels, p, num_splits, decode, guard=0, workspace=False, **knobs):
+    """The Triton attention on problem `p`, into an output and a workspace full of garbage (NaN
+    bytes) of exactly `dev_workspace_nbytes` plus `guard` bytes; `knobs` go to `attention_dev`.
+    Returns the output (and the workspace, with `workspace=True`)."""
     seq_lens, loc = p.tensors()
     shape = tiling.AttentionShape.of(p.query, p.key_cache)
-    ws = torch.full((cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits),), 0xFF, dtype=torch.uint8)
+    nbytes = cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits)
+    ws = torch.full((nbytes + guard,), 0xFF, dtype=torch.uint8)
     out = torch.full_like(p.query, float("nan"))
     args = on_device(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, loc, ws, out)
     query, key_cache, value_cache, block_table, seq_lens, loc, ws, out = args
     kernels.attention_dev(query, key_cache, value_cache, block_table, seq_lens, None if decode else loc,
-                          p.scale, ws, out, num_splits)
-    return out.cpu()
+                          p.scale, ws, out, num_splits, **knobs)
+    return (out.cpu(), ws.cpu()) if workspace else out.cpu()
+
+
+def reference_dev(p, num_splits, decode):
+    """The device-length op's reference kernel (`ops/reference.py`) on the CPU for problem `p`."""
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of(p.query, p.key_cache)
+    ws = torch.empty(cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits), dtype=torch.uint8)
+    out = torch.empty_like(p.query)
+    args = (p.query, p.key_cache, p.value_cache, p.block_table)
+    if decode:
+        ops.paged_attention_dev(*args, seq_lens, p.scale, ws, out, num_splits)
+    else:
+        ops.fused_infer_attention_dev(*args, loc, seq_lens, p.scale, ws, out, num_splits)
+    return out
+
+
+def assert_exact(out, p, num_splits, decode):
+    """`out` matches the reference kernel and the dense softmax within the float32 tolerance."""
+    tol = dict(atol=TOLERANCE[torch.float32], rtol=1e-4)
+    torch.testing.assert_close(out, reference_dev(p, num_splits, decode), **tol)
+    torch.testing.assert_close(out, p.dense(), **tol)
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreted on the CPU)
@@ -155,53 +180,202 @@ def test_triton_reshape_and_cache_skips_padding_slots(kernels):
     assert torch.equal(key_cache.cpu(), expected_k) and torch.equal(value_cache.cpu(), expected_v)
 
 
+# Small knobs so that short sequences split: 16-key tiles, splits of one tile and up.
+SPLITTY = dict(key_tile=16, min_split_tiles=1)
+
+
+@pytest.mark.parametrize("block_size", [8, 12, 16, 64])  # below, not a multiple of, and multiples of the tile
+def test_triton_constexpr_block_sizes(kernels, block_size):
+    """`BLOCK_SIZE` is a compile-time constant: the per-key lookup (8, 12) and one lookup per tile
+    (16, 32, 64 with 16-key tiles), around block boundaries, decode and FIA."""
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 0]
+    p = make_problem(lens, heads=4, kv_heads=2, dim=16, block_size=block_size, seed=block_size)
+    assert_exact(run_triton(kernels, p, 3, decode=True, **SPLITTY), p, 3, decode=True)
+    m = make_problem(lens, [1, 2, 1, 3, 4, 1], heads=4, kv_heads=2, dim=16, block_size=block_size, seed=block_size)
+    assert_exact(run_triton(kernels, m, 2, decode=False, **SPLITTY), m, 2, decode=False)
+
+
+def test_decode_schedule_fits_the_workspace_and_balances():
+    """The host mirror of the device schedule: never more units than the workspace holds, S splits
+    for uniform batches, the long sequence of an uneven batch split far more than S times."""
+    from ascend_compile.ops.cuda_triton import MIN_SPLIT_TILES, decode_schedule
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        num_seqs, splits = rng.randint(1, 40), rng.randint(2, 8)
+        lens = [rng.choice([0, rng.randint(1, 64), rng.randint(1, 1 << 15)]) for _ in range(num_seqs)]
+        chunk, units = decode_schedule(lens, splits, key_tile=16, min_split_tiles=rng.randint(1, 4))
+        assert sum(units) <= num_seqs * splits and min(units) >= 1
+        assert all(-(-n // 16) <= chunk * u for n, u in zip(lens, units))  # every tile has a unit
+    assert decode_schedule([1024] * 8, 4) == (4, [4] * 8)  # uniform: S splits of 256 tokens
+    assert decode_schedule([100] * 8, 4) == (MIN_SPLIT_TILES, [1] * 8)  # short: one split each, direct
+    chunk, units = decode_schedule([32768] + [64] * 127, 2)  # one long sequence among short ones
+    assert units[0] == 128 and units[1:] == [1] * 127 and chunk * 64 == 256  # vs 2 splits of 16384 keys
+    # the GPU's fair share bounds the chunk: a large uniform batch keeps one unit per sequence (no
+    # reduce), an uneven one still splits its long sequence (132 SMs x 3 programs, 8 KV heads)
+    assert decode_schedule([1024] * 256, 2, num_kv_heads=8, slots=396)[1] == [1] * 256
+    chunk, units = decode_schedule([32768] + [64] * 255, 2, num_kv_heads=8, slots=396)
+    assert chunk == 16 and units[0] == 32 and units[1:] == [1] * 255
+
+
+def test_triton_device_side_split_counts(kernels):
+    """Which workspace records the kernels write is the device's schedule: decode units per
+    sequence (a sequence of one unit writes its output directly), FIA splits per sequence, and
+    nothing past the workspace (a guard behind it stays untouched)."""
+    from ascend_compile.ops.cuda_triton import decode_schedule
+
+    heads, dim, splits = 4, 16, 3
+    p = make_problem([300, 5, 0, 90, 17], heads=heads, kv_heads=2, dim=dim, block_size=16, seed=21)
+    chunk, units = decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1)
+    assert units == [7, 1, 1, 2, 1] and chunk == 3
+    # with 8 slots, 28 tiles x 2 KV heads make a fair share of 7 tiles per unit
+    assert decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1, num_kv_heads=2, slots=8) == \
+        (7, [3, 1, 1, 1, 1])
+    records = 5 * splits
+    for slots, units in ((kernels.UNBOUNDED_SLOTS, [7, 1, 1, 2, 1]), (8, [3, 1, 1, 1, 1])):
+        out, ws = run_triton(kernels, p, splits, decode=True, guard=64, workspace=True, slots=slots, **SPLITTY)
+        assert_exact(out, p, splits, decode=True)
+        assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
+        lse = ws[:-64].view(torch.float32)[records * heads * dim:].view(records, heads)
+        written = [bool(torch.isfinite(lse[u]).all()) for u in range(records)]
+        expected = [False] * records
+        first = 0
+        for n in units:
+            for u in range(first, first + n):
+                expected[u] = n > 1
+            first += n
+        assert written == expected, slots
+
+    # FIA: min(S, ceil(kv tiles / 1), ceil(S / query tiles)) splits; 4-token tiles (16 rows, group 4)
+    m = make_problem([40, 33, 3, 0], [1, 9, 2, 1], heads=8, kv_heads=2, dim=dim, block_size=16, seed=22)
+    out, ws = run_triton(kernels, m, splits, decode=False, guard=64, workspace=True, **SPLITTY)
+    assert_exact(out, m, splits, decode=False)
+    assert torch.equal(ws[-64:], torch.full((64,), 0xFF, dtype=torch.uint8))
+    tokens = m.query.shape[0]
+    lse = ws[:-64].view(torch.float32)[tokens * splits * 8 * dim:].view(tokens, splits, 8)
+    per_seq = [3, 1, 1, 1]  # 3 tiles / 1 query tile; 9 tokens = 3 query tiles; 1 tile; no keys
+    token_splits = [n for n, q in zip(per_seq, m.query_lens) for _ in range(q)]
+    for token, n in enumerate(token_splits):
+        used = torch.isfinite(lse[token]).all(dim=1) | (lse[token] == float("-inf")).all(dim=1)
+        assert used.tolist() == [n > 1 and s < n for s in range(splits)], token
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_triton_uneven_batch(kernels, decode):
+    """Very different lengths in one batch: the long sequence takes most of the units."""
+    lens = [700, 3, 0, 40, 1, 260, 16]
+    p = make_problem(lens, None if decode else [1, 2, 1, 5, 1, 17, 1], heads=4, kv_heads=1, dim=16,
+                     block_size=16, seed=31)
+    assert_exact(run_triton(kernels, p, 2, decode=decode, **SPLITTY), p, 2, decode=decode)
+    if decode:
+        from ascend_compile.ops.cuda_triton import decode_schedule
+
+        chunk, units = decode_schedule(lens, 2, key_tile=16, min_split_tiles=1)
+        assert units[0] >= 6 and sum(units) <= 14  # 2 fixed splits would leave 350 keys to one program
+
+
+@pytest.mark.parametrize("rows, group", [(64, 4), (128, 2)])
+def test_triton_prefill_large_query_tiles(kernels, rows, group):
+    """FIA with 64- and 128-row query tiles: long chunks span several tiles, short and decode
+    tokens share a batch with them, causal within each chunk."""
+    heads = 2 * group
+    lens, qlens = [90, 40, 9, 0], [90, 20, 1, 1]  # 90 tokens: 6 tiles of 16 (64 rows, group 4) or 2 of 64
+    p = make_problem(lens, qlens, heads=heads, kv_heads=1, dim=16, block_size=16, seed=rows + group)
+    out = run_triton(kernels, p, 2, decode=False, key_tile=32, min_split_tiles=1, tile_rows=rows)
+    assert_exact(out, p, 2, decode=False)
+
+
+def test_triton_launch_config_picks_large_tiles_for_prefill(kernels):
+    bf16 = kernels.launch_config
+    assert bf16(torch.bfloat16, 128, False, 512, 4) == (kernels.PREFILL_TILE_ROWS, kernels.NUM_STAGES)
+    assert bf16(torch.bfloat16, 128, False, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # one token each
+    assert bf16(torch.bfloat16, 128, True, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
+    assert bf16(torch.float32, 128, False, 512, 4) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # the fallback
+    assert bf16(torch.bfloat16, 256, False, 512, 4) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
+    # bf16 on the default launch: a prefill chunk through 64-row tiles, against the reference op
+    p = make_problem([80, 5], [70, 1], heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.bfloat16, seed=41)
+    out = run_triton(kernels, p, 1, decode=False)
+    torch.testing.assert_close(out.float(), reference_dev(p, 1, decode=False).float(), atol=3e-2, rtol=3e-2)
+
+
 #: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
-#: without a GPU); prints the spilled bytes (cuobjdump's STACK) of each variant, or -1 without cuobjdump.
+#: without a GPU), with the options `attention_dev` launches them with; prints, per variant, the
+#: registers and spilled bytes (cuobjdump's REG and STACK, -1 without cuobjdump), the shared memory
+#: and how many K/V tiles the key loop keeps in flight (its shared buffers' depth, 0 for kernels
+#: without a key loop).
 COMPILE_SCRIPT = r"""
 import os, re, subprocess, tempfile
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ascend_compile.ops import cuda_triton as ct
 
-def build(fn, types, constexprs):
+def build(fn, types, constexprs, stages):
     names = fn.arg_names
     constexprs = dict(constexprs, **{n: 1 for n in names if n.startswith("stride") and n.endswith("d")})
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n not in constexprs and (sig[n].startswith("*") or n.startswith("stride"))}
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
+    depth = [int(d) for d in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x128x", kernel.asm["ttgir"])]
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return -1
+        return -1, -1, kernel.metadata.shared, min(depth, default=0)
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    return int(re.search(r"STACK:(\d+)", usage).group(1))
+    regs, stack = (int(re.search(name + r":(\d+)", usage).group(1)) for name in ("REG", "STACK"))
+    return regs, stack, kernel.metadata.shared, min(depth, default=0)
 
+def report(*name, result):
+    print(*name, *result, flush=True)
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 for dt in ("bf16", "fp32"):
+    types = {"query": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt, "block_table": "*i32",
+             "seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32", "out": "*" + dt,
+             "scale_log2": "fp32"}
+    base = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=ct.KEY_TILE, BLOCK_B=256,
+                MIN_TILES=ct.MIN_SPLIT_TILES, DIRECT=False, PRECISION="ieee" if dt == "fp32" else "tf32",
+                DOT_FP32=False)
+    # decode: the schedule with one block-table entry per tile (block 128) and per key (block 16)
+    rows, stages = ct.launch_config(DTYPES[dt], 128, True, 256, 256)
+    for block in (128, 16):
+        consts = dict(base, BLOCK_Q=1, BLOCK_M=rows, BLOCK_SIZE=block, DECODE=True, NUM_STAGES=stages)
+        report("split", dt, "decode", block, result=build(ct._split_kernel, types, consts, stages))
+    # the JIT turns int arguments equal to 1 into constants (but not those in `_VARYING`): one split,
+    # block table stride 1
+    ones = dict(base, BLOCK_Q=1, BLOCK_M=rows, BLOCK_SIZE=128, DECODE=True, NUM_STAGES=stages, DIRECT=True,
+                num_splits=1, stride_bt=1)
+    report("split-ones", dt, "decode", 128, result=build(ct._split_kernel, types, ones, stages))
+    # FIA: prefill chunks (64-row tiles in bf16) and one token per sequence (16 rows)
+    for name, tokens, block in (("fia-prefill", 4096, 128), ("fia-prefill", 4096, 16), ("fia-tokens", 256, 128)):
+        rows, stages = ct.launch_config(DTYPES[dt], 128, False, tokens, 256)
+        if name == "fia-tokens" and ct.launch_config(DTYPES[dt], 128, False, 4096, 256)[0] == rows:
+            continue  # the fallback's (fp32) prefill tiles are these: the same kernel again
+        consts = dict(base, BLOCK_Q=ct.tile_tokens(2, rows), BLOCK_M=rows, BLOCK_SIZE=block, DECODE=False,
+                      NUM_STAGES=stages)
+        report("split", dt, name, block, result=build(ct._split_kernel, types, consts, stages))
     for decode in (True, False):
-        types = {"query": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt, "block_table": "*i32",
-                 "seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32", "out": "*" + dt,
-                 "scale_log2": "fp32"}
-        consts = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=ct.KEY_TILE,
-                      BLOCK_Q=1 if decode else ct.tile_tokens(2), BLOCK_M=16, DECODE=decode, DIRECT=False,
-                      PRECISION="ieee" if dt == "fp32" else "tf32", DOT_FP32=False)
-        print("split", dt, "decode" if decode else "fia", build(ct._split_kernel, types, consts))
-        # the JIT turns int arguments equal to 1 into constants: one sequence, one split, block table stride 1
-        ones = dict(consts, num_seqs=1, num_splits=1, stride_bt=1, DIRECT=True)
-        print("split-ones", dt, "decode" if decode else "fia", build(ct._split_kernel, types, ones))
-    print("reduce", dt, build(ct._reduce_kernel, {"workspace": "*fp32", "out": "*" + dt},
-                                dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=8)))
-    print("cache", dt, build(ct._cache_write_kernel,
-                             {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
-                              "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024)))
+        consts = dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=ct.REDUCE_SPLITS, BLOCK_N=ct.KEY_TILE,
+                      BLOCK_Q=8, BLOCK_B=256, MIN_TILES=ct.MIN_SPLIT_TILES, DECODE=decode)
+        report("reduce", dt, "decode" if decode else "fia", 0,
+               result=build(ct._reduce_kernel, {"seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32",
+                                           "out": "*" + dt}, consts, 1))
+    report("cache", dt, "-", 0, result=build(ct._cache_write_kernel,
+           {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
+            "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024), 1))
 """
+#: Shared memory one Hopper program may use (227 KB).
+HOPPER_SHARED = 232448
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled and run for real")
 def test_triton_kernels_compile_for_hopper_without_spills():
+    """Every kernel variant compiles for sm_90 without spilling, fits Hopper's shared memory, and
+    the key loops keep K/V two tiles in flight (one with the fp32 fallback's 16-row tiles)."""
     pytest.importorskip("triton", reason="needs triton")
     pytest.importorskip("triton.compiler", reason="needs triton's compiler API")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -210,9 +384,13 @@ def test_triton_kernels_compile_for_hopper_without_spills():
     result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split() for line in result.stdout.splitlines()]
-    assert len(lines) == 12
-    assert all(int(spill) <= 0 for *_, spill in lines), result.stdout  # no stack: nothing spilled
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert len(rows) == 17, result.stdout
+    for kernel, dt, variant, block, regs, stack, shared, depth in rows:
+        assert int(stack) <= 0, result.stdout  # no stack: nothing spilled
+        assert int(shared) <= HOPPER_SHARED, result.stdout
+        if kernel.startswith("split"):
+            assert int(depth) >= 2, result.stdout
 
 
 # ---------------------------------------------------------------- device-length ops (reference kernels)
@@ -277,6 +455,9 @@ def test_split_choice_fills_the_sms_within_bounds():
     rule = cuda.gpu_splits(num_sms=132, max_model_len=1024)
     shape = tiling.AttentionShape(num_heads=16, num_kv_heads=8, head_dim=128, block_size=128)
     assert [rule(tiling.PA, shape, b) for b in (1, 8, 32)] == [4, 4, 2]
+    # a batch that fills the GPU alone: PA keeps spare capacity to rebalance uneven lengths, FIA none
+    assert [rule(k, shape, 256) for k in (tiling.PA, tiling.FIA)] == [cuda.PA_MIN_SPLITS, 1]
+    assert cuda.gpu_splits(num_sms=132, max_model_len=256)(tiling.PA, shape, 256) == 1  # too short to split
     with pytest.raises(ValueError, match="num_sms: expected a positive int"):
         cuda.choose_num_splits(8, 4096, 128, 0)
 
@@ -559,3 +740,71 @@ def test_cuda_device_checks_refuse_a_too_long_sequence():
         fn(**batch.step([100, 200, 300]))
         with pytest.raises(RuntimeError, match="seq_lens: a sequence exceeds max_model_len=512"):
             fn(**batch.step([100, 600, 300]))
+
+
+# ---------------------------------------------------------------- the GPU check script, on the CPU
+
+
+def test_run_gpu_dry_run_lists_the_phases_within_budget():
+    """`run_gpu.sh --dry-run` needs no CUDA (nor python): it lists the phases, their commands and
+    budgets, whose sum fits one 10-minute call with room to spare."""
+    result = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "run_gpu.sh"), "--dry-run"],
+                            capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHON="false"))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for phase, command in (("phase 1: GPU tests", "tests/test_cuda_gpu.py"),
+                           ("phase 1: GPU tests", "tests/test_triton_kernels.py"),
+                           ("phase 2: kernel bandwidth", "benchmarks/gpu_kernels.py"),
+                           ("phase 3: decode table", "benchmarks/decode.py --preset h200"),
+                           ("summary", "benchmarks/verdicts.py")):
+        assert phase in text and command in text, text
+    budgets = [int(b) for b in __import__("re").findall(r"budget (\d+)s", text)]
+    assert len(budgets) == 4 and all(b <= 240 for b in budgets[1:]), text  # each phase under 4 minutes
+    assert sum(budgets) + 5 <= 9 * 60, text
+
+
+def test_verdicts_from_partial_results(tmp_path):
+    """The summary reads whatever the phases left: verdicts where their rows exist, NOT MEASURED elsewhere."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import verdicts
+    finally:
+        sys.path.pop(0)
+    decode = {"info": {"preset": "h200"}, "rows": [
+        {"variant": v, "mode": m, "batch": b, "median_ms": ms, "x_roofline": xr, "max_abs_diff": 0.0,
+         "first_call_s": 1.0}
+        for v, m, b, ms, xr in (("op", "ascend_graph+inductor", 32, 1.0, 1.2), ("plain", "reduce-overhead", 32, 2.5, 3),
+                                ("op", "reduce-overhead", 32, 0.9, 1.1), ("op", "ascend_graph+inductor", 1, 0.5, 2.0))
+    ] + [{"variant": "plain", "mode": "compile", "skipped": "time budget of 130 s spent"}]}
+    (tmp_path / "decode.json").write_text(json.dumps(decode))
+    text = verdicts.summary(str(tmp_path))
+    assert "batch 32: 2.50x faster than plain/reduce-overhead (of reduce-overhead), 1.20x roofline: PASS" in text
+    assert "batch 32: 1.11x the time of op/reduce-overhead: FAIL" in text
+    assert "NOT MEASURED (no kernel table)" in text and "GPU tests: no results" in text
+    kernels = {"info": {}, "rows": [{"case": "copy", "gbps": 4300.0},
+                                    {"case": "pa", "batch": 64, "context": 4096, "splits": 2, "ms": 0.2,
+                                     "gbps": 3100.0, "of_copy": 0.72}]}
+    (tmp_path / "kernels.json").write_text(json.dumps(kernels))
+    assert "3100 GB/s, 72% of the copy: PASS" in verdicts.summary(str(tmp_path))
+
+
+def test_cuda_serves_every_decode_bucket_with_the_decode_kernel_by_default():
+    config = CompileConfig(max_model_len=256, capture_sizes=(4, 32))
+    graphs = []
+
+    def backend_fn(gm, example_inputs):
+        graphs.append(rewrite_buckets(gm, config, CudaTarget(StubGraphRuntime())))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(build(LlamaConfig(num_layers=1)), backend=backend_fn, dynamic=True)(**PagedBatch(
+            LlamaConfig(num_layers=1)).step([3, 9]))
+    choices = graphs[-1].choices
+    decode = choices[GraphKey(32, True)][0]
+    assert decode.kernel == tiling.PA and "decode-only bucket on CUDA" in decode.reason
+    assert choices[GraphKey(32, False)][0].kernel == tiling.FIA  # mixed steps
+    explicit = CompileConfig(max_model_len=256, capture_sizes=(4, 32), pa_max_batch=4)
+    assert CudaTarget(StubGraphRuntime()).kernel_policy(explicit, torch.float32).kind == "pa_max_batch"

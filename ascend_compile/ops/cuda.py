@@ -9,8 +9,14 @@ lengths from device buffers instead and a captured graph stays correct for every
 
 `seq_lens [B]` and `query_start_loc [B+1]` are int32 device tensors with the meaning they have in
 `ascend.attention` (the reference kernels check their values; the CUDA kernels cannot without a
-host sync, so there `query_start_loc[B]` must be T and lengths must fit the block table). `num_splits`, the split-K factor, is fixed on the host per bucket graph, so the
-workspace is fixed too: `dev_workspace_nbytes` (no workspace with one split).
+host sync, so there `query_start_loc[B]` must be T and lengths must fit the block table).
+`num_splits` (S), fixed on the host per bucket graph, is the split-K capacity: S partial records
+per query token, so the workspace is fixed too, `dev_workspace_nbytes` (none with S == 1). How
+the capacity is spent is the kernel's choice: the reference kernels split every sequence S ways;
+the CUDA kernels decide on the device from the lengths (`ops/cuda_triton.py`): decode spreads
+the `B * S` records over the sequences in proportion to their lengths (a long sequence among
+short ones gets far more than S splits), FIA uses up to S splits per sequence. The result is the
+same either way.
 
 Their default kernels (CPU and any other device) are the reference split-K kernels with that split
 count, reading the lengths on the host. For CUDA tensors this module registers Triton kernels
@@ -36,6 +42,10 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 32
 #: Programs per streaming multiprocessor the split count aims for.
 PROGRAMS_PER_SM = 2
+#: The least split capacity of a PA (decode) graph whose lengths allow two splits: spare records
+#: let the device schedule rebalance uneven batches even when the batch alone fills the GPU
+#: (a uniform batch then still runs one split per sequence). Costs `B * 2 * H * (D + 1) * 4` bytes.
+PA_MIN_SPLITS = 2
 
 #: The split count of a kernel node in a bucket graph: (kernel, shape, bucket tokens) -> splits.
 SplitsFn = Callable[[str, tiling.AttentionShape, int], int]
@@ -52,27 +62,32 @@ def dev_workspace_nbytes(num_tokens: int, shape: tiling.AttentionShape, num_spli
     return num_tokens * num_splits * tiling.split_record_nbytes(shape)
 
 
-def choose_num_splits(num_programs: int, max_len: int, block_size: int, num_sms: int) -> int:
+def choose_num_splits(
+    num_programs: int, max_len: int, block_size: int, num_sms: int, min_splits: int = 1
+) -> int:
     """The split count for a call of `num_programs` programs per split over lengths up to `max_len`.
 
-    Enough splits that the launch fills every SM `PROGRAMS_PER_SM` times over, but no split
-    shorter than `MIN_SPLIT_TOKENS` tokens (nor a block) of `max_len`, and at most `MAX_SPLITS`.
+    Enough splits that the launch fills every SM `PROGRAMS_PER_SM` times over (and at least
+    `min_splits`), but no split shorter than `MIN_SPLIT_TOKENS` tokens (nor a block) of `max_len`,
+    and at most `MAX_SPLITS`.
     """
     for name, value in (("num_programs", num_programs), ("max_len", max_len), ("block_size", block_size),
                         ("num_sms", num_sms)):
         if value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value}")
-    wanted = math.ceil(PROGRAMS_PER_SM * num_sms / num_programs)
+    wanted = max(math.ceil(PROGRAMS_PER_SM * num_sms / num_programs), min_splits)
     longest = max(1, math.ceil(max_len / max(block_size, MIN_SPLIT_TOKENS)))
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
 def gpu_splits(num_sms: int, max_model_len: int) -> SplitsFn:
     """The split rule of bucket graphs on a GPU with `num_sms` SMs: one program per sequence and
-    KV head per split, a bucket of `bucket` tokens serving as many sequences."""
+    KV head per split, a bucket of `bucket` tokens serving as many sequences; PA graphs get at
+    least `PA_MIN_SPLITS` (spare capacity for the device schedule to rebalance)."""
 
     def splits(kernel: str, shape: tiling.AttentionShape, bucket: int) -> int:
-        return choose_num_splits(bucket * shape.num_kv_heads, max_model_len, shape.block_size, num_sms)
+        least = PA_MIN_SPLITS if kernel == tiling.PA else 1
+        return choose_num_splits(bucket * shape.num_kv_heads, max_model_len, shape.block_size, num_sms, least)
 
     return splits
 

@@ -5,33 +5,71 @@ runs, so the package works without triton. Kernels are decided by `TRITON_INTERP
 module is imported: set to 1, they run in Triton's interpreter on CPU tensors (the CPU tests).
 
 Attention (`attention_dev`) reads every length from device buffers, so one launch configuration
-(grid, split count, workspace) serves every length up to the block table's capacity, which is
-what a captured CUDA graph needs:
+(grid, maximum split count, workspace) serves every length up to the block table's capacity,
+which is what a captured CUDA graph needs. `num_splits` (S) is fixed on the host per graph and
+sizes the workspace; how the splits are spent is decided on the device, from the lengths:
 
-- the split kernel runs one program per (query tile, KV head, split). A query tile holds
+- **decode (PA)**: the grid has `B * S` *work units* per KV head. Every program computes the same
+  schedule from `seq_lens` (`_decode_schedule`): a chunk of key tiles, and `max(1, ceil(tiles_b /
+  chunk))` units for each sequence, numbered sequence after sequence. The chunk is the smallest
+  that fits in `B * S` units (a few unrolled steps of binary search) but no smaller than
+  `min_split_tiles` nor than the GPU's fair share (`ceil(total_tiles * KVH / slots)`, slots = SMs x
+  `SLOTS_PER_SM`: below that, more units only add reduce work). So a long sequence in a batch
+  of short ones gets most of the units (uneven batches balance), a large uniform batch one unit
+  per sequence, and a sequence of one unit writes its output directly (no workspace, no reduce).
+  A chunk of `ceil(total_tiles / (B*S - B))` tiles always fits (each sequence rounds up by less
+  than one unit), which bounds the search. Units past the schedule's end exit at once.
+- **FIA (mixed steps)**: one program per (query tile, KV head, split). A query tile holds
   `BLOCK_Q` query tokens of one sequence and, for each, the `GROUP` query heads sharing the KV
-  head, so each KV block is read once for all of them (GQA); decode (PA) tiles hold one token.
-  Each split covers an equal share of the sequence's keys, walked `KEY_TILE` keys at a time (each
-  key's block looked up in the block table, so any block size works) with an online softmax.
-  With one split the program writes the output directly; otherwise it writes its normalised
-  partial output and log-sum-exp (base 2) to the workspace;
-- the reduce kernel combines the splits of each (token, head) from the workspace.
+  head (64 rows for steps with more tokens than sequences, `PREFILL_TILE_ROWS`, so a long chunk
+  re-reads its KV prefix once per 64 rows, not per 16; 16 rows, `TILE_ROWS`, otherwise). Each
+  sequence uses `min(S, ceil(kv_tiles / min_split_tiles), ceil(S / query_tiles))` splits (at least
+  one), decided on the device; programs of splits past that exit at once.
 
-Workspace layout (float32): partials `[T, S, H, D]`, then log-sum-exps `[T, S, H]`, so a call
-needs `T * S * H * (D + 1) * 4` bytes whatever the lengths (none with `S == 1`).
+Within a program the keys are walked `KEY_TILE` at a time with an online softmax. `block_size` is a
+compile-time constant (`BLOCK_SIZE`): divisions are shifts for powers of two, and when it is a
+multiple of the key tile each tile lies in one block (one block-table load per tile, contiguous
+rows). The loop is software-pipelined by Triton (`num_stages`: K/V tiles prefetched
+`num_stages - 1` deep in shared memory, checked by the sm_90 compile test).
+
+Workspace layout (float32): partials `[T * S, H, D]`, then log-sum-exps `[T * S, H]` (a record per
+(unit, head) for decode, per (token, split, head) for FIA), so a call needs `T * S * H * (D + 1) * 4`
+bytes whatever the lengths (none with `S == 1`); the reduce kernel combines the records of each
+(token, head) whose sequence used more than one split.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-#: Rows (query tokens x heads) of one attention tile: the smallest `tl.dot` operand.
+#: Rows (query tokens x heads) of a decode-like attention tile: the smallest `tl.dot` operand.
 TILE_ROWS = 16
-#: Keys per step of the split kernel's loop, from any blocks (each key finds its own block), so
-#: every block size works. 64 keys of 128 dims keep a Hopper program at ~120 registers, no spills.
+#: Rows of an FIA tile in steps with more query tokens than sequences (prefill chunks): one
+#: Hopper warpgroup MMA (wgmma M=64); each tile reads its sequence's KV prefix once.
+PREFILL_TILE_ROWS = 64
+#: Keys per step of the split kernel's loop. 64 keys of 128 dims keep a Hopper program at ~120
+#: registers for decode, no spills (the sm_90 compile test checks every variant).
 KEY_TILE = 64
+#: A split covers at least this many key tiles (256 tokens): shorter splits cost more in the
+#: reduce than they gain in parallelism.
+MIN_SPLIT_TILES = 4
+#: Software-pipeline depth of the key loop (K/V prefetched `NUM_STAGES - 1` tiles ahead).
+NUM_STAGES = 3
+#: Steps of the decode schedule's binary search for its chunk, between `ceil(tiles / units)` (the
+#: least that can fit) and `ceil(tiles / (units - B))` (always fits), whose ratio is at most
+#: S / (S - 1): after 4 steps the chunk is within 1/16 of that gap of the best.
+SEARCH_STEPS: tl.constexpr = tl.constexpr(4)
+#: Programs per SM the decode schedule counts on: its chunk is at least the fair share of key tiles
+#: of `num_sms * SLOTS_PER_SM` programs (smaller chunks only add units and reduce work).
+SLOTS_PER_SM = 3
+#: The slot count off CUDA (the interpreter): no fair-share bound, so short test sequences split.
+UNBOUNDED_SLOTS = 1 << 30
+#: Splits the reduce kernel combines per step of its loop.
+REDUCE_SPLITS = 16
 
 
 @triton.jit
@@ -51,9 +89,138 @@ def _sequence_of_tile(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _sequence_of_token(query_start_loc, token, num_seqs):
+    """The sequence of query token `token` (`num_seqs` if it lies past every sequence): the last b
+    with `query_start_loc[b] <= token` (sequences without query tokens share their start)."""
+    lo = 1
+    hi = num_seqs + 1
+    while lo < hi:  # the first index whose offset exceeds the token
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _decode_schedule(seq_lens, num_seqs, num_units, num_kv_heads, slots, BLOCK_B: tl.constexpr,
+                     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """The decode schedule of `num_units` (> num_seqs) work units, the same in every program:
+    (key tiles per unit, units of each sequence [BLOCK_B], inclusive cumulative units [BLOCK_B])."""
+    seqs = tl.arange(0, BLOCK_B)
+    valid = seqs < num_seqs
+    lens = tl.load(seq_lens + seqs, mask=valid, other=0)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    total = tl.sum(tiles, 0)
+    fair = (total * num_kv_heads + slots - 1) // slots  # a chunk below the GPU's fair share gains nothing
+    lo = tl.maximum(tl.maximum((total + num_units - 1) // num_units, MIN_TILES), fair)  # no smaller chunk fits
+    spare = num_units - num_seqs
+    hi = tl.maximum((total + spare - 1) // spare, lo)  # always fits: see the module docstring
+    # A few steps of binary search towards the smallest chunk that fits, unrolled (a loop here
+    # stops Triton from pipelining the key loop); `hi` fits after every step.
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        need = tl.sum(tl.where(valid, tl.maximum((tiles + mid - 1) // mid, 1), 0), 0)
+        fits = need <= num_units
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    units = tl.where(valid, tl.maximum((tiles + hi - 1) // hi, 1), 0)
+    return hi, units, tl.cumsum(units, 0)
+
+
+@triton.jit
+def _fia_num_splits(kv_len, q_len, max_splits, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MIN_TILES: tl.constexpr):
+    """Splits an FIA sequence uses: enough for its keys (>= MIN_TILES tiles each), fewer when its
+    query tiles already fill the grid, between 1 and `max_splits`."""
+    kv_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
+    q_tiles = tl.maximum((q_len + BLOCK_Q - 1) // BLOCK_Q, 1)
+    wanted = tl.minimum((kv_tiles + MIN_TILES - 1) // MIN_TILES, (max_splits + q_tiles - 1) // q_tiles)
+    return tl.minimum(tl.maximum(wanted, 1), max_splits)
+
+
+@triton.jit
+def _tile_blocks(table, t, kv_len, offsets, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The physical block of each key of key tile `t` (int64): one block-table entry when the
+    tile lies in one block, else one per key (keys past `kv_len` read block 0)."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        index = (t * BLOCK_N) // BLOCK_SIZE
+        return tl.load(table + index, mask=t * BLOCK_N < kv_len, other=0).to(tl.int64)
+    else:
+        key_pos = t * BLOCK_N + offsets
+        return tl.load(table + key_pos // BLOCK_SIZE, mask=key_pos < kv_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend(
+    q, key_cache, value_cache, block_table, seq, kv_head, kv_len, first_tile, end_tile,
+    position, row_ok, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Online softmax of the rows of `q [BLOCK_M, BLOCK_D]` over key tiles [first_tile, end_tile):
+    (unnormalised output, row max, row sum), base-2 exponents."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offsets = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    k_base = key_cache + kv_head * stride_kh
+    v_base = value_cache + kv_head * stride_vh
+    table = block_table + seq * stride_bt
+    # The block-table entries of each tile are loaded one iteration ahead (carried in the loop), so
+    # the K/V loads depend on no load of their own iteration and Triton pipelines them the full
+    # `num_stages - 1` tiles deep (an in-iteration lookup costs the pipeline one stage).
+    physical = _tile_blocks(table, first_tile, kv_len, offsets, BLOCK_N, BLOCK_SIZE)
+    for t in tl.range(first_tile, end_tile, num_stages=NUM_STAGES):
+        key_pos = t * BLOCK_N + offsets
+        kv_ok = key_pos < kv_len
+        if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block: contiguous rows
+            slot = (t * BLOCK_N) % BLOCK_SIZE + offsets
+        else:
+            slot = key_pos % BLOCK_SIZE
+        k_rows = physical * stride_kb + slot * stride_ks
+        v_rows = physical * stride_vb + slot * stride_vs
+        physical = _tile_blocks(table, t + 1, kv_len, offsets, BLOCK_N, BLOCK_SIZE)
+        if BLOCK_D == HEAD_DIM:
+            tile_ok = kv_ok[:, None]
+        else:
+            tile_ok = kv_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_base + k_rows[:, None] + dims[None, :] * stride_kd, mask=tile_ok, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + dims[None, :] * stride_vd, mask=tile_ok, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if CAUSAL:
+            allowed = row_ok[:, None] & kv_ok[None, :] & (key_pos[None, :] <= position[:, None])
+        else:  # decode: every row sees every key of the sequence
+            allowed = row_ok[:, None] & kv_ok[None, :]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+#: Runtime ints that vary with the batch: not specialised (divisibility by 16, == 1), so one
+#: compiled variant serves every batch of a kind.
+_VARYING = ["num_seqs", "lse_base", "slots"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _split_kernel(
     query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out,
-    scale_log2, num_seqs, lse_base, num_splits, block_size,
+    scale_log2, num_seqs, lse_base, num_splits, slots,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -61,119 +228,149 @@ def _split_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, MIN_TILES: tl.constexpr,
     DECODE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    program = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     if DECODE:
-        seq = tile
-        q_start = tile
         q_len = 1
         q_first = 0
+        if DIRECT:  # one unit per sequence
+            seq = program
+            split = 0
+            n = 1
+            first_tile = 0
+            chunk = 0  # unused: the whole sequence
+        else:
+            chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, tl.num_programs(1),
+                                                  slots, BLOCK_B, BLOCK_N, MIN_TILES)
+            seqs = tl.arange(0, BLOCK_B)
+            seq = tl.sum((ends <= program).to(tl.int32), 0)
+            mine = seqs == seq
+            n = tl.sum(tl.where(mine, units, 0), 0)
+            split = program - (tl.sum(tl.where(mine, ends, 0), 0) - n)
+            first_tile = split * chunk
+        active = seq < num_seqs
+        q_start = seq
     else:
+        tile = program
+        split = tl.program_id(2)
         seq = _sequence_of_tile(query_start_loc, tile, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
         q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_first < q_len:
+        active = q_first < q_len
+        n = 1
+        first_tile = 0
+        chunk = 0
+    if active:
         kv_len = tl.load(seq_lens + seq)
-
-        rows = tl.arange(0, BLOCK_M)
-        local = q_first + rows // GROUP  # query token of each row, within its sequence
-        head = kv_head * GROUP + rows % GROUP
-        row_ok = (rows < BLOCK_Q * GROUP) & (local < q_len)
-        token = q_start + local
-        position = kv_len - q_len + local  # the last key position each row may attend
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < HEAD_DIM
-
-        q = tl.load(
-            query + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
-            mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-        )
-        if DOT_FP32:
-            q = q.to(tl.float32)
-
-        # This split's share of the sequence's key tiles, up to the last position the tile's rows see.
-        num_tiles = tl.cdiv(kv_len, BLOCK_N)
-        per_split = tl.cdiv(num_tiles, num_splits)
-        first_tile = split * per_split
-        last_position = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
-        end_tile = tl.minimum(tl.minimum(first_tile + per_split, num_tiles), last_position // BLOCK_N + 1)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        offsets = tl.arange(0, BLOCK_N)
-        for t in range(first_tile, end_tile):
-            key_pos = t * BLOCK_N + offsets
-            kv_ok = key_pos < kv_len
-            physical = tl.load(block_table + seq * stride_bt + key_pos // block_size, mask=kv_ok, other=0).to(tl.int64)
-            slot = key_pos % block_size
-            tile_ok = kv_ok[:, None] & dim_ok[None, :]
-            k = tl.load(
-                key_cache + kv_head * stride_kh + (physical * stride_kb + slot * stride_ks)[:, None]
-                + dims[None, :] * stride_kd,
-                mask=tile_ok, other=0.0,
-            )
-            v = tl.load(
-                value_cache + kv_head * stride_vh + (physical * stride_vb + slot * stride_vs)[:, None]
-                + dims[None, :] * stride_vd,
-                mask=tile_ok, other=0.0,
+        num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
+        if DECODE:
+            if DIRECT:
+                end_tile = num_tiles
+            else:
+                end_tile = tl.minimum(first_tile + chunk, num_tiles)
+        else:
+            if not DIRECT:
+                n = _fia_num_splits(kv_len, q_len, num_splits, BLOCK_Q, BLOCK_N, MIN_TILES)
+            per_split = (num_tiles + n - 1) // n
+            first_tile = split * per_split
+            last_position = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
+            end_tile = tl.minimum(tl.minimum(first_tile + per_split, num_tiles), last_position // BLOCK_N + 1)
+        if split < n:
+            rows = tl.arange(0, BLOCK_M)
+            local = q_first + rows // GROUP  # query token of each row, within its sequence
+            head = kv_head * GROUP + rows % GROUP
+            row_ok = (rows < BLOCK_Q * GROUP) & (local < q_len)
+            token = q_start + local
+            position = kv_len - q_len + local  # the last key position each row may attend
+            dims = tl.arange(0, BLOCK_D)
+            dim_ok = dims < HEAD_DIM
+            q = tl.load(
+                query + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
             )
             if DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            allowed = row_ok[:, None] & kv_ok[None, :] & (key_pos[None, :] <= position[:, None])
-            scores = tl.where(allowed, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-
-        has_keys = l_i > 0
-        result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        store_ok = row_ok[:, None] & dim_ok[None, :]
-        if DIRECT:
-            tl.store(
-                out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
-                result.to(out.dtype.element_ty), mask=store_ok,
+                q = q.to(tl.float32)
+            acc, m_i, l_i = _attend(
+                q, key_cache, value_cache, block_table, seq, kv_head, kv_len, first_tile, end_tile,
+                position, row_ok, scale_log2,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                stride_bt,
+                HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_M, BLOCK_SIZE, not DECODE, PRECISION, DOT_FP32, NUM_STAGES,
             )
-        else:
-            record = (token.to(tl.int64) * num_splits + split) * NUM_HEADS + head
-            tl.store(workspace + record[:, None] * HEAD_DIM + dims[None, :], result, mask=store_ok)
-            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            tl.store(workspace + lse_base + record, lse, mask=row_ok)
+            has_keys = l_i > 0
+            result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            store_ok = row_ok[:, None] & dim_ok[None, :]
+            if n == 1:
+                tl.store(
+                    out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
+                    result.to(out.dtype.element_ty), mask=store_ok,
+                )
+            else:
+                if DECODE:
+                    record = program.to(tl.int64) * NUM_HEADS + head
+                else:
+                    record = (token.to(tl.int64) * num_splits + split) * NUM_HEADS + head
+                tl.store(workspace + record[:, None] * HEAD_DIM + dims[None, :], result, mask=store_ok)
+                lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+                tl.store(workspace + lse_base + record, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _reduce_kernel(
-    workspace, out, lse_base, num_splits,
+    seq_lens, query_start_loc, workspace, out, num_seqs, lse_base, num_splits, num_kv_heads, slots,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, MIN_TILES: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """Combines the split records of one (token, head) whose sequence used more than one split."""
+    token = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < num_splits
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    record = (token * num_splits + splits) * NUM_HEADS + head
-    lse = tl.load(workspace + lse_base + record, mask=split_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    weight = tl.exp2(lse - m_safe)
-    total = tl.sum(weight, 0)
-    partial = tl.load(
-        workspace + record[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0
-    )
-    result = tl.sum(weight[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out + token * stride_ot + head * stride_oh + dims * stride_od, result.to(out.dtype.element_ty), mask=dim_ok)
+    if DECODE:
+        chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, num_kv_heads, slots,
+                                              BLOCK_B, BLOCK_N, MIN_TILES)
+        mine = tl.arange(0, BLOCK_B) == token
+        n = tl.sum(tl.where(mine, units, 0), 0)
+        first = (tl.sum(tl.where(mine, ends, 0), 0) - n).to(tl.int64)  # the sequence's first unit
+    else:
+        seq = _sequence_of_token(query_start_loc, token, num_seqs)
+        n = 0
+        if seq < num_seqs:
+            q_len = tl.load(query_start_loc + seq + 1) - tl.load(query_start_loc + seq)
+            n = _fia_num_splits(tl.load(seq_lens + seq), q_len, num_splits, BLOCK_Q, BLOCK_N, MIN_TILES)
+        first = token.to(tl.int64) * num_splits
+    if n > 1:
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < HEAD_DIM
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for s0 in range(0, n, BLOCK_S):
+            splits = s0 + tl.arange(0, BLOCK_S)
+            split_ok = splits < n
+            record = (first + splits) * NUM_HEADS + head
+            lse = tl.load(workspace + lse_base + record, mask=split_ok, other=float("-inf"))
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            weight = tl.exp2(lse - m_safe)
+            seen = split_ok & (lse > float("-inf"))  # a split without keys wrote a zero partial
+            partial = tl.load(
+                workspace + record[:, None] * HEAD_DIM + dims[None, :], mask=seen[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha + tl.sum(weight[:, None] * partial, 0)
+            total = total * alpha + tl.sum(weight, 0)
+            m = m_new
+        result = acc / tl.where(total > 0, total, 1.0)
+        tl.store(out + token * stride_ot + head * stride_oh + dims * stride_od, result.to(out.dtype.element_ty),
+                 mask=dim_ok)
 
 
 @triton.jit
@@ -202,9 +399,55 @@ def _cache_write_kernel(
         )
 
 
-def tile_tokens(group: int) -> int:
-    """Query tokens per FIA tile: enough that a tile's rows (tokens x grouped heads) reach `TILE_ROWS`."""
-    return max(1, TILE_ROWS // group)
+def tile_tokens(group: int, rows: int = TILE_ROWS) -> int:
+    """Query tokens per FIA tile: enough that a tile's rows (tokens x grouped heads) reach `rows`."""
+    return max(1, rows // group)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, decode: bool, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """(rows of an attention tile, pipeline stages) of a call, checked for sm_90 by the compile test.
+
+    FIA tiles hold `PREFILL_TILE_ROWS` rows when some sequence has several query tokens (T > B:
+    prefill chunks, whose KV prefix each tile re-reads), else `TILE_ROWS` (one token per sequence,
+    as in decode: larger tiles would only hold empty rows). Key loops run `NUM_STAGES` deep.
+    Fallback for 4-byte dtypes and head dims above 128, whose K/V tiles are twice as large (64-row
+    tiles would spill registers or, 3 stages deep, pass Hopper's 227 KB of shared memory): 16-row
+    tiles, so long float32 prefill chunks re-read their prefix once per 16 rows (~140 KB of shared
+    memory: one program per SM; float32 is for checking, not for speed).
+    """
+    small = torch.empty((), dtype=dtype).element_size() <= 2 and head_dim <= 128
+    if not small:
+        return TILE_ROWS, NUM_STAGES
+    if decode or num_tokens <= num_seqs:
+        return TILE_ROWS, NUM_STAGES
+    return PREFILL_TILE_ROWS, NUM_STAGES
+
+
+def decode_schedule(seq_lens: list[int], num_splits: int, key_tile: int = KEY_TILE,
+                    min_split_tiles: int = MIN_SPLIT_TILES, num_kv_heads: int = 1,
+                    slots: int = UNBOUNDED_SLOTS) -> tuple[int, list[int]]:
+    """The host mirror of `_decode_schedule` (for tests and tools): (key tiles per unit, units of
+    each sequence) for `len(seq_lens) * num_splits` units; `num_splits == 1`: one unit each."""
+    num_seqs = len(seq_lens)
+    if num_splits == 1 or num_seqs == 0:
+        return 0, [1] * num_seqs
+    num_units = num_seqs * num_splits
+    tiles = [-(-n // key_tile) for n in seq_lens]
+    total = sum(tiles)
+    lo = max(-(-total // num_units), min_split_tiles, -(-total * num_kv_heads // slots))
+    hi = max(-(-total // (num_units - num_seqs)), lo)
+    for _ in range(SEARCH_STEPS.value):
+        mid = (lo + hi) // 2
+        if sum(max(1, -(-t // mid)) for t in tiles) <= num_units:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, [max(1, -(-t // hi)) for t in tiles]
 
 
 def attention_dev(
@@ -218,13 +461,22 @@ def attention_dev(
     workspace: torch.Tensor,
     out: torch.Tensor,
     num_splits: int,
+    *,
+    key_tile: int = KEY_TILE,
+    min_split_tiles: int = MIN_SPLIT_TILES,
+    tile_rows: int | None = None,
+    num_stages: int | None = None,
+    slots: int | None = None,
 ) -> None:
     """Split-K paged attention into `out`, lengths read on the device; no host synchronisation.
 
     `query_start_loc None` is decode (PA): token i is sequence i's only query token. Otherwise
     (FIA) each sequence's query tokens are the last ones of its sequence, causal among them, and
     `query_start_loc[B]` must be T (tokens outside every sequence are not written: checking it
-    would need the offsets on the host). Arguments are checked by the caller (`ops/cuda.py`).
+    would need the offsets on the host). `num_splits` is the most splits per query token, which
+    sizes the workspace; the splits used are decided on the device (module docstring). Arguments
+    are checked by the caller (`ops/cuda.py`). The keyword arguments are tuning knobs (the tests
+    shrink `key_tile` and `min_split_tiles` to split short sequences).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -234,32 +486,41 @@ def attention_dev(
         return
     group = num_heads // num_kv_heads
     decode = query_start_loc is None
-    block_q = 1 if decode else tile_tokens(group)
+    rows, stages = launch_config(query.dtype, head_dim, decode, num_tokens, num_seqs)
+    rows, stages = tile_rows or rows, num_stages or stages
+    if slots is None:
+        slots = _num_sms(query.device) * SLOTS_PER_SM if query.device.type == "cuda" else UNBOUNDED_SLOTS
+    block_q = 1 if decode else tile_tokens(group, rows)
     block_m = max(TILE_ROWS, triton.next_power_of_2(block_q * group))
-    tiles = num_seqs if decode else num_tokens // block_q + num_seqs
     direct = num_splits == 1
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # only the decode schedule reads BLOCK_B lengths at once; a fixed value elsewhere spares compiles
+    block_b = max(16, triton.next_power_of_2(num_seqs)) if decode and not direct else 16
+    if decode:
+        grid = (num_seqs * num_splits, num_kv_heads)
+    else:
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     lse_base = num_tokens * num_splits * num_heads * head_dim  # where the log-sum-exps start (floats)
     partials = workspace.view(torch.float32) if not direct else out
     # Triton's interpreter (CPU tensors) multiplies bfloat16 operands wrongly: upcast there.
     dot_fp32 = query.device.type == "cpu"
     precision = "ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32"
-    _split_kernel[(tiles, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_table, seq_lens,
-        seq_lens if decode else query_start_loc, partials, out,
-        scale * LOG2E, num_seqs, lse_base, num_splits, block_size,
+    loc = seq_lens if decode else query_start_loc
+    _split_kernel[grid](
+        query, key_cache, value_cache, block_table, seq_lens, loc, partials, out,
+        scale * LOG2E, num_seqs, lse_base, num_splits, slots,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=KEY_TILE,
-        BLOCK_Q=block_q, BLOCK_M=block_m, DECODE=decode, DIRECT=direct, PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=4, num_stages=3,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=key_tile,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_B=block_b, MIN_TILES=min_split_tiles,
+        DECODE=decode, DIRECT=direct, PRECISION=precision, DOT_FP32=dot_fp32, NUM_STAGES=stages,
+        num_warps=4, num_stages=stages,
     )
     if not direct:
         _reduce_kernel[(num_tokens, num_heads)](
-            partials, out, lse_base, num_splits, *out.stride(),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            seq_lens, loc, partials, out, num_seqs, lse_base, num_splits, num_kv_heads, slots, *out.stride(),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=min(REDUCE_SPLITS, max(2, triton.next_power_of_2(num_splits))),
+            BLOCK_N=key_tile, BLOCK_Q=block_q, BLOCK_B=block_b, MIN_TILES=min_split_tiles, DECODE=decode,
         )
 
 

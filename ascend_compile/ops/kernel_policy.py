@@ -26,6 +26,7 @@ class KernelPolicy:
     pa_batch_sizes: tuple[int, ...] = ()
     timer: KernelTimer | None = None
     timing_seq_len: int = 1024
+    why_pa: str = "kernel_policy='pa'"  # the reason recorded when kind is "pa" (a target may set its own)
 
     def __post_init__(self) -> None:
         if self.kind == "auto" and self.timer is None:
@@ -47,7 +48,7 @@ def choose_kernel(policy: KernelPolicy, batch: int, decode: bool, shape: tiling.
     if not decode:
         return KernelChoice(fia, "FIA: steps with several query tokens per sequence; PA is decode-only")
     if policy.kind == "pa":
-        return KernelChoice(pa, "PA: kernel_policy='pa'")
+        return KernelChoice(pa, f"PA: {policy.why_pa}")
     if policy.kind == "fia":
         return KernelChoice(fia, "FIA: kernel_policy='fia'")
     if policy.kind == "pa_max_batch":
