@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
+from .compile_once import retrace_general
 from .config import CompileConfig
 from .lowering.runner import CompiledArtifact
 from .ops import npu as npu_ops
@@ -70,6 +71,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     if not find_attention(gm):
         log.info("ascend_compile: graph has no attention: running it as traced")
         return gm.forward
+    if config.retrace_static:
+        retrace_general(gm)  # may raise dynamo's restart: the frame is traced again, general
     runtime = create_runtime(config.runtime, device, config.sim_overflow)
     _check_inner_compiler(config, runtime)
     splits = _device_length_splits(runtime, config)
