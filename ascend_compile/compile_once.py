@@ -21,8 +21,9 @@ They must be in force while dynamo traces and while the backend compiles (the ba
 re-run shape functions, which guard like the model's code does). Two ways to have that:
 
 - `compile(model, options)`: the helper. `torch.compile(model, backend="ascend_graph", options=...)`
-  called inside `trace_settings()` at every call; the first trace is general, so there is one
-  backend compile and one dynamo trace.
+  with the settings in force whenever dynamo compiles for it (dynamo's compile start and end
+  callbacks); the first trace is general, so there is one backend compile and one dynamo trace.
+  `trace_settings()` is the same as a context manager, for callers of `torch.compile` itself.
 - `retrace_general(gm)`: what the backend can do alone (no caller cooperation). Called by the
   backend on a graph whose caller inputs have static sizes, it switches the settings on for the
   rest of this frame's compilation and asks dynamo to trace the frame again (dynamo's own restart
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 from typing import Any, Callable, Iterator, Mapping
@@ -48,17 +50,19 @@ from torch import fx
 
 log = logging.getLogger("ascend_compile")
 
-#: The settings of a general trace: (config module, name, value).
-TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
-    (torch._dynamo.config, "assume_static_by_default", False),
+#: The settings under which named step dims (`step_dims`) are traced general: (config module, name, value).
+SIZE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
     (fx_config, "backed_size_oblivious", True),
     (fx_config, "use_duck_shape", False),
 )
+#: The settings of a general trace: every size of the caller's tensors symbolic, too.
+TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = ((torch._dynamo.config, "assume_static_by_default", False),
+                                                    *SIZE_SETTINGS)
 
 
-def _apply_settings() -> list[tuple[Any, str, Any]]:
-    saved = [(module, name, getattr(module, name)) for module, name, _ in TRACE_SETTINGS]
-    for module, name, value in TRACE_SETTINGS:
+def _apply_settings(settings: tuple[tuple[Any, str, Any], ...] = TRACE_SETTINGS) -> list[tuple[Any, str, Any]]:
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    for module, name, value in settings:
         setattr(module, name, value)
     return saved
 
@@ -79,19 +83,86 @@ def trace_settings() -> Iterator[None]:
         _restore_settings(saved)
 
 
-class CompiledStep:
-    """A model compiled so that one backend compile serves every step shape (see `compile`)."""
+_local = threading.local()  # settings: those of the CompiledStep being called; saved: those they replaced
 
-    def __init__(self, compiled: Callable[..., Any], model: Any) -> None:
+
+def _on_compile_start(*_: Any) -> None:
+    """Dynamo starts compiling a frame: inside a `CompiledStep` call, put its settings in force
+    (unless the caller asked for static shapes: `torch.compile(dynamic=False)`)."""
+    settings = getattr(_local, "settings", None)
+    if settings and getattr(_local, "saved", None) is None:
+        config = torch._dynamo.config
+        if config.automatic_dynamic_shapes or not config.assume_static_by_default:
+            _local.saved = _apply_settings(settings)
+            _local.compiled = True
+
+
+def _on_compile_end(*_: Any) -> None:
+    saved = getattr(_local, "saved", None)
+    if saved is not None:
+        _local.saved = None
+        _restore_settings(saved)
+
+
+def _compile_callbacks() -> Any:
+    """dynamo's compile start/end callback handler (torch 2.9 .. 2.13), or None."""
+    handler = getattr(getattr(torch._dynamo, "callback", None), "callback_handler", None)
+    if isinstance(getattr(handler, "start_callbacks", None), list) and isinstance(
+        getattr(handler, "end_callbacks", None), list
+    ):
+        return handler
+    return None
+
+
+StepDims = Mapping[str, "int | tuple[int, ...]"]
+
+
+class CompiledStep:
+    """A model compiled so that one backend compile serves every step shape (see `compile`).
+
+    The settings are in force only while dynamo compiles (dynamo's compile start and end
+    callbacks), so a call that compiles nothing costs a thread-local write; where torch has no such
+    callbacks, they are put in force around every call (about 10-20 us)."""
+
+    def __init__(self, compiled: Callable[..., Any], model: Any, step_dims: StepDims | None = None) -> None:
         self.compiled = compiled  # what torch.compile returned
         self.model = model
+        self.step_dims = {k: (v,) if isinstance(v, int) else tuple(v) for k, v in (step_dims or {}).items()}
+        self.settings = SIZE_SETTINGS if step_dims is not None else TRACE_SETTINGS
+        forward = model.forward if isinstance(model, torch.nn.Module) else model
+        self._signature = inspect.signature(forward) if step_dims is not None else None
+        self._marking = step_dims is not None  # until the first compile: marks are read when dynamo traces
+
+    def mark(self, args: tuple, kwargs: dict) -> None:
+        """Mark the step dims of this call's tensors dynamic (`maybe_mark_dynamic`)."""
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        for name, dims in self.step_dims.items():
+            value = bound.get(name)
+            if isinstance(value, torch.Tensor):
+                for dim in dims:
+                    torch._dynamo.maybe_mark_dynamic(value, dim % value.dim())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        saved = _apply_settings()
+        if self._marking:
+            self.mark(args, kwargs)
+        handler = _compile_callbacks()
+        if handler is None:
+            saved = _apply_settings(self.settings)
+            try:
+                return self.compiled(*args, **kwargs)
+            finally:
+                _restore_settings(saved)
+        if _on_compile_start not in handler.start_callbacks:  # torch._dynamo.reset() clears them
+            handler.register_start_callback(_on_compile_start)
+            handler.register_end_callback(_on_compile_end)
+        outer, _local.settings, _local.compiled = getattr(_local, "settings", None), self.settings, False
         try:
-            return self.compiled(*args, **kwargs)
+            result = self.compiled(*args, **kwargs)
+            if _local.compiled:
+                self._marking = False
+            return result
         finally:
-            _restore_settings(saved)
+            _local.settings = outer
 
 
 def compile(  # noqa: A001 - mirrors torch.compile
@@ -99,18 +170,27 @@ def compile(  # noqa: A001 - mirrors torch.compile
     options: Mapping[str, Any] | None = None,
     *,
     backend: str | Callable[..., Any] = "ascend_graph",
+    step_dims: StepDims | None = None,
     **torch_compile_kwargs: Any,
 ) -> CompiledStep:
     """`torch.compile(model, backend="ascend_graph", options=options)` whose first trace is general:
     one backend compile serves every batch size (1 included), token count, decode or mixed step,
     whatever the first call's shape.
 
+    `step_dims`: None (default) makes every size of the caller's tensors symbolic; sizes that are
+    not step sizes (a fixed buffer's width) get one capture per value, as under `dynamic=True`. A
+    mapping from argument names to dims (e.g. `{"input_ids": 1, "positions": 1, "block_table": 0,
+    "seq_lens": 0, "query_start_loc": 0, "slot_mapping": 0}` for `[1, T]` token inputs) makes only
+    those symbolic: needed where a tensor has a dim of size 1 that is not a step dim (`[1, T]`),
+    which would otherwise get a symbol too and make the token count a product the backend cannot
+    pad.
+
     `backend` may also be a backend callable (`ascend_compile.backend(config, on_compiled=...)`) or
     another backend name (e.g. "eager", to compare); other keyword arguments go to `torch.compile`
     (e.g. `fullgraph=True`). The result is called like the model."""
     options = dict(options) if options is not None else None
     compiled = torch.compile(model, backend=backend, options=options, **torch_compile_kwargs)
-    return CompiledStep(compiled, model)
+    return CompiledStep(compiled, model, step_dims)
 
 
 # --- the backend alone -------------------------------------------------------------------------

@@ -129,3 +129,36 @@ def test_specialized_inputs_names_the_callers_static_tensors():
     assert sorted(seen[0]) == sorted(["l_input_ids_", "l_positions_", "l_block_table_", "l_seq_lens_",
                                       "l_query_start_loc_", "l_slot_mapping_"])
     assert seen[1] == []  # parameters and buffers are never listed
+
+
+class RowTokens(torch.nn.Module):
+    """The example model taking `[1, T]` token ids and positions, as some runtimes pass them."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping):
+        return self.model(input_ids.reshape(-1), positions.reshape(-1), block_table, seq_lens, query_start_loc,
+                          slot_mapping)
+
+
+def test_named_step_dims_for_row_token_inputs():
+    """`[1, T]` inputs: only the named dims are symbolic, so the token count stays one size and steps are padded."""
+    torch._dynamo.reset()
+    model, reference = RowTokens(build(CFG)), RowTokens(build(CFG))
+    calls, artifacts = [], []
+    step_dims = {"input_ids": 1, "positions": 1, "block_table": (0, 1), "seq_lens": 0, "query_start_loc": 0,
+                 "slot_mapping": 0}
+    fn = ascend_compile.compile(model, backend=counting(backend(CompileConfig(**OPTIONS), on_compiled=artifacts.append),
+                                                        calls), step_dims=step_dims)
+    batch = PagedBatch(CFG, seed=3)
+    with torch.no_grad():
+        for name in ORDERS[0]:
+            inputs = batch.step(*STEPS[name])
+            inputs["input_ids"], inputs["positions"] = inputs["input_ids"][None], inputs["positions"][None]
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert len(calls) == 1
+    signature = artifacts[0].signature
+    assert signature.pad_reason is None and "tokens" in {k.value for k in signature.symbol_kinds.values()}
+    assert artifacts[0].stats["eager_fallbacks"] == 0
