@@ -10,7 +10,8 @@ Three tracing settings make the first trace general, whatever its shape
 (`tools/compile_count_experiments.py` tries the others):
 
 - every size of the caller's tensors symbolic: `torch._dynamo.config.assume_static_by_default =
-  False`, which is what `torch.compile(dynamic=True)` sets (parameters and buffers stay static);
+  False`, which is what `torch.compile(dynamic=True)` sets (parameters and buffers stay static),
+  with `specialize_float = True` so that float attributes of modules stay constants;
 - `torch.fx.experimental._config.backed_size_oblivious = True`: sizes 0 and 1 get symbols too,
   and the shape checks of the model, of dynamo and of the backend's own passes reason about them
   as "any size" instead of guarding on the value seen;
@@ -56,8 +57,13 @@ SIZE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
     (fx_config, "use_duck_shape", False),
 )
 #: The settings of a general trace: every size of the caller's tensors symbolic, too.
-TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = ((torch._dynamo.config, "assume_static_by_default", False),
-                                                    *SIZE_SETTINGS)
+TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
+    (torch._dynamo.config, "assume_static_by_default", False),
+    # floats stay constants: under assume_static_by_default=False a float attribute of a module (an
+    # RMSNorm's eps) would become a graph input, one more scalar for the runner to copy every step
+    (torch._dynamo.config, "specialize_float", True),
+    *SIZE_SETTINGS,
+)
 
 
 def _apply_settings(settings: tuple[tuple[Any, str, Any], ...] = TRACE_SETTINGS) -> list[tuple[Any, str, Any]]:
@@ -247,6 +253,8 @@ def retrace_general(gm: fx.GraphModule) -> None:
         return
     if not torch._dynamo.config.automatic_dynamic_shapes and torch._dynamo.config.assume_static_by_default:
         return  # torch.compile(dynamic=False): static shapes asked for
+    if getattr(_local, "saved", None) is not None:
+        return  # traced under a CompiledStep's settings: its static sizes are the caller's choice
     with _retrace_lock:
         if _retrace_saved is not None:
             return  # this is the retrace: compile what it traced
