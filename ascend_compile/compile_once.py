@@ -25,11 +25,17 @@ re-run shape functions, which guard like the model's code does). Two ways to hav
   with the settings in force whenever dynamo compiles for it (dynamo's compile start and end
   callbacks); the first trace is general, so there is one backend compile and one dynamo trace.
   `trace_settings()` is the same as a context manager, for callers of `torch.compile` itself.
+  `step_dims` names the step dims instead of making every size symbolic: needed where a tensor has
+  a size-1 dim that is not a step dim (`[1, T]` token ids), which would otherwise get a symbol too.
 - `retrace_general(gm)`: what the backend can do alone (no caller cooperation). Called by the
   backend on a graph whose caller inputs have static sizes, it switches the settings on for the
   rest of this frame's compilation and asks dynamo to trace the frame again (dynamo's own restart
   exception); the settings are put back when the compilation ends. One backend compile, but two
   dynamo traces of the first call, and it relies on dynamo internals (see its docstring).
+
+`backed_size_oblivious` removes the guards on 0 and 1 of the shape checks written for it, not of
+every op: a model whose code still guards on a size being 1 (`q[:, :1].contiguous()` guards `T != 1`)
+gets a second graph for that size; `TORCH_LOGS=recompiles` names the line.
 
 Guards are kept: with every step size symbolic no guard fails on a step shape, so dropping them
 (vLLM's `guard_filter_fn`) gains only their evaluation time, and is wrong where a size is still
@@ -38,7 +44,6 @@ specialised (e.g. a first call at batch 1 without `backed_size_oblivious`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import threading
@@ -267,14 +272,3 @@ def retrace_general(gm: fx.GraphModule) -> None:
         _retrace_saved = _apply_settings()
     log.info("ascend_compile: inputs %s have static sizes: tracing again with every step size symbolic", static)
     raise exc()
-
-
-def with_general_retrace(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A backend function that first calls `retrace_general` on each graph."""
-
-    @functools.wraps(compile_fn)
-    def wrapped(gm: fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        retrace_general(gm)
-        return compile_fn(gm, example_inputs, *args, **kwargs)
-
-    return wrapped
