@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
+from .compile_once import retrace_general
 from .config import CompileConfig
 from .lowering.runner import CompiledArtifact
 from .passes.find_attention import AttentionArgs, has_attention
@@ -41,6 +42,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     if bind is None and not has_attention(gm):
         log.info("ascend_compile: graph has no attention: running it as traced")
         return gm.forward
+    if config.retrace_static:
+        retrace_general(gm)  # may raise dynamo's restart: the frame is traced again, general
     device_target = target(_device_of(gm), config)
     device_target.check(config)
     rewritten = rewrite_buckets(gm, config, device_target, bind)

@@ -60,6 +60,11 @@ class CompileConfig:
             it cannot pad (e.g. a fixed-size caller buffer under dynamic=True, or every size where
             padding would change what the step writes); steps with further values run eagerly.
         dump_dir: write every stage of every bucket and a plan.json here (env ASCEND_COMPILE_DUMP_DIR).
+        retrace_static: when dynamo hands over a graph whose caller inputs have static sizes (the
+            first call of a plain `torch.compile`), have dynamo trace the frame again with every
+            step size symbolic, so that one compile serves every step shape
+            (`compile_once.retrace_general`: one more dynamo trace, dynamo internals). Not needed
+            with `ascend_compile.compile`, whose first trace is general.
     """
 
     capture_sizes: tuple[int, ...] = dataclasses.field(default_factory=default_capture_sizes)
@@ -78,6 +83,7 @@ class CompileConfig:
     sim_overflow: str = "write"
     max_specializations: int = 8
     dump_dir: str | None = None
+    retrace_static: bool = False
 
     def __post_init__(self) -> None:
         sizes = tuple(self.capture_sizes)
@@ -108,7 +114,7 @@ class CompileConfig:
         _check_choice("runtime", self.runtime, RUNTIMES)
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("sim_overflow", self.sim_overflow, SIM_OVERFLOW)
-        for name in ("share_workspace", "clone_outputs", "capture_all"):
+        for name in ("share_workspace", "clone_outputs", "capture_all", "retrace_static"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.max_model_len and self.workspace_seq_len and self.workspace_seq_len > self.max_model_len:

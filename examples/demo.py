@@ -13,6 +13,7 @@ import tempfile
 
 import torch
 
+import ascend_compile
 from ascend_compile import cli
 from examples.llama import LlamaConfig, PagedBatch, build
 
@@ -35,7 +36,8 @@ def main() -> None:
         "runtime": args.runtime,
         "dump_dir": dump_dir,
     }
-    compiled = torch.compile(model, backend="ascend_graph", options=options)
+    # torch.compile(model, backend="ascend_graph", options=options), traced once for every step shape
+    compiled = ascend_compile.compile(model, options)
     batch = PagedBatch(cfg, table_width=max_model_len // cfg.block_size)
     rng = random.Random(0)
     with torch.no_grad():

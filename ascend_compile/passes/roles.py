@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import sympy
 import torch
+import torch.utils._sympy.functions as torch_sympy
 from torch import fx
 
 from .find_attention import AttentionArgs
@@ -284,11 +285,20 @@ def _pad_reason(gm: fx.GraphModule, inputs: Sequence[InputSpec], tokens: Any, se
     return None
 
 
+#: sympy's Min and Max, and torch's own (torch.utils._sympy.functions, which shape expressions use)
+_MIN_MAX = (sympy.Min, sympy.Max, torch_sympy.Min, torch_sympy.Max)
+
+
 def _grows(expr: Any) -> bool:
     """Whether a size expression never shrinks as its symbols grow (a polynomial with non-negative
-    coefficients): then a padded step's written region holds the real step's as a prefix."""
-    if isinstance(expr, int):
+    coefficients, or a Min or Max of such): then a padded step's written region holds the real
+    step's as a prefix."""
+    if isinstance(expr, int) or getattr(expr, "is_Integer", False):
         return True
+    if isinstance(expr, _MIN_MAX):
+        # a slice end clamped to a buffer's length: dynamo leaves it a Min when it may not guard on
+        # the order of the sizes (backed_size_oblivious); a Min or Max of growing sizes grows
+        return all(_grows(arg) for arg in expr.args)
     try:
         return all(c >= 0 for c in sympy.Poly(expr, *sorted(expr.free_symbols, key=str)).coeffs())
     except sympy.PolynomialError:
