@@ -77,10 +77,12 @@ def has_attention(gm: fx.GraphModule) -> bool:
 def adapt_attention(gm: fx.GraphModule) -> list[fx.Node]:
     """Rewrite registered foreign attention ops of `gm` into `ascend.attention`; returns all attention nodes."""
     graph = gm.graph
+    adapted = False
     for node in list(graph.nodes):
         adapter = _adapter_for(node)
         if adapter is None:
             continue
+        adapted = True
         with graph.inserting_before(node):
             new = adapter(graph, node)
         if not is_op(new, torch.ops.ascend.attention):
@@ -90,7 +92,8 @@ def adapt_attention(gm: fx.GraphModule) -> list[fx.Node]:
         new.meta["ascend_adapted_from"] = f"{node.target} ({node.name})"
         graph.erase_node(node)
         fill_fake_values(graph)
-    graph.lint()
-    gm.recompile()
+    if adapted:
+        graph.lint()
+        gm.recompile()
     return attention_nodes(gm)
 

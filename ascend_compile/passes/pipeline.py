@@ -190,8 +190,8 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
             select_kernels(variant_gm, kernels)
             variants[name] = Variant(name, kernels, variant_gm, [])
         variants[name].keys.append(key)
-    plan = plan_workspaces(((k, kernel_sites(variants[_variant_name(tuple(c.kernel for c in ch))].gm))
-                            for k, ch in choices.items()),
+    sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
+    plan = plan_workspaces(((k, sites[_variant_name(tuple(c.kernel for c in ch))]) for k, ch in choices.items()),
                            config.max_model_len, config.workspace_seq_len, config.share_workspace,
                            target.workspace_need(config, dtype))
     for warning in plan.warnings():
@@ -199,6 +199,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     for variant in variants.values():
         dump.dump_graph(variant.gm, graph_dir, variant.name, "1_select_kernels")
         insert_workspaces(variant.gm, variant.keys, plan)
+        variant.gm.recompile()
         dump.dump_graph(variant.gm, graph_dir, variant.name, "2_insert_workspaces")
     result = RewrittenGraphs(original, signature, variants, choices, plan, buckets, block_size, max_blocks, graph_dir,
                              mutations, write_back, prologue)

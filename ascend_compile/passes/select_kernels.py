@@ -53,7 +53,8 @@ def _host_input(graph: fx.Graph, source: fx.Node, conversion: Conversion) -> fx.
 
 
 def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCall]:
-    """Rewrite the attention nodes of `gm` into `kernels` (one per node, in graph order)."""
+    """Rewrite the attention nodes of `gm` into `kernels` (one per node, in graph order); the caller
+    recompiles `gm` once its passes are done."""
     graph = gm.graph
     nodes = attention_nodes(gm)
     if len(nodes) != len(kernels):
@@ -83,6 +84,5 @@ def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCal
         graph.erase_node(node)
         calls.append(KernelCall(call, meta))
     graph.lint()
-    gm.recompile()
     return calls
 

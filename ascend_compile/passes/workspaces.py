@@ -173,7 +173,8 @@ def plan_workspaces(
 
 def insert_workspaces(gm: fx.GraphModule, keys: Sequence[GraphKey], plan: WorkspacePlan) -> fx.Node | None:
     """Give every kernel node of `gm` one workspace node standing for the planned slot of each graph
-    key `gm` serves (the runner binds the slot of the key it captures); sized for the largest."""
+    key `gm` serves (the runner binds the slot of the key it captures); sized for the largest. The
+    caller recompiles `gm` once its passes are done."""
     graph = gm.graph
     calls = kernel_calls(gm)
     if not calls:
@@ -189,7 +190,6 @@ def insert_workspaces(gm: fx.GraphModule, keys: Sequence[GraphKey], plan: Worksp
         if not previous.users:
             graph.erase_node(previous)
     graph.lint()
-    gm.recompile()
     return workspace
 
 
