@@ -84,9 +84,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20) -> float:
     roofline's bandwidth, measured in the same run as what it judges."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = time_throughput(lambda: dst.copy_(src), device, iters)
-    del src, dst
-    return 2 * nbytes / seconds
+    return 2 * nbytes / time_throughput(lambda: dst.copy_(src), device, iters)
 
 
 class Results:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from ascend_compile.errors import ReplayError, WorkspaceTooSmall
