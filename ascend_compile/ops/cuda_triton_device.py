@@ -1,0 +1,159 @@
+"""The device-side building blocks of the CUDA attention kernels (`ops/cuda_triton.py`): which
+sequence a query tile or token belongs to, the decode split schedule every program computes from
+the lengths, FIA's split count per sequence, a key tile's cache blocks, and the online-softmax loop
+over a program's key range. Kept apart from the kernels and their launch so each module reads as one
+job; the schedule and the loop are documented in `cuda_triton`'s docstring.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Steps of the decode schedule's binary search for its chunk, between `ceil(tiles / units)` (the
+#: least that can fit) and `ceil(tiles / (units - B))` (always fits), whose ratio is at most
+#: S / (S - 1): after 4 steps the chunk is within 1/16 of that gap of the best.
+SEARCH_STEPS: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def _sequence_of_tile(query_start_loc, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence whose query tiles include `tile`: sequence b owns the tiles from
+    `query_start_loc[b] // BLOCK_Q + b` on (a binary search over the device offsets)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _sequence_of_token(query_start_loc, token, num_seqs):
+    """The sequence of query token `token` (`num_seqs` if it lies past every sequence): the last b
+    with `query_start_loc[b] <= token` (sequences without query tokens share their start)."""
+    lo = 1
+    hi = num_seqs + 1
+    while lo < hi:  # the first index whose offset exceeds the token
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _decode_schedule(seq_lens, num_seqs, num_units, num_kv_heads, slots, BLOCK_B: tl.constexpr,
+                     BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """The decode schedule of `num_units` (> num_seqs) work units, the same in every program:
+    (key tiles per unit, units of each sequence [BLOCK_B], inclusive cumulative units [BLOCK_B])."""
+    seqs = tl.arange(0, BLOCK_B)
+    valid = seqs < num_seqs
+    lens = tl.load(seq_lens + seqs, mask=valid, other=0)
+    tiles = (lens + BLOCK_N - 1) // BLOCK_N
+    total = tl.sum(tiles, 0)
+    fair = (total * num_kv_heads + slots - 1) // slots  # a chunk below the GPU's fair share gains nothing
+    lo = tl.maximum(tl.maximum((total + num_units - 1) // num_units, MIN_TILES), fair)  # no smaller chunk fits
+    spare = num_units - num_seqs
+    hi = tl.maximum((total + spare - 1) // spare, lo)  # always fits: see the module docstring
+    # A few steps of binary search towards the smallest chunk that fits, unrolled (a loop here
+    # stops Triton from pipelining the key loop); `hi` fits after every step.
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        need = tl.sum(tl.where(valid, tl.maximum((tiles + mid - 1) // mid, 1), 0), 0)
+        fits = need <= num_units
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    units = tl.where(valid, tl.maximum((tiles + hi - 1) // hi, 1), 0)
+    return hi, units, tl.cumsum(units, 0)
+
+
+@triton.jit
+def _fia_num_splits(kv_len, q_len, max_splits, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MIN_TILES: tl.constexpr):
+    """Splits an FIA sequence uses: enough for its keys (>= MIN_TILES tiles each), fewer when its
+    query tiles already fill the grid, between 1 and `max_splits`."""
+    kv_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
+    q_tiles = tl.maximum((q_len + BLOCK_Q - 1) // BLOCK_Q, 1)
+    wanted = tl.minimum((kv_tiles + MIN_TILES - 1) // MIN_TILES, (max_splits + q_tiles - 1) // q_tiles)
+    return tl.minimum(tl.maximum(wanted, 1), max_splits)
+
+
+@triton.jit
+def _tile_blocks(table, t, kv_len, offsets, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The physical block of each key of key tile `t` (int64): one block-table entry when the
+    tile lies in one block, else one per key (keys past `kv_len` read block 0)."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        index = (t * BLOCK_N) // BLOCK_SIZE
+        return tl.load(table + index, mask=t * BLOCK_N < kv_len, other=0).to(tl.int64)
+    else:
+        key_pos = t * BLOCK_N + offsets
+        return tl.load(table + key_pos // BLOCK_SIZE, mask=key_pos < kv_len, other=0).to(tl.int64)
+
+
+@triton.jit
+def _attend(
+    q, key_cache, value_cache, block_table, seq, kv_head, kv_len, first_tile, end_tile,
+    position, row_ok, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Online softmax of the rows of `q [BLOCK_M, BLOCK_D]` over key tiles [first_tile, end_tile):
+    (unnormalised output, row max, row sum), base-2 exponents."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offsets = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    k_base = key_cache + kv_head * stride_kh
+    v_base = value_cache + kv_head * stride_vh
+    table = block_table + seq * stride_bt
+    # The block-table entries of each tile are loaded one iteration ahead (carried in the loop), so
+    # the K/V loads depend on no load of their own iteration and Triton pipelines them the full
+    # `num_stages - 1` tiles deep (an in-iteration lookup costs the pipeline one stage).
+    physical = _tile_blocks(table, first_tile, kv_len, offsets, BLOCK_N, BLOCK_SIZE)
+    for t in tl.range(first_tile, end_tile, num_stages=NUM_STAGES):
+        key_pos = t * BLOCK_N + offsets
+        kv_ok = key_pos < kv_len
+        if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block: contiguous rows
+            slot = (t * BLOCK_N) % BLOCK_SIZE + offsets
+        else:
+            slot = key_pos % BLOCK_SIZE
+        k_rows = physical * stride_kb + slot * stride_ks
+        v_rows = physical * stride_vb + slot * stride_vs
+        physical = _tile_blocks(table, t + 1, kv_len, offsets, BLOCK_N, BLOCK_SIZE)
+        if BLOCK_D == HEAD_DIM:
+            tile_ok = kv_ok[:, None]
+        else:
+            tile_ok = kv_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_base + k_rows[:, None] + dims[None, :] * stride_kd, mask=tile_ok, other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + dims[None, :] * stride_vd, mask=tile_ok, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if CAUSAL:
+            allowed = row_ok[:, None] & kv_ok[None, :] & (key_pos[None, :] <= position[:, None])
+        else:  # decode: every row sees every key of the sequence
+            allowed = row_ok[:, None] & kv_ok[None, :]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+#: Runtime ints that vary with the batch: not specialised (divisibility by 16, == 1), so one
+#: compiled variant serves every batch of a kind.
