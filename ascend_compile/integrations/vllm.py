@@ -27,7 +27,7 @@ from torch import fx
 from ..backend import compile_graph
 from ..config import CompileConfig
 from ..lowering.runner import CompiledArtifact
-from ..passes.fx_utils import example_value, fill_fake_values, is_op, placeholders
+from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
 from ..targets import TargetFactory, default_target
 
@@ -68,10 +68,6 @@ class _Reader:
     read: Callable[[Any], torch.Tensor]
 
 
-def _arg(node: fx.Node, index: int, name: str) -> Any:
-    return node.args[index] if index < len(node.args) else node.kwargs.get(name)
-
-
 class ForwardContextBinder:
     """A binder for vLLM graphs: see the module docstring. `get_forward_context` is vLLM's by default."""
 
@@ -99,7 +95,7 @@ class ForwardContextBinder:
     def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
         """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph
         input (torch >= 2.11), whose example input holds it."""
-        arg = _arg(node, 2 if is_op(node, _vllm_op(CACHE_UPDATE_OP)) else 4, "layer_name")
+        arg = node_arg(node, 2 if is_op(node, _vllm_op(CACHE_UPDATE_OP)) else 4, "layer_name")
         if isinstance(arg, fx.Node):
             index = placeholders(gm).index(arg)
             value = self.example_inputs[index] if index < len(self.example_inputs) else example_value(arg)
@@ -175,7 +171,7 @@ class ForwardContextBinder:
         layer_name = self.layer_name(gm, node)
         query, key, value, output = node.args[:4]
         for position, name in ((5, "output_scale"), (6, "output_block_scale")):
-            if _arg(node, position, name) is not None:
+            if node_arg(node, position, name) is not None:
                 raise ValueError(f"{node.name}.{name}: fused output quantization is not supported by ascend_graph")
         layer = ctx.no_compile_layers[layer_name]
         tokens = example_value(query).shape[0]
@@ -207,17 +203,17 @@ class ForwardContextBinder:
                                 fake_like(fake_mode, seq_lens, (seqs,))),
             "query_start_loc": provide(
                 f"vllm_query_start_loc_{index}", f"{where}.query_start_loc[:num_reqs + 1]",
-                lambda ctx: _meta(ctx, layer).query_start_loc[: _meta(ctx, layer).seq_lens.shape[0] + 1],
+                lambda ctx: _query_start_loc(_meta(ctx, layer)),
                 fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
             "block_table": provide(
                 f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
-                lambda ctx: getattr(_meta(ctx, layer), table_field)[: _meta(ctx, layer).seq_lens.shape[0]],
+                lambda ctx: _block_table(_meta(ctx, layer), table_field),
                 fake_like(fake_mode, table, (seqs, table.shape[1]))),
         }
         if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
             inputs["slot_mapping"] = provide(
                 f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: _meta(ctx, layer).slot_mapping[: _meta(ctx, layer).num_actual_tokens],
+                lambda ctx: _attention_slots(_meta(ctx, layer)),
                 fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
         return inputs
 
@@ -265,6 +261,19 @@ def _meta(ctx: Any, layer: str) -> Any:
         raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata, got "
                          + ("None" if metadata is None else type(metadata).__name__))
     return metadata[layer]
+
+
+def _query_start_loc(metadata: Any) -> torch.Tensor:
+    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]
+
+
+def _block_table(metadata: Any, field: str) -> torch.Tensor:
+    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]
+
+
+def _attention_slots(metadata: Any) -> torch.Tensor:
+    """vLLM-Ascend's slots of the real tokens (the attention op writes the cache itself)."""
+    return metadata.slot_mapping[: metadata.num_actual_tokens]
 
 
 def _cache(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:

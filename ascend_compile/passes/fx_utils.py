@@ -128,6 +128,11 @@ def schema_of(target: Any) -> torch.FunctionSchema | None:
     return schema
 
 
+def node_arg(node: fx.Node, position: int, name: str) -> Any:
+    """A call's argument given by position or by keyword (None when absent)."""
+    return node.args[position] if position < len(node.args) else node.kwargs.get(name)
+
+
 def written_args(node: fx.Node) -> list[Any]:
     """The arguments a call writes: an in-place method's or operator's self, an `out=` tensor, and
     arguments its schema annotates as written (`Tensor(a!)`: in-place ops, custom ops' `mutates_args`)."""
@@ -142,7 +147,7 @@ def written_args(node: fx.Node) -> list[Any]:
         schema = schema_of(node.target)
         for i, spec in enumerate(schema.arguments if schema is not None else ()):
             if spec.alias_info is not None and spec.alias_info.is_write:
-                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(spec.name))
+                written.append(node_arg(node, i, spec.name))
     if "out" in node.kwargs:
         written.append(node.kwargs["out"])
     return [w for w in written if w is not None]

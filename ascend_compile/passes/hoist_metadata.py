@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
-from .fx_utils import ancestors, example_value, extract_graph, is_op, placeholders, written_args
+from .fx_utils import ancestors, example_value, extract_graph, is_op, node_arg, placeholders, written_args
 from .providers import Provider
 
 #: The metadata arguments that may be computed, by op: (argument position, name).
@@ -84,7 +84,7 @@ def hoist_metadata(gm: fx.GraphModule, provider: Provider | None = None) -> Prol
     computing: set[fx.Node] = set()  # the nodes of the values the prologue computes
     dead: set[fx.Node] = set()  # every node computing a hoisted argument: erased where nothing else uses it
     for node, position, name in sites:
-        value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
+        value = node_arg(node, position, name)
         if not isinstance(value, fx.Node) or value.op == "placeholder":
             continue
         closure = _closure(value, f"{node.name}.{name}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -26,8 +26,7 @@ DEVICE_LENGTH_OPS = {tiling.PA: torch.ops.ascend.paged_attention_dev.default,
                      tiling.FIA: torch.ops.ascend.fused_infer_attention_dev.default}
 KERNEL_PACKETS = tuple(op.overloadpacket for op in (*HOST_LENGTH_OPS.values(), *DEVICE_LENGTH_OPS.values()))
 
-#: The host-length arguments of each kernel, in schema order, and the device input each reads on CUDA.
-HOST_LENGTH_ARGS = {tiling.PA: ("context_lens",), tiling.FIA: ("actual_seq_lengths", "actual_seq_lengths_kv")}
+#: The device input each host-length argument reads on CUDA.
 DEVICE_LENGTH_ARGS = {"context_lens": "seq_lens", "actual_seq_lengths": "query_start_loc",
                       "actual_seq_lengths_kv": "seq_lens"}
 
@@ -161,7 +160,3 @@ def host_placeholders(gm: fx.GraphModule) -> list[tuple[fx.Node, HostSource]]:
 def host_sources(gm: fx.GraphModule) -> list[HostSource]:
     return [source for _, source in host_placeholders(gm)]
 
-
-def sources_of(calls: Iterable[KernelCall]) -> set[str]:
-    """The inputs (or provider fields) the host lengths of `calls` come from."""
-    return {a.source.source for c in calls for a in c.meta.host_args}

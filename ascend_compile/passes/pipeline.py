@@ -21,7 +21,7 @@ from ..config import CompileConfig
 from ..ops.kernel_policy import KernelChoice, KernelPolicy
 from ..ops.tiling import FIA, PA
 from . import dump
-from .find_attention import AttentionArgs, adapt_attention
+from .find_attention import AttentionArgs, adapt_attention, attention_nodes
 from .fx_utils import clone_graph_module, example_value
 from .hoist_metadata import Prologue, hoist_metadata
 from .kernel_call import KernelCall, kernel_calls
@@ -164,7 +164,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
             "length up to it); pass options={'max_model_len': N}"
         )
     prologue = hoist_metadata(gm, provider)
-    attention = adapt_attention(gm)
+    attention = attention_nodes(gm)
     mutations = analyse_mutations(gm)
     signature = assign_roles(gm, attention, mutations)
     write_back = build_write_back(gm, signature, mutations)
@@ -182,16 +182,17 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     buckets = _buckets(signature, config)
     choices = bucket_choices(attention_shapes(gm), buckets, target.kernel_policy(config, dtype))
     variants: dict[str, Variant] = {}
+    variant_of: dict[GraphKey, str] = {}
     for key, chosen in choices.items():
         kernels = tuple(c.kernel for c in chosen)
-        name = _variant_name(kernels)
+        name = variant_of[key] = _variant_name(kernels)
         if name not in variants:
             variant_gm = clone_graph_module(gm)
             select_kernels(variant_gm, kernels)
             variants[name] = Variant(name, kernels, variant_gm, [])
         variants[name].keys.append(key)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
-    plan = plan_workspaces(((k, sites[_variant_name(tuple(c.kernel for c in ch))]) for k, ch in choices.items()),
+    plan = plan_workspaces(((key, sites[variant_of[key]]) for key in choices),
                            config.max_model_len, config.workspace_seq_len, config.share_workspace,
                            target.workspace_need(config, dtype))
     for warning in plan.warnings():

@@ -18,10 +18,6 @@ from torch import fx
 
 from .fx_utils import example_value, placeholders
 
-#: fx.Node.meta key of a provided placeholder's `ProvidedInput`.
-PROVIDED_META_KEY = "ascend_provided"
-
-
 @dataclasses.dataclass(frozen=True)
 class ProvidedInput:
     """One graph input a provider supplies: the placeholder's name and the provider field it reads."""
@@ -79,5 +75,4 @@ def add_provided_input(gm: fx.GraphModule, provided: ProvidedInput, fake: torch.
     with graph.inserting_after(placeholders(gm)[-1]):
         node = graph.placeholder(provided.name)
     node.meta["example_value"] = fake
-    node.meta[PROVIDED_META_KEY] = provided
     return node

@@ -15,7 +15,6 @@ import torch
 from torch import fx
 
 from ..ops import tiling
-from .fx_utils import is_op
 from .kernel_call import kernel_calls
 
 #: fx.Node.meta key of a workspace node: the slot serving each graph key the node's graph serves.
@@ -192,7 +191,3 @@ def insert_workspaces(gm: fx.GraphModule, keys: Sequence[GraphKey], plan: Worksp
     graph.lint()
     return workspace
 
-
-def workspace_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The planned workspace nodes of `gm` (`insert_workspaces`)."""
-    return [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace) and WORKSPACE_META_KEY in n.meta]
