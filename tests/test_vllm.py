@@ -128,7 +128,16 @@ def test_binder_leaves_other_graphs_and_refuses_unknown_cache_layouts():
         integration._split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
 
 
+def test_an_unsupported_vllm_release_is_refused(monkeypatch):
+    monkeypatch.setattr(integration, "installed_version", lambda: "0.30.1")
+    with pytest.raises(RuntimeError, match=r"vllm 0.30.1: ascend_compile.integrations.vllm supports vLLM 0.23.x"):
+        integration.backend(max_model_len=64)
+    monkeypatch.setattr(integration, "installed_version", lambda: "0.23.0")
+    assert callable(integration.backend(max_model_len=64))
+
+
 def test_qualified_name_backend_takes_its_options_from_the_environment(monkeypatch):
+    monkeypatch.setattr(integration, "installed_version", lambda: "0.23.0")
     monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"max_model_len": 64, "no_such_option": 1}))
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     with pytest.raises(ValueError, match="unknown option\\(s\\) \\['no_such_option'\\]"):

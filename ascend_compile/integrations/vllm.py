@@ -47,6 +47,23 @@ def _vllm_op(name: str) -> Any:
         return None
 
 
+def installed_version() -> str:
+    """The installed vLLM release (read from its package metadata, without importing it)."""
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+def _check_version() -> None:
+    version = installed_version()
+    if not version.startswith(SUPPORTED):
+        raise RuntimeError(
+            f"vllm {version}: ascend_compile.integrations.vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED)} "
+            f"(it reads the forward context's attention metadata and KV caches, internals that change between "
+            f"releases); install a supported version"
+        )
+
+
 def _default_forward_context() -> Any:
     from vllm.forward_context import get_forward_context
 
@@ -310,11 +327,14 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
             get_forward_context: Callable[[], Any] | None = None, target: TargetFactory = default_target,
             **options: Any) -> Callable[..., Any]:
     """A dynamo backend for vLLM model graphs (see the module docstring); graphs without vLLM's
-    attention ops compile as with `ascend_compile.backend`."""
+    attention ops compile as with `ascend_compile.backend`. With vLLM's own forward context
+    (`get_forward_context` None) the installed vLLM must be a supported release."""
     if config is None:
         config = CompileConfig.from_options(options)
     elif options:
         raise ValueError("backend: pass either a CompileConfig or options, not both")
+    if get_forward_context is None:  # vLLM's own forward context: check the release it comes from
+        _check_version()
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         attention, _ = vllm_graph_nodes(gm)
