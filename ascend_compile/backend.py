@@ -13,6 +13,7 @@ from torch import fx
 
 from .compile_once import retrace_general
 from .config import CompileConfig
+from .gc_pause import gc_paused
 from .lowering.runner import CompiledArtifact
 from .passes.find_attention import AttentionArgs, has_attention
 from .passes.fx_utils import example_value
@@ -46,11 +47,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         retrace_general(gm)  # may raise dynamo's restart: the frame is traced again, general
     device_target = target(_device_of(gm), config)
     device_target.check(config)
-    rewritten = rewrite_buckets(gm, config, device_target, bind)
-    if rewritten is None:
-        log.info("ascend_compile: graph has no attention: running it as traced")
-        return gm.forward
-    return CompiledArtifact(rewritten, device_target, config)
+    with gc_paused():
+        rewritten = rewrite_buckets(gm, config, device_target, bind)
+        if rewritten is None:
+            log.info("ascend_compile: graph has no attention: running it as traced")
+            return gm.forward
+        return CompiledArtifact(rewritten, device_target, config)
 
 
 def ascend_graph(

@@ -330,7 +330,7 @@ def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys)
     rewritten = pipeline.rewrite_buckets(clone_graph_module(llama_graph), cfg, Target(SimRuntime()))
     from ascend_compile.passes import dump
 
-    dump.dump_plan(rewritten.graph_dir, rewritten.describe())
+    dump.dump_plan(rewritten.graph_dir, rewritten.describe)
     graph_dir = tmp_path / os.path.basename(rewritten.graph_dir)
     files = sorted(p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*.py"))
     assert "original/dynamo.py" in files

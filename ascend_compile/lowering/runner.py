@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from ..config import CompileConfig
+from ..gc_pause import gc_paused
 from ..passes import dump
 from ..passes.kernel_call import HostSource, host_sources, kernel_calls
 from ..passes.pipeline import RewrittenGraphs
@@ -101,8 +102,9 @@ class GraphEntry:
         plan = capture_plan(self.sources, self.staging.geometry, seq_len)
         graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
-        self.graph, self.outputs, self.table = capture_mod.capture_graph(
-            self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
+        with gc_paused():
+            self.graph, self.outputs, self.table = capture_mod.capture_graph(
+                self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
         for i, contents in saved.items():
             step_args[i].copy_(contents)
         # Only one graph replays at a time and its outputs are read (cloned) right after: they need
@@ -348,4 +350,4 @@ class CompiledArtifact:
         return plan
 
     def write_plan(self) -> None:
-        dump.dump_plan(self.rewritten.graph_dir, self.describe())
+        dump.dump_plan(self.rewritten.graph_dir, self.describe)

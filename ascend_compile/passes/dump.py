@@ -11,7 +11,7 @@ import itertools
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import fx
@@ -35,8 +35,12 @@ def new_graph_dir(dump_dir: str) -> str:
 
 
 def _tracing() -> bool:
-    """Whether torch's structured trace goes to a file (`TORCH_TRACE`): only then are payloads built."""
-    return getattr(torch._logging._internal, "LOG_TRACE_HANDLER", True) is not None
+    """Whether torch's structured trace goes to a file (`TORCH_TRACE`): only then are payloads built.
+
+    Torch always installs its lazy trace handler; it has a directory only under `TORCH_TRACE`.
+    """
+    handler = getattr(torch._logging._internal, "LOG_TRACE_HANDLER", None)
+    return handler is not None and getattr(handler, "root_dir", None) is not None
 
 
 def _trace(name: str, payload: Any, encoding: str) -> None:
@@ -60,8 +64,13 @@ def dump_graph(gm: fx.GraphModule, graph_dir: str | None, key: str, stage: str) 
     return path
 
 
-def dump_plan(graph_dir: str | None, plan: dict[str, Any]) -> str | None:
-    """Write (or rewrite) the graph's plan.json (with a directory) and trace it."""
+def dump_plan(graph_dir: str | None, plan_fn: Callable[[], dict[str, Any]]) -> str | None:
+    """Write (or rewrite) the graph's plan.json (with a directory) and trace it; `plan_fn` builds
+    the plan, and is called only when it goes somewhere (a plan describes every graph key, and is
+    rewritten after each capture)."""
+    if graph_dir is None and not _tracing():
+        return None
+    plan = plan_fn()
     _trace("ascend_compile_plan", lambda: json.dumps(plan, default=str), "json")
     if graph_dir is None:
         return None

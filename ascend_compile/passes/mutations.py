@@ -109,13 +109,33 @@ class _RecordAccesses(TorchDispatchMode):
 
 
 class _NodeTracker(fx.Interpreter):
+    """Runs the nodes that may touch an input's storage; the others keep dynamo's fake value.
+
+    A node none of whose tensor arguments shares storage with an input can neither read nor write
+    an input through its arguments, and its own value (a fresh tensor, or a view of one) is not an
+    input's storage either: running it would record nothing. Most of a model's nodes are such (the
+    activations), so skipping them keeps the analysis a fraction of a trace.
+    """
+
     def __init__(self, gm: fx.GraphModule, recorder: _RecordAccesses) -> None:
         super().__init__(gm)
         self.recorder = recorder
 
     def run_node(self, n: fx.Node) -> Any:
+        if n.op in ("call_function", "call_method", "call_module") and not self._touches_input(n):
+            value = example_value(n)
+            if value is not None:
+                return value
         self.recorder.node = n.name
         return super().run_node(n)
+
+    def _touches_input(self, n: fx.Node) -> bool:
+        storages = self.recorder.storages
+        for arg in n.all_input_nodes:
+            for leaf in tree_flatten(self.env.get(arg))[0]:
+                if isinstance(leaf, torch.Tensor) and StorageWeakRef(leaf.untyped_storage()) in storages:
+                    return True
+        return False
 
 
 def _storage(value: Any) -> StorageWeakRef | None:

@@ -85,9 +85,10 @@ class RewrittenGraphs:
         provider = self.prologue.provider
         provided = {i.name: i.source for i in provider.inputs} if provider is not None else {}
         graphs = {}
+        calls_of = {name: [c.node for c in kernel_calls(v.gm)] for name, v in self.variants.items()}
         for key, choices in self.choices.items():
             variant = self.variant_for(key)
-            calls = [c.node for c in kernel_calls(variant.gm)]
+            calls = calls_of[variant.name]
             graphs[str(key)] = {
                 "bucket": key.bucket,
                 "decode": key.decode,
