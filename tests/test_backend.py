@@ -148,6 +148,81 @@ def test_moved_kv_cache_is_recaptured_not_read_stale():
     assert artifacts[-1].stats["recaptures"] == 1
 
 
+def test_moved_parameter_is_recaptured_not_read_stale():
+    """`p.data = t` keeps the Parameter object and moves its memory: the graph must not replay with
+    the old address (dynamo's guards pass: same shape, dtype and device)."""
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for size in (3, 6):  # the second step's graph is dynamo's dynamic one
+            inputs = random_step(rng, batch, size)
+            fn(**inputs)
+            reference(**inputs)
+        fresh = torch.randn_like(model.layers[0].down.weight)
+        model.layers[0].down.weight.data = fresh.clone()
+        reference.layers[0].down.weight.data = fresh.clone()
+        inputs = random_step(rng, batch, 7)  # bucket 8, captured before the move
+        torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert artifacts[-1].stats["recaptures"] == 1
+
+
+def test_frozen_parameters_checks_kv_caches_and_buffers_but_not_parameters():
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), frozen_parameters=True)
+    batch = PagedBatch(cfg)
+    rng = random.Random(0)
+    with torch.no_grad():
+        for size in (3, 6):  # the second step's graph is dynamo's dynamic one
+            inputs = random_step(rng, batch, size)
+            fn(**inputs)
+            reference(**inputs)
+        art = artifacts[-1]
+        checked = {art.names[i] for i in art.checked}
+        parameters = {s.name for s in art.signature.inputs if s.parameter}
+        assert len(parameters) == len(list(model.parameters()))
+        assert not checked & parameters
+        assert {n for n in checked if "cache" in n} == {f"l_self_modules_layers_modules_{i}_modules_attn_buffers_{kv}_cache_"
+                                                      for i in range(2) for kv in ("key", "value")}
+        fresh = torch.randn_like(model.layers[1].attn.value_cache)
+        model.layers[1].attn.value_cache = fresh.clone()
+        reference.layers[1].attn.value_cache = fresh.clone()
+        inputs = random_step(rng, batch, 7)
+        torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert art.stats["recaptures"] == 1
+
+
+def test_steps_of_alternating_shapes_in_one_graph_match_eager():
+    """Each step shape stages through its own copy plan (kept per shape): shapes coming back after
+    others must find their own padding, not the last step's."""
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    model = build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(8,))
+    batch = PagedBatch(cfg)
+    steps = [([300, 20, 7], None), ([5], None), ([40, 41, 42, 43, 44, 45], None), ([300, 20, 7], None),
+             ([9, 100], [3, 2]), ([5], None), ([60, 61, 62], [1, 2, 3])]
+    with torch.no_grad():
+        for lens, qlens in steps:
+            inputs = batch.step(lens, qlens)
+            expected = model(**{k: v.clone() for k, v in inputs.items()})
+            torch.testing.assert_close(fn(**inputs), expected, atol=2e-5, rtol=1e-4)
+    assert sum(a.stats["replays"] for a in artifacts) == len(steps)
+
+
+def test_block_table_wider_than_max_model_len_is_a_clear_error():
+    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    fn, _ = compiled_model(build(cfg), max_model_len=64, capture_sizes=(4,))
+    with torch.no_grad():
+        fn(**PagedBatch(cfg).step([10, 20, 30]))
+        wide = PagedBatch(cfg, table_width=64 // cfg.block_size + 3).step([10, 20, 30])
+        with pytest.raises(ValueError, match=r"l_block_table_: shape \(3, 7\) does not fit the graph's padded shape "
+                                             r"\(\d+, 4\) \(block_table is wider than max_model_len / block_size\)"):
+            fn(**wide)
+
+
 def test_clone_outputs_false_returns_views_the_next_step_overwrites():
     cfg = LlamaConfig(num_layers=1, num_blocks=1024)
     fn, _ = compiled_model(build(cfg), max_model_len=MAX_LEN, capture_sizes=(8,), clone_outputs=False)

@@ -305,6 +305,7 @@ def test_unknown_option_lists_the_valid_ones():
         ({"runtime": "tpu"}, "runtime: expected one of"),
         ({"max_model_len": 100, "workspace_seq_len": 200}, "workspace_seq_len: expected at most max_model_len"),
         ({"clone_outputs": "yes"}, "clone_outputs: expected True or False"),
+        ({"frozen_parameters": 1}, "frozen_parameters: expected True or False"),
     ],
 )
 def test_bad_option_values(options, message):

@@ -93,8 +93,8 @@ MUTANTS = (
         "    i = bisect.bisect_left(buckets, tokens)\n", "    i = bisect.bisect_right(buckets, tokens)\n", (BUCKETS,),
     ),
     Mutant(
-        "missing address check", "ascend_compile/lowering/runner.py",
-        "            moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]\n",
+        "missing address check", "ascend_compile/lowering/input_checks.py",
+        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n",
         "            moved = []\n",
         ("tests/test_backend.py::test_moved_kv_cache_is_recaptured_not_read_stale",),
     ),

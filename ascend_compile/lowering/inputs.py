@@ -17,7 +17,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -83,8 +84,14 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     for spec in signature.by_role(Role.QUERY_START_LOC):
         loc = args[spec.index].tolist()
         starts[spec.name] = loc
-        decode = decode and all(b - a == 1 for a, b in zip(loc, loc[1:]))
+        decode = decode and loc == _decode_start_loc(len(loc))
     return Step(args, symbols, tokens, decode, seq_lens, starts)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_start_loc(length: int) -> list[int]:
+    """`query_start_loc` of a decode step (one token per sequence), compared at C speed; not to be mutated."""
+    return list(range(length))
 
 
 def _check_on_device(signature: GraphSignature, args: Sequence[Any], max_model_len: int) -> None:
@@ -189,26 +196,41 @@ def padded_shape(spec: InputSpec, padded: dict) -> tuple[int, ...]:
     return tuple(evaluate(d, padded) for d in spec.shape)
 
 
-def copy_padded(spec: InputSpec, value: torch.Tensor, dest: torch.Tensor, step: Step, padded_tokens: int) -> None:
-    """Copy one input into its padded static buffer, writing the padding by the input's role."""
+#: One copy staging a step: (destination view in a static buffer, source), the source being the
+#: step's input itself (None) or padding (a constant tensor expanded to the region).
+StagingCopy = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def padded_copies(spec: InputSpec, shape: Sequence[int], dest: torch.Tensor, tokens: int,
+                  padded_tokens: int) -> list[StagingCopy]:
+    """The copies that put an input of `shape` (a step of `tokens` tokens) into its padded static
+    buffer `dest`: the input into the leading region, the padding by the input's role into the rest."""
     if spec.role is Role.QUERY_START_LOC:
-        count = value.shape[0]
-        dest[:count].copy_(value, non_blocking=True)
+        count = shape[0]
+        copies: list[StagingCopy] = [(dest[:count], None)]
         if count < dest.shape[0]:
-            dest[count:].copy_(_start_loc_tail(count, step.tokens, padded_tokens, dest.shape[0] - 1, dest.dtype,
-                                               dest.device), non_blocking=True)
-        return
-    if value.shape == dest.shape:  # nothing to pad
-        dest.copy_(value, non_blocking=True)
-        return
-    if any(a > p for a, p in zip(value.shape, dest.shape)):
+            copies.append((dest[count:], _start_loc_tail(count, tokens, padded_tokens, dest.shape[0] - 1,
+                                                         dest.dtype, dest.device)))
+        return copies
+    if tuple(shape) == tuple(dest.shape):  # nothing to pad
+        return [(dest, None)]
+    if any(a > p for a, p in zip(shape, dest.shape)):
         raise ValueError(
-            f"{spec.name}: shape {tuple(value.shape)} does not fit the graph's padded shape {tuple(dest.shape)}"
+            f"{spec.name}: shape {tuple(shape)} does not fit the graph's padded shape {tuple(dest.shape)}"
             + (" (block_table is wider than max_model_len / block_size)" if spec.role is Role.BLOCK_TABLE else "")
         )
-    dest[tuple(slice(0, n) for n in value.shape)].copy_(value, non_blocking=True)
-    pad = PAD_VALUE.get(spec.role, 0)
-    for dim, (actual, full) in enumerate(zip(value.shape, dest.shape)):
+    copies = [(dest[tuple(slice(0, n) for n in shape)], None)]
+    pad = torch.full((), PAD_VALUE.get(spec.role, 0), dtype=dest.dtype, device=dest.device)
+    for dim, (actual, full) in enumerate(zip(shape, dest.shape)):
         if actual < full:
-            region = tuple(slice(0, value.shape[d]) for d in range(dim)) + (slice(actual, None),)
-            dest[region].fill_(pad)
+            region = dest[tuple(slice(0, shape[d]) for d in range(dim)) + (slice(actual, None),)]
+            copies.append((region, pad.expand(region.shape)))
+    return copies
+
+
+def gather(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A function picking `indices` out of a step's arguments as a tuple, at C speed."""
+    if len(indices) == 1:
+        (index,) = indices
+        return lambda args: (args[index],)
+    return operator.itemgetter(*indices) if indices else (lambda args: ())

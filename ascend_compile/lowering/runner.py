@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import operator
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -33,6 +32,7 @@ from ..ops.tiling import PA
 from . import capture as capture_mod
 from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
     read_step
+from .input_checks import CapturedInputs
 from .staging import Staging
 
 log = logging.getLogger("ascend_compile")
@@ -49,14 +49,6 @@ def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool) -> t
             out = view.clone() if clone else view
         result.append(out)
     return tuple(result)
-
-
-def _gather(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
-    """A function picking `indices` out of a step's arguments as a tuple, at C speed."""
-    if len(indices) == 1:
-        (index,) = indices
-        return lambda args: (args[index],)
-    return operator.itemgetter(*indices) if indices else (lambda args: ())
 
 
 def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
@@ -78,9 +70,7 @@ class GraphEntry:
         self.outputs = None
         self.table = capture_mod.UpdateTable()
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
-        self.addresses: dict[int, int] = {}
-        self._checked: tuple = ()
-        self.scalars: dict[int, Any] = {}
+        self.captured_inputs: CapturedInputs | None = None
         self.capture_seconds = 0.0
 
     @property
@@ -93,10 +83,11 @@ class GraphEntry:
 
     def capture(self, runtime: GraphRuntime, step_args: Sequence[Any], workspaces: capture_mod.WorkspaceFor,
                 seq_len: int | None, restore: Sequence[int], updates: capture_mod.UpdateSchedule,
-                lifetime: capture_mod.WorkspaceLifetime) -> None:
+                lifetime: capture_mod.WorkspaceLifetime, checked: Sequence[int]) -> None:
         """Capture with an all-padding step in the buffers (nothing depends on capture-time values),
         its kernels given KV lengths `seq_len` (None: padding lengths). Inputs in `restore`, which
-        the graph writes in place by plain ops, get their contents back after the capture's run."""
+        the graph writes in place by plain ops, get their contents back after the capture's run;
+        the in-place inputs in `checked` must keep their addresses for the graph to serve a step."""
         start = time.perf_counter()
         self.staging.fill_padding()
         plan = capture_plan(self.sources, self.staging.geometry, seq_len)
@@ -111,29 +102,14 @@ class GraphEntry:
         # not pin their memory, which later captures of other buckets may then reuse from the pool.
         self.outputs = [runtime.weak_alias(o) if isinstance(o, torch.Tensor) else o for o in self.outputs]
         self.locate_writes(graph_args)
-        signature = self.staging.signature
-        self.addresses = {spec.index: step_args[spec.index].data_ptr() for spec in signature.inputs
-                          if spec.role in IN_PLACE_ROLES and isinstance(step_args[spec.index], torch.Tensor)}
-        self.scalars = {spec.index: step_args[spec.index].item() for spec in signature.by_role(Role.SCALAR)}
-        # what the per-step check compares, gathered and read at C speed
-        self._checked = (_gather(list(self.addresses)), list(self.addresses.values()),
-                         _gather(list(self.scalars)), list(self.scalars.values()))
+        scalars = [spec.index for spec in self.staging.signature.by_role(Role.SCALAR)]
+        self.captured_inputs = CapturedInputs(step_args, checked, scalars)
         self.capture_seconds = time.perf_counter() - start
 
     def locate_writes(self, graph_args: Sequence[Any]) -> None:
         clashes = self.staging.locate_writes(graph_args)
         if clashes:
             self.eager_reason = f"{self.name}: inputs {clashes} are written twice at overlapping places in the padded graph"
-
-    def moved_inputs(self, step_args: Sequence[Any], names: dict[int, str]) -> list[str]:
-        """In-place inputs at another address, and host scalars of another value, than at capture."""
-        in_place, ptrs, scalar_args, values = self._checked
-        moved = []
-        if list(map(torch.Tensor.data_ptr, in_place(step_args))) != ptrs:
-            moved = [names[i] for i, ptr in self.addresses.items() if step_args[i].data_ptr() != ptr]
-        if list(map(torch.Tensor.item, scalar_args(step_args))) != values:
-            moved += [names[i] for i, v in self.scalars.items() if step_args[i].item() != v]
-        return moved
 
     def replay(self, runtime: GraphRuntime, plan: StepPlan, updates: capture_mod.UpdateSchedule,
                seconds: collections.Counter) -> int:
@@ -184,6 +160,9 @@ class CompiledArtifact:
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
         self.restore = sorted({w.input for w in rewritten.mutations.unsafe()} - self.copied)
+        #: the in-place inputs whose addresses a captured graph holds, checked every step
+        self.checked = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
+                        and not (config.frozen_parameters and spec.parameter)]
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
                            for slot in rewritten.plan.slots.values()}
         self.write_plan()
@@ -262,7 +241,7 @@ class CompiledArtifact:
                 entry.locate_writes(entry.staging.graph_args(args))
             return entry
         if entry.graph is not None:
-            moved = entry.moved_inputs(args, self.names)
+            moved = entry.captured_inputs.changed(args, self.names)
             if moved:
                 log.warning("ascend_compile: inputs %s moved since %s was captured: re-capturing", moved, key)
                 self.stats["recaptures"] += 1
@@ -278,7 +257,7 @@ class CompiledArtifact:
     def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
         target = self.target
         entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry), self.restore,
-                      target.updates, target.workspaces)
+                      target.updates, target.workspaces, self.checked)
         self.stats["captures"] += 1
         log.info("ascend_compile: captured %s in %.3f s (%d update entries)", entry.name, entry.capture_seconds,
                  len(entry.table.entries))

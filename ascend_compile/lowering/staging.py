@@ -8,7 +8,8 @@ are passed through.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -16,7 +17,21 @@ from torch import fx
 from ..passes.roles import PAD_VALUE, GraphSignature, Role, SymbolKind, evaluate
 from ..passes.write_back import WriteBack, copy_written, overlapping_writes
 from ..runtime.base import Runtime
-from .inputs import Geometry, Step, copy_padded, padded_shape, padded_start_loc
+from .inputs import Geometry, Step, StagingCopy, gather, padded_copies, padded_shape, padded_start_loc
+
+
+#: Step shapes whose copy plans a graph keeps (a serving loop sees one per batch size and block-table width).
+MAX_COPY_PLANS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _CopyPlan:
+    """The copies staging one step shape: destinations (the inputs' regions, then the padding
+    regions), the step's inputs they take, and the padding tensors."""
+
+    dests: list[torch.Tensor]
+    inputs: Callable[[Sequence[Any]], tuple]
+    padding: list[torch.Tensor]
 
 
 class Staging:
@@ -40,6 +55,7 @@ class Staging:
                 self.padded[sym] = source.read(self.buffers[source.index])
         self._symint = {spec.index: evaluate(spec.expr, self.padded) for spec in signature.by_role(Role.SYMINT)}
         self.written_views: list[torch.Tensor] = []
+        self._copy_plans: dict[tuple, _CopyPlan] = {}
 
     def graph_args(self, step_args: Sequence[Any]) -> list[Any]:
         """Arguments of the graph: static buffers, padded sizes, and in-place inputs as given."""
@@ -57,9 +73,29 @@ class Staging:
                 buf.fill_(PAD_VALUE.get(spec.role, 0))
 
     def copy_in(self, step: Step) -> None:
-        """The step's inputs into the static buffers, padded by role."""
+        """The step's inputs into the static buffers, padded by role: one batched copy, planned once
+        per step shape."""
+        key = tuple(step.symbols.values())
+        plan = self._copy_plans.get(key)
+        if plan is None:
+            plan = self._plan_copies(step)
+            if len(self._copy_plans) >= MAX_COPY_PLANS:
+                self._copy_plans.clear()
+            self._copy_plans[key] = plan
+        torch._foreach_copy_(plan.dests, [*plan.inputs(step.args), *plan.padding], non_blocking=True)
+
+    def _plan_copies(self, step: Step) -> _CopyPlan:
+        copies: list[StagingCopy] = []
+        indices: list[int] = []
         for spec in self.copied:
-            copy_padded(spec, step.args[spec.index], self.buffers[spec.index], step, self.geometry.tokens)
+            for dest, source in padded_copies(spec, step.args[spec.index].shape, self.buffers[spec.index], step.tokens,
+                                              self.geometry.tokens):
+                copies.append((dest, source))
+                if source is None:
+                    indices.append(spec.index)
+        inputs = [dest for dest, source in copies if source is None]
+        padding = [(dest, source) for dest, source in copies if source is not None]
+        return _CopyPlan(inputs + [dest for dest, _ in padding], gather(indices), [source for _, source in padding])
 
     def locate_writes(self, graph_args: Sequence[Any]) -> list[str]:
         """Find where the graph writes its copied inputs in the static buffers (fixed for the graph's

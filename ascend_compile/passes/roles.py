@@ -93,6 +93,7 @@ class InputSpec:
     mutated: bool = False  # the graph writes into it
     strides: tuple[Any, ...] | None = None
     offset: Any = 0
+    parameter: bool = False  # an nn.Parameter of the model (its address is fixed under `frozen_parameters`)
 
     @property
     def dynamic(self) -> bool:
@@ -227,7 +228,8 @@ def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node], facts: Mutati
         node.meta["ascend_role"] = role.value
         strides = tuple(size_expr(s) for s in value.stride()) if isinstance(value, torch.Tensor) else None
         offset = size_expr(value.storage_offset()) if isinstance(value, torch.Tensor) else 0
-        inputs.append(InputSpec(index, node.name, role, shape, expr, index in written, strides, offset))
+        inputs.append(InputSpec(index, node.name, role, shape, expr, index in written, strides, offset,
+                                isinstance(value, torch.nn.Parameter)))
 
     first = AttentionArgs.of(attention[0])
     tokens = shape_exprs(example_value(first.query))[0]
