@@ -75,7 +75,7 @@ MUTANTS = (
     ),
     Mutant(
         "stale padding", "ascend_compile/lowering/inputs.py",
-        "            dest[region].fill_(pad)\n", "            continue\n", (PADDING,),
+        "            copies.append((region, pad.expand(region.shape)))\n", "            pass\n", (PADDING,),
     ),
     Mutant(
         "weak workspace", "ascend_compile/lowering/capture.py",
