@@ -6,6 +6,7 @@ after every step; the property test draws the step functions themselves.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import random
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import ascend_compile
 from ascend_compile import backend
 from ascend_compile.config import CompileConfig
 from examples.llama import LlamaConfig, PagedBatch
@@ -334,14 +336,29 @@ def _body(dest_i: int, write: str, ret: str) -> str:
     ret=st.sampled_from(RETURNS),
     layouts=st.tuples(st.sampled_from(["flat", "row", "col", "bulk"]), st.sampled_from(["flat", "row", "bulk"])),
     sizes=st.lists(st.integers(1, 10), min_size=2, max_size=4),
-    dynamic=st.sampled_from([None, True]),
+    dynamic=st.sampled_from([None, True, "general"]),
     runtime=st.sampled_from(["sim", "eager"]),
     seed=st.integers(0, 3),
 )
 def test_random_step_functions_write_callers_buffers_exactly(dest_i, write, ret, layouts, sizes, dynamic, runtime, seed):
+    """`dynamic`: dynamo's default, `dynamic=True`, or the general trace of `ascend_compile.compile`."""
     shape, dtype, _, _ = DESTINATIONS[dest_i]
-    run_both(_body(dest_i, write, ret), lambda size: torch.full(shape, -7, dtype=dtype), sizes, dynamic=dynamic,
-             ids_layout=layouts[0], positions_layout=layouts[1], runtime=runtime, seed=seed)
+    general = dynamic == "general"
+    with ascend_compile.trace_settings() if general else contextlib.nullcontext():
+        run_both(_body(dest_i, write, ret), lambda size: torch.full(shape, -7, dtype=dtype), sizes,
+                 dynamic=None if general else dynamic, ids_layout=layouts[0], positions_layout=layouts[1],
+                 runtime=runtime, seed=seed)
+
+
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_writes_into_a_tail_slice_under_the_general_trace(write):
+    """Under `ascend_compile.trace_settings` a slice `buf[0, BUF - n:]` has a data-dependent size
+    (size-oblivious reasoning cannot clamp it): the graph returns that view, an output of the
+    caller's buffer, whose size is no symbol of the inputs."""
+    with ascend_compile.trace_settings():
+        artifacts = run_both(_body(2, write, "return logits, tokens"), int_buffer((1, BUF)), [3, 5, 1, 7])
+    assert sum(a.stats["replays"] for a in artifacts) >= 3
+
 
 
 # --- metadata the model computes from the runtime's own inputs ---------------------------------------------

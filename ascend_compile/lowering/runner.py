@@ -38,10 +38,15 @@ from .staging import Staging
 log = logging.getLogger("ascend_compile")
 
 
-def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool) -> tuple:
+def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool, aliased: dict[int, torch.Tensor]) -> tuple:
+    """The step's outputs: the graph's cut to the step's sizes (cloned unless not asked), and the
+    outputs that are views of the caller's own tensors as those views (`aliased`; their size may
+    be none of the inputs' symbols, e.g. a slice whose length the trace could not decide)."""
     result = []
-    for out, shape in zip(outputs, shapes):
-        if isinstance(out, torch.Tensor) and shape is not None:
+    for position, (out, shape) in enumerate(zip(outputs, shapes)):
+        if position in aliased:
+            out = aliased[position]
+        elif isinstance(out, torch.Tensor) and shape is not None:
             view = out
             for dim, n in enumerate(evaluate(d, symbols) for d in shape):
                 if view.shape[dim] != n:
@@ -204,9 +209,7 @@ class CompiledArtifact:
             outputs, clone = entry.outputs, self.config.clone_outputs
         else:
             outputs, clone = entry.run_eager(plan, self.workspaces_for(key)), False
-        aliased = entry.staging.copy_back(step)
-        result = _unpad(outputs, self.signature.outputs, step.symbols, clone=clone)
-        return tuple(aliased.get(i, out) for i, out in enumerate(result))
+        return _unpad(outputs, self.signature.outputs, step.symbols, clone, entry.staging.copy_back(step))
 
     def specialize(self, key: GraphKey) -> fx.GraphModule:
         """`key`'s graph: its variant, specialised by the target for the bucket (once per key)."""
