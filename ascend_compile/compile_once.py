@@ -39,9 +39,10 @@ gets a second graph for that size; `TORCH_LOGS=recompiles` names the line.
 
 Without duck shaping, two inputs that carry the same step size (ids `[T]`, positions `[T, 1]`) keep
 distinct symbols unless the model's code equates them (a reshape, a matmul); a broadcast only adds
-`Or(s == 1, s == t)`, and the backend then pads one and specialises the other (a capture error in
-tests/test_runtime_graphs.py::test_token_dims_in_any_position with these settings). Not the case for
-examples/llama.py.
+`Or(s == 1, s == t)`, and the backend then pads one and specialises the other: the capture fails with
+a `CaptureError` that names the sizes kept and points to `step_dims`
+(tests/test_runtime_graphs.py::test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error).
+Not the case for examples/llama.py.
 
 Guards are kept: with every step size symbolic no guard fails on a step shape, so dropping them
 (vLLM's `guard_filter_fn`) gains only their evaluation time, and is wrong where a size is still

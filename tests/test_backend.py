@@ -169,10 +169,11 @@ def test_moved_parameter_is_recaptured_not_read_stale():
     assert artifacts[-1].stats["recaptures"] == 1
 
 
-def test_frozen_parameters_checks_kv_caches_and_buffers_but_not_parameters():
+def test_frozen_parameters_checks_kv_caches_and_buffers_but_not_parameters(tmp_path):
     cfg = LlamaConfig(num_layers=2, num_blocks=1024)
     model, reference = build(cfg), build(cfg)
-    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), frozen_parameters=True)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), frozen_parameters=True,
+                                   dump_dir=str(tmp_path))
     batch = PagedBatch(cfg)
     rng = random.Random(0)
     with torch.no_grad():
@@ -193,6 +194,9 @@ def test_frozen_parameters_checks_kv_caches_and_buffers_but_not_parameters():
         inputs = random_step(rng, batch, 7)
         torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
     assert art.stats["recaptures"] == 1
+    plan = json.loads(open(f"{art.rewritten.graph_dir}/plan.json").read())
+    shown = {i["name"]: i["address_checked"] for i in plan["inputs"] if "address_checked" in i}
+    assert shown == {name: name not in parameters for name in shown} and set(shown) >= checked | parameters
 
 
 def test_steps_of_alternating_shapes_in_one_graph_match_eager():

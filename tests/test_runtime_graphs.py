@@ -23,6 +23,7 @@ from torch import nn
 import ascend_compile
 from ascend_compile import backend
 from ascend_compile.config import CompileConfig
+from ascend_compile.errors import CaptureError
 from examples.llama import LlamaConfig, PagedBatch
 
 CFG = LlamaConfig(vocab_size=16, num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=256)
@@ -164,6 +165,16 @@ def test_token_dims_in_any_position():
         artifacts = run_both("buf[0, :n] = tokens\nreturn logits", int_buffer((1, BUF)), SIZES[:6],
                              ids_layout=ids_layout, positions_layout=positions_layout)
         assert sum(a.stats["replays"] for a in artifacts) >= 3, (ids_layout, positions_layout)
+
+
+def test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error():
+    """Ids `[T]` and positions `[T, 1]` with every size symbolic: the trace gives the positions their
+    own sizes (the model's broadcast never equates them with T), so padding the step cannot work;
+    the capture says which sizes and how to name the step dims, instead of a bare shape error."""
+    with ascend_compile.trace_settings():
+        with pytest.raises(CaptureError, match=r"capturing b4\.decode\[.*\] failed: the graph pads the step to 4 "
+                                               r"tokens and keeps the sizes .* as seen; .* step_dims"):
+            run_both("buf[0, :n] = tokens\nreturn logits", int_buffer((1, BUF)), SIZES[:6], positions_layout="col")
 
 
 def test_positions_as_a_moving_offset_view_of_a_persistent_buffer():

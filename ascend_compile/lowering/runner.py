@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from ..config import CompileConfig
+from ..errors import AscendCompileError, CaptureError
 from ..gc_pause import gc_paused
 from ..passes import dump
 from ..passes.kernel_call import HostSource, host_sources, kernel_calls
@@ -259,8 +260,19 @@ class CompiledArtifact:
 
     def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
         target = self.target
-        entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry), self.restore,
-                      target.updates, target.workspaces, self.checked)
+        try:
+            entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry),
+                          self.restore, target.updates, target.workspaces, self.checked)
+        except RuntimeError as err:
+            if isinstance(err, AscendCompileError) or not entry.specialization:
+                raise
+            kept = ", ".join(f"{s}={v}" for s, v in entry.specialization)
+            raise CaptureError(
+                f"capturing {entry.name} failed: the graph pads the step to {entry.key.bucket} tokens and keeps "
+                f"the sizes {kept} as seen; one of them may be a step size the model never equates with the "
+                f"token count (e.g. positions [T, 1] beside ids [T] when every size is symbolic): name the step "
+                f"dims (`ascend_compile.compile(model, options, step_dims=...)`). The capture's error: {err}"
+            ) from err
         self.stats["captures"] += 1
         log.info("ascend_compile: captured %s in %.3f s (%d update entries)", entry.name, entry.capture_seconds,
                  len(entry.table.entries))
@@ -317,6 +329,10 @@ class CompiledArtifact:
         plan = self.rewritten.describe()
         plan["runtime"] = self.runtime.describe()
         plan["config"] = {k: v for k, v in vars(self.config).items()}
+        checked = set(self.checked)
+        for spec in plan["inputs"]:
+            if spec["role"] in {r.value for r in IN_PLACE_ROLES}:
+                spec["address_checked"] = spec["index"] in checked  # each step (False: a frozen parameter)
         for key, gm in self.specialized.items():
             for kernel, call in zip(plan["graphs"][str(key)]["kernels"], kernel_calls(gm)):
                 kernel.update(call.meta.describe(), node=call.node.name)
