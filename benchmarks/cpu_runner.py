@@ -130,19 +130,20 @@ def runner_only_us(layers: int, batch_size: int, frozen_parameters: bool, rounds
     says (`ascend_compile.compile`: one general trace, floats specialised): the compiled artifact called
     directly (no dynamo guards) with the device's work stubbed out (replay, task updates and
     synchronize do nothing), so only reading, checking, planning, staging and unpadding remain.
-    `rounds` rounds of `calls` steps, the collector off (as `timeit` has it): the best round and the
+    The steps take turns among decode batches `batch_size` down to `batch_size - 7` (one bucket) with
+    vLLM's fixed block-table width. `rounds` rounds of `calls` steps, the collector off (as `timeit` has it): the best round and the
     median round."""
     cfg = LlamaConfig(num_layers=layers, num_blocks=4096)
     artifacts = []
     torch._dynamo.reset()
     config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=(8, 16), frozen_parameters=frozen_parameters)
     compiled = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append))
-    batch = PagedBatch(cfg, seed=0)
+    batch = PagedBatch(cfg, seed=0, table_width=MAX_LEN // cfg.block_size)  # vLLM's fixed block-table width
     rng = random.Random(0)
+    sizes = [n for n in range(batch_size, batch_size - 8, -1) if n > 0]  # steps of several sizes, one bucket
     seen = []
     with torch.no_grad():
-        for _ in range(2):
-            compiled(**batch.step([rng.randint(1, MAX_LEN) for _ in range(batch_size)]))
+        compiled(**batch.step([rng.randint(1, MAX_LEN) for _ in range(batch_size)]))
         art = artifacts[-1]
         for entry in art.graphs.values():
             entry.graph = _NoDeviceGraph() if entry.graph is not None else None
@@ -151,25 +152,25 @@ def runner_only_us(layers: int, batch_size: int, frozen_parameters: bool, rounds
         call = type(art).__call__
         type(art).__call__ = lambda self, *a: (seen.append(a), call(self, *a))[1]
         try:
-            compiled(**batch.step([rng.randint(1, MAX_LEN) for _ in range(batch_size)]))
+            for size in sizes:
+                compiled(**batch.step([rng.randint(1, MAX_LEN) for _ in range(size)]))
         finally:
             type(art).__call__ = call
-        args = seen[-1]
-        for _ in range(50):
-            art(*args)
+        for i in range(50):
+            art(*seen[i % len(seen)])
         times = []
         gc.collect()
         gc.disable()  # as timeit does: a collection walking the whole process heap is not the runner's work
         try:
             for _ in range(rounds):
                 start = time.perf_counter()
-                for _ in range(calls):
-                    art(*args)
+                for i in range(calls):
+                    art(*seen[i % len(seen)])
                 times.append((time.perf_counter() - start) / calls * 1e6)
         finally:
             gc.enable()
     return {"best_us": round(min(times), 1), "median_us": round(statistics.median(times), 1),
-            "checked_inputs": len(art.checked), "inputs": len(args)}
+            "checked_inputs": len(art.checked), "inputs": len(seen[0])}
 
 
 class _NoUpdates:
@@ -187,8 +188,8 @@ def main() -> None:
                         help="only the runner's own host work per step, the device's work stubbed out")
     args = parser.parse_args()
     if args.runner_only:
-        print(f"the runner's own host work per decode step (batch {args.batch}, device stubbed, artifact called "
-              f"directly): us per step, best / median of 15 rounds of 200 steps; 'checked' = in-place inputs whose "
+        print(f"the runner's own host work per decode step (batches {args.batch} to {args.batch - 7} in turn, device "
+              f"stubbed, artifact called directly): us per step, best / median of 15 rounds of 200 steps; 'checked' = in-place inputs whose "
               f"addresses are checked each step")
         print(f"{'layers':>6} {'inputs':>6} | {'every address checked':>24} {'checked':>7} | "
               f"{'frozen_parameters=True':>24} {'checked':>7}")

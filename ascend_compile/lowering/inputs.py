@@ -166,20 +166,29 @@ def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int
     return plan_step(step, sources, geometry)
 
 
-def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: int) -> list[int]:
+def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: int) -> tuple[int, ...]:
     """KV lengths of the last `count` (padding) sequences: each its query length, at least 1."""
     loc = next(iter(step.query_start_loc.values()), None)
     if loc is None:
-        return [1] * count
-    ends = padded_start_loc(loc, step.tokens, padded_tokens, padded_seqs)
-    return [max(1, b - a) for a, b in zip(ends[-count - 1:], ends[-count:])] if count else []
+        return (1,) * count
+    return _padding_query_lens(count, len(loc), loc[-1] if loc else 0, step.tokens, padded_tokens, padded_seqs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _padding_query_lens(count: int, length: int, last: int, tokens: int, padded_tokens: int,
+                        padded_seqs: int) -> tuple[int, ...]:
+    """The query lengths (at least 1) of the last `count` sequences once a `query_start_loc` of
+    `length` entries ending at `last` is padded: they depend on the sizes only, not on the step's
+    real lengths, so each step shape computes them once."""
+    ends = padded_start_loc([0] * (length - 1) + [last], tokens, padded_tokens, padded_seqs)
+    return tuple(max(1, b - a) for a, b in zip(ends[-count - 1:], ends[-count:])) if count else ()
 
 
 def host_value(step: Step, source: HostSource, geometry: Geometry) -> list[int]:
     """The padded host list a kernel argument takes in a graph of this geometry."""
     if source.conversion is Conversion.LIST:
         lens = step.seq_lens[source.source]
-        return lens + _padding_kv_lens(step, geometry.seqs - len(lens), geometry.tokens, geometry.seqs)
+        return [*lens, *_padding_kv_lens(step, geometry.seqs - len(lens), geometry.tokens, geometry.seqs)]
     return padded_start_loc(step.query_start_loc[source.source], step.tokens, geometry.tokens, geometry.seqs)[1:]
 
 

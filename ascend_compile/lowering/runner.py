@@ -34,27 +34,29 @@ from . import capture as capture_mod
 from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
     read_step
 from .input_checks import CapturedInputs
-from .staging import Staging
+from .staging import MAX_STEP_SHAPES, Staging
 
 log = logging.getLogger("ascend_compile")
 
 
-def _unpad(outputs: Any, shapes: Sequence[Any], symbols: dict, clone: bool, aliased: dict[int, torch.Tensor]) -> tuple:
-    """The step's outputs: the graph's cut to the step's sizes (cloned unless not asked), and the
-    outputs that are views of the caller's own tensors as those views (`aliased`; their size may
-    be none of the inputs' symbols, e.g. a slice whose length the trace could not decide)."""
+def _narrowed(outputs: Any, shapes: Sequence[Any], symbols: dict, skip: Sequence[int]) -> list:
+    """The graph's outputs cut to the step's sizes, but those at the positions in `skip`."""
     result = []
     for position, (out, shape) in enumerate(zip(outputs, shapes)):
-        if position in aliased:
-            out = aliased[position]
-        elif isinstance(out, torch.Tensor) and shape is not None:
-            view = out
+        if position not in skip and isinstance(out, torch.Tensor) and shape is not None:
             for dim, n in enumerate(evaluate(d, symbols) for d in shape):
-                if view.shape[dim] != n:
-                    view = view.narrow(dim, 0, n)
-            out = view.clone() if clone else view
+                if out.shape[dim] != n:
+                    out = out.narrow(dim, 0, n)
         result.append(out)
-    return tuple(result)
+    return result
+
+
+def _returned(narrowed: Sequence[Any], clone: bool, aliased: dict[int, torch.Tensor]) -> tuple:
+    """The step's outputs: the graph's, narrowed (cloned unless not asked), and the outputs that are
+    views of the caller's own tensors as those views (`aliased`; their size may be none of the
+    inputs' symbols, e.g. a slice whose length the trace could not decide)."""
+    return tuple(aliased[i] if i in aliased else out.clone() if clone and isinstance(out, torch.Tensor) else out
+                 for i, out in enumerate(narrowed))
 
 
 def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
@@ -77,6 +79,7 @@ class GraphEntry:
         self.table = capture_mod.UpdateTable()
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
         self.captured_inputs: CapturedInputs | None = None
+        self._output_views: dict[tuple, list] = {}
         self.capture_seconds = 0.0
 
     @property
@@ -107,10 +110,22 @@ class GraphEntry:
         # Only one graph replays at a time and its outputs are read (cloned) right after: they need
         # not pin their memory, which later captures of other buckets may then reuse from the pool.
         self.outputs = [runtime.weak_alias(o) if isinstance(o, torch.Tensor) else o for o in self.outputs]
+        self._output_views = {}
         self.locate_writes(graph_args)
         scalars = [spec.index for spec in self.staging.signature.by_role(Role.SCALAR)]
         self.captured_inputs = CapturedInputs(step_args, checked, scalars)
         self.capture_seconds = time.perf_counter() - start
+
+    def output_views(self, symbols: dict, skip: Sequence[int]) -> list:
+        """The captured outputs narrowed to a step's sizes (views of the static outputs, made once
+        per step shape)."""
+        key = tuple(symbols.values())
+        views = self._output_views.get(key)
+        if views is None:
+            if len(self._output_views) >= MAX_STEP_SHAPES:
+                self._output_views.clear()
+            views = self._output_views[key] = _narrowed(self.outputs, self.staging.signature.outputs, symbols, skip)
+        return views
 
     def locate_writes(self, graph_args: Sequence[Any]) -> None:
         clashes = self.staging.locate_writes(graph_args)
@@ -204,13 +219,15 @@ class CompiledArtifact:
         if entry.eager_reason:
             return self._fallback(caller_args, entry.eager_reason)
         plan = entry.plan(step)
+        skip = self.rewritten.write_back.outputs
         if isinstance(self.runtime, GraphRuntime):
             self.stats["updates"] += entry.replay(self.runtime, plan, self.target.updates, self.seconds)
             self.stats["replays"] += 1
-            outputs, clone = entry.outputs, self.config.clone_outputs
+            narrowed, clone = entry.output_views(step.symbols, skip), self.config.clone_outputs
         else:
-            outputs, clone = entry.run_eager(plan, self.workspaces_for(key)), False
-        return _unpad(outputs, self.signature.outputs, step.symbols, clone, entry.staging.copy_back(step))
+            outputs = entry.run_eager(plan, self.workspaces_for(key))
+            narrowed, clone = _narrowed(outputs, self.signature.outputs, step.symbols, skip), False
+        return _returned(narrowed, clone, entry.staging.copy_back(step))
 
     def specialize(self, key: GraphKey) -> fx.GraphModule:
         """`key`'s graph: its variant, specialised by the target for the bucket (once per key)."""

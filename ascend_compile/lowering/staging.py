@@ -20,8 +20,9 @@ from ..runtime.base import Runtime
 from .inputs import Geometry, Step, StagingCopy, gather, padded_copies, padded_shape, padded_start_loc
 
 
-#: Step shapes whose copy plans a graph keeps (a serving loop sees one per batch size and block-table width).
-MAX_COPY_PLANS = 4096
+#: Step shapes whose copy plans (and narrowed outputs) a graph keeps: a serving loop sees one per
+#: batch size and block-table width.
+MAX_STEP_SHAPES = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class Staging:
         plan = self._copy_plans.get(key)
         if plan is None:
             plan = self._plan_copies(step)
-            if len(self._copy_plans) >= MAX_COPY_PLANS:
+            if len(self._copy_plans) >= MAX_STEP_SHAPES:
                 self._copy_plans.clear()
             self._copy_plans[key] = plan
         torch._foreach_copy_(plan.dests, [*plan.inputs(step.args), *plan.padding], non_blocking=True)
