@@ -129,10 +129,14 @@ def test_length_above_max_model_len_is_a_clear_error():
             fn(**batch.step([10, 65, 30]))
 
 
-def test_moved_kv_cache_is_recaptured_not_read_stale():
-    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+def step_after_moving(tensor, replace, num_layers=1, **options):
+    """A compiled model and its eager twin stepped at 3 and 6 tokens (the second step is dynamo's
+    dynamic graph: buckets 4 and 8 captured), then the tensor `tensor(model)` replaced in both by the
+    same fresh values (`replace(model, new)`), then a step of 7 tokens (bucket 8, captured before
+    the move) compared; returns the artifact."""
+    cfg = LlamaConfig(num_layers=num_layers, num_blocks=1024)
     model, reference = build(cfg), build(cfg)
-    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), **options)
     batch = PagedBatch(cfg)
     rng = random.Random(0)
     with torch.no_grad():
@@ -140,60 +144,39 @@ def test_moved_kv_cache_is_recaptured_not_read_stale():
             inputs = random_step(rng, batch, size)
             fn(**inputs)
             reference(**inputs)
-        fresh = torch.randn_like(model.layers[0].attn.key_cache)
-        model.layers[0].attn.key_cache = fresh.clone()
-        reference.layers[0].attn.key_cache = fresh.clone()
+        fresh = torch.randn_like(tensor(model))
+        replace(model, fresh.clone())
+        replace(reference, fresh.clone())
         inputs = random_step(rng, batch, 7)
         torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
-    assert artifacts[-1].stats["recaptures"] == 1
+    return artifacts[-1]
+
+
+def test_moved_kv_cache_is_recaptured_not_read_stale():
+    art = step_after_moving(lambda m: m.layers[0].attn.key_cache,
+                            lambda m, new: setattr(m.layers[0].attn, "key_cache", new))
+    assert art.stats["recaptures"] == 1
 
 
 def test_moved_parameter_is_recaptured_not_read_stale():
     """`p.data = t` keeps the Parameter object and moves its memory: the graph must not replay with
     the old address (dynamo's guards pass: same shape, dtype and device)."""
-    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
-    model, reference = build(cfg), build(cfg)
-    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8))
-    batch = PagedBatch(cfg)
-    rng = random.Random(0)
-    with torch.no_grad():
-        for size in (3, 6):  # the second step's graph is dynamo's dynamic one
-            inputs = random_step(rng, batch, size)
-            fn(**inputs)
-            reference(**inputs)
-        fresh = torch.randn_like(model.layers[0].down.weight)
-        model.layers[0].down.weight.data = fresh.clone()
-        reference.layers[0].down.weight.data = fresh.clone()
-        inputs = random_step(rng, batch, 7)  # bucket 8, captured before the move
-        torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
-    assert artifacts[-1].stats["recaptures"] == 1
+    art = step_after_moving(lambda m: m.layers[0].down.weight,
+                            lambda m, new: setattr(m.layers[0].down.weight, "data", new))
+    assert art.stats["recaptures"] == 1
 
 
 def test_frozen_parameters_checks_kv_caches_and_buffers_but_not_parameters(tmp_path):
-    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
-    model, reference = build(cfg), build(cfg)
-    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), frozen_parameters=True,
-                                   dump_dir=str(tmp_path))
-    batch = PagedBatch(cfg)
-    rng = random.Random(0)
-    with torch.no_grad():
-        for size in (3, 6):  # the second step's graph is dynamo's dynamic one
-            inputs = random_step(rng, batch, size)
-            fn(**inputs)
-            reference(**inputs)
-        art = artifacts[-1]
-        checked = {art.names[i] for i in art.checked}
-        parameters = {s.name for s in art.signature.inputs if s.parameter}
-        assert len(parameters) == len(list(model.parameters()))
-        assert not checked & parameters
-        assert {n for n in checked if "cache" in n} == {f"l_self_modules_layers_modules_{i}_modules_attn_buffers_{kv}_cache_"
-                                                      for i in range(2) for kv in ("key", "value")}
-        fresh = torch.randn_like(model.layers[1].attn.value_cache)
-        model.layers[1].attn.value_cache = fresh.clone()
-        reference.layers[1].attn.value_cache = fresh.clone()
-        inputs = random_step(rng, batch, 7)
-        torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    art = step_after_moving(lambda m: m.layers[1].attn.value_cache,
+                            lambda m, new: setattr(m.layers[1].attn, "value_cache", new),
+                            num_layers=2, frozen_parameters=True, dump_dir=str(tmp_path))
     assert art.stats["recaptures"] == 1
+    checked = {art.names[i] for i in art.checked}
+    parameters = {s.name for s in art.signature.inputs if s.parameter}
+    assert len(parameters) == 2 * 6 + 3  # per layer: two norms, qkv, o, gate_up, down; embed, norm, lm_head
+    assert not checked & parameters
+    assert {n for n in checked if "cache" in n} == {f"l_self_modules_layers_modules_{i}_modules_attn_buffers_{kv}_cache_"
+                                                  for i in range(2) for kv in ("key", "value")}
     plan = json.loads(open(f"{art.rewritten.graph_dir}/plan.json").read())
     shown = {i["name"]: i["address_checked"] for i in plan["inputs"] if "address_checked" in i}
     assert shown == {name: name not in parameters for name in shown} and set(shown) >= checked | parameters
