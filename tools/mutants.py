@@ -100,7 +100,8 @@ MUTANTS = (
     ),
     Mutant(
         "no clone", "ascend_compile/lowering/runner.py",
-        "            out = view.clone() if clone else view\n", "            out = view\n",
+        "    return tuple(aliased[i] if i in aliased else out.clone() if clone and isinstance(out, torch.Tensor) else out\n",
+        "    return tuple(aliased[i] if i in aliased else out\n",
         ("tests/test_design_cases.py::test_clone_outputs_true_returns_copies_the_next_step_leaves_alone",),
     ),
     Mutant(

@@ -5,7 +5,8 @@ Per call: read the step (one host conversion per length input), pick the bucket 
 graph's static buffers, launch the replay, apply the update table, synchronize, copy back what
 the step writes, unpad and (by default) clone the outputs. Steps larger than every bucket run the
 original graph eagerly. Parameters, buffers and KV caches are used in place; their addresses are
-checked every step and a graph whose inputs moved is re-captured. Host scalars (0-d CPU tensors,
+checked every step (parameters not under `frozen_parameters`) and a graph whose inputs moved is
+re-captured (`input_checks.py`). Host scalars (0-d CPU tensors,
 e.g. dynamo's wrapped floats) are read at capture like any host argument, so their values are
 checked every step too.
 """
