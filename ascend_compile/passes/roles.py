@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any, Sequence
+import operator
+from typing import Any, Callable, Sequence
 
 import sympy
 import torch
@@ -74,11 +75,16 @@ class SymbolSource:
     dim: int | None = None
 
     def read(self, value: Any) -> int:
+        return self.reader(value)
+
+    @functools.cached_property
+    def reader(self) -> Callable[[Any], int]:
+        """`read` as one C-level call (the runner reads every symbol on every step)."""
         if self.attr == "value":
-            return int(value)
+            return int
         if self.attr == "offset":
-            return int(value.storage_offset())
-        return int(getattr(value, self.attr)(self.dim))
+            return operator.methodcaller("storage_offset")
+        return operator.methodcaller(self.attr, self.dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +154,13 @@ class GraphSignature:
             out[sym] = (actual or {})[sym]
         return out
 
+    @functools.cached_property
+    def _readers(self) -> tuple[tuple[sympy.Symbol, int, Callable[[Any], int]], ...]:
+        return tuple((sym, source.index, source.reader) for sym, source in self.symbol_sources.items())
+
     def actual_symbols(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
         """Symbol values of one step's real inputs."""
-        return {sym: source.read(args[source.index]) for sym, source in self.symbol_sources.items()}
+        return {sym: read(args[index]) for sym, index, read in self._readers}
 
 
 def evaluate(expr: Any, values: dict[sympy.Symbol, int]) -> int:
