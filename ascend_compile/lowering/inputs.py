@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..passes.kernel_call import Conversion, HostSource
-from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role, evaluate
+from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role
+from ..passes.size_symbols import evaluate
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ from ..gc_pause import gc_paused
 from ..passes import dump
 from ..passes.kernel_call import HostSource, host_sources, kernel_calls
 from ..passes.pipeline import RewrittenGraphs
-from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role, evaluate
+from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
+from ..passes.size_symbols import evaluate
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime, TaskUpdateRuntime
 from ..ops.tiling import PA

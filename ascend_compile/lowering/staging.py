@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from ..passes.roles import PAD_VALUE, GraphSignature, Role, SymbolKind, evaluate
+from ..passes.roles import PAD_VALUE, GraphSignature, Role
+from ..passes.size_symbols import SymbolKind, evaluate
 from ..passes.write_back import WriteBack, copy_written, overlapping_writes
 from ..runtime.base import Runtime
 from .inputs import Geometry, Step, StagingCopy, gather, padded_copies, padded_shape, padded_start_loc

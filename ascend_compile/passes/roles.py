@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import operator
 from typing import Any, Callable, Sequence
 
 import sympy
@@ -25,6 +24,7 @@ from torch import fx
 from .find_attention import AttentionArgs
 from .mutations import MutationFacts, analyse_mutations, output_aliases, target_nodes, view_closure, written_view_value
 from .fx_utils import example_value, is_op, placeholders, shape_exprs, size_expr
+from .size_symbols import SymbolKind, SymbolSource
 
 
 class Role(str, enum.Enum):
@@ -53,38 +53,6 @@ PAD_VALUE = {
 COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH)
 #: Roles whose inputs the graph uses in place, at the address they had at capture.
 IN_PLACE_ROLES = (Role.KV_CACHE, Role.STATIC)
-
-
-class SymbolKind(str, enum.Enum):
-    """How a size symbol of the graph gets its value in a bucket graph."""
-
-    TOKENS = "tokens"  # the step's token count (or sequence count): padded to the bucket
-    BLOCKS = "blocks"  # block-table width: padded to max_model_len / block_size
-    QUERY_START_LOC = "query_start_loc"  # padded to bucket + 1
-    LAYOUT = "layout"  # a stride or storage offset of a copied input: the static buffer's own
-    SPECIALIZED = "specialized"  # anything else: each distinct value gets its own capture
-
-
-@dataclasses.dataclass(frozen=True)
-class SymbolSource:
-    """Where a symbol's value is read from: an input's size / stride (at `dim`), storage offset,
-    or the input itself (a SymInt)."""
-
-    index: int
-    attr: str  # "size", "stride", "offset" or "value"
-    dim: int | None = None
-
-    def read(self, value: Any) -> int:
-        return self.reader(value)
-
-    @functools.cached_property
-    def reader(self) -> Callable[[Any], int]:
-        """`read` as one C-level call (the runner reads every symbol on every step)."""
-        if self.attr == "value":
-            return int
-        if self.attr == "offset":
-            return operator.methodcaller("storage_offset")
-        return operator.methodcaller(self.attr, self.dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,15 +129,6 @@ class GraphSignature:
     def actual_symbols(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
         """Symbol values of one step's real inputs."""
         return {sym: read(args[index]) for sym, index, read in self._readers}
-
-
-def evaluate(expr: Any, values: dict[sympy.Symbol, int]) -> int:
-    """An int or a size expression at the given symbol values."""
-    if isinstance(expr, int):
-        return expr
-    if isinstance(expr, sympy.Symbol):  # the common case, on every step's hot path
-        return values[expr]
-    return int(expr.xreplace(values))
 
 
 def _role_of_uses(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> dict[str, Role]:
