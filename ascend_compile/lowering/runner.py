@@ -36,7 +36,7 @@ from . import capture as capture_mod
 from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
     read_step
 from .input_checks import CapturedInputs
-from .staging import MAX_STEP_SHAPES, Staging
+from .staging import Staging, per_step_shape
 
 log = logging.getLogger("ascend_compile")
 
@@ -121,13 +121,8 @@ class GraphEntry:
     def output_views(self, symbols: dict, skip: Sequence[int]) -> list:
         """The captured outputs narrowed to a step's sizes (views of the static outputs, made once
         per step shape)."""
-        key = tuple(symbols.values())
-        views = self._output_views.get(key)
-        if views is None:
-            if len(self._output_views) >= MAX_STEP_SHAPES:
-                self._output_views.clear()
-            views = self._output_views[key] = _narrowed(self.outputs, self.staging.signature.outputs, symbols, skip)
-        return views
+        return per_step_shape(self._output_views, tuple(symbols.values()),
+                              lambda: _narrowed(self.outputs, self.staging.signature.outputs, symbols, skip))
 
     def locate_writes(self, graph_args: Sequence[Any]) -> None:
         clashes = self.staging.locate_writes(graph_args)
@@ -348,9 +343,9 @@ class CompiledArtifact:
         plan = self.rewritten.describe()
         plan["runtime"] = self.runtime.describe()
         plan["config"] = {k: v for k, v in vars(self.config).items()}
-        checked = set(self.checked)
+        checked, in_place = set(self.checked), {role.value for role in IN_PLACE_ROLES}
         for spec in plan["inputs"]:
-            if spec["role"] in {r.value for r in IN_PLACE_ROLES}:
+            if spec["role"] in in_place:
                 spec["address_checked"] = spec["index"] in checked  # each step (False: a frozen parameter)
         for key, gm in self.specialized.items():
             for kernel, call in zip(plan["graphs"][str(key)]["kernels"], kernel_calls(gm)):

@@ -9,7 +9,7 @@ are passed through.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import fx
@@ -18,12 +18,25 @@ from ..passes.roles import PAD_VALUE, GraphSignature, Role
 from ..passes.size_symbols import SymbolKind, evaluate
 from ..passes.write_back import WriteBack, copy_written, overlapping_writes
 from ..runtime.base import Runtime
-from .inputs import Geometry, Step, StagingCopy, gather, padded_copies, padded_shape, padded_start_loc
+from .inputs import Geometry, Step, gather, padded_copies, padded_shape, padded_start_loc
 
 
 #: Step shapes whose copy plans (and narrowed outputs) a graph keeps: a serving loop sees one per
 #: batch size and block-table width.
 MAX_STEP_SHAPES = 4096
+
+T = TypeVar("T")
+
+
+def per_step_shape(cache: dict[tuple, T], key: tuple, make: Callable[[], T]) -> T:
+    """`cache[key]`, made by `make()` the first time; a cache holding `MAX_STEP_SHAPES` shapes
+    starts again empty."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= MAX_STEP_SHAPES:
+            cache.clear()
+        value = cache[key] = make()
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,27 +90,21 @@ class Staging:
     def copy_in(self, step: Step) -> None:
         """The step's inputs into the static buffers, padded by role: one batched copy, planned once
         per step shape."""
-        key = tuple(step.symbols.values())
-        plan = self._copy_plans.get(key)
-        if plan is None:
-            plan = self._plan_copies(step)
-            if len(self._copy_plans) >= MAX_STEP_SHAPES:
-                self._copy_plans.clear()
-            self._copy_plans[key] = plan
+        plan = per_step_shape(self._copy_plans, tuple(step.symbols.values()), lambda: self._plan_copies(step))
         torch._foreach_copy_(plan.dests, [*plan.inputs(step.args), *plan.padding], non_blocking=True)
 
     def _plan_copies(self, step: Step) -> _CopyPlan:
-        copies: list[StagingCopy] = []
-        indices: list[int] = []
+        input_dests, indices, padding_dests, padding = [], [], [], []
         for spec in self.copied:
             for dest, source in padded_copies(spec, step.args[spec.index].shape, self.buffers[spec.index], step.tokens,
                                               self.geometry.tokens):
-                copies.append((dest, source))
                 if source is None:
+                    input_dests.append(dest)
                     indices.append(spec.index)
-        inputs = [dest for dest, source in copies if source is None]
-        padding = [(dest, source) for dest, source in copies if source is not None]
-        return _CopyPlan(inputs + [dest for dest, _ in padding], gather(indices), [source for _, source in padding])
+                else:
+                    padding_dests.append(dest)
+                    padding.append(source)
+        return _CopyPlan(input_dests + padding_dests, gather(indices), padding)
 
     def locate_writes(self, graph_args: Sequence[Any]) -> list[str]:
         """Find where the graph writes its copied inputs in the static buffers (fixed for the graph's
