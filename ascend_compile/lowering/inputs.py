@@ -34,6 +34,7 @@ class Step:
     args: Sequence[Any]
     symbols: dict
     tokens: int
+    seqs: int
     decode: bool
     seq_lens: dict[str, list[int]]  # host copies, per seq_lens input
     query_start_loc: dict[str, list[int]]  # host copies, per query_start_loc input
@@ -67,10 +68,10 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     so the host never waits for the device: decode steps are those with as many tokens as sequences,
     and the checks (`max_model_len`, at least one query token per sequence) run on the device."""
     symbols = signature.actual_symbols(args)
-    tokens = evaluate(signature.tokens, symbols)
+    tokens, seqs = evaluate(signature.tokens, symbols), evaluate(signature.sequences, symbols)
     if not host_lengths:
         _check_on_device(signature, args, max_model_len)
-        return Step(args, symbols, tokens, tokens == evaluate(signature.sequences, symbols), {}, {})
+        return Step(args, symbols, tokens, seqs, tokens == seqs, {}, {})
     seq_lens, starts = {}, {}
     for spec in signature.by_role(Role.SEQ_LENS):
         lens = args[spec.index].tolist()
@@ -86,7 +87,7 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
         loc = args[spec.index].tolist()
         starts[spec.name] = loc
         decode = decode and loc == _decode_start_loc(len(loc))
-    return Step(args, symbols, tokens, decode, seq_lens, starts)
+    return Step(args, symbols, tokens, seqs, decode, seq_lens, starts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,9 +111,15 @@ def _check_on_device(signature: GraphSignature, args: Sequence[Any], max_model_l
                                 "query_start_loc: every sequence needs at least one query token")
 
 
-def choose_bucket(buckets: Sequence[int], tokens: int) -> int | None:
-    """The smallest bucket holding `tokens`, or None when no bucket fits."""
+def choose_bucket(buckets: Sequence[int], tokens: int, seqs: int = 0) -> int | None:
+    """The smallest bucket holding `tokens` tokens and `seqs` sequences, or None when no bucket fits.
+
+    A bucket's graph has as many sequences as tokens, and padded tokens belong to padding sequences
+    of their own: a step with sequences of no query tokens (as many sequences as tokens, or more)
+    needs a bucket with room for its sequences and, where it pads tokens, one padding sequence."""
     i = bisect.bisect_left(buckets, tokens)
+    while i < len(buckets) and (buckets[i] < seqs or (buckets[i] == seqs and buckets[i] > tokens)):
+        i += 1
     return None if i == len(buckets) else buckets[i]
 
 
@@ -163,7 +170,7 @@ def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int
     `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query)."""
     lens = [seq_len] * geometry.seqs if seq_len is not None else []
     names = {src.source for src in sources}
-    step = Step((), {}, 0, True, {name: list(lens) for name in names}, {name: [0] for name in names})
+    step = Step((), {}, 0, 0, True, {name: list(lens) for name in names}, {name: [0] for name in names})
     return plan_step(step, sources, geometry)
 
 

@@ -202,9 +202,10 @@ class CompiledArtifact:
         step = read_step(self.signature, args, self.config.max_model_len, self.target.host_lengths)
         self.stats["steps"] += 1
         self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
-        bucket = choose_bucket(self.rewritten.buckets, step.tokens)
+        bucket = choose_bucket(self.rewritten.buckets, step.tokens, step.seqs)
         if bucket is None:
-            return self._fallback(caller_args, f"no graph for {step.tokens} tokens (buckets {list(self.rewritten.buckets)})")
+            return self._fallback(caller_args, f"no graph for {step.tokens} tokens in {step.seqs} sequences "
+                                               f"(buckets {list(self.rewritten.buckets)})")
         overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, self.copied, args)
         if overlap:
             return self._fallback(caller_args, f"inputs {overlap} overlap in memory and the graph writes one of them")
