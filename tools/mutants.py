@@ -45,6 +45,7 @@ CASE2 = "tests/test_design_cases.py::test_case2_updates_refresh_lengths_every_st
 PADDING = "tests/test_design_cases.py::test_padding_sequences_have_length_0_in_the_static_seq_lens_buffer"
 BUCKETS = "tests/test_design_cases.py::test_steps_smaller_than_the_bucket_are_padded_and_served_by_the_smallest_bucket"
 PROTOCOL_FIA = "tests/test_npu.py::test_replay_is_launched_before_the_updates_which_record_the_events"
+AUDIT = "tests/test_audit_survivors.py"
 
 MUTANTS = (
     Mutant(
@@ -107,6 +108,43 @@ MUTANTS = (
     Mutant(
         "updates after synchronize", "ascend_compile/lowering/runner.py",
         "        self.graph.replay()\n", "        self.graph.replay()\n        runtime.after_replay()\n", (CASE2,),
+    ),
+    # issue 27: the mutation audit's survivors
+    Mutant(
+        "overlap check keeps the first write only", "ascend_compile/passes/write_back.py",
+        "        seen[index] = seen[index] | elements if index in seen else elements\n",
+        "        seen.setdefault(index, elements)\n",
+        (f"{AUDIT}::test_a_write_overlapping_an_earlier_one_only_when_padded_runs_eagerly",),
+    ),
+    Mutant(
+        "a region grows if any coefficient does", "ascend_compile/passes/roles.py",
+        "        return all(c >= 0 for c in sympy.Poly(", "        return any(c >= 0 for c in sympy.Poly(",
+        (f"{AUDIT}::test_clearing_the_rest_of_a_buffer_is_captured_per_exact_size",),
+    ),
+    Mutant(
+        "host scalars checked only when an address moved", "ascend_compile/lowering/input_checks.py",
+        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
+        "        if list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
+        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
+        "        if moved and list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
+        (f"{AUDIT}::test_a_changed_host_scalar_is_not_replayed_with_its_capture_value",),
+    ),
+    Mutant(
+        "metadata deduplication ignores keyword arguments", "ascend_compile/passes/hoist_metadata.py",
+        "(node.args, tuple(sorted(node.kwargs.items())))", "(node.args, ())",
+        (f"{AUDIT}::test_metadata_differing_only_in_a_keyword_argument_is_not_merged",),
+    ),
+    Mutant(
+        "narrowed outputs cached per token count", "ascend_compile/lowering/runner.py",
+        "        return per_step_shape(self._output_views, tuple(symbols.values()),\n",
+        "        return per_step_shape(self._output_views, (symbols[self.staging.signature.tokens],),\n",
+        (f"{AUDIT}::test_outputs_sized_by_the_sequence_count_follow_it_when_the_token_count_repeats",),
+    ),
+    Mutant(
+        "decode from the last query offset alone", "ascend_compile/lowering/inputs.py",
+        "        decode = decode and loc == _decode_start_loc(len(loc))\n",
+        "        decode = decode and loc[-1] == len(loc) - 1\n",
+        (f"{AUDIT}::test_a_sequence_with_no_query_tokens_is_not_served_as_decode",),
     ),
 )
 
