@@ -216,3 +216,124 @@ def test_random_steps_with_empty_and_chunked_sequences_equal_eager(steps):
             for got, expected in zip(pair.fn(**inputs, buf=a), pair.reference(**inputs, buf=b)):
                 assert got.shape == expected.shape, (qlens, got.shape, expected.shape)
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------ 11: a sequence of exactly max_model_len
+
+
+@pytest.mark.parametrize("policy, max_len, steps", [
+    ("pa", 257, [([257, 10, 3], None)]),  # PA takes a second split just past 256
+    ("fia", 1025, [([1025, 7], [2, 1]), ([1025, 1025], None)]),  # FIA's second split starts at 1025
+])
+def test_a_sequence_of_exactly_max_model_len_fits_its_workspace(policy, max_len, steps):
+    cfg = LlamaConfig(num_layers=1, num_blocks=300, block_size=16)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=max_len, capture_sizes=(4,), kernel_policy=policy,
+                                   sim_overflow="raise")
+    batch = PagedBatch(cfg, seed=3)
+    with torch.no_grad():
+        for lens, qlens in steps:
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert sum(a.stats["replays"] for a in artifacts) == len(steps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([tiling.PA, tiling.FIA]), st.integers(1, 5000))
+def test_the_workspace_maximum_is_the_brute_force_maximum_up_to_max_model_len(kernel, max_len):
+    shape = tiling.AttentionShape(4, 2, 16, 16)
+    brute = max(tiling.workspace_nbytes(kernel, shape, [n]) for n in range(1, max_len + 1))
+    assert tiling.max_workspace(kernel, shape, 3, max_len).nbytes == 3 * brute
+
+
+# ------------------------------------------------ 6: transformers' block table at max_model_len
+
+
+def test_transformers_sequences_up_to_a_max_model_len_off_the_page_size_keep_their_last_page():
+    """max_model_len 40 with pages of 16: a sequence reaching 40 tokens spans 3 pages; its block
+    table must be 3 wide (40 / 16 rounded up), or attention never reads its last page."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from ascend_compile.integrations import transformers as ac_hf
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=40)).eval()
+    prompts = [[1 + (j * 5) % 120 for j in range(34)], [3, 9, 27]]
+    greedy = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                   generation_config=greedy)[0, len(p):].tolist() for p in prompts]
+    torch._dynamo.reset()
+    artifacts: list = []
+    cb = ac_hf.continuous_batching(model, ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=16),
+                                   on_compiled=artifacts.append, capture_sizes=[1, 2, 4, 8, 16])
+    outputs = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=cb)
+    got = [outputs[k].generated_tokens for k in sorted(outputs, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+    assert got == expected
+    assert sum(a.stats["replays"] for a in artifacts) >= 4
+
+
+# ------------------------------------------------ 3: the KV lengths padding sequences are sent
+
+
+def test_padding_sequences_are_sent_their_query_length_as_kv_length(monkeypatch):
+    """What the kernels receive for padding sequences: a KV length equal to the sequence's query
+    length, at least 1. torch_npu 2.14's FIA docs allow any non-negative length up to KV_S
+    (`_op_plugin_docs.py`, actual_seq_lengths_kv), but say nothing of the output of an entry of length
+    0, which only the kernels' zero-init path covers; a length of at least the query's keeps every
+    causal row of a padding sequence attending one key (block 0 of its all-zero block-table row)."""
+    from ascend_compile.runtime.sim import SimRuntime
+
+    sent: list[tuple[str, list[int], list[int]]] = []
+    launch = SimRuntime._launch
+
+    def spy(self, op, args, kwargs, label):
+        if op is torch.ops.ascend.paged_attention.default:
+            sent.append(("pa", [], list(args[4])))
+        elif op is torch.ops.ascend.fused_infer_attention.default:
+            sent.append(("fia", list(args[4]), list(args[5])))
+        return launch(self, op, args, kwargs, label)
+
+    monkeypatch.setattr(SimRuntime, "_launch", spy)
+    cfg = LlamaConfig(num_layers=1, num_blocks=300)
+    fn, artifacts = compiled_model(build(cfg), max_model_len=256, capture_sizes=(4, 8), pa_max_batch=4)
+    batch = PagedBatch(cfg, seed=3)
+    steps = []
+    with torch.no_grad():
+        for lens, qlens in (([40, 50, 60], None), ([40, 50], None), ([40, 50], None), ([20, 30], [2, 3]),
+                            ([20, 30], [2, 3])):
+            sent.clear()
+            fn(**batch.step(lens, qlens))
+            steps.append(list(sent))
+    # a replayed decode (the first step has dynamo's static graph): 2 sequences in bucket 4 (PA)
+    assert steps[2] == [("pa", [], [40, 50, 1, 1])]
+    # a replayed mixed step: 5 tokens in bucket 8, padded with 3 one-token and 3 empty sequences
+    assert steps[4] == [("fia", [2, 5, 6, 7, 8, 8, 8, 8], [20, 30, 1, 1, 1, 1, 1, 1])]
+    assert sum(a.stats["replays"] for a in artifacts) == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["same", "moved", "changed"]), min_size=1, max_size=6), st.integers(0, 5))
+def test_captured_inputs_report_every_moved_input_and_changed_scalar(changes, tensors):
+    """Whatever mix of moved in-place inputs and changed host scalars a step brings (either alone,
+    both, neither), every one is reported, and nothing else."""
+    from ascend_compile.lowering.input_checks import CapturedInputs
+
+    tensors = min(tensors, len(changes))
+    kinds = ["tensor"] * tensors + ["scalar"] * (len(changes) - tensors)
+    args = [torch.zeros(2) if kind == "tensor" else torch.tensor(float(i)) for i, kind in enumerate(kinds)]
+    names = {i: f"in{i}" for i in range(len(args))}
+    captured = CapturedInputs(args, [i for i, k in enumerate(kinds) if k == "tensor"],
+                              [i for i, k in enumerate(kinds) if k == "scalar"])
+    step, expected = list(args), []
+    for i, (kind, change) in enumerate(zip(kinds, changes)):
+        if change == "moved" and kind == "tensor":
+            step[i] = torch.zeros(2)
+            expected.append(names[i])
+        elif change == "changed" and kind == "scalar":
+            step[i] = torch.tensor(float(i) + 0.5)
+            expected.append(names[i])
+    assert sorted(captured.changed(step, names)) == sorted(expected)

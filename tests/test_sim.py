@@ -721,6 +721,25 @@ def test_a_functional_collective_is_issued_by_every_replay_and_read_once_complet
         assert torch._C._distributed_c10d._get_work_registry_size() == 0
 
 
+def test_a_collectives_output_read_before_its_wait_is_poison(one_rank_group) -> None:
+    """On gloo the result exists at once; on the device an asynchronous collective's output is not
+    written before its work completes, so a graph that reads it before the wait reads garbage."""
+    c10d = torch.ops._c10d_functional
+    rt = _rt()
+    x = _static(rt, torch.ones(4))
+    g = rt.graph()
+    with g.capture():
+        y = c10d.all_reduce(x * 2, "sum", one_rank_group)
+        early = y + 0
+        late = c10d.wait_tensor(y) + 0
+    for value in (3.0, 5.0):
+        x.fill_(value)
+        g.replay()
+        rt.synchronize()
+        assert bool(early.isnan().all()), early
+        assert torch.equal(late, torch.full((4,), 2 * value))
+
+
 # ----------------------------------------------------------------------------- device rules of the Ascend path
 
 

@@ -742,6 +742,21 @@ def test_cuda_device_checks_refuse_a_too_long_sequence():
             fn(**batch.step([100, 600, 300]))
 
 
+def test_cuda_device_checks_refuse_a_sequence_with_no_query_tokens():
+    """The device path keys decode by equal token and sequence counts (no host copy of the offsets),
+    so a sequence of no query tokens beside one of two (3 tokens, 3 sequences) must be refused, not
+    served by the decode graph."""
+    cfg = LlamaConfig(num_layers=1, num_blocks=600)
+    config = CompileConfig(max_model_len=512, capture_sizes=(4,), pa_max_batch=4)
+    torch._dynamo.reset()
+    fn = torch.compile(build(cfg), backend=backend(config, target=lambda device, c: CudaTarget(StubGraphRuntime())))
+    batch = PagedBatch(cfg, seed=5)
+    with torch.no_grad():
+        fn(**batch.step([100, 200, 300]))
+        with pytest.raises(RuntimeError, match="query_start_loc: every sequence needs at least one query token"):
+            fn(**batch.step([100, 200, 300], [1, 0, 2]))
+
+
 # ---------------------------------------------------------------- the GPU check script, on the CPU
 
 

@@ -42,12 +42,12 @@ class Pair:
             torch.randint(0, self.num_blocks, (batch * width,))
         return v.Step(seq_lens, query_lens, blocks.view(batch, width).to(torch.int32), self.block_size)
 
-    def run(self, step: v.Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: v.Step, spare_reqs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randint(0, 64, (step.num_tokens,), generator=torch.Generator().manual_seed(step.num_tokens))
         positions = torch.tensor(step.positions())
         outs = []
         for model, config, fn in zip(self.models, self.configs, (self.compiled, self.models[1])):
-            attn_metadata, slot_mapping = v.build_metadata(model, step)
+            attn_metadata, slot_mapping = v.build_metadata(model, step, spare_reqs=spare_reqs)
             with torch.no_grad(), v.set_forward_context(attn_metadata, config, slot_mapping=slot_mapping):
                 outs.append(fn(ids, positions))
         return outs[0], outs[1]
@@ -85,6 +85,19 @@ def test_vllm_model_equals_eager_with_metadata_only_in_the_forward_context(backe
     # every step replayed a graph, but those above the largest bucket (11 tokens, big mixed steps): eager
     assert stats["steps"] == len(STEPS) == stats["replays"] + stats["eager_fallbacks"]
     assert 1 <= stats["eager_fallbacks"] <= 3 and stats["captures"] >= 3
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+def test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences(backend):
+    """A runner's `query_start_loc` may be a view of its persistent buffer, longer than `num_reqs + 1`
+    (the tail repeating the last offset): the step reads the first `num_reqs + 1` entries."""
+    artifacts = []
+    pair = Pair(backend, 16, "sim", artifacts)
+    rng = random.Random(7)
+    for batch, mixed in [(3, False), (2, True), (3, False), (4, True)]:
+        got, expected = pair.run(pair.step(rng, batch, mixed), spare_reqs=5)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert sum(a.stats["replays"] for a in artifacts) == 4
 
 
 def test_update_table_names_the_forward_context_fields(tmp_path, capsys):

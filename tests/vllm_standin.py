@@ -705,11 +705,13 @@ class Step:
         return torch.tensor(slots, dtype=torch.int64)
 
 
-def build_metadata(model: StandInModel, step: Step, device="cpu"):
+def build_metadata(model: StandInModel, step: Step, device="cpu", spare_reqs: int = 0):
     """(attn_metadata, slot_mapping) for `set_forward_context`: one metadata object shared by every layer
-    (one KV-cache group), keyed by layer name, as vLLM's and vLLM-Ascend's runners build them."""
+    (one KV-cache group), keyed by layer name, as vLLM's and vLLM-Ascend's runners build them.
+    `spare_reqs`: `query_start_loc` is that much longer than `num_reqs + 1`, as a view of a runner's
+    persistent buffer is, its tail holding the last offset."""
     names = list(model.attention_layers())
-    qsl = torch.tensor(step.query_start_loc, dtype=torch.int32)
+    qsl = torch.tensor(step.query_start_loc + step.query_start_loc[-1:] * spare_reqs, dtype=torch.int32)
     seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32)
     slots = step.slot_mapping().to(device)
     block_table = step.block_table.to(device=device, dtype=torch.int32)

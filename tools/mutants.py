@@ -8,7 +8,11 @@ when they pass. The list holds the four bugs a mutation audit of the runner foun
 to (issue 11: an event recorded before its update, the event reset not captured, FIA captured without
 its event wait, the device seq_lens buffer padded unlike the host lengths) and one of each class of
 bug the audit's other mutants were (skipped update, stale padding, weak workspace, capture-time
-sizing, wrong bucket, missing address check, no clone, updates after synchronize).
+sizing, wrong bucket, missing address check, no clone, updates after synchronize), and the twelve a
+second audit's mutants survived (issue 27: overlapping writes, shrinking regions, padding KV lengths,
+host scalars, metadata keys, the transformers block table, vLLM's query_start_loc, collectives in
+flight, per-sequence outputs, empty queries on the device path, the workspace scan's top end, decode
+detection).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -145,6 +149,41 @@ MUTANTS = (
         "        decode = decode and loc == _decode_start_loc(len(loc))\n",
         "        decode = decode and loc[-1] == len(loc) - 1\n",
         (f"{AUDIT}::test_a_sequence_with_no_query_tokens_is_not_served_as_decode",),
+    ),
+    Mutant(
+        "padding sequences sent KV length 0", "ascend_compile/lowering/inputs.py",
+        "    return tuple(max(1, b - a) for a, b in zip(ends[-count - 1:], ends[-count:])) if count else ()\n",
+        "    return (0,) * count\n",
+        (f"{AUDIT}::test_padding_sequences_are_sent_their_query_length_as_kv_length",),
+    ),
+    Mutant(
+        "transformers block table rounded down", "ascend_compile/integrations/transformers.py",
+        "    model.config.ascend_max_blocks = -(-ascend_config.max_model_len // page_size)\n",
+        "    model.config.ascend_max_blocks = ascend_config.max_model_len // page_size\n",
+        (f"{AUDIT}::test_transformers_sequences_up_to_a_max_model_len_off_the_page_size_keep_their_last_page",),
+    ),
+    Mutant(
+        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm.py",
+        "    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]\n",
+        "    return metadata.query_start_loc\n",
+        ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
+    ),
+    Mutant(
+        "collective output written before its wait", "ascend_compile/runtime/sim_collectives.py",
+        "            poison(dst)\n", "            poison(dst)\n            dst.copy_(result)\n",
+        ("tests/test_sim.py::test_a_collectives_output_read_before_its_wait_is_poison",),
+    ),
+    Mutant(
+        "device check accepts empty queries", "ascend_compile/lowering/inputs.py",
+        "            torch._assert_async((loc[1:] - loc[:-1]).min() >= 1,\n",
+        "            torch._assert_async((loc[1:] - loc[:-1]).min() >= 0,\n",
+        ("tests/test_triton_kernels.py::test_cuda_device_checks_refuse_a_sequence_with_no_query_tokens",),
+    ),
+    Mutant(
+        "workspace scan stops short of max_model_len", "ascend_compile/ops/tiling.py",
+        "    lens = torch.arange(1, max_model_len + 1, dtype=torch.int64)\n",
+        "    lens = torch.arange(1, max(2, max_model_len), dtype=torch.int64)\n",
+        (f"{AUDIT}::test_a_sequence_of_exactly_max_model_len_fits_its_workspace",),
     ),
 )
 

@@ -8,8 +8,12 @@ is chosen, planned once (`plan_step`: every padded host list its kernels take), 
 Padding rules live here and nowhere else: `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
 extended so the padded tokens belong to padded (empty) sequences, block tables and batch data 0.
 The host lengths the kernels take give a padding sequence a KV length of its query length, at least
-1 (row 0 of the padded block table, block 0, is a valid block): the device never sees a zero length
-it might skip, nor fewer KV than query tokens. A bucket graph is captured for `bucket` tokens and as
+1 (row 0 of the padded block table, block 0, is a valid block). torch_npu 2.14 documents any
+non-negative `actual_seq_lengths_kv` up to KV_S (`_op_plugin_docs.py`, npu_fused_infer_attention_score)
+and vLLM-Ascend sends 0 for padded decode requests (`model_runner_v1.py`, `seq_lens[num_reqs:].fill_(0)`),
+but no document says what a batch entry of length 0 outputs (only the kernels' zero-init path does,
+and FIA's tiling checks a prefix of the list for it); a length of at least the query's keeps every
+causal row attending a key, so no path of the kernel outside its documented contract is taken. A bucket graph is captured for `bucket` tokens and as
 many sequences (or, where dynamo traced a static sequence count, for exactly that many).
 """
 from __future__ import annotations

@@ -23,9 +23,12 @@ class InFlight:
 
     def deliver(self, op: Any, result: torch.Tensor, dst: torch.Tensor) -> None:
         """Put a fresh output of `op` at its captured address `dst`: at once, or, for a functional
-        collective, when it completes (the result is not written before then)."""
+        collective, when it completes. Until then `dst` holds poison, whatever the CPU backend's
+        timing: gloo has the result by now, an asynchronous HCCL/NCCL collective would not, and a
+        read before the wait must show up as garbage here as it would there."""
         if _completes_at_wait(op):
             self._pending[dst.data_ptr()] = (result, dst)
+            poison(dst)
         else:
             dst.copy_(result)
 
@@ -41,3 +44,14 @@ class InFlight:
         """Complete every collective still in flight: the end of a graph joins its work, as on the device."""
         for _, dst in list(self._pending.values()):
             self.complete(dst)
+
+
+def poison(t: torch.Tensor) -> None:
+    """Fill `t` with what no real result holds: NaN for floating types, the smallest value for
+    integers (True for booleans)."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
