@@ -64,10 +64,16 @@ def render(path: str, plan: dict[str, Any]) -> str:
         kernels = {k["kernel"] for k in graph["kernels"]}
         reason = graph["kernels"][0]["reason"] if graph["kernels"] else ""
         captured = "update_table" in graph
+        verified = graph.get("verified")
+        check = "-" if verified is None else "ok" if verified["ok"] else "DIFFERS: eager-only"
         rows.append((key, graph["bucket"], "decode" if graph["decode"] else "mixed", ",".join(sorted(kernels)),
-                     len(graph["kernels"]), graph["workspace_slot"], "yes" if captured else "no", reason))
+                     len(graph["kernels"]), graph["workspace_slot"], "yes" if captured else "no", check, reason))
     out.append("\ngraphs")
-    out.append(_table(["graph", "bucket", "steps", "kernel", "nodes", "slot", "captured", "reason"], rows))
+    out.append(_table(["graph", "bucket", "steps", "kernel", "nodes", "slot", "captured", "first replay", "reason"],
+                      rows))
+    for key, graph in plan["graphs"].items():
+        for mismatch in (graph.get("verified") or {}).get("mismatches", []):
+            out.append(f"WARNING: {key}: first replay differs from eager: {mismatch}")
     for key, graph in plan["graphs"].items():
         if "update_table" not in graph:
             continue

@@ -65,6 +65,10 @@ class CompileConfig:
             every in-place input (parameters included) is checked each step, and one that moved
             (`p.data = t`, a module moved away and back) is captured again. A parameter that moves
             under True feeds the graph stale memory; KV caches and buffers are checked either way.
+        verify: check each captured graph's first replay against the step run eagerly (outputs and
+            every input the step writes, within a tolerance per dtype); a graph that differs is
+            logged, recorded in plan.json and serves its steps eagerly. None: on for the devices
+            ("npu", "cuda"), where no test of ours ran, off on the simulator and "eager".
         dump_dir: write every stage of every bucket and a plan.json here (env ASCEND_COMPILE_DUMP_DIR).
         retrace_static: when dynamo hands over a graph whose caller inputs have static sizes (the
             first call of a plain `torch.compile`), have dynamo trace the frame again with every
@@ -89,6 +93,7 @@ class CompileConfig:
     sim_overflow: str = "write"
     max_specializations: int = 8
     frozen_parameters: bool = False
+    verify: bool | None = None
     dump_dir: str | None = None
     retrace_static: bool = False
 
@@ -124,6 +129,8 @@ class CompileConfig:
         for name in ("share_workspace", "clone_outputs", "capture_all", "retrace_static", "frozen_parameters"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise ValueError(f"verify: expected True, False or None (on for the devices), got {self.verify!r}")
         if self.max_model_len and self.workspace_seq_len and self.workspace_seq_len > self.max_model_len:
             raise ValueError(
                 f"workspace_seq_len: expected at most max_model_len ({self.max_model_len}), got {self.workspace_seq_len}"

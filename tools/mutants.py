@@ -185,6 +185,12 @@ MUTANTS = (
         "    lens = torch.arange(1, max(2, max_model_len), dtype=torch.int64)\n",
         (f"{AUDIT}::test_a_sequence_of_exactly_max_model_len_fits_its_workspace",),
     ),
+    Mutant(
+        "verify compares nothing", "ascend_compile/lowering/verify.py",
+        "    if torch.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=True).all():\n",
+        "    if True:\n",
+        ("tests/test_verify.py::test_stale_lengths_are_caught_at_the_first_replay_and_every_step_stays_right",),
+    ),
 )
 
 

@@ -37,8 +37,12 @@ from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_buc
     read_step
 from .input_checks import CapturedInputs
 from .staging import Staging, per_step_shape
+from .verify import first_replay_check, written_regions
 
 log = logging.getLogger("ascend_compile")
+
+#: The runtimes whose first replays `verify` checks by default: the real devices.
+VERIFIED_RUNTIMES = ("npu", "cuda")
 
 
 def _narrowed(outputs: Any, shapes: Sequence[Any], symbols: dict, skip: Sequence[int]) -> list:
@@ -80,6 +84,7 @@ class GraphEntry:
         self.outputs = None
         self.table = capture_mod.UpdateTable()
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
+        self.verified: dict[str, Any] | None = None  # the first replay's check against eager (`verify.py`)
         self.captured_inputs: CapturedInputs | None = None
         self._output_views: dict[tuple, list] = {}
         self.capture_seconds = 0.0
@@ -181,6 +186,9 @@ class CompiledArtifact:
         #: the in-place inputs whose addresses a captured graph holds, checked every step
         self.checked = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
                         and not (config.frozen_parameters and spec.parameter)]
+        #: first replays checked against eager (`verify.py`): by default on the devices, not on the
+        #: simulator, whose tests compare every step with eager (a check there would hide their bugs)
+        self.verify = config.verify if config.verify is not None else self.runtime.name in VERIFIED_RUNTIMES
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
                            for slot in rewritten.plan.slots.values()}
         self.write_plan()
@@ -217,15 +225,41 @@ class CompiledArtifact:
         if entry.eager_reason:
             return self._fallback(caller_args, entry.eager_reason)
         plan = entry.plan(step)
-        skip = self.rewritten.write_back.outputs
-        if isinstance(self.runtime, GraphRuntime):
-            self.stats["updates"] += entry.replay(self.runtime, plan, self.target.updates, self.seconds)
-            self.stats["replays"] += 1
-            narrowed, clone = entry.output_views(step.symbols, skip), self.config.clone_outputs
-        else:
+        if not isinstance(self.runtime, GraphRuntime):
             outputs = entry.run_eager(plan, self.workspaces_for(key))
-            narrowed, clone = _narrowed(outputs, self.signature.outputs, step.symbols, skip), False
-        return _returned(narrowed, clone, entry.staging.copy_back(step))
+            narrowed = _narrowed(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
+            return _returned(narrowed, False, entry.staging.copy_back(step))
+        if self.verify and entry.verified is None:
+            return self._verified_replay(entry, plan, args, caller_args)
+        return self._replay(entry, plan)
+
+    def _replay(self, entry: GraphEntry, plan: StepPlan) -> tuple:
+        """Replay `entry` for the planned step; its outputs (write-back done)."""
+        self.stats["updates"] += entry.replay(self.runtime, plan, self.target.updates, self.seconds)
+        self.stats["replays"] += 1
+        step = plan.step
+        narrowed = entry.output_views(step.symbols, self.rewritten.write_back.outputs)
+        return _returned(narrowed, self.config.clone_outputs, entry.staging.copy_back(step))
+
+    def _verified_replay(self, entry: GraphEntry, plan: StepPlan, args: Sequence[Any], caller_args: Sequence[Any]
+                         ) -> Any:
+        """`entry`'s first replay, checked against the step run eagerly (`verify.py`): a graph that
+        differs serves no step, this one included."""
+        start = time.perf_counter()
+        regions = written_regions(self.signature, self.written, args)
+        outputs, mismatches = first_replay_check(regions, args, lambda: self.rewritten.original(*caller_args),
+                                                 lambda: self._replay(entry, plan), self.names)
+        entry.verified = {"ok": not mismatches, "seconds": round(time.perf_counter() - start, 4),
+                          "mismatches": [str(m) for m in mismatches]}
+        if mismatches:
+            self.stats["verify_failures"] += 1
+            entry.eager_reason = f"{entry.name}: its first replay differed from eager ({mismatches[0]})"
+            log.warning("ascend_compile: %s: first replay differs from eager: %s; its steps run eagerly",
+                        entry.name, "; ".join(entry.verified["mismatches"][:3]))
+        else:
+            log.debug("ascend_compile: %s: first replay equals eager (%.3f s)", entry.name, entry.verified["seconds"])
+        self.write_plan()
+        return outputs
 
     def specialize(self, key: GraphKey) -> fx.GraphModule:
         """`key`'s graph: its variant, specialised by the target for the bucket (once per key)."""
@@ -356,6 +390,8 @@ class CompiledArtifact:
                 continue
             graph = plan["graphs"][str(key)]
             captured = {"update_table": entry.table.describe(), "capture_seconds": round(entry.capture_seconds, 4)}
+            if entry.verified is not None:
+                captured["verified"] = entry.verified
             if specialization:
                 graph.setdefault("specializations", {})[entry.name] = captured
             if not specialization or "update_table" not in graph:

@@ -1,0 +1,131 @@
+"""`verify`: each captured graph's first replay checked against the step run eagerly. A wrong
+kernel binding, stale lengths or a cache never written is caught at the first replay; the graph then
+serves its steps eagerly, so every step's result still equals eager's; the plan and `inspect` say so."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from ascend_compile import cli
+from ascend_compile.lowering import verify
+from ascend_compile.ops import npu as npu_ops
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests import fake_torch_npu
+from tests.test_backend import compiled_model
+from tests.test_design_cases import SkipUpdatesAndEvents, with_target
+
+CFG = LlamaConfig(num_layers=2, num_blocks=128, block_size=128)
+STEPS = [[300, 40, 17], [100, 200], [90, 80, 70, 60], [5, 6], [250, 120, 33], ([40, 300, 17], [3, 1, 2])]
+
+
+def run(steps, cfg=CFG, **options):
+    """The example model compiled and eager over `steps`; every step's output and KV cache equal."""
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=512, capture_sizes=(4, 8), pa_max_batch=4, **options)
+    batch = PagedBatch(cfg, seed=3)
+    with torch.no_grad():
+        for step in steps:
+            lens, qlens = step if isinstance(step, tuple) else (step, None)
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+            for got, expected in zip(model.buffers(), reference.buffers()):
+                torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    return artifacts
+
+
+def graphs(artifacts):
+    return [g for a in artifacts for g in a.graphs.values() if g.graph is not None]
+
+
+def test_first_replays_that_equal_eager_are_recorded_and_keep_serving(tmp_path):
+    artifacts = run(STEPS, verify=True, dump_dir=str(tmp_path))
+    assert graphs(artifacts) and all(g.verified["ok"] and g.eager_reason is None for g in graphs(artifacts))
+    assert sum(a.stats["replays"] for a in artifacts) == len(STEPS)
+    assert sum(a.stats["verify_failures"] for a in artifacts) == 0
+    plan = artifacts[-1].describe()
+    assert all(g["verified"]["ok"] for g in plan["graphs"].values() if "update_table" in g)
+
+
+def test_stale_lengths_are_caught_at_the_first_replay_and_every_step_stays_right(tmp_path, capsys, caplog):
+    """Replays without their task updates read the capture's lengths: each graph's first replay
+    differs from eager, the graph serves its steps eagerly, and the steps equal eager's."""
+    artifacts = run(STEPS, verify=True, target=with_target(updates=SkipUpdatesAndEvents()), dump_dir=str(tmp_path))
+    captured = graphs(artifacts)
+    assert captured and all(not g.verified["ok"] and g.eager_reason for g in captured)
+    assert all("output 0: max |diff|" in g.verified["mismatches"][0] for g in captured)
+    stats = sum((a.stats for a in artifacts), start=__import__("collections").Counter())
+    assert stats["verify_failures"] == len(captured) and stats["eager_fallbacks"] == len(STEPS) - len(captured)
+    assert any("first replay differs from eager" in r.message for r in caplog.records)
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "DIFFERS: eager-only" in text and "first replay differs from eager: output 0" in text
+
+
+def test_without_verify_the_same_bug_is_silent():
+    """The control: the check is what catches it (the steps differ from eager without it)."""
+    with pytest.raises(AssertionError):
+        run(STEPS[:2], verify=False, target=with_target(updates=SkipUpdatesAndEvents()))
+
+
+def test_a_wrong_kernel_binding_on_the_npu_is_caught_and_served_eagerly(monkeypatch):
+    """A binding error of the kind no CPU test can see on a real device (here PA given the wrong
+    scale): `verify` is on by default on "npu", catches each PA graph at its first replay, and every
+    step equals eager's."""
+    fake_torch_npu.install(monkeypatch)
+    bound = npu_ops.NpuKernels.paged_attention
+
+    def wrong_scale(self, query, key_cache, value_cache, block_table, context_lens, scale, workspace, out):
+        return bound(self, query, key_cache, value_cache, block_table, context_lens, scale * 1.5, workspace, out)
+
+    monkeypatch.setattr(npu_ops.NpuKernels, "paged_attention", wrong_scale)
+    artifacts = run(STEPS, runtime="npu")
+    captured = graphs(artifacts)
+    pa = [g for g in captured if g.key.decode and g.key.bucket == 4]
+    fia = [g for g in captured if not g.key.decode or g.key.bucket == 8]
+    assert pa and all(not g.verified["ok"] for g in pa)
+    assert fia and all(g.verified["ok"] for g in fia)  # FIA's binding is right: its graphs keep serving
+
+
+def test_the_cache_rows_a_step_writes_are_compared_and_put_back():
+    """A replay that never writes the KV cache (the NPU cache-write bug class) is caught by the
+    step's cache rows, even where the outputs would agree."""
+    cache = torch.zeros(4, 2, 1, 3)
+    slots = torch.tensor([1, 6, -1])
+    signature = _signature_with(cache, slots)
+    args = [cache, slots]
+    regions = verify.written_regions(signature, {0}, args)
+    assert regions[0].rows is not None and regions[0].rows[0].tolist() == [0, 3]
+
+    def eager():
+        cache.view(-1, 1, 3)[slots[slots >= 0]] = 1.0
+        return (torch.ones(2),)
+
+    outputs, mismatches = verify.first_replay_check(regions, args, eager, lambda: (torch.ones(2),), {0: "key_cache"})
+    assert [m.what for m in mismatches] == ["key_cache (the step's rows)"]
+    assert cache.view(-1, 3)[[1, 6]].eq(1).all() and cache.sum() == 6  # left as eager wrote it
+    outputs, mismatches = verify.first_replay_check(regions, args, eager, lambda: (eager()[0],), {0: "key_cache"})
+    assert mismatches == []
+
+
+@pytest.mark.parametrize("dtype, close, far", [(torch.float32, 1e-4, 1e-2), (torch.bfloat16, 1e-2, 0.5),
+                                               (torch.int64, 0, 1)])
+def test_tolerance_per_dtype(dtype, close, far):
+    base = torch.full((8,), 4.0).to(dtype)
+    if close:
+        assert verify.compare("x", base + torch.tensor(close).to(dtype), base) is None
+    assert verify.compare("x", base + torch.tensor(far).to(dtype), base) is not None
+    assert verify.compare("x", base[:4], base) is not None  # another shape
+
+
+def _signature_with(cache, slots):
+    """The part of a graph signature `written_regions` reads: a KV cache input and a slot mapping."""
+    from types import SimpleNamespace
+
+    from ascend_compile.passes.roles import InputSpec, Role
+
+    specs = [InputSpec(0, "key_cache", Role.KV_CACHE, tuple(cache.shape)),
+             InputSpec(1, "slot_mapping", Role.SLOT_MAPPING, tuple(slots.shape))]
+    return SimpleNamespace(inputs=specs, by_role=lambda role: [s for s in specs if s.role is role])
