@@ -8,8 +8,11 @@ import torch
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def dense_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale):
-    """Plain masked softmax over the gathered blocks, one sequence at a time, in float32."""
+def dense_attention(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, window=None,
+                    soft_cap=None, sinks=None):
+    """Masked softmax over the gathered blocks, one sequence at a time, in float32: causal, keys in
+    the window `(p - window, p]` of a query at position `p`, logits soft-capped, and a sink logit per
+    head appended as a column that is dropped after the softmax (the definitions, computed the long way)."""
     heads, dim = query.shape[1], query.shape[2]
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float32)
@@ -25,9 +28,20 @@ def dense_attention(query, key_cache, value_cache, block_table, seq_lens, query_
         q = query[start:end].float()
         n = end - start
         scores = torch.einsum("qhd,lhd->hql", q, keys) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         pos = torch.arange(length - n, length).view(-1, 1)
-        scores = scores.masked_fill(torch.arange(length).view(1, -1) > pos, float("-inf"))
-        out[start:end] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), values)
+        key_pos = torch.arange(length).view(1, -1)
+        masked = key_pos > pos
+        if window is not None:
+            masked = masked | (key_pos <= pos - window)
+        scores = scores.masked_fill(masked, float("-inf"))
+        if sinks is not None:
+            column = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hql,lhd->qhd", probs, values)
     return out
 
 
@@ -54,9 +68,9 @@ class Problem:
             torch.tensor(self.query_start_loc, dtype=torch.int32),
         )
 
-    def dense(self):
+    def dense(self, **features):
         return dense_attention(self.query, self.key_cache, self.value_cache, self.block_table,
-                               self.seq_lens, self.query_start_loc, self.scale)
+                               self.seq_lens, self.query_start_loc, self.scale, **features)
 
 
 def make_problem(seq_lens, query_lens=None, heads=4, kv_heads=2, dim=16, block_size=16, max_blocks=None,

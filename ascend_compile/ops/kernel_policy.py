@@ -9,6 +9,7 @@ import dataclasses
 from typing import Callable
 
 from . import tiling
+from .features import PLAIN, AttentionFeatures
 
 #: The default largest decode batch PA serves (an Ascend heuristic: PA wins at small batch).
 PA_MAX_BATCH = 16
@@ -42,9 +43,13 @@ class KernelChoice:
     times_ms: dict[str, float] | None = None
 
 
-def choose_kernel(policy: KernelPolicy, batch: int, decode: bool, shape: tiling.AttentionShape) -> KernelChoice:
-    """The kernel `policy` picks for `batch` query tokens (decode: one token per sequence)."""
+def choose_kernel(policy: KernelPolicy, batch: int, decode: bool, shape: tiling.AttentionShape,
+                  features: AttentionFeatures = PLAIN) -> KernelChoice:
+    """The kernel `policy` picks for `batch` query tokens (decode: one token per sequence) of a
+    layer with `features`: FIA in every bucket for a layer with a feature PA lacks."""
     pa, fia = tiling.PA, tiling.FIA
+    if not features.plain:
+        return KernelChoice(fia, f"FIA: the layer has {', '.join(features.names())}, which PA does not take")
     if not decode:
         return KernelChoice(fia, "FIA: steps with several query tokens per sequence; PA is decode-only")
     if policy.kind == "pa":

@@ -6,9 +6,12 @@ ops; the reference kernels here serve every other device.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import reference, tiling, validate
+from .features import PLAIN, AttentionFeatures
 from .kernel_policy import KernelPolicy, choose_kernel
 
 #: The policy `ascend.attention` uses in eager: the compiler's default one.
@@ -110,20 +113,37 @@ def fused_infer_attention(
     scale: float,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
-    """FIA: TND attention (cumulative query ends, per-sequence KV lengths, host-side) into `out`."""
+    """FIA: TND attention (cumulative query ends, per-sequence KV lengths, host-side) into `out`,
+    with a left window, a logit soft-cap and per-head sinks (`features.py`)."""
+    features = check_features(query, window, soft_cap, sinks)
     query_lens = check_fused_infer_attention(
         query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, workspace, out
     )
     reference.fused_infer_attention(
         query, key_cache, value_cache, block_table,
-        actual_seq_lengths, actual_seq_lengths_kv, query_lens, scale, workspace, out,
+        actual_seq_lengths, actual_seq_lengths_kv, query_lens, scale, workspace, out, features, sinks,
     )
 
 
 @fused_infer_attention.register_fake
-def _(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale, workspace, out) -> None:
+def _(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale, workspace, out,
+      window=None, soft_cap=None, sinks=None) -> None:
     return None
+
+
+def check_features(query: torch.Tensor, window: int | None, soft_cap: float | None,
+                   sinks: torch.Tensor | None) -> AttentionFeatures:
+    """The features of a call, checked: a positive window and soft-cap, sinks a float32 `[H]` tensor
+    on the query's device."""
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[1] or sinks.dtype != torch.float32
+                              or sinks.device != query.device):
+        raise ValueError(f"sinks: expected a [{query.shape[1]}] torch.float32 tensor (one logit per query head) on "
+                         f"{query.device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+    return AttentionFeatures(window, soft_cap, sinks is not None)
 
 
 @torch.library.custom_op("ascend::workspace", mutates_args=())
@@ -163,10 +183,11 @@ def check_attention_metadata(
     validate.check_attention_tensors(query, key_cache, value_cache, block_table, num_seqs)
 
 
-def choose_eager_kernel(query_lens: list[int], shape: tiling.AttentionShape) -> str:
+def choose_eager_kernel(query_lens: list[int], shape: tiling.AttentionShape,
+                        features: AttentionFeatures = PLAIN) -> str:
     """The kernel `ascend.attention` uses in eager: the default policy's, for this batch."""
     decode = all(n == 1 for n in query_lens)
-    return choose_kernel(EAGER_POLICY, len(query_lens), decode, shape).kernel
+    return choose_kernel(EAGER_POLICY, len(query_lens), decode, shape, features).kernel
 
 
 @torch.library.custom_op("ascend::attention", mutates_args=())
@@ -178,27 +199,37 @@ def attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The unified attention op a model calls; picks PA or FIA and allocates its own workspace."""
+    """The unified attention op a model calls; picks PA or FIA and allocates its own workspace.
+    `window`, `soft_cap` and `sinks` (`features.py`) default to plain causal attention; a call with
+    any of them runs FIA (PA has none of them)."""
     check_attention_metadata(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    features = check_features(query, window, soft_cap, sinks)
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     query_lens = validate.query_lens_from_start_loc(starts, query.shape[0])
     shape = tiling.AttentionShape.of(query, key_cache)
-    kernel = choose_eager_kernel(query_lens, shape)
+    kernel = choose_eager_kernel(query_lens, shape, features)
+    spans = [features.span(n, q) for n, q in zip(lens, query_lens)]
     scratch = torch.empty(
-        tiling.workspace_nbytes(kernel, shape, lens, query_lens), dtype=torch.uint8, device=query.device
+        tiling.workspace_nbytes(kernel, shape, spans, query_lens), dtype=torch.uint8, device=query.device
     )
     out = torch.empty_like(query)
     if kernel == tiling.PA:
         paged_attention(query, key_cache, value_cache, block_table, lens, scale, scratch, out)
     else:
-        fused_infer_attention(query, key_cache, value_cache, block_table, starts[1:], lens, scale, scratch, out)
+        fused_infer_attention(query, key_cache, value_cache, block_table, starts[1:], lens, scale, scratch, out,
+                              window, soft_cap, sinks)
     return out
 
 
 @attention.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale):
+def _(query, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, window=None, soft_cap=None,
+      sinks=None):
     check_attention_metadata(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    check_features(query, window, soft_cap, sinks)
     return torch.empty_like(query)
 
 

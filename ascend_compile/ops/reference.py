@@ -16,6 +16,7 @@ import torch
 
 from ..errors import WorkspaceTooSmall
 from . import tiling
+from .features import PLAIN, AttentionFeatures
 
 #: Test hook: called with the float32 workspace between the split and the reduce phases.
 between_split_and_reduce: Callable[[torch.Tensor], None] | None = None
@@ -46,15 +47,21 @@ def split_k_attention(
     workspace: torch.Tensor,
     out: torch.Tensor,
     num_splits: int | None = None,
+    features: AttentionFeatures = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Causal split-K attention of each sequence's query tokens over its paged KV, into `out`.
+    """Causal split-K attention of each sequence's query tokens over its paged KV, into `out`,
+    with the `features` of `features.py` (the sinks' values in `sinks`).
 
-    The split count of each sequence follows `kernel`'s tiling rule, or is `num_splits` for every
-    sequence when given (the fixed split count of the device-length ops, `ops/cuda.py`).
+    The split count of each sequence follows `kernel`'s tiling rule over the keys it reads (its
+    span: all of them, or with a window its last `W + q - 1`), or is `num_splits` for every
+    sequence when given (the fixed split count of the device-length ops, `ops/cuda.py`). No key
+    before a sequence's span is read, so its blocks may be freed.
     """
     shape = tiling.AttentionShape.of(query, key_cache)
+    spans = [features.span(n, q) for n, q in zip(kv_lens, query_lens)]
     if num_splits is None:
-        needed = tiling.workspace_nbytes(kernel, shape, kv_lens, query_lens)
+        needed = tiling.workspace_nbytes(kernel, shape, spans, query_lens)
     elif num_splits < 1:
         raise ValueError(f"num_splits: expected a positive split count, got {num_splits}")
     else:
@@ -72,23 +79,24 @@ def split_k_attention(
     group = heads // kv_heads
 
     kv = torch.tensor(list(kv_lens), dtype=torch.int64, device=device)
+    span = torch.tensor(spans, dtype=torch.int64, device=device)
     ql = torch.tensor(list(query_lens), dtype=torch.int64, device=device)
     qs = torch.tensor(list(query_starts), dtype=torch.int64, device=device)
     if num_splits is None:
-        splits = tiling.splits_for(kernel, kv).clamp(min=1)
+        splits = tiling.splits_for(kernel, span).clamp(min=1)
     else:
         splits = torch.full_like(kv, num_splits)
-    chunk = torch.div(kv + splits - 1, splits, rounding_mode="floor").clamp(min=1)
+    chunk = torch.div(span + splits - 1, splits, rounding_mode="floor").clamp(min=1)
     max_splits = int(splits.max())
     max_chunk = int(chunk.max())
     max_q = max(int(ql.max()), 1)
 
-    # Logical KV positions of every (sequence, split, slot).
+    # Logical KV positions of every (sequence, split, slot), from the start of the span.
     s_idx = torch.arange(max_splits, device=device).view(1, -1, 1)
     c_idx = torch.arange(max_chunk, device=device).view(1, 1, -1)
-    kv_idx = s_idx * chunk.view(-1, 1, 1) + c_idx
-    kv_valid = (c_idx < chunk.view(-1, 1, 1)) & (kv_idx < kv.view(-1, 1, 1)) & (s_idx < splits.view(-1, 1, 1))
-    kv_idx = torch.where(kv_valid, kv_idx, torch.zeros_like(kv_idx))
+    offset = s_idx * chunk.view(-1, 1, 1) + c_idx
+    kv_valid = (c_idx < chunk.view(-1, 1, 1)) & (offset < span.view(-1, 1, 1)) & (s_idx < splits.view(-1, 1, 1))
+    kv_idx = torch.where(kv_valid, (kv - span).view(-1, 1, 1) + offset, torch.zeros_like(offset))
     keys = _gather_split_kv(key_cache, block_table, kv_idx)
     values = _gather_split_kv(value_cache, block_table, kv_idx)
 
@@ -99,10 +107,13 @@ def split_k_attention(
     q = query[tok].float().view(num_seqs, max_q, kv_heads, group, dim)
 
     scores = torch.einsum("bqkgd,bsckd->bkgqsc", q, keys) * scale
+    if features.soft_cap is not None:
+        scores = features.soft_cap * torch.tanh(scores / features.soft_cap)
     position = (kv - ql).view(-1, 1) + q_pos  # absolute position of each query token
-    allowed = kv_valid.view(num_seqs, 1, max_splits, max_chunk) & (
-        kv_idx.view(num_seqs, 1, max_splits, max_chunk) <= position.view(num_seqs, max_q, 1, 1)
-    )
+    key_pos, query_pos = kv_idx.view(num_seqs, 1, max_splits, max_chunk), position.view(num_seqs, max_q, 1, 1)
+    allowed = kv_valid.view(num_seqs, 1, max_splits, max_chunk) & (key_pos <= query_pos)
+    if features.window is not None:
+        allowed = allowed & (key_pos > query_pos - features.window)
     allowed = allowed.view(num_seqs, 1, 1, max_q, max_splits, max_chunk)
     scores = scores.masked_fill(~allowed, float("-inf"))
     m = scores.amax(dim=-1, keepdim=True)
@@ -120,7 +131,12 @@ def split_k_attention(
     if bool(multi.any()):
         _through_workspace(workspace, multi, splits, partial, lse, heads, dim)
 
-    combined = torch.softmax(lse, dim=2).nan_to_num(0.0)
+    if features.sinks:
+        # each head's sink logit joins the denominator of every split's combination, attending no value
+        sink = sinks.float().view(1, 1, 1, heads).expand(num_seqs, max_q, 1, heads)
+        combined = torch.softmax(torch.cat([lse, sink], dim=2), dim=2)[:, :, :max_splits].nan_to_num(0.0)
+    else:
+        combined = torch.softmax(lse, dim=2).nan_to_num(0.0)
     result = (combined.unsqueeze(-1) * partial).sum(dim=2)
     out[tok[q_valid]] = result[q_valid].to(out.dtype)
 
@@ -188,10 +204,12 @@ def fused_infer_attention(
     scale: float,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    features: AttentionFeatures = PLAIN,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """FIA: TND layout, any number of query tokens per sequence, causal among them."""
     starts = [end - n for end, n in zip(query_ends, query_lens)]
     split_k_attention(
         tiling.FIA, query, key_cache, value_cache, block_table,
-        starts, query_lens, kv_lens, scale, workspace, out,
+        starts, query_lens, kv_lens, scale, workspace, out, features=features, sinks=sinks,
     )
