@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from ..ops.features import AttentionFeatures
 from .fx_utils import fill_fake_values, is_op
 
 #: An adapter inserts, before `node`, the nodes that bring its arguments onto the contract of
@@ -46,6 +47,9 @@ class AttentionArgs:
     seq_lens: fx.Node
     query_start_loc: fx.Node
     scale: float
+    window: int | None = None
+    soft_cap: float | None = None
+    sinks: fx.Node | None = None
 
     @classmethod
     def of(cls, node: fx.Node) -> "AttentionArgs":
@@ -53,6 +57,14 @@ class AttentionArgs:
         bound = dict(zip(names, node.args))
         bound.update(node.kwargs)
         return cls(**bound)
+
+    @property
+    def features(self) -> AttentionFeatures:
+        """The layer's features (`ops/features.py`), static in the graph."""
+        for name, value in (("window", self.window), ("soft_cap", self.soft_cap)):
+            if value is not None and not isinstance(value, (int, float)):
+                raise ValueError(f"{name}: expected a constant of the layer, got {value} (a value computed in the graph)")
+        return AttentionFeatures(self.window, self.soft_cap, self.sinks is not None)
 
 
 def _adapter_for(node: fx.Node) -> Adapter | None:

@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from ..ops import tiling
+from ..ops.features import PLAIN, AttentionFeatures
 from .fx_utils import is_op
 
 #: The host-length kernel op of each kernel name, and its device-length form (CUDA graphs).
@@ -70,12 +71,14 @@ class KernelMeta:
     host_args: tuple[HostArg, ...]
     lengths: str = "host"  # "host" (frozen at capture, refreshed by task updates) or "device"
     num_splits: int | None = None  # the device-length kernels' split count
+    features: AttentionFeatures = PLAIN  # the layer's window, soft-cap, sinks
 
     def describe(self) -> dict[str, Any]:
         return {
             "kernel": self.kernel,
             "attention": self.attention,
             "lengths": self.lengths,
+            **({"features": self.features.describe()} if not self.features.plain else {}),
             **({"num_splits": self.num_splits} if self.num_splits is not None else {}),
             "host_args": {a.kernel_arg: {"input": a.source.source, "conversion": a.source.conversion.value}
                           for a in self.host_args},

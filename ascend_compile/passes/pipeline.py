@@ -28,8 +28,8 @@ from .kernel_call import KernelCall, kernel_calls
 from .mutations import MutationFacts, analyse_mutations
 from .providers import Binder
 from .roles import GraphSignature, assign_roles
-from .select_kernels import attention_shapes, choose_kernels, select_kernels
-from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
+from .select_kernels import attention_layers, choose_kernels, select_kernels
+from .workspaces import GraphKey, KernelSite, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
 from .write_back import WriteBack, build_write_back
 
 log = logging.getLogger("ascend_compile")
@@ -130,24 +130,38 @@ def _buckets(signature: GraphSignature, config: CompileConfig) -> tuple[int, ...
     return config.capture_sizes
 
 
-def bucket_choices(shapes: list, buckets: tuple[int, ...], policy: KernelPolicy
+def bucket_choices(layers: list, buckets: tuple[int, ...], policy: KernelPolicy
                    ) -> dict[GraphKey, tuple[KernelChoice, ...]]:
     """Each graph key's kernels: every bucket's decode steps, and the mixed steps of a bucket whose
     decode kernels include PA (PA is decode-only; FIA decode graphs serve mixed steps too)."""
     choices = {}
     for bucket in buckets:
-        decode = choose_kernels(shapes, bucket, policy, decode=True)
+        decode = choose_kernels(layers, bucket, policy, decode=True)
         choices[GraphKey(bucket, True)] = decode
-        log.debug("ascend_compile: bucket %d decode steps: %s", bucket, decode[0].reason)
+        log.debug("ascend_compile: bucket %d decode steps: %s", bucket,
+                  "; ".join(sorted({c.reason for c in decode})))
         if any(c.kernel == PA for c in decode):
-            choices[GraphKey(bucket, False)] = choose_kernels(shapes, bucket, policy, decode=False)
+            choices[GraphKey(bucket, False)] = choose_kernels(layers, bucket, policy, decode=False)
     return choices
 
 
-def _variant_name(kernels: tuple[str, ...]) -> str:
-    if len(set(kernels)) == 1:
-        return SHORT[kernels[0]]
-    return "+".join(SHORT[k] for k in kernels)
+def _sites_for(key: GraphKey, sites: list[KernelSite], choices: dict) -> list[KernelSite]:
+    """`sites` of `key`'s graph, knowing how many query tokens its sequences may have: one in a
+    decode graph whose bucket has a mixed graph of its own, else up to the bucket."""
+    decode_only = key.decode and GraphKey(key.bucket, False) in choices
+    return [dataclasses.replace(s, max_query_len=1 if decode_only else key.bucket) for s in sites]
+
+
+def _variant_name(kernels: tuple[str, ...], taken: dict[str, tuple[str, ...]]) -> str:
+    """`pa`, `fia`, or for layers of both kernels their counts (`pa16+fia16`), made unique among
+    the names `taken` by other kernel tuples."""
+    kinds = sorted(set(kernels), key=lambda k: SHORT[k], reverse=True)
+    name = SHORT[kinds[0]] if len(kinds) == 1 else "+".join(f"{SHORT[k]}{kernels.count(k)}" for k in kinds)
+    base, n = name, 1
+    while name in taken and taken[name] != kernels:
+        n += 1
+        name = f"{base}_{n}"
+    return name
 
 
 def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarget,
@@ -181,19 +195,19 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
         dump.dump_graph(prologue.graph, graph_dir, "original", "prologue")
 
     buckets = _buckets(signature, config)
-    choices = bucket_choices(attention_shapes(gm), buckets, target.kernel_policy(config, dtype))
+    choices = bucket_choices(attention_layers(gm), buckets, target.kernel_policy(config, dtype))
     variants: dict[str, Variant] = {}
     variant_of: dict[GraphKey, str] = {}
     for key, chosen in choices.items():
         kernels = tuple(c.kernel for c in chosen)
-        name = variant_of[key] = _variant_name(kernels)
+        name = variant_of[key] = _variant_name(kernels, {n: v.kernels for n, v in variants.items()})
         if name not in variants:
             variant_gm = clone_graph_module(gm)
             select_kernels(variant_gm, kernels)
             variants[name] = Variant(name, kernels, variant_gm, [])
         variants[name].keys.append(key)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
-    plan = plan_workspaces(((key, sites[variant_of[key]]) for key in choices),
+    plan = plan_workspaces(((key, _sites_for(key, sites[variant_of[key]], choices)) for key in choices),
                            config.max_model_len, config.workspace_seq_len, config.share_workspace,
                            target.workspace_need(config, dtype))
     for warning in plan.warnings():

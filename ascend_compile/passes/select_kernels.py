@@ -10,12 +10,14 @@ share one rewritten graph, a *variant* (`choose_kernels` per bucket, `select_ker
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 from torch import fx
 
 from ..ops import tiling
+from ..ops.features import AttentionFeatures
 from ..ops.kernel_policy import KernelChoice, KernelPolicy, choose_kernel
 from .find_attention import AttentionArgs, attention_nodes
 from .fx_utils import example_value
@@ -23,19 +25,29 @@ from .kernel_call import (HOST_LENGTH_OPS, HOST_META_KEY, META_KEY, Conversion, 
                           KernelMeta, build_args)
 
 
-def attention_shapes(gm: fx.GraphModule) -> list[tiling.AttentionShape]:
-    """The static shape of each attention node of `gm`, in graph order."""
-    shapes = []
+@dataclasses.dataclass(frozen=True)
+class AttentionLayer:
+    """What the kernel choice of one attention node depends on: its static shape and features."""
+
+    shape: tiling.AttentionShape
+    features: AttentionFeatures
+
+
+def attention_layers(gm: fx.GraphModule) -> list[AttentionLayer]:
+    """The shape and features of each attention node of `gm`, in graph order."""
+    layers = []
     for node in attention_nodes(gm):
         args = AttentionArgs.of(node)
-        shapes.append(tiling.AttentionShape.of(example_value(args.query), example_value(args.key_cache)))
-    return shapes
+        shape = tiling.AttentionShape.of(example_value(args.query), example_value(args.key_cache))
+        layers.append(AttentionLayer(shape, args.features))
+    return layers
 
 
-def choose_kernels(shapes: Sequence[tiling.AttentionShape], bucket: int, policy: KernelPolicy,
+def choose_kernels(layers: Sequence[AttentionLayer], bucket: int, policy: KernelPolicy,
                    decode: bool) -> tuple[KernelChoice, ...]:
-    """The policy's kernel for each attention node in a graph of `bucket` tokens."""
-    return tuple(choose_kernel(policy, bucket, decode, shape) for shape in shapes)
+    """The policy's kernel for each attention node in a graph of `bucket` tokens: per layer, since
+    a layer with a feature PA lacks takes FIA in every bucket."""
+    return tuple(choose_kernel(policy, bucket, decode, layer.shape, layer.features) for layer in layers)
 
 
 def _host_input(graph: fx.Graph, source: fx.Node, conversion: Conversion) -> fx.Node:
@@ -64,10 +76,14 @@ def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCal
         args = AttentionArgs.of(node)
         query = example_value(args.query)
         shape = tiling.AttentionShape.of(query, example_value(args.key_cache))
+        features = args.features
+        if kernel == tiling.PA and not features.plain:
+            raise ValueError(f"{node.name}: PA does not take {', '.join(features.names())}; the layer needs FIA")
         lengths = {"context_lens": (args.seq_lens, Conversion.LIST)} if kernel == tiling.PA else {
             "actual_seq_lengths": (args.query_start_loc, Conversion.ENDS),
             "actual_seq_lengths_kv": (args.seq_lens, Conversion.LIST),
         }
+        extra = {} if kernel == tiling.PA else {"window": args.window, "soft_cap": args.soft_cap, "sinks": args.sinks}
         with graph.inserting_before(node):
             out = graph.call_function(torch.empty_like, (args.query,))
             out.meta["example_value"] = example_value(node)
@@ -77,9 +93,10 @@ def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCal
             call = graph.call_function(op, build_args(op, {
                 "query": args.query, "key_cache": args.key_cache, "value_cache": args.value_cache,
                 "block_table": args.block_table, **hosts, "scale": args.scale, "workspace": workspace, "out": out,
+                **extra,
             }))
         host_args = tuple(HostArg(name, host.meta[HOST_META_KEY]) for name, host in hosts.items())
-        call.meta[META_KEY] = meta = KernelMeta(kernel, node.name, shape, host_args)
+        call.meta[META_KEY] = meta = KernelMeta(kernel, node.name, shape, host_args, features=features)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         calls.append(KernelCall(call, meta))

@@ -36,7 +36,7 @@ from .find_attention import AttentionArgs, adapt_attention
 from .fx_utils import example_value
 from .kernel_call import KernelCall, host_placeholders, kernel_calls
 from .probe import ProbedWorkspaceNeed
-from .select_kernels import attention_shapes, choose_kernels, select_kernels
+from .select_kernels import attention_layers, choose_kernels, select_kernels
 from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
 
 #: npugraph_ex's hook calling convention: (graph module, example inputs, its CompilerConfig).
@@ -156,7 +156,7 @@ def rewrite_for_npugraph_ex(
         raise ValueError("max_model_len: required (workspaces are sized for every length up to it)")
     key = _graph_key(attention[0], bucket, decode)
     need_fn = need_fn or _probing_need(attention[0], config)
-    choices = choose_kernels(attention_shapes(gm), key.bucket, _policy(config), key.decode)
+    choices = choose_kernels(attention_layers(gm), key.bucket, _policy(config), key.decode)
     calls = select_kernels(gm, [c.kernel for c in choices])
     _refuse_fia(calls, choices)
     plan = plan_workspaces([(key, kernel_sites(gm))], config.max_model_len, config.workspace_seq_len, True, need_fn)

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from ..ops import tiling
+from ..ops.features import PLAIN, AttentionFeatures
 from .kernel_call import kernel_calls
 
 #: fx.Node.meta key of a workspace node: the slot serving each graph key the node's graph serves.
@@ -39,6 +40,8 @@ class KernelSite:
     node: str
     kernel: str
     shape: tiling.AttentionShape
+    features: AttentionFeatures = PLAIN
+    max_query_len: int | None = None  # the most query tokens a sequence has in the graph (None: its tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +113,24 @@ class WorkspacePlan:
 
 def kernel_sites(gm: fx.GraphModule) -> list[KernelSite]:
     """The PA/FIA nodes of a graph rewritten by `select_kernels`."""
-    return [KernelSite(c.node.name, c.meta.kernel, c.meta.shape) for c in kernel_calls(gm)]
+    return [KernelSite(c.node.name, c.meta.kernel, c.meta.shape, c.meta.features) for c in kernel_calls(gm)]
+
+
+def longest_read(site: KernelSite, tokens: int, max_model_len: int) -> int:
+    """The most keys a sequence of the node reads in a graph of `tokens` query tokens: every
+    length up to `max_model_len`, or with a window its span (`features.py`), at most
+    `window + q - 1` for `q` query tokens (`window` in a graph of decode steps only)."""
+    return site.features.longest_span(max_model_len, site.max_query_len or tokens)
 
 
 def node_need(site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len: int | None) -> NodeNeed:
-    """Bytes a kernel node needs in a graph of `tokens` query tokens."""
-    exact = tiling.max_workspace(site.kernel, site.shape, tokens, max_model_len)
+    """Bytes a kernel node needs in a graph of `tokens` query tokens: the exact maximum over every
+    length the node's kernel may tile (`longest_read`)."""
+    exact = tiling.max_workspace(site.kernel, site.shape, tokens, longest_read(site, tokens, max_model_len))
     if pinned_seq_len is None:
         nbytes, argmax = exact.nbytes, exact.argmax_len
     else:
-        lens = torch.tensor([pinned_seq_len])
+        lens = torch.tensor([min(pinned_seq_len, longest_read(site, tokens, max_model_len))])
         nbytes = tokens * int(tiling.per_token_nbytes(site.kernel, site.shape, lens)[0])
         argmax = pinned_seq_len
     return NodeNeed(site.node, site.kernel, nbytes, argmax, exact.nbytes, exact.argmax_len)
