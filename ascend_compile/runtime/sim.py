@@ -29,9 +29,7 @@ quietly computing the eager answer:
   inside a capture;
 - host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;
 - random ops (a sampler's `multinomial`) draw from the CPU generator when a replay runs them, fresh
-  numbers every replay; a capture draws nothing (the generator is put back when it ends), as a
-  device's capture launches nothing (CUDA's and torch_npu's generators advance an intra-graph
-  offset during capture, their eager state only at replay);
+  numbers each replay; a capture draws nothing (the generator is put back), as on CUDA and torch_npu;
 - a functional collective (`_c10d_functional`) is a device task of the replay's stream whose output
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
@@ -115,9 +113,8 @@ class SimGraph(DeviceGraph):
     def replay(self, stream: Optional[SimStream] = None) -> None:
         """Launch the graph on `stream` (default: the current stream); it runs when the device
         drains that stream. Its static inputs are read as they are now: a host write into them
-        before the replay runs is an error then. Its random ops draw from the CPU generator as it
-        is when they run, so every replay draws fresh numbers, as a CUDA or ACL graph's philox
-        kernels read the generator's seed and offset at each replay."""
+        before the replay runs is an error then. Its random ops draw from the CPU generator when
+        they run: fresh numbers each replay, as a device graph's read the generator's offset."""
         rt = self._runtime
         if not self._captured:
             raise ReplayError(f"{self.name} cannot be replayed: it was never captured (or its capture failed)")
