@@ -97,7 +97,7 @@ MUTANTS = (
     ),
     Mutant(
         "missing address check", "ascend_compile/lowering/input_checks.py",
-        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n",
+        "            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n",
         "            moved = []\n",
         ("tests/test_backend.py::test_moved_kv_cache_is_recaptured_not_read_stale",),
     ),
