@@ -110,6 +110,20 @@ def test_replays_draw_fresh_numbers_without_reseeding():
     assert len({tuple(d) for d in draws}) > 1, f"every replay drew the same tokens {draws[0]}"
 
 
+def test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream():
+    """Seeded once, then steps whose batch sizes are buckets (no padding rows to draw for): the
+    compiled steps, capture steps included, draw the very stream of numbers eager steps draw."""
+    fn, artifacts, reference = compiled_sampler()
+    inputs = list(steps(sizes=[4, 8, 4, 2, 8, 4, 2]))
+    with torch.no_grad():
+        torch.manual_seed(21)
+        expected = [reference(**step) for step in inputs]
+        torch.manual_seed(21)
+        got = [fn(**step) for step in inputs]
+    assert total(artifacts)["captures"] == 3 and total(artifacts)["replays"] == len(inputs)
+    assert [i for i, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)] == []
+
+
 def test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step(monkeypatch):
     """On runtime "npu" (the fake torch_npu on the simulator) each capture is preceded by an eager
     warm-up run of the graph, which must not draw from the step's generators either."""
