@@ -3,7 +3,7 @@
 It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
 ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
 `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
-`stream`, `current_stream`, `synchronize`, ...), `torch_npu._C._weak_ref_tensor`, and the attention
+`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state`, ...), `torch_npu._C._weak_ref_tensor`, and the attention
 kernels with their workspace queries. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
 with a wrong argument name, order or kind fails here as it does on the device, and the simulator
@@ -493,6 +493,17 @@ def current_device():
     return 0
 
 
+def get_rng_state(device="npu"):
+    """`torch_npu/npu/random.py: get_rng_state`: the NPU's default generator state; the fake's
+    device is the CPU, whose ops draw from the CPU generator."""
+    return torch.random.get_rng_state()
+
+
+def set_rng_state(new_state, device="npu"):
+    """`torch_npu/npu/random.py: set_rng_state` (the CPU generator, as `get_rng_state`)."""
+    torch.random.set_rng_state(new_state)
+
+
 def is_available():
     return True
 
@@ -529,7 +540,7 @@ def _logged(name: str, fn: Any) -> Any:
 NPU_FUNCTIONS = (
     Stream, Event, ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end, synchronize, current_stream,
-    stream, current_device, is_available, device_count,
+    stream, current_device, is_available, device_count, get_rng_state, set_rng_state,
 )
 
 

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import random
 import threading
 
 import pytest
 import torch
 
+import ascend_compile
 from ascend_compile import cli
 from ascend_compile import backend
 from ascend_compile.config import CompileConfig
@@ -164,6 +166,42 @@ def test_moved_parameter_is_recaptured_not_read_stale():
     art = step_after_moving(lambda m: m.layers[0].down.weight,
                             lambda m, new: setattr(m.layers[0].down.weight, "data", new))
     assert art.stats["recaptures"] == 1
+
+
+def test_a_new_kv_cache_logs_one_short_warning_for_all_the_graphs_it_re_captures(caplog):
+    """A new KV cache (as each of transformers' `generate_batch` allocates) moves every cache input of
+    every captured graph: one WARNING says how many inputs of which kind, which graph re-captures
+    and how many more will; the inputs' names, and the same change found by the next graph, are
+    at DEBUG only."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=256)
+    model, reference = build(cfg), build(cfg)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    fn = ascend_compile.compile(model, backend=backend(config, on_compiled=artifacts.append))
+    batch, rng = PagedBatch(cfg), random.Random(0)
+
+    def step(size):
+        inputs = random_step(rng, batch, size)
+        torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+
+    with torch.no_grad():
+        step(3), step(6)  # b4.decode and b8.decode captured
+        for m in (model, reference):
+            for layer in m.layers:
+                layer.attn.key_cache = torch.zeros_like(layer.attn.key_cache)
+                layer.attn.value_cache = torch.zeros_like(layer.attn.value_cache)
+        with caplog.at_level(logging.DEBUG, logger="ascend_compile"):
+            step(7), step(2)  # b8.decode re-captured, then b4.decode for the same change
+    (art,) = artifacts
+    assert art.stats["recaptures"] == 2
+    records = [r for r in caplog.records if r.name == "ascend_compile"]
+    (warning,) = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert warning == ("ascend_compile: 4 KV cache inputs moved since b8.decode was captured: re-capturing it; "
+                       "1 more captured graph will re-capture on next use")
+    debug = " ".join(r.getMessage() for r in records if r.levelno == logging.DEBUG)
+    assert "l_self_modules_layers_modules_1_modules_attn_buffers_value_cache_" in debug
+    assert "re-capturing b4.decode for the same change" in debug
 
 
 def test_frozen_parameters_checks_kv_caches_and_buffers_but_not_parameters(tmp_path):

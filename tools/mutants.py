@@ -8,11 +8,13 @@ when they pass. The list holds the four bugs a mutation audit of the runner foun
 to (issue 11: an event recorded before its update, the event reset not captured, FIA captured without
 its event wait, the device seq_lens buffer padded unlike the host lengths) and one of each class of
 bug the audit's other mutants were (skipped update, stale padding, weak workspace, capture-time
-sizing, wrong bucket, missing address check, no clone, updates after synchronize), and the twelve a
-second audit's mutants survived (issue 27: overlapping writes, shrinking regions, padding KV lengths,
-host scalars, metadata keys, the transformers block table, vLLM's query_start_loc, collectives in
-flight, per-sequence outputs, empty queries on the device path, the workspace scan's top end, decode
-detection).
+sizing, wrong bucket, missing address check, no clone, updates after synchronize), the random-number
+bugs of issue 24 (a capture or a warm-up consuming the step's generator, replays reusing the capture's
+draws), the twelve a second audit's mutants survived (issue 27: overlapping writes, shrinking regions,
+padding KV lengths, host scalars, metadata keys, the transformers block table, vLLM's query_start_loc,
+collectives in flight, per-sequence outputs, empty queries on the device path, the workspace scan's
+top end, decode detection), `verify` comparing nothing (issue 22) and the attention features' bugs
+(issue 25).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -50,6 +52,8 @@ PADDING = "tests/test_design_cases.py::test_padding_sequences_have_length_0_in_t
 BUCKETS = "tests/test_design_cases.py::test_steps_smaller_than_the_bucket_are_padded_and_served_by_the_smallest_bucket"
 PROTOCOL_FIA = "tests/test_npu.py::test_replay_is_launched_before_the_updates_which_record_the_events"
 AUDIT = "tests/test_audit_survivors.py"
+SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_replay_steps"
+ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
 
 MUTANTS = (
     Mutant(
@@ -99,7 +103,7 @@ MUTANTS = (
     ),
     Mutant(
         "missing address check", "ascend_compile/lowering/input_checks.py",
-        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n",
+        "            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n",
         "            moved = []\n",
         ("tests/test_backend.py::test_moved_kv_cache_is_recaptured_not_read_stale",),
     ),
@@ -108,6 +112,25 @@ MUTANTS = (
         "    return tuple(aliased[i] if i in aliased else out.clone() if clone and isinstance(out, torch.Tensor) else out\n",
         "    return tuple(aliased[i] if i in aliased else out\n",
         ("tests/test_design_cases.py::test_clone_outputs_true_returns_copies_the_next_step_leaves_alone",),
+    ),
+    Mutant(
+        "capture consumes the generator", "ascend_compile/runtime/sim.py",
+        "            with generators_kept(), _HostReadGuard(), _CaptureMode(rt, self):\n",
+        "            with _HostReadGuard(), _CaptureMode(rt, self):\n",
+        (SEEDED, ONE_SEED, "tests/test_rng.py::test_capture_step_leaves_the_generator_where_a_replay_step_does"),
+    ),
+    Mutant(
+        "warm-up consumes the generator", "ascend_compile/runtime/npu.py",
+        "        with rt.generators_kept():\n            run()\n", "        run()\n",
+        ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step",),
+    ),
+    Mutant(
+        "replays reuse the capture's draws", "ascend_compile/runtime/sim.py",
+        "        saved = snapshot(self._static_inputs())\n",
+        "        saved = snapshot(self._static_inputs())\n"
+        "        self.__dict__.setdefault(\"_rng\", torch.random.get_rng_state())  # the state the capture left\n"
+        "        queue.enqueue(stream, CallWork(\"rng\", lambda s: torch.random.set_rng_state(self._rng)))\n",
+        (SEEDED, ONE_SEED, "tests/test_rng.py::test_replays_draw_fresh_numbers_without_reseeding"),
     ),
     Mutant(
         "updates after synchronize", "ascend_compile/lowering/runner.py",
@@ -127,9 +150,9 @@ MUTANTS = (
     ),
     Mutant(
         "host scalars checked only when an address moved", "ascend_compile/lowering/input_checks.py",
-        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
+        "            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
         "        if list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
-        "            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
+        "            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
         "        if moved and list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
         (f"{AUDIT}::test_a_changed_host_scalar_is_not_replayed_with_its_capture_value",),
     ),

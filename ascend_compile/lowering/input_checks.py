@@ -9,10 +9,12 @@ are one `map` over the gathered inputs (about 0.1 us an input); under plain
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Sequence
 
 import torch
 
+from ..passes.roles import InputSpec, Role
 from .inputs import gather
 
 
@@ -26,13 +28,35 @@ class CapturedInputs:
         self._pointers = (gather(list(self.addresses)), list(self.addresses.values()))
         self._values = (gather(list(self.scalars)), list(self.scalars.values()))
 
-    def changed(self, args: Sequence[Any], names: dict[int, str]) -> list[str]:
-        """Names of the in-place inputs at another address, and of the scalars of another value,
+    def changed(self, args: Sequence[Any]) -> list[int]:
+        """Positions of the in-place inputs at another address, and of the scalars of another value,
         than at capture."""
         (pick, pointers), (pick_scalars, values) = self._pointers, self._values
         moved = []
         if list(map(torch.Tensor.data_ptr, pick(args))) != pointers:
-            moved = [names[i] for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]
+            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]
         if list(map(torch.Tensor.item, pick_scalars(args))) != values:
-            moved += [names[i] for i, v in self.scalars.items() if args[i].item() != v]
+            moved += [i for i, v in self.scalars.items() if args[i].item() != v]
         return moved
+
+    def event(self, args: Sequence[Any], changed: Sequence[int]) -> tuple:
+        """What the inputs `changed` (positions) are now: their addresses, or a scalar's value.
+        Graphs that find the same change (a new KV cache, seen by each bucket's graph in turn)
+        find the same event."""
+        return tuple((i, args[i].item() if i in self.scalars else args[i].data_ptr()) for i in changed)
+
+
+def change_summary(specs: Sequence[InputSpec]) -> str:
+    """The changed inputs in a few words, by kind: "8 KV cache inputs moved", "1 parameter moved,
+    1 host scalar changed" (the names, long dynamo paths, are for the debug log)."""
+    kinds = collections.Counter(_kind(spec) for spec in specs)
+    return ", ".join(f"{n} {kind}{'s' if n > 1 else ''} {'changed' if kind == 'host scalar' else 'moved'}"
+                     for kind, n in kinds.items())
+
+
+def _kind(spec: InputSpec) -> str:
+    if spec.role is Role.SCALAR:
+        return "host scalar"
+    if spec.role is Role.KV_CACHE:
+        return "KV cache input"
+    return "parameter" if spec.parameter else "buffer"

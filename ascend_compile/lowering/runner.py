@@ -35,7 +35,7 @@ from ..ops.tiling import PA
 from . import capture as capture_mod
 from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
     read_step
-from .input_checks import CapturedInputs
+from .input_checks import CapturedInputs, change_summary
 from .staging import Staging, per_step_shape
 from .verify import first_replay_check, written_regions
 
@@ -179,6 +179,7 @@ class CompiledArtifact:
         #: device work, or on the simulator its execution), host (the rest of the runner's step).
         self.seconds: collections.Counter = collections.Counter()
         self._fallbacks_logged: set[str] = set()
+        self._last_change: tuple | None = None  # the last change of in-place inputs logged (`_log_change`)
         self.written = rewritten.mutations.written()
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
@@ -294,9 +295,9 @@ class CompiledArtifact:
                 entry.locate_writes(entry.staging.graph_args(args))
             return entry
         if entry.graph is not None:
-            moved = entry.captured_inputs.changed(args, self.names)
+            moved = entry.captured_inputs.changed(args)
             if moved:
-                log.warning("ascend_compile: inputs %s moved since %s was captured: re-capturing", moved, key)
+                self._log_change(entry, moved, args)
                 self.stats["recaptures"] += 1
                 entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
         if entry.graph is None:
@@ -306,6 +307,23 @@ class CompiledArtifact:
                 self._capture(entry, args)
             self.write_plan()
         return self.graphs[(key, specialization)]
+
+    def _log_change(self, entry: GraphEntry, moved: list[int], args: Sequence[Any]) -> None:
+        """One short WARNING per change of the in-place inputs (e.g. a new KV cache): how many inputs
+        of which kind, the graph re-captured, how many other graphs will be; the same change found
+        by those graphs later, and every input's name, at DEBUG only (issue 24: the names of eight
+        KV-cache views once per bucket made each new cache a screenful)."""
+        log.debug("ascend_compile: %s: inputs changed since its capture: %s", entry.name, [self.names[i] for i in moved])
+        event = entry.captured_inputs.event(args, moved)
+        if event == self._last_change:
+            log.debug("ascend_compile: re-capturing %s for the same change", entry.name)
+            return
+        self._last_change = event
+        others = sum(1 for g in self.graphs.values()
+                     if g is not entry and g.captured_inputs is not None and g.captured_inputs.changed(args))
+        later = f"; {others} more captured graph{'s' if others > 1 else ''} will re-capture on next use" if others else ""
+        log.warning("ascend_compile: %s since %s was captured: re-capturing it%s",  # the key: sizes at DEBUG
+                    change_summary([self.signature.inputs[i] for i in moved]), entry.key, later)
 
     def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
         target = self.target

@@ -11,6 +11,32 @@ import contextlib
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+@contextlib.contextmanager
+def generators_kept(device_module: Any = None, device: torch.device | None = None) -> Iterator[None]:
+    """The CPU generator, and `device_module`'s default generator of `device` (`torch.cuda`,
+    `torch.npu`: both offer `get_rng_state(device)` / `set_rng_state(state, device)`), put back as
+    they were when the block began once it ends.
+
+    Why: a step that captures a graph runs its work before (warm-up) and, on the simulator, during
+    the capture; random ops there (a sampler's `torch.multinomial`) would draw from the step's
+    generator, and the replay that serves the step would then draw other numbers than eager does
+    after the same seed. Work run to set a graph up must leave the generators to the step, as torch's
+    own CUDA-graph recordings do (`torch/_inductor/cudagraph_trees.py` records under
+    `torch._dynamo.utils.preserve_rng_state`, and so does torch_npu's `torch_npu/npu/_graph_tree.py`).
+    """
+    with _disable_current_modes():
+        cpu = torch.random.get_rng_state()
+        on_device = device_module.get_rng_state(device) if device_module is not None else None
+    try:
+        yield
+    finally:
+        with _disable_current_modes():
+            torch.random.set_rng_state(cpu)
+            if on_device is not None:
+                device_module.set_rng_state(on_device, device)
 
 
 class TaskHandle:

@@ -9,15 +9,25 @@ Graphs of different buckets never replay at once, and each keeps its outputs ali
 one graph memory pool: what one capture freed, a later one may reuse. Each capture runs on a side
 stream after warm-up runs there, as PyTorch recommends, so lazy initialisation (library handles,
 Triton compilation) happens before the capture, not inside it.
+
+Random ops (a sampler's `multinomial`): `CUDAGraph.capture_begin` registers the default CUDA
+generator of the current device with the graph (in C++, `aten/src/ATen/cuda/CUDAGraph.cpp`; other
+generators need `CUDAGraph.register_generator_state`); during capture a philox kernel takes its seed
+and offset from device tensors and advances only an intra-graph offset, and each replay first writes
+the generator's current seed and offset there and advances the generator by the graph's total, so
+every replay draws fresh numbers and the capture advances no eager state. The warm-up runs are eager
+and would: they, and the capture (on the runtime's device, whose generator then is the one
+registered), run under `generators_kept`, as inductor records its CUDA graphs under
+`preserve_rng_state` and `torch.cuda.device` (`torch/_inductor/cudagraph_trees.py`).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from .base import DeviceGraph, GraphRuntime
+from .base import DeviceGraph, GraphRuntime, generators_kept
 
 #: Eager runs of a bucket graph on the capture stream before its capture (as
 #: `torch.cuda.make_graphed_callables` does by default).
@@ -32,16 +42,21 @@ class CudaGraph(DeviceGraph):
         self.graph = torch.cuda.CUDAGraph()
 
     def warmup(self, run: Callable[[], Any]) -> None:
+        """`WARMUP_RUNS` eager runs on the capture stream, leaving the generators to the step."""
         stream = self.runtime.stream
         stream.wait_stream(torch.cuda.current_stream(self.runtime.device))
-        with torch.cuda.stream(stream):
+        with self.runtime.generators_kept(), torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
                 run()
         torch.cuda.current_stream(self.runtime.device).wait_stream(stream)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        with torch.cuda.graph(self.graph, pool=self.runtime.pool, stream=self.runtime.stream):
+        """Capture on the runtime's device (the generator `capture_begin` registers is the current
+        device's), stream and pool."""
+        rt = self.runtime
+        with rt.generators_kept(), torch.cuda.device(rt.device), \
+                torch.cuda.graph(self.graph, pool=rt.pool, stream=rt.stream):
             yield
 
     def replay(self) -> None:
@@ -78,6 +93,11 @@ class CudaRuntime(GraphRuntime):
 
     def graph(self) -> CudaGraph:
         return CudaGraph(self)
+
+    def generators_kept(self) -> ContextManager[None]:
+        """The CPU generator and this device's default CUDA generator, put back when the block ends
+        (set outside any capture: `set_rng_state` is refused while capturing)."""
+        return generators_kept(torch.cuda, self._device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
 from ..errors import AscendCompileError, CaptureError, ReplayError
 from ..ops.npu import NpuKernels, load_torch_npu
-from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime
+from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime, generators_kept
 
 log = logging.getLogger("ascend_compile")
 
@@ -92,15 +92,19 @@ class NpuGraph(DeviceGraph):
         an op up on its first call (tiling caches, kernel binaries, allocations), which must not
         happen inside a global-mode capture. vLLM-Ascend runs eager dummy steps before each capture
         (`vllm_ascend/worker/model_runner_v1.py`, `_dummy_run`), and torch_npu's
-        `make_graphed_callables` warms up with a synchronize on both sides (`torch_npu/npu/graphs.py`)."""
+        `make_graphed_callables` warms up with a synchronize on both sides (`torch_npu/npu/graphs.py`).
+        The run leaves the generators as it found them (`base.generators_kept`): its random ops must
+        not consume the numbers the step's replay then draws."""
         rt = self._runtime
         rt.synchronize()
-        run()
+        with rt.generators_kept():
+            run()
         rt.synchronize()
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Record the work issued in this context into the graph (pool and stream of the runtime)."""
+        """Record the work issued in this context into the graph (pool and stream of the runtime),
+        under `generators_kept` as torch_npu's own recordings are (`torch_npu/npu/_graph_tree.py`)."""
         rt = self._runtime
         if rt.capturing is not None:
             raise CaptureError(f"cannot capture {self.name}: {rt.capturing.name} is being captured")
@@ -108,7 +112,7 @@ class NpuGraph(DeviceGraph):
             raise CaptureError(f"{self.name} was already captured; capture into a new graph")
         rt.capturing = self
         try:
-            with rt.npu.graph(self.native, pool=rt.pool, stream=rt.capture_stream):
+            with rt.generators_kept(), rt.npu.graph(self.native, pool=rt.pool, stream=rt.capture_stream):
                 rt.kernels.take_host_tensors()  # entering the capture synchronized: earlier work is done
                 yield
         finally:
@@ -237,6 +241,24 @@ class NpuRuntime(TaskUpdateRuntime):
         ctx, self._update, self._update_ctx = self._update_ctx, None, None
         with ctx:
             self.npu.graph_task_update_end(self.update_stream)
+
+    def generators_kept(self) -> ContextManager[None]:
+        """The CPU generator and this NPU's default generator, put back when the block ends.
+
+        Random ops in an ACL graph (torch_npu 2.14, read in its wheel: `torch_npu/npu/graphs.py`,
+        `torch_npu/npu/random.py`, `torch_npu/utils/_dynamo.py` and the strings of
+        `torch_npu/lib/libtorch_npu.so`, from `torch_npu/csrc/aten/NPUGeneratorImpl.cpp`) follow
+        CUDA's contract: `NPUGeneratorImpl` keeps a per-capture state (seed and offset in device
+        tensors, an intra-graph offset; the aclnn random kernels, `multinomial` among them, take
+        `*seed_ptr, *offset_ptr, offset_intragraph`), registered automatically when a random op
+        first runs in a capture (`NPUGraph.register_generator_state()` is a deprecated no-op);
+        each replay's `replay_prologue` reads the generator's seed and offset and advances it by
+        the graph's total, so replays draw fresh numbers and a capture advances no eager state;
+        torch_npu registers "npu" for upstream graph-safe RNG (`register_npu_graphsafe_rng`).
+        What is left to us: the eager warm-up before a capture must not draw from the step's
+        generators, and the capture runs as torch_npu's own recordings do (under
+        `preserve_rng_state`, `torch_npu/npu/_graph_tree.py`)."""
+        return generators_kept(self.npu, self._device)
 
     def synchronize(self) -> None:
         """Wait for everything launched on the device: replays and updates. Host tensors passed to

@@ -28,6 +28,8 @@ quietly computing the eager answer:
 - an op that sets itself up on its first call (`SimRuntime.first_call`) may not make that call
   inside a capture;
 - host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;
+- random ops (a sampler's `multinomial`) draw from the CPU generator when a replay runs them, fresh
+  numbers each replay; a capture draws nothing (the generator is put back), as on CUDA and torch_npu;
 - a functional collective (`_c10d_functional`) is a device task of the replay's stream whose output
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
@@ -47,7 +49,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch, WorkspaceTooSmall
-from .base import DeviceGraph, TaskHandle, TaskUpdateRuntime
+from .base import DeviceGraph, TaskHandle, TaskUpdateRuntime, generators_kept
 from .sim_collectives import InFlight
 from .sim_dispatch import _CaptureMode, _HostReadGuard, _UpdateMode
 from .sim_events import SimEvent
@@ -92,12 +94,14 @@ class SimGraph(DeviceGraph):
         """Record the ops issued in this context (they also run once, on the real tensors).
 
         The device is drained first. Fresh outputs are placed in the runtime's graph pool; when
-        the context ends, every block allocated during it is poisoned.
+        the context ends, every block allocated during it is poisoned, and the CPU generator is
+        put back where the capture found it: random ops ran once like every op, but a device's
+        capture launches nothing, so it draws nothing; each replay draws (`replay`).
         """
         rt = self._runtime
         rt._begin_capture(self)
         try:
-            with _HostReadGuard(), _CaptureMode(rt, self):
+            with generators_kept(), _HostReadGuard(), _CaptureMode(rt, self):
                 yield
         finally:
             group_open = rt._end_capture(self)
@@ -109,7 +113,8 @@ class SimGraph(DeviceGraph):
     def replay(self, stream: Optional[SimStream] = None) -> None:
         """Launch the graph on `stream` (default: the current stream); it runs when the device
         drains that stream. Its static inputs are read as they are now: a host write into them
-        before the replay runs is an error then."""
+        before the replay runs is an error then. Its random ops draw from the CPU generator when
+        they run: fresh numbers each replay, as a device graph's read the generator's offset."""
         rt = self._runtime
         if not self._captured:
             raise ReplayError(f"{self.name} cannot be replayed: it was never captured (or its capture failed)")
