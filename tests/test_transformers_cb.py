@@ -16,6 +16,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E40
 from ascend_compile.integrations import transformers as ac_hf  # noqa: E402
 
 PROMPT_LENGTHS = [5, 12, 3, 21, 9, 30]
+WINDOW = 8  # shorter than most prompts: the window decides the tokens
 NEW_TOKENS = 6
 CAPTURE_SIZES = [1, 2, 4, 8, 16]
 
@@ -29,6 +30,22 @@ def tiny(family: str):
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     if family == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False)).eval()
+    windowed = dict(common, sliding_window=WINDOW)
+    if family == "mistral":  # every layer sliding
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**windowed)).eval()
+    if family == "gemma3":  # sliding layers around a full one
+        layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+        config = transformers.Gemma3TextConfig(**dict(windowed, num_hidden_layers=3), head_dim=16, layer_types=layer_types)
+        return transformers.Gemma3ForCausalLM(config).eval()
+    if family == "gpt_oss":  # sinks in every layer, a sliding and a full one
+        config = transformers.GptOssConfig(**dict(windowed, intermediate_size=64), head_dim=16, num_local_experts=4,
+                                           num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+        model = transformers.GptOssForCausalLM(config).eval()
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "sinks"):
+                    module.sinks.normal_()  # zeros at init: make the sinks matter
+        return model
     raise ValueError(family)
 
 
@@ -49,7 +66,7 @@ def in_order(outputs):
     return [outputs[k] for k in sorted(outputs, key=lambda k: int(k.rsplit("_", 1)[-1]))]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "gpt_oss"])
 def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
     model = tiny(family)
     expected = []
@@ -68,8 +85,9 @@ def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
     assert stats["eager_fallbacks"] == 0  # every step fits a bucket (max_batch_tokens <= the largest)
     assert stats["replays"] == stats["steps"] and stats["captures"] >= 2
     assert not torch._dynamo.utils.counters["graph_break"]
-    mixed = [a for a in artifacts if any(not g.key.decode for g in a.graphs.values())]
-    assert mixed, "no step mixed prefill chunks with decodes"
+    if family in ("llama", "qwen2"):  # PA-eligible layers: mixed steps get graphs of their own
+        mixed = [a for a in artifacts if any(not g.key.decode for g in a.graphs.values())]
+        assert mixed, "no step mixed prefill chunks with decodes"
 
 
 def test_logprobs_match_continuous_batching_without_the_backend():
@@ -84,11 +102,28 @@ def test_logprobs_match_continuous_batching_without_the_backend():
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=1e-4)
 
 
-def test_sliding_window_layers_are_refused():
-    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, sliding_window=8)
-    with pytest.raises(ValueError, match="sliding_attention"):
-        ac_hf.continuous_batching(transformers.MistralForCausalLM(config), cb_config(), capture_sizes=CAPTURE_SIZES)
+def test_sliding_layers_attend_through_a_ring_of_whole_pages_with_their_window():
+    """Continuous batching keeps a sliding layer's keys in a ring; this module's ring holds what a
+    chunk reads (window + max_batch_tokens - 1, whole pages) and each windowed layer takes FIA."""
+    assert ac_hf.ring_length(8, 16, 16) == 32 and ac_hf.ring_length(4096, 256, 128) == 4352
+    model = tiny("gemma3")
+    artifacts = []
+    torch._dynamo.reset()
+    cb = ac_hf.continuous_batching(model, cb_config(), on_compiled=artifacts.append, capture_sizes=CAPTURE_SIZES)
+    model.generate_batch(prompts()[:2], generation_config=greedy(), continuous_batching_config=cb)
+    kernels = [k for a in artifacts for g in a.describe()["graphs"].values() for k in g["kernels"]]
+    windows = {k.get("features", {}).get("window") for k in kernels}
+    assert windows == {None, WINDOW}
+    assert all(k["kernel"] == "fused_infer_attention" for k in kernels if k.get("features"))
+
+
+def test_layer_types_the_integration_cannot_serve_are_refused():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.layer_types = ["chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\] are not supported"):
+        ac_hf.continuous_batching(model, cb_config(), capture_sizes=CAPTURE_SIZES)
 
 
 def test_an_unsupported_transformers_version_is_refused(monkeypatch):

@@ -237,6 +237,17 @@ MUTANTS = (
         "    kv_idx = torch.where(kv_valid, start + offset, torch.zeros_like(offset))\n",
         ("tests/test_features.py::test_blocks_before_a_window_are_never_read",),
     ),
+    Mutant(
+        "transformers sliding window not passed", "ascend_compile/integrations/transformers.py",
+        "    window = kwargs.get(\"sliding_window\") if kwargs[\"ascend_sentinel\"] is not None else None\n",
+        "    window = None\n",
+        ("tests/test_transformers_cb.py::test_generate_batch_equals_greedy_generate_with_graphs_replayed[mistral]",),
+    ),
+    Mutant(
+        "transformers ring left at the window", "ascend_compile/integrations/transformers.py",
+        "        allocator.sliding_window = ring_length(", "        allocator.sliding_window_unused = ring_length(",
+        ("tests/test_transformers_cb.py::test_generate_batch_equals_greedy_generate_with_graphs_replayed[mistral]",),
+    ),
 )
 
 

@@ -28,7 +28,8 @@ ATTENTION = "ascend_paged_flash"
 #: The transformers releases this module was written and tested against.
 SUPPORTED_VERSIONS = ("5.24",)
 #: Attention layer types whose cache this module can serve.
-SUPPORTED_LAYER_TYPES = ("full_attention",)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+SLIDING = "sliding_attention"
 
 
 def installed_version() -> str:
@@ -52,11 +53,39 @@ def _check_model(model: torch.nn.Module) -> None:
     config = model.config
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported or getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+    if unsupported:
         raise ValueError(
-            f"model: layer types {unsupported or ['sliding_attention']} are not supported by the ascend_graph "
-            f"continuous batching integration (it serves full-attention layers only)"
+            f"model: layer types {unsupported} are not supported by the ascend_graph continuous batching "
+            f"integration (it serves {list(SUPPORTED_LAYER_TYPES)})"
         )
+
+
+def ring_length(sliding_window: int, max_batch_tokens: int, page_size: int) -> int:
+    """The tokens a sliding layer's ring buffer holds per request under this module: every key a
+    chunk of up to `max_batch_tokens` query tokens reads (`sliding_window + q - 1`), whole pages.
+
+    Continuous batching's own ring holds `sliding_window` tokens and reads the window before a step
+    writes over it; this module writes the step's keys first and attends from the cache, so the ring
+    must not wrap inside a step; and a ring of whole pages makes logical block `j` of a sequence its
+    ring page `j mod pages`, a block table like any other."""
+    return -(-(sliding_window + max_batch_tokens - 1) // page_size) * page_size
+
+
+def _cache_init(original: Callable) -> Callable:
+    """The paged cache's constructor for models using `ATTENTION`: sliding layers' rings of
+    `ring_length` tokens (the allocator's `sliding_window`, which only sizes its ring and indices;
+    the model's layers keep their own window)."""
+
+    def init(self, config, continuous_batching_config, *args, **kwargs):
+        original(self, config, continuous_batching_config, *args, **kwargs)
+        allocator = self.cache_allocators.get(SLIDING)
+        if getattr(config, "_attn_implementation", None) != ATTENTION or allocator is None:
+            return
+        allocator.sliding_window = ring_length(config.sliding_window, self.max_batch_tokens, allocator.tokens_per_page)
+        self.read_cache_limit = self._infer_read_cache_limit()
+
+    init.ascend_original = original
+    return init
 
 
 def _page_update(original: Callable) -> Callable:
@@ -73,10 +102,11 @@ def _page_update(original: Callable) -> Callable:
         torch._check(kwargs["logits_indices"].shape[0] == kwargs["cu_seq_lens_q"].shape[0] - 1)
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type]
         kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
-        kwargs["ascend_pages"] = allocator.get_cache_for_block_table(layer_idx)
+        kwargs["ascend_pages"] = allocator._kv_page_views[layer_idx]  # the page views (sliding layers' too)
         kwargs["ascend_page_size"] = allocator.tokens_per_page
         kwargs["ascend_read_index"] = kwargs["read_index"][allocator.index]
         kwargs["ascend_write_index"] = kwargs["write_index"][allocator.index]
+        kwargs["ascend_sentinel"] = allocator.sentinel_index if allocator.layer_type == SLIDING else None
         return key_states, value_states
 
     update.ascend_original = original
@@ -97,14 +127,46 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1).to(key_pages.dtype)
     v = value[0].transpose(0, 1).to(value_pages.dtype)
-    torch.ops.ascend.reshape_and_cache(k, v, key_pages, value_pages, kwargs["ascend_write_index"])
+    write_index = kwargs["ascend_write_index"]
+    torch.ops.ascend.reshape_and_cache(k, v, key_pages, value_pages, write_index)
     cu_k, cu_q = kwargs["cu_seq_lens_k"], kwargs["cu_seq_lens_q"]
-    seq_lens = torch.diff(cu_k).to(torch.int32)
-    block_table = _block_table(cu_k, seq_lens, kwargs["ascend_read_index"], kwargs["ascend_write_index"],
-                               page_size, module.config.ascend_max_blocks)
+    max_blocks = module.config.ascend_max_blocks
+    window = kwargs.get("sliding_window") if kwargs["ascend_sentinel"] is not None else None
+    if window is None:
+        seq_lens = torch.diff(cu_k).to(torch.int32)
+        block_table = _block_table(cu_k, seq_lens, kwargs["ascend_read_index"], write_index, page_size, max_blocks)
+    else:
+        seq_lens, block_table = _ring_block_table(cu_k, cu_q, kwargs["position_ids"], kwargs["ascend_read_index"],
+                                                  write_index, kwargs["ascend_sentinel"], page_size, max_blocks)
     out = torch.ops.ascend.attention(q, key_pages, value_pages, block_table, seq_lens, cu_q.to(torch.int32),
-                                     scaling if scaling is not None else q.shape[-1] ** -0.5)
+                                     scaling if scaling is not None else q.shape[-1] ** -0.5,
+                                     window=window, soft_cap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return out.view(1, tokens, *out.shape[1:]), None
+
+
+def _ring_block_table(cu_k, cu_q, position_ids, read_index, write_index, sentinel: int, page_size: int,
+                      max_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KV lengths, `[B, max_blocks]` block table) of a sliding layer's ring (`ring_length`).
+
+    A sequence's KV length is its last query token's position + 1. Its read indices are the
+    physical slots of the keys before this step's (the ring's last ones), then one sentinel per
+    query token, whose slots are this step's write indices: with those put in, entry `i` of a
+    sequence's read indices is the slot of position `L - k + i` (`k` its count). Each logical block
+    `j` takes the page of its first position the sequence still holds (earlier blocks are outside
+    the window and never read: they get the page of the first held position)."""
+    query_lens = torch.diff(cu_q)
+    last = position_ids[0, (cu_q[1:] - 1).clamp(min=0)].long() + 1
+    seq_lens = torch.where(query_lens > 0, last, 0).to(torch.int32)
+    held = torch.diff(cu_k).long()  # keys read this step: the ring's held ones, then the new ones
+    # a batch that reads no cache passes no read indices: its sequences hold only their new keys
+    # (cu_k == cu_q), which the write indices appended after the (empty) read ones give
+    slots = torch.cat([read_index.masked_scatter(read_index == sentinel, write_index), write_index])
+    offsets = cu_k[:-1].long()
+    first_held = seq_lens.long() - held
+    positions = (torch.arange(max_blocks, device=cu_k.device) * page_size)[None, :]
+    positions = torch.maximum(positions, first_held[:, None]).minimum((seq_lens.long() - 1).clamp(min=0)[:, None])
+    index = (offsets[:, None] + positions - first_held[:, None]).clamp(0, slots.shape[0] - 1)
+    return seq_lens, (slots[index] // page_size).to(torch.int32)
 
 
 def _block_table(cu_k, seq_lens, read_index, write_index, page_size: int, max_blocks: int) -> torch.Tensor:
@@ -127,6 +189,8 @@ def _install() -> None:
     AttentionInterface.register(ATTENTION, attention_forward)
     if not hasattr(PagedAttentionCache.update, "ascend_original"):
         PagedAttentionCache.update = _page_update(PagedAttentionCache.update)
+    if not hasattr(PagedAttentionCache.__init__, "ascend_original"):
+        PagedAttentionCache.__init__ = _cache_init(PagedAttentionCache.__init__)
 
 
 def max_model_len_of(model: torch.nn.Module) -> int:
