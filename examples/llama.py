@@ -32,6 +32,17 @@ class LlamaConfig:
     num_blocks: int = 256
     dtype: torch.dtype = torch.float32
     rope_theta: float = 10000.0
+    #: attention features (`ascend_compile/ops/features.py`): the window of the "sliding" layers,
+    #: each layer's type ("full" or "sliding"; empty: every layer full), a logit soft-cap, per-head sinks
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    soft_cap: float | None = None
+    sinks: bool = False
+
+    def window_of(self, layer: int) -> int | None:
+        """The window of layer `layer`: `sliding_window` for a "sliding" layer, else None."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding"
+        return self.sliding_window if sliding else None
 
 
 class RMSNorm(nn.Module):
@@ -52,9 +63,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.window = cfg.window_of(layer)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32)) if cfg.sinks else None
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
@@ -78,15 +91,16 @@ class Attention(nn.Module):
         """Write this step's keys and values into the paged cache, then attend: `[T, H, D]` out."""
         torch.ops.ascend.reshape_and_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
         return torch.ops.ascend.attention(
-            q, self.key_cache, self.value_cache, block_table, seq_lens, query_start_loc, self.cfg.head_dim**-0.5
+            q, self.key_cache, self.value_cache, block_table, seq_lens, query_start_loc, self.cfg.head_dim**-0.5,
+            window=self.window, soft_cap=self.cfg.soft_cap, sinks=self.sinks,
         )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
         self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
@@ -103,9 +117,12 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, make_layer: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
+        if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
+            raise ValueError(f"layer_types: expected one per layer ({cfg.num_layers}), got {len(cfg.layer_types)}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList((make_layer or (lambda: DecoderLayer(cfg)))() for _ in range(cfg.num_layers))
+        layers = (make_layer() if make_layer else DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)

@@ -191,6 +191,29 @@ MUTANTS = (
         "    if True:\n",
         ("tests/test_verify.py::test_stale_lengths_are_caught_at_the_first_replay_and_every_step_stays_right",),
     ),
+    # issue 25: attention features
+    Mutant(
+        "window ignored by the reference kernel", "ascend_compile/ops/reference.py",
+        "        allowed = allowed & (key_pos > query_pos - features.window)\n", "        pass\n",
+        ("tests/test_features.py::test_features_equal_the_dense_oracle",),
+    ),
+    Mutant(
+        "a windowed layer keeps the bucket's PA", "ascend_compile/ops/kernel_policy.py",
+        "    if not features.plain:\n", "    if False:\n",
+        ("tests/test_features.py::test_the_eager_op_runs_fia_for_a_featured_decode_batch",
+         "tests/test_features.py::test_a_model_mixing_full_and_windowed_layers_takes_pa_per_layer_where_it_can"),
+    ),
+    Mutant(
+        "sinks dropped from the combine", "ascend_compile/ops/reference.py",
+        "    if features.sinks:\n        # each head", "    if False:\n        # each head",
+        ("tests/test_features.py::test_features_equal_the_dense_oracle",),
+    ),
+    Mutant(
+        "a window's blocks read from the sequence start", "ascend_compile/ops/reference.py",
+        "    kv_idx = torch.where(kv_valid, start + offset, start.expand_as(offset))\n",
+        "    kv_idx = torch.where(kv_valid, start + offset, torch.zeros_like(offset))\n",
+        ("tests/test_features.py::test_blocks_before_a_window_are_never_read",),
+    ),
 )
 
 

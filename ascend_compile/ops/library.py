@@ -63,8 +63,10 @@ def check_fused_infer_attention(
     workspace: torch.Tensor,
     out: torch.Tensor,
     check_data: bool = True,
+    features: AttentionFeatures = PLAIN,
 ) -> list[int]:
-    """All argument checks of FIA; returns the per-sequence query lengths."""
+    """All argument checks of FIA; returns the per-sequence query lengths. With a window, only the
+    blocks a sequence reads must be valid."""
     if len(actual_seq_lengths) != len(actual_seq_lengths_kv):
         raise ValueError(
             f"actual_seq_lengths_kv: expected one length per sequence ({len(actual_seq_lengths)}), "
@@ -77,7 +79,9 @@ def check_fused_infer_attention(
         actual_seq_lengths_kv, query_lens, block_table.shape[1], key_cache.shape[1], "actual_seq_lengths_kv"
     )
     if check_data:
-        validate.check_block_ids(block_table, actual_seq_lengths_kv, key_cache.shape[1], key_cache.shape[0], "block_table")
+        spans = [features.span(n, q) for n, q in zip(actual_seq_lengths_kv, query_lens)]
+        validate.check_block_ids(block_table, actual_seq_lengths_kv, key_cache.shape[1], key_cache.shape[0],
+                                 "block_table", spans)
     return query_lens
 
 
@@ -121,7 +125,8 @@ def fused_infer_attention(
     with a left window, a logit soft-cap and per-head sinks (`features.py`)."""
     features = check_features(query, window, soft_cap, sinks)
     query_lens = check_fused_infer_attention(
-        query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, workspace, out
+        query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, workspace, out,
+        features=features,
     )
     reference.fused_infer_attention(
         query, key_cache, value_cache, block_table,
@@ -137,11 +142,11 @@ def _(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq
 
 def check_features(query: torch.Tensor, window: int | None, soft_cap: float | None,
                    sinks: torch.Tensor | None) -> AttentionFeatures:
-    """The features of a call, checked: a positive window and soft-cap, sinks a float32 `[H]` tensor
-    on the query's device."""
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[1] or sinks.dtype != torch.float32
+    """The features of a call, checked: a positive window and soft-cap, sinks a floating `[H]`
+    tensor on the query's device (the kernels compute with it in float32)."""
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[1] or not sinks.is_floating_point()
                               or sinks.device != query.device):
-        raise ValueError(f"sinks: expected a [{query.shape[1]}] torch.float32 tensor (one logit per query head) on "
+        raise ValueError(f"sinks: expected a floating [{query.shape[1]}] tensor (one logit per query head) on "
                          f"{query.device}, got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
     return AttentionFeatures(window, soft_cap, sinks is not None)
 

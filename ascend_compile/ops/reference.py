@@ -96,7 +96,8 @@ def split_k_attention(
     c_idx = torch.arange(max_chunk, device=device).view(1, 1, -1)
     offset = s_idx * chunk.view(-1, 1, 1) + c_idx
     kv_valid = (c_idx < chunk.view(-1, 1, 1)) & (offset < span.view(-1, 1, 1)) & (s_idx < splits.view(-1, 1, 1))
-    kv_idx = torch.where(kv_valid, (kv - span).view(-1, 1, 1) + offset, torch.zeros_like(offset))
+    start = (kv - span).view(-1, 1, 1)  # slots past a sequence's keys read its span's first key: no block before it
+    kv_idx = torch.where(kv_valid, start + offset, start.expand_as(offset))
     keys = _gather_split_kv(key_cache, block_table, kv_idx)
     values = _gather_split_kv(value_cache, block_table, kv_idx)
 

@@ -100,14 +100,19 @@ def query_lens_from_start_loc(query_start_loc: Sequence[int], num_tokens: int) -
 
 
 def check_block_ids(
-    block_table: torch.Tensor, seq_lens: Sequence[int], block_size: int, num_blocks: int, arg: str
+    block_table: torch.Tensor, seq_lens: Sequence[int], block_size: int, num_blocks: int, arg: str,
+    spans: Sequence[int] | None = None,
 ) -> None:
-    """Every block a sequence uses is a valid index into the cache."""
+    """Every block a sequence uses is a valid index into the cache: with `spans` (the keys each
+    sequence reads, `features.py`), only the blocks of its last `span` keys, so a runtime may free
+    and reuse the entries before a window."""
     if not seq_lens:
         return
-    used = torch.tensor([(n + block_size - 1) // block_size for n in seq_lens], device=block_table.device)
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    in_use = cols.unsqueeze(0) < used.unsqueeze(1)
+    device = block_table.device
+    used = torch.tensor([(n + block_size - 1) // block_size for n in seq_lens], device=device)
+    first = torch.tensor([(n - s) // block_size for n, s in zip(seq_lens, spans or seq_lens)], device=device)
+    cols = torch.arange(block_table.shape[1], device=device)
+    in_use = (cols.unsqueeze(0) < used.unsqueeze(1)) & (cols.unsqueeze(0) >= first.unsqueeze(1))
     bad = in_use & ((block_table < 0) | (block_table >= num_blocks))
     if bool(bad.any()):
         row, col = (int(v) for v in bad.nonzero()[0])
