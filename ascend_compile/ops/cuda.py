@@ -203,7 +203,7 @@ def fused_infer_attention_dev(
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     validate.query_lens_from_start_loc(starts, query.shape[0])
     query_lens = library.check_fused_infer_attention(
-        query, key_cache, value_cache, block_table, starts[1:], lens, workspace, out
+        query, key_cache, value_cache, block_table, starts[1:], lens, workspace, out, features=features
     )
     reference.split_k_attention(
         tiling.FIA, query, key_cache, value_cache, block_table, starts[:-1], query_lens, lens,

@@ -59,8 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .cuda_triton_device import (LOG2E, SEARCH_STEPS, _attend, _decode_schedule, _fia_num_splits, _join_sink,
-                                 _sequence_of_tile, _sequence_of_token, _span_tiles)
+from .cuda_triton_device import (LOG2E, SEARCH_STEPS, _attend, _decode_schedule, _fia_num_splits,
+                                 _sequence_of_tile, _sequence_of_token, _sink_share, _span_tiles)
 from .features import AttentionFeatures
 
 #: Rows (query tokens x heads) of a decode-like attention tile: the smallest `tl.dot` operand.
@@ -180,19 +180,17 @@ def _split_kernel(
                 WINDOW, SOFT_CAP,
             )
             has_keys = l_i > 0
+            result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
             store_ok = row_ok[:, None] & dim_ok[None, :]
             if n == 1:
                 if HAS_SINKS:  # the whole softmax is here: its sink joins the denominator now
-                    sink = tl.load(sinks + head, mask=row_ok, other=0.0) * LOG2E
-                    alpha, l_i = _join_sink(m_i, l_i, sink)
-                    acc = acc * alpha[:, None]
-                result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                    sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+                    result = result * _sink_share(m_i, l_i, sink)[:, None]
                 tl.store(
                     out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
                     result.to(out.dtype.element_ty), mask=store_ok,
                 )
             else:  # a partial softmax without the sink, which the reduce adds once
-                result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
                 if DECODE:
                     record = program.to(tl.int64) * NUM_HEADS + head
                 else:
@@ -251,10 +249,9 @@ def _reduce_kernel(
             acc = acc * alpha + tl.sum(weight[:, None] * partial, 0)
             total = total * alpha + tl.sum(weight, 0)
             m = m_new
-        if HAS_SINKS:
-            alpha, total = _join_sink(m, total, tl.load(sinks + head) * LOG2E)
-            acc = acc * alpha
         result = acc / tl.where(total > 0, total, 1.0)
+        if HAS_SINKS:
+            result = result * _sink_share(m, total, tl.load(sinks + head).to(tl.float32) * LOG2E)
         tl.store(out + token * stride_ot + head * stride_oh + dims * stride_od, result.to(out.dtype.element_ty),
                  mask=dim_ok)
 

@@ -101,17 +101,20 @@ def _fia_num_splits(kv_tiles, q_len, max_splits, BLOCK_Q: tl.constexpr, MIN_TILE
 
 
 @triton.jit
-def _tile_blocks(table, t, kv_start, kv_len, offsets, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _tile_blocks(table, t, kv_start, kv_len, offsets, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 WINDOW: tl.constexpr):
     """The physical block of each key of key tile `t` (int64): one block-table entry when the
     tile lies in one block (which then holds a key of `[kv_start, kv_len)` whenever the tile does),
-    else one per key (keys outside `[kv_start, kv_len)` read block 0: entries before a window's
-    span may name freed blocks)."""
+    else one per key (keys past `kv_len` and, with a `WINDOW`, before `kv_start` read block 0:
+    entries before a window's span may name freed blocks)."""
     if BLOCK_SIZE % BLOCK_N == 0:
         index = (t * BLOCK_N) // BLOCK_SIZE
         return tl.load(table + index, mask=t * BLOCK_N < kv_len, other=0).to(tl.int64)
     else:
         key_pos = t * BLOCK_N + offsets
-        ok = (key_pos >= kv_start) & (key_pos < kv_len)
+        ok = key_pos < kv_len
+        if WINDOW:
+            ok = ok & (key_pos >= kv_start)
         return tl.load(table + key_pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
 
 
@@ -122,13 +125,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _join_sink(m, total, sink):
-    """A sink logit (base 2) joined to a softmax of row max `m` and denominator `total`: one more
-    term of the denominator, attending no value. Returns (the factor the accumulated output is
-    rescaled by, the new denominator), both relative to `max(m, sink)`."""
+def _sink_share(m, total, sink):
+    """What a normalised softmax output keeps once a sink logit (base 2) joins its denominator (one
+    more term, attending no value): `total / (total + 2^(sink - m))` for row max `m` and
+    denominator `total`, computed relative to `max(m, sink)`; 0 for a row without keys."""
     m_new = tl.maximum(m, sink)
-    alpha = tl.exp2(m - m_new)  # 0 for a row without keys (m = -inf)
-    return alpha, total * alpha + tl.exp2(sink - m_new)
+    kept = total * tl.exp2(m - m_new)  # 0 for a row without keys (m = -inf, total = 0)
+    return kept / (kept + tl.exp2(sink - m_new))
 
 
 @triton.jit
@@ -161,7 +164,7 @@ def _attend(
     # The block-table entries of each tile are loaded one iteration ahead (carried in the loop), so
     # the K/V loads depend on no load of their own iteration and Triton pipelines them the full
     # `num_stages - 1` tiles deep (an in-iteration lookup costs the pipeline one stage).
-    physical = _tile_blocks(table, first_tile, kv_start, kv_len, offsets, BLOCK_N, BLOCK_SIZE)
+    physical = _tile_blocks(table, first_tile, kv_start, kv_len, offsets, BLOCK_N, BLOCK_SIZE, WINDOW)
     for t in tl.range(first_tile, end_tile, num_stages=NUM_STAGES):
         key_pos = t * BLOCK_N + offsets
         if WINDOW:
@@ -174,7 +177,7 @@ def _attend(
             slot = key_pos % BLOCK_SIZE
         k_rows = physical * stride_kb + slot * stride_ks
         v_rows = physical * stride_vb + slot * stride_vs
-        physical = _tile_blocks(table, t + 1, kv_start, kv_len, offsets, BLOCK_N, BLOCK_SIZE)
+        physical = _tile_blocks(table, t + 1, kv_start, kv_len, offsets, BLOCK_N, BLOCK_SIZE, WINDOW)
         if BLOCK_D == HEAD_DIM:
             tile_ok = kv_ok[:, None]
         else:
