@@ -31,7 +31,7 @@ from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.passes.device_lengths import use_device_lengths
 from ascend_compile.passes.fx_utils import clone_graph_module, is_op
 from ascend_compile.passes.inner_compile import compile_inner
-from ascend_compile.passes.kernel_call import HOST_LENGTH_OPS, HOST_META_KEY, KernelCall, host_sources
+from ascend_compile.passes.kernel_call import HOST_LENGTH_OPS, HOST_META_KEY, KernelCall, host_sources, kernel_calls
 from ascend_compile.passes.pipeline import rewrite_buckets
 from ascend_compile.passes.workspaces import GraphKey
 from ascend_compile.runtime import create_runtime
@@ -571,6 +571,8 @@ def test_dev_ops_opcheck():
     torch.library.opcheck(ops.paged_attention_dev.default, (*args, seq_lens, p.scale, ws, torch.empty_like(p.query), 3))
     torch.library.opcheck(ops.fused_infer_attention_dev.default,
                           (*args, loc, seq_lens, p.scale, ws, torch.empty_like(p.query), 3))
+    torch.library.opcheck(ops.fused_infer_attention_dev.default,
+                          (*args, loc, seq_lens, p.scale, ws, torch.empty_like(p.query), 3, 9, 1.5, SINKS))
 
 
 def test_split_choice_fills_the_sms_within_bounds():
@@ -646,6 +648,31 @@ def test_device_length_graphs_match_the_model_over_changing_steps():
     expected = max(cuda.dev_workspace_nbytes(b, model_shape, splits_rule(k, model_shape, b))
                    for b, k in ((2, tiling.PA), (4, tiling.PA), (2, tiling.FIA), (4, tiling.FIA), (8, tiling.FIA)))
     assert art.rewritten.plan.slots["attn_workspace"].nbytes == expected
+
+
+def test_device_length_graphs_carry_the_layer_features():
+    """A sliding layer beside a full one, both soft-capped and with sinks: every device-length
+    FIA node takes its host node's window, soft-cap and sinks (and its `KernelMeta` the features),
+    and the graphs equal the model over decode and mixed steps whose contexts pass the window."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=256, layer_types=("sliding", "full"), sliding_window=10,
+                      soft_cap=2.0, sinks=True)
+    model, reference = build(cfg), build(cfg)
+    for m in (model, reference):
+        for layer in m.layers:
+            layer.attn.sinks.data.copy_(torch.tensor([0.3, -0.7, 1.1, 0.0]))
+    fn, artifacts = device_length_model(model, (2, 4), EagerRuntime(torch.device("cpu")))
+    batch = PagedBatch(cfg, seed=7)
+    with torch.no_grad():
+        for lens, qlens in (([60, 7, 33], None), ([90, 12], [4, 3]), ([41, 80, 5, 96], None)):
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    calls = [call for a in artifacts for gm in a.specialized.values() for call in kernel_calls(gm)]
+    assert calls and all(call.op is ops.fused_infer_attention_dev.default for call in calls)
+    windows = sorted({(call.arg("window"), call.meta.features.window) for call in calls}, key=str)
+    assert windows == [(10, 10), (None, None)]
+    for call in calls:
+        assert call.arg("soft_cap") == 2.0 and call.meta.features.sinks
+        assert isinstance(call.arg("sinks"), fx.Node)
 
 
 def test_use_device_lengths_wires_the_graph_inputs():
