@@ -50,6 +50,7 @@ PADDING = "tests/test_design_cases.py::test_padding_sequences_have_length_0_in_t
 BUCKETS = "tests/test_design_cases.py::test_steps_smaller_than_the_bucket_are_padded_and_served_by_the_smallest_bucket"
 PROTOCOL_FIA = "tests/test_npu.py::test_replay_is_launched_before_the_updates_which_record_the_events"
 AUDIT = "tests/test_audit_survivors.py"
+TRITON = "tests/test_triton_kernels.py"
 
 MUTANTS = (
     Mutant(
@@ -213,6 +214,32 @@ MUTANTS = (
         "    kv_idx = torch.where(kv_valid, start + offset, start.expand_as(offset))\n",
         "    kv_idx = torch.where(kv_valid, start + offset, torch.zeros_like(offset))\n",
         ("tests/test_features.py::test_blocks_before_a_window_are_never_read",),
+    ),
+    # issue 25: the features in the Triton kernels (interpreted on the CPU)
+    Mutant(
+        "triton window ignored", "ascend_compile/ops/cuda_triton.py",
+        "    switches = dict(WINDOW=window is not None, HAS_SINKS=sinks is not None)\n",
+        "    switches = dict(WINDOW=False, HAS_SINKS=sinks is not None)\n",
+        (f"{TRITON}::test_triton_features_match_dense[window5-decode]",),
+    ),
+    Mutant(
+        "triton sink added per split", "ascend_compile/ops/cuda_triton.py",
+        "            if n == 1:\n                if HAS_SINKS:  # the whole softmax is here: its sink joins the denominator now\n"
+        "                    sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E\n"
+        "                    result = result * _sink_share(m_i, l_i, sink)[:, None]\n",
+        "            if HAS_SINKS:\n                sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E\n"
+        "                result = result * _sink_share(m_i, l_i, sink)[:, None]\n            if n == 1:\n",
+        (f"{TRITON}::test_triton_features_match_dense[sinks-decode]",),
+    ),
+    Mutant(
+        "triton reads keys before the span", "ascend_compile/ops/cuda_triton_device.py",
+        "            kv_ok = (key_pos >= kv_start) & (key_pos < kv_len)\n", "            kv_ok = key_pos < kv_len\n",
+        (f"{TRITON}::test_triton_window_never_reads_blocks_before_the_span[decode-16]",),
+    ),
+    Mutant(
+        "triton soft-cap on base-2 logits", "ascend_compile/ops/cuda_triton.py",
+        "window or 0, (soft_cap or 1.0) * LOG2E.value,", "window or 0, (soft_cap or 1.0),",
+        (f"{TRITON}::test_triton_features_match_dense[soft_cap-decode]",),
     ),
 )
 
