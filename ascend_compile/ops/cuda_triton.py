@@ -401,9 +401,9 @@ def attention_dev(
     precision = "ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32"
     loc = seq_lens if decode else query_start_loc
     switches = dict(WINDOW=window is not None, HAS_SINKS=sinks is not None)
-    feature_args = (seq_lens if sinks is None else sinks,)  # any pointer stands in for absent sinks
+    sink_logits = seq_lens if sinks is None else sinks.contiguous()  # any pointer stands in for no sinks
     _split_kernel[grid](
-        query, key_cache, value_cache, block_table, seq_lens, loc, partials, out, *feature_args,
+        query, key_cache, value_cache, block_table, seq_lens, loc, partials, out, sink_logits,
         scale * LOG2E.value, num_seqs, lse_base, num_splits, slots, window or 0, (soft_cap or 1.0) * LOG2E.value,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=key_tile,
@@ -413,7 +413,7 @@ def attention_dev(
     )
     if not direct:
         _reduce_kernel[(num_tokens, num_heads)](
-            seq_lens, loc, partials, out, *feature_args, num_seqs, lse_base, num_splits, num_kv_heads, slots,
+            seq_lens, loc, partials, out, sink_logits, num_seqs, lse_base, num_splits, num_kv_heads, slots,
             window or 0, *out.stride(),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=min(REDUCE_SPLITS, max(2, triton.next_power_of_2(num_splits))),
