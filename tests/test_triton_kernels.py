@@ -200,8 +200,8 @@ def test_triton_constexpr_block_sizes(kernels, block_size):
 def test_decode_schedule_fits_the_workspace_and_balances():
     """The host mirror of the device schedule: never more units than the workspace holds, S splits
     for uniform batches, the long sequence of an uneven batch split far more than S times."""
-    pytest.importorskip("triton", reason="the host schedule lives in ops/cuda_triton.py, which imports triton")
-    from ascend_compile.ops.cuda_triton import MIN_SPLIT_TILES, decode_schedule
+    pytest.importorskip("triton", reason="the host schedule mirrors ops/cuda_triton_device.py, which imports triton")
+    from ascend_compile.ops.cuda_launch import MIN_SPLIT_TILES, decode_schedule
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -225,7 +225,7 @@ def test_triton_device_side_split_counts(kernels):
     """Which workspace records the kernels write is the device's schedule: decode units per
     sequence (a sequence of one unit writes its output directly), FIA splits per sequence, and
     nothing past the workspace (a guard behind it stays untouched)."""
-    from ascend_compile.ops.cuda_triton import decode_schedule
+    from ascend_compile.ops.cuda_launch import decode_schedule
 
     heads, dim, splits = 4, 16, 3
     p = make_problem([300, 5, 0, 90, 17], heads=heads, kv_heads=2, dim=dim, block_size=16, seed=21)
@@ -271,7 +271,7 @@ def test_triton_uneven_batch(kernels, decode):
                      block_size=16, seed=31)
     assert_exact(run_triton(kernels, p, 2, decode=decode, **SPLITTY), p, 2, decode=decode)
     if decode:
-        from ascend_compile.ops.cuda_triton import decode_schedule
+        from ascend_compile.ops.cuda_launch import decode_schedule
 
         chunk, units = decode_schedule(lens, 2, key_tile=16, min_split_tiles=1)
         assert units[0] >= 6 and sum(units) <= 14  # 2 fixed splits would leave 350 keys to one program
@@ -389,7 +389,7 @@ def test_triton_window_schedule_and_splits_follow_the_span(kernels):
     """With a window, the decode schedule and FIA's split counts are those of each span's key
     tiles: the workspace records written are the window-aware host mirror's, not those of the
     whole sequences (`test_triton_device_side_split_counts` without a window)."""
-    from ascend_compile.ops.cuda_triton import decode_schedule, span_tiles
+    from ascend_compile.ops.cuda_launch import decode_schedule, span_tiles
 
     heads, dim, splits, window = 4, 16, 3, 20
     p = make_problem([300, 5, 0, 90, 17], heads=heads, kv_heads=2, dim=dim, block_size=16, seed=56)

@@ -109,7 +109,7 @@ MUTANTS = (
         ("tests/test_backend.py::test_moved_kv_cache_is_recaptured_not_read_stale",),
     ),
     Mutant(
-        "no clone", "ascend_compile/lowering/runner.py",
+        "no clone", "ascend_compile/lowering/outputs.py",
         "    return tuple(aliased[i] if i in aliased else out.clone() if clone and isinstance(out, torch.Tensor) else out\n",
         "    return tuple(aliased[i] if i in aliased else out\n",
         ("tests/test_design_cases.py::test_clone_outputs_true_returns_copies_the_next_step_leaves_alone",),

@@ -36,33 +36,11 @@ from . import capture as capture_mod
 from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
     read_step
 from .input_checks import CapturedInputs, change_summary
+from .outputs import narrowed_outputs, returned_outputs
 from .staging import Staging, per_step_shape
 from .verify import first_replay_check, written_regions
 
 log = logging.getLogger("ascend_compile")
-
-#: The runtimes whose first replays `verify` checks by default: the real devices.
-VERIFIED_RUNTIMES = ("npu", "cuda")
-
-
-def _narrowed(outputs: Any, shapes: Sequence[Any], symbols: dict, skip: Sequence[int]) -> list:
-    """The graph's outputs cut to the step's sizes, but those at the positions in `skip`."""
-    result = []
-    for position, (out, shape) in enumerate(zip(outputs, shapes)):
-        if position not in skip and isinstance(out, torch.Tensor) and shape is not None:
-            for dim, n in enumerate(evaluate(d, symbols) for d in shape):
-                if out.shape[dim] != n:
-                    out = out.narrow(dim, 0, n)
-        result.append(out)
-    return result
-
-
-def _returned(narrowed: Sequence[Any], clone: bool, aliased: dict[int, torch.Tensor]) -> tuple:
-    """The step's outputs: the graph's, narrowed (cloned unless not asked), and the outputs that are
-    views of the caller's own tensors as those views (`aliased`; their size may be none of the
-    inputs' symbols, e.g. a slice whose length the trace could not decide)."""
-    return tuple(aliased[i] if i in aliased else out.clone() if clone and isinstance(out, torch.Tensor) else out
-                 for i, out in enumerate(narrowed))
 
 
 def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
@@ -127,7 +105,7 @@ class GraphEntry:
         """The captured outputs narrowed to a step's sizes (views of the static outputs, made once
         per step shape)."""
         return per_step_shape(self._output_views, tuple(symbols.values()),
-                              lambda: _narrowed(self.outputs, self.staging.signature.outputs, symbols, skip))
+                              lambda: narrowed_outputs(self.outputs, self.staging.signature.outputs, symbols, skip))
 
     def locate_writes(self, graph_args: Sequence[Any]) -> None:
         clashes = self.staging.locate_writes(graph_args)
@@ -187,9 +165,8 @@ class CompiledArtifact:
         #: the in-place inputs whose addresses a captured graph holds, checked every step
         self.checked = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
                         and not (config.frozen_parameters and spec.parameter)]
-        #: first replays checked against eager (`verify.py`): by default on the devices, not on the
-        #: simulator, whose tests compare every step with eager (a check there would hide their bugs)
-        self.verify = config.verify if config.verify is not None else self.runtime.name in VERIFIED_RUNTIMES
+        #: first replays checked against eager (`verify.py`): by default where the runtime asks for it
+        self.verify = config.verify if config.verify is not None else self.runtime.verify_first_replays
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
                            for slot in rewritten.plan.slots.values()}
         self.write_plan()
@@ -228,8 +205,8 @@ class CompiledArtifact:
         plan = entry.plan(step)
         if not isinstance(self.runtime, GraphRuntime):
             outputs = entry.run_eager(plan, self.workspaces_for(key))
-            narrowed = _narrowed(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
-            return _returned(narrowed, False, entry.staging.copy_back(step))
+            narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
+            return returned_outputs(narrowed, False, entry.staging.copy_back(step))
         if self.verify and entry.verified is None:
             return self._verified_replay(entry, plan, args, caller_args)
         return self._replay(entry, plan)
@@ -240,25 +217,19 @@ class CompiledArtifact:
         self.stats["replays"] += 1
         step = plan.step
         narrowed = entry.output_views(step.symbols, self.rewritten.write_back.outputs)
-        return _returned(narrowed, self.config.clone_outputs, entry.staging.copy_back(step))
+        return returned_outputs(narrowed, self.config.clone_outputs, entry.staging.copy_back(step))
 
     def _verified_replay(self, entry: GraphEntry, plan: StepPlan, args: Sequence[Any], caller_args: Sequence[Any]
                          ) -> Any:
         """`entry`'s first replay, checked against the step run eagerly (`verify.py`): a graph that
         differs serves no step, this one included."""
-        start = time.perf_counter()
         regions = written_regions(self.signature, self.written, args)
-        outputs, mismatches = first_replay_check(regions, args, lambda: self.rewritten.original(*caller_args),
-                                                 lambda: self._replay(entry, plan), self.names)
-        entry.verified = {"ok": not mismatches, "seconds": round(time.perf_counter() - start, 4),
-                          "mismatches": [str(m) for m in mismatches]}
-        if mismatches:
+        outputs, entry.verified = first_replay_check(
+            entry.name, regions, args, lambda: self.rewritten.original(*caller_args),
+            lambda: self._replay(entry, plan), self.names, self.runtime.generators_kept)
+        if not entry.verified["ok"]:
             self.stats["verify_failures"] += 1
-            entry.eager_reason = f"{entry.name}: its first replay differed from eager ({mismatches[0]})"
-            log.warning("ascend_compile: %s: first replay differs from eager: %s; its steps run eagerly",
-                        entry.name, "; ".join(entry.verified["mismatches"][:3]))
-        else:
-            log.debug("ascend_compile: %s: first replay equals eager (%.3f s)", entry.name, entry.verified["seconds"])
+            entry.eager_reason = f"{entry.name}: its first replay differed from eager ({entry.verified['mismatches'][0]})"
         self.write_plan()
         return outputs
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Sequence
+import time
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 
@@ -99,18 +100,37 @@ def compare(name: str, got: Any, expected: Any) -> Mismatch | None:
 
 
 def first_replay_check(
+    name: str,
     regions: Sequence[Region],
     args: Sequence[Any],
     eager: Callable[[], Any],
     replay: Callable[[], Sequence[Any]],
     names: dict[int, str],
-) -> tuple[Sequence[Any], list[Mismatch]]:
-    """Run the step eagerly, put the written regions back, replay it; compare outputs and regions.
+    generators_kept: Callable[[], ContextManager[None]],
+) -> tuple[Sequence[Any], dict[str, Any]]:
+    """Run the step eagerly, put the written regions and the random generators back, replay it;
+    compare outputs and regions (a step that samples draws the same numbers in both runs).
 
-    Returns (the step's outputs, the mismatches): the replay's where none, else eager's, with the
-    written regions left as eager wrote them."""
+    Returns (the step's outputs, the check's record for the plan): the replay's outputs where they
+    agree, else eager's, with the written regions left as eager wrote them, and a warning logged."""
+    start = time.perf_counter()
+    outputs, mismatches = _compare_runs(regions, args, eager, replay, names, generators_kept)
+    record = {"ok": not mismatches, "seconds": round(time.perf_counter() - start, 4),
+              "mismatches": [str(m) for m in mismatches]}
+    if mismatches:
+        log.warning("ascend_compile: %s: first replay differs from eager: %s; its steps run eagerly",
+                    name, "; ".join(record["mismatches"][:3]))
+    else:
+        log.debug("ascend_compile: %s: first replay equals eager (%.3f s)", name, record["seconds"])
+    return outputs, record
+
+
+def _compare_runs(regions: Sequence[Region], args: Sequence[Any], eager: Callable[[], Any],
+                  replay: Callable[[], Sequence[Any]], names: dict[int, str],
+                  generators_kept: Callable[[], ContextManager[None]]) -> tuple[Sequence[Any], list[Mismatch]]:
     before = [r.read(args) for r in regions]
-    expected = [o.clone() if isinstance(o, torch.Tensor) else o for o in _flat(eager())]
+    with generators_kept():
+        expected = [o.clone() if isinstance(o, torch.Tensor) else o for o in _flat(eager())]
     eager_state = [r.read(args) for r in regions]
     for region, value in zip(regions, before):
         region.write(args, value)

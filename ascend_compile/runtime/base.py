@@ -104,6 +104,15 @@ class Runtime(abc.ABC):
         task updates). By default the op itself; a runtime binding a vendor API returns its binding."""
         return op
 
+    #: Whether `verify` checks this runtime's first replays by default: the devices, where no test
+    #: of the project ran, do; the simulator, whose tests compare every step with eager, does not.
+    verify_first_replays: bool = False
+
+    def generators_kept(self) -> ContextManager[None]:
+        """The random generators this runtime's work draws from, put back when the block ends (the CPU
+        generator; device runtimes add their device's)."""
+        return generators_kept()
+
     def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor on the same memory that does not keep it allocated (as vLLM's `weak_ref_tensors`).
 

@@ -67,6 +67,7 @@ class CudaRuntime(GraphRuntime):
     """CUDA graphs on one device; the kernels read lengths on the device, so no task updates."""
 
     name = "cuda"
+    verify_first_replays = True
 
     def __init__(self, device: torch.device) -> None:
         device = torch.device(device)

@@ -157,6 +157,7 @@ class NpuRuntime(TaskUpdateRuntime):
     """
 
     name = "npu"
+    verify_first_replays = True
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.torch_npu = load_torch_npu()
