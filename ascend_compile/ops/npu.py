@@ -197,6 +197,38 @@ class NpuKernels:
             *args, **kwargs, workspace=workspace, out=[out, self.softmax_lse]
         )
 
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """`ascend.reshape_and_cache` as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`, the
+        write vLLM-Ascend issues on A2/A3 (`vllm_ascend/device/device_op.py`, `BaseDeviceAdaptor`), with
+        key, value and slots made contiguous as it does ("输入参数不支持非连续", torch_npu 2.14
+        `_op_plugin_docs.py`; a copy of this step's tokens, never of a cache: non-contiguous caches are
+        refused at compile time, `ops/npu_rules.py`). "Norm" selects the ND cache layout
+        `[num_blocks, block_size, KVH, D]` (the default, "PA_NZ", takes NZ-format caches).
+
+        It reads no device data on the host, unlike the reference body (which checks the slots' range
+        on the host): the ACL graph records the kernel once and replays it with each step's slots.
+
+        Padding tokens keep slot -1. The docs allow slots in `[0, num_blocks*block_size-1]` only, and
+        distinct ("slot_mapping的值范围[0,num_blocks*block_size-1]，且slot_mapping内的元素值保证不重复"), so no
+        documented value serves a padding token: -1 is outside the range, and one reserved slot for every
+        padding token would repeat, and reserving one per token would take cache blocks the caller owns.
+        -1 is what the kernel skips in its source (ops-transformer `scatter_pa_kv_cache_nd.h`:
+        `if (slotValue < 0) continue;`) and what vLLM-Ascend sends in full-graph mode
+        (`vllm_ascend/worker/model_runner_v1.py`: "Fill unused with -1. Needed for reshape_and_cache in
+        full cuda graph mode"): proven practice, not a documented contract (docs/ascend.md lists it as
+        unverified)."""
+        library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+        self.torch_npu.npu_scatter_pa_kv_cache(
+            key.contiguous(), value.contiguous(), key_cache, value_cache, slot_mapping.contiguous(), cache_mode="Norm"
+        )
+
     def workspace_nbytes(
         self,
         kernel: str,
