@@ -108,17 +108,32 @@ def _executed(kernel: str, kv_lens: list[int]) -> None:
         _ACTIVE.executed.append((kernel, tuple(kv_lens)))
 
 
-def _pa_shapes(query, key_cache, num_kv_heads, num_heads) -> None:
+def _contiguous(source: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            _fail(name, f"a contiguous tensor ({source})", f"strides {t.stride()}")
+
+
+def _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads) -> None:
+    """PA's documented shape rules: "因硬件限制，block_size %16 == 0 ... 因硬件限制，block_size <= 128"
+    (`op_plugin/atb/_atb_api_docs.py`, `_npu_paged_attention_v2`, ATB's same PagedAttentionOperation), and
+    contiguous tensors (no PA doc line: the ATB plugin, `lib/libop_plugin_atb.so`, holds the error
+    "at_tensor is not contiguous")."""
     if num_heads != query.shape[1]:
         _fail("num_heads", f"the query's head count {query.shape[1]}", num_heads)
     if num_kv_heads != key_cache.shape[2]:
         _fail("num_kv_heads", f"the cache's KV head count {key_cache.shape[2]}", num_kv_heads)
+    block_size = key_cache.shape[1]
+    if block_size % 16 or block_size > 128:
+        _fail("block_size", "a multiple of 16 of at most 128 (ATB PagedAttention: '因硬件限制，block_size %16 == 0', "
+              "'block_size <= 128')", block_size)
+    _contiguous("ATB: 'at_tensor is not contiguous'", query=query, key_cache=key_cache, value_cache=value_cache)
 
 
 def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, *,
         workspace=None):
     lens = _host_lengths("context_lens", context_lens)
-    _pa_shapes(query, key_cache, num_kv_heads, num_heads)
+    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
     if workspace is None:  # ATB allocates its own scratch
         shape = tiling.AttentionShape.of(query, key_cache)
         workspace = torch.empty(tiling.workspace_nbytes(tiling.PA, shape, lens), dtype=torch.uint8)
@@ -130,7 +145,7 @@ def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, blo
 def _pa_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens,
                   out):
     lens = _host_lengths("context_lens", context_lens)
-    _pa_shapes(query, key_cache, num_kv_heads, num_heads)
+    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
     nbytes = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(query, key_cache), lens)
     return torch.empty(nbytes, dtype=torch.uint8, device=query.device)
 
@@ -161,6 +176,7 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _fail("actual_seq_lengths", "both actual_seq_lengths and actual_seq_lengths_kv (TND requires them)", None)
     if key.dim() != 3 or value.shape != key.shape:
         _fail("key", "a [num_blocks, block_size, KVH*D] cache (and value alike)", tuple(key.shape))
+    _contiguous("npu_fused_infer_attention_score: '不支持非连续的Tensor'", query=query, key=key, value=value)
     heads, dim = query.shape[1], query.shape[2]
     if kw["num_heads"] != heads:
         _fail("num_heads", f"the query's head count {heads}", kw["num_heads"])

@@ -143,3 +143,124 @@ def test_updates_are_tiled_for_the_cores_the_graph_was_captured_for(fake_npu):
     assert all(torch.npu.get_stream_limit(a.runtime.update_stream) == limited for a in artifacts)
     sets = [stream for what, stream in fake_npu.trace if what == "set_stream_limit"]
     assert len(sets) <= 3 * len(artifacts)  # set when it differs, not before every update
+
+
+# ----------------------------------------------------------------------------- kernel constraints at compile time
+
+DEVICE_CALLS = ("_npu_paged_attention", "npu_fused_infer_attention_score.out", "_npu_paged_attention_get_workspace",
+                "_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache")
+
+
+def _first_step(cfg, model=None, steps=([10, 20, 30],), **options):
+    """Compile on the fake NPU and run `steps`; the first exception, or None."""
+    model, reference = model or build(cfg), build(cfg)
+    fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,), **options)
+    batch = PagedBatch(cfg, seed=7)
+    try:
+        with torch.no_grad():
+            for lens in steps:
+                inputs = batch.step(lens)
+                torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    except Exception as err:  # noqa: BLE001 - the tests inspect it
+        return err
+    return None
+
+
+def test_a_pa_block_size_of_256_is_refused_at_compile(fake_npu):
+    # ATB's PA: "block_size %16 == 0 ... block_size <= 128"; 256 would fail on the device at the first
+    # capture. Refused before torch_npu is called at all, naming the layer, the kernel and the rule.
+    error = _first_step(LlamaConfig(num_layers=1, num_blocks=64, block_size=256), kernel_policy="pa")
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert "paged_attention_default (layer L['self'].layers.0.attn): block_size: torch_npu._npu_paged_attention " \
+           "(ATB PagedAttention) takes" in str(error)
+    assert "block_size %16 == 0" in str(error) and "got 256" in str(error)
+
+
+def test_the_fake_pa_refuses_block_sizes_atb_does_not_take(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    query, cache = torch.randn(2, 4, 16), torch.zeros(4, 256, 2, 16)
+    with pytest.raises(ValueError, match="block_size: expected a multiple of 16 of at most 128"):
+        kernels.paged_attention(query, cache, cache, torch.zeros(2, 1, dtype=torch.int32), [3, 4], 0.25,
+                                torch.empty(0, dtype=torch.uint8), torch.empty_like(query))
+
+
+def _unbound_cache_model(cfg):
+    """The example model with vLLM's `[num_blocks, 2, block_size, KVH, D]` cache, each layer's key and
+    value caches its two non-contiguous halves."""
+    model = build(cfg)
+    for layer in model.layers:
+        kv = torch.zeros(cfg.num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        layer.attn._buffers["key_cache"], layer.attn._buffers["value_cache"] = kv[:, 0], kv[:, 1]
+    return model
+
+
+@pytest.mark.parametrize("policy", ["pa", "fia"])
+def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
+    # A contiguous copy of each half would copy the whole cache at every call inside the graph.
+    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    error = _first_step(cfg, _unbound_cache_model(cfg), kernel_policy=policy)
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert "reshape_and_cache (layer L['self'].layers.0.attn): key_cache: torch_npu.npu_scatter_pa_kv_cache" \
+           in str(error)
+    assert "takes contiguous tensors" in str(error) and "输入参数不支持非连续" in str(error)
+
+
+def test_the_fake_attention_kernels_refuse_non_contiguous_caches(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16)
+    query, table = torch.randn(2, 4, 16), torch.zeros(2, 1, dtype=torch.int32)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="key_cache: expected a contiguous tensor"):
+        kernels.paged_attention(query, kv[:, 0], kv[:, 1], table, [3, 4], 0.25, workspace, torch.empty_like(query))
+    with pytest.raises(ValueError, match="key: expected a contiguous tensor"):
+        kernels.fused_infer_attention(query, kv[:, 0], kv[:, 1], table, [1, 2], [3, 4], 0.25, workspace,
+                                      torch.empty_like(query))
+
+
+def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compile(fake_npu):
+    # FIA counts a block for each padding sequence against num_blocks ("blocknum不能小于..."): the
+    # all-padding capture of bucket 8 needs 8 blocks, the cache has 6.
+    cfg = LlamaConfig(num_layers=1, num_blocks=6, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8,), kernel_policy="fia")
+    batch = PagedBatch(cfg)
+    with torch.no_grad():
+        fn(**batch.step([10, 20, 30]))  # three tokens: dynamo traces them static, bucket 3 is captured
+        calls = fake_npu.count(*DEVICE_CALLS)
+        with pytest.raises(Exception, match="fused_infer_attention_default .*: key_cache: .* 8 blocks .* bucket 8 is "
+                                            "captured with 8 padding sequences"):
+            fn(**batch.step([10, 20, 30, 40]))  # every size dynamic: bucket 8
+    assert fake_npu.count(*DEVICE_CALLS) == calls
+
+
+def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_npu):
+    # Four sequences hold 15 of the cache's 16 blocks; padded to bucket 8, FIA would be sent 4 more
+    # sequences of one block each: 19 > 16. The step runs eagerly (and right) instead.
+    cfg = LlamaConfig(num_layers=1, num_blocks=16, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=2048, capture_sizes=(8,), kernel_policy="fia")
+    batch = PagedBatch(cfg, seed=8)
+    with torch.no_grad():
+        for lens in ([10, 20, 30], [10, 20, 30, 40], [600, 640, 500, 10], [5, 6, 7, 8, 9]):
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    fallbacks, replays = (sum(a.stats[k] for a in artifacts) for k in ("eager_fallbacks", "replays"))
+    assert (fallbacks, replays) == (1, 3)  # the third step's 15 blocks of real sequences and 4 of padding
+
+
+def _strided_query(attend):
+    """A layer's `attend` whose query reaches attention as a non-contiguous (dense) tensor, as vLLM's
+    query, a view of the fused QKV projection, does."""
+    return lambda q, *args: attend(q.transpose(0, 1).contiguous().transpose(0, 1), *args)
+
+
+@pytest.mark.parametrize("policy", ["pa", "fia"])
+def test_a_non_contiguous_query_is_staged_contiguous_before_the_kernel(fake_npu, policy):
+    # The kernels take contiguous queries ('不支持非连续的Tensor'): a step's query, a few KB per layer, is
+    # copied into a contiguous tensor by a node of the graph, outside the kernel's task group.
+    cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=NPU_BLOCK)
+    model = build(cfg)
+    for layer in model.layers:
+        layer.attn.attend = _strided_query(layer.attn.attend)
+    assert _first_step(cfg, model, steps=([10, 20, 30], [5, 6, 7, 8]), kernel_policy=policy) is None
+    assert fake_npu.count("_npu_paged_attention" if policy == "pa" else "npu_fused_infer_attention_score.out") > 0

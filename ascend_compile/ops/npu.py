@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import library, tiling
+from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
 
@@ -38,10 +39,6 @@ from .tiling import AttentionShape
 FIA_SPARSE_MODE = 3
 #: The side of the optimised causal mask FIA's sparse modes 2-4 take.
 FIA_MASK_SIZE = 2048
-#: KV-cache block sizes paged FIA accepts: "block_size最小为128, 最大为512, 且要求是128的倍数" (at least 128,
-#: at most 512, a multiple of 128; `npu_fused_infer_attention_score` in torch_npu 2.14's
-#: `_op_plugin_docs.py`). vLLM-Ascend runs its caches at 128 on hardware.
-FIA_BLOCK_SIZES = (128, 256, 384, 512)
 
 
 def load_torch_npu() -> ModuleType:
@@ -53,17 +50,6 @@ def load_torch_npu() -> ModuleType:
             "runtime: 'npu' needs torch_npu (pip install torch-npu matching your torch and CANN; "
             "see docs/ascend.md)"
         ) from err
-
-
-def check_fia_block_size(block_size: int) -> None:
-    """Refuse a KV-cache block size paged FIA does not accept (see `FIA_BLOCK_SIZES`), before the
-    device does, so compile time says so (the workspace probe asks FIA for every mixed graph)."""
-    if block_size not in FIA_BLOCK_SIZES:
-        raise ValueError(
-            f"block_size: torch_npu's paged FIA (npu_fused_infer_attention_score) takes KV-cache blocks of "
-            f"{list(FIA_BLOCK_SIZES)} tokens (a multiple of 128, at most 512), got {block_size}; allocate the KV "
-            f"cache with block_size=128, as vLLM-Ascend does"
-        )
 
 
 def fia_causal_mask(device: torch.device) -> torch.Tensor:

@@ -35,6 +35,7 @@ from ..ops.kernel_policy import KernelChoice, KernelPolicy
 from .find_attention import AttentionArgs, adapt_attention
 from .fx_utils import example_value
 from .kernel_call import KernelCall, host_placeholders, kernel_calls
+from .npu_checks import check_npu_graph
 from .probe import ProbedWorkspaceNeed
 from .select_kernels import attention_shapes, choose_kernels, select_kernels
 from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
@@ -159,6 +160,7 @@ def rewrite_for_npugraph_ex(
     choices = choose_kernels(attention_shapes(gm), key.bucket, _policy(config), key.decode)
     calls = select_kernels(gm, [c.kernel for c in choices])
     _refuse_fia(calls, choices)
+    check_npu_graph(gm, [key])
     plan = plan_workspaces([(key, kernel_sites(gm))], config.max_model_len, config.workspace_seq_len, True, need_fn)
     insert_workspaces(gm, [key], plan)
     _lower_to_torch_npu(gm)
