@@ -93,10 +93,11 @@ class NpuTarget(Target):
             runtime.kernels, runtime.synchronize, kernel, shape, bucket, config.auto_timing_seq_len, dtype)
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
-        from .ops import npu as npu_ops
+        """torch_npu's workspace queries, asked as each answers (`passes/probe.py`)."""
+        from .ops.npu_workspace import NpuWorkspaceQuery
         from .passes.probe import ProbedWorkspaceNeed
 
-        return ProbedWorkspaceNeed(npu_ops.NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
+        return ProbedWorkspaceNeed(NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
 
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Every kernel and cache write held to the torch_npu kernels' documented constraints

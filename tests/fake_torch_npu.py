@@ -35,6 +35,7 @@ import importlib.util
 import itertools
 import sys
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -289,9 +290,14 @@ def _scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, co
 
 
 def _fia_max_workspace(query, key, value, **kwargs):
+    """The most FIA can need for these shapes at any lengths: "获取最大workspace size" (torch_npu 2.14
+    `_op_plugin_docs.py`, `_npu_fused_infer_attention_score_get_max_workspace`; the kernel source's max
+    path ignores the length values). Here: the reference tiling's maximum for the query's tokens over
+    every KV length the block table can hold, in the query's dtype. The lengths must still be valid."""
     kw = _fia_arguments(torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default._schema, kwargs)
-    key4, _, _, kv_lens, query_lens = _fia_layout(query, key, value, kw)
-    nbytes = tiling.workspace_nbytes(tiling.FIA, tiling.AttentionShape.of(query, key4), kv_lens, query_lens)
+    key4, *_ = _fia_layout(query, key, value, kw)
+    kv_capacity = kw["block_table"].shape[1] * key4.shape[1]
+    nbytes = tiling.max_workspace(tiling.FIA, tiling.AttentionShape.of(query, key4), query.shape[0], kv_capacity).nbytes
     return torch.empty(-(-nbytes // query.element_size()), dtype=query.dtype, device=query.device)
 
 
@@ -361,6 +367,37 @@ class _HostReadFunction(TorchFunctionMode):
         if func in (torch.Tensor.tolist, torch.Tensor.numpy):
             self.reads.append(f"Tensor.{func.__name__}")
         return func(*args, **(kwargs or {}))
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Counts the device memory ops allocate while it is active (every output tensor on new storage,
+    a kernel's own scratch aside): `peak` bytes alive at once, `total` bytes ever allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = self.total = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for out in pytree.tree_leaves(result):
+            if isinstance(out, torch.Tensor):
+                self._count(out.untyped_storage())
+        return result
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if key in self._seen or not storage.nbytes():
+            return
+        self._seen.add(key)
+        self.live += storage.nbytes()
+        self.total += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
 
 
 # ----------------------------------------------------------------------------- the device

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops import tiling
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
 from tests.test_backend import compiled_model
@@ -264,3 +265,23 @@ def test_a_non_contiguous_query_is_staged_contiguous_before_the_kernel(fake_npu,
         layer.attn.attend = _strided_query(layer.attn.attend)
     assert _first_step(cfg, model, steps=([10, 20, 30], [5, 6, 7, 8]), kernel_policy=policy) is None
     assert fake_npu.count("_npu_paged_attention" if policy == "pa" else "npu_fused_infer_attention_score.out") > 0
+
+
+# ----------------------------------------------------------------------------- workspaces asked as the device answers
+
+
+def test_fia_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_with_max_model_len(fake_npu):
+    # The default buckets, KVH 8, D 128, bf16: the old probe kept a cache of bucket x max_model_len / 128
+    # blocks (4 GiB at 8k) and asked FIA at every probe length in two layouts. FIA's max-workspace query
+    # answers for any lengths up to the shapes it is given: once per graph; PA's answers for the lengths
+    # it is given, so PA still asks at every probe length, on a one-block cache.
+    from ascend_compile.passes.probe import default_probe_lengths
+    from tests.npu_probe_cost import SHAPE, probe_cost
+
+    for max_model_len in (8192, 32768):
+        cost = probe_cost(fake_npu, max_model_len)
+        assert cost.peak_bytes <= 64 << 20, (max_model_len, cost)
+        assert cost.fia_queries == cost.fia_graphs == 35  # one shape, all layers: one query per graph
+        assert cost.pa_queries == cost.pa_graphs * len(default_probe_lengths(max_model_len, SHAPE.block_size))
+        # The slot covers FIA's every length up to max_model_len for the largest bucket.
+        assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes

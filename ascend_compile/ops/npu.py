@@ -14,11 +14,13 @@ and order of the schemas in the torch_npu 2.14 wheel (`tests/fixtures/torch_npu_
   requires, `workspace=`, and `out=[attention_out, softmax_lse]` (the registered overload takes `out`
   as a list).
 
+The KV-cache write runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`.
+
 Ascend gives no formula for the workspace these kernels need, only queries
-(`_npu_paged_attention_get_workspace`, `_npu_fused_infer_attention_score_get_max_workspace`) that
-answer for given host lengths. `NpuWorkspaceQuery` asks them; `passes.probe.ProbedWorkspaceNeed`
-asks it at compile time over a set of lengths and keeps the maximum and the length that needs it;
-nothing is queried or allocated at replay.
+(`_npu_paged_attention_get_workspace` for given lengths, `_npu_fused_infer_attention_score_get_max_workspace`
+for any): `NpuKernels.workspace_nbytes` asks either, `ops/npu_workspace.py` asks them at compile time
+on probe tensors, and nothing is queried or allocated at replay. The kernels' documented constraints
+are in `ops/npu_rules.py`.
 
 torch_npu is imported lazily, by `load_torch_npu`: importing this module needs no NPU.
 """
@@ -250,63 +252,6 @@ class NpuKernels:
             self.fused_infer_attention(*args)
         else:
             raise ValueError(f"kernel: expected {tiling.PA!r} or {tiling.FIA!r}, got {kernel!r}")
-
-
-class NpuWorkspaceQuery:
-    """Asks torch_npu's workspace queries for host lengths, on probe tensors of a given dtype.
-
-    A `passes.probe.WorkspaceQuery`: `(kernel, shape, query_lens, kv_lens, max_blocks) -> bytes`.
-    The probe is a cache the device accepts: torch_npu's FIA docs require `num_blocks` to be at least
-    the sum of every sequence's blocks ("blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个
-    batch的block数量之和"), so each sequence gets blocks of its own, and each block-table row (`max_blocks`
-    wide, like the runner's static block table) lists them, padded with block 0. The largest cache asked
-    for so far is kept per shape and narrowed for smaller questions. Used at compile time only.
-    """
-
-    def __init__(self, kernels: NpuKernels, dtype: torch.dtype) -> None:
-        self.kernels = kernels
-        self.dtype = dtype
-        self._caches: dict[AttentionShape, torch.Tensor] = {}
-
-    def __call__(
-        self, kernel: str, shape: AttentionShape, query_lens: Sequence[int], kv_lens: Sequence[int], max_blocks: int
-    ) -> int:
-        device = self.kernels.device
-        block_table, num_blocks = probe_block_table(kv_lens, shape.block_size, max_blocks)
-        cache = self._cache(shape, num_blocks)
-        query = torch.empty(sum(query_lens), shape.num_heads, shape.head_dim, dtype=self.dtype, device=device)
-        ends, total = [], 0
-        for n in query_lens:
-            total += n
-            ends.append(total)
-        return self.kernels.workspace_nbytes(
-            kernel, query, cache, cache, block_table.to(device), ends, kv_lens, shape.head_dim**-0.5,
-            torch.empty_like(query),
-        )
-
-    def _cache(self, shape: AttentionShape, num_blocks: int) -> torch.Tensor:
-        """A `[num_blocks, block_size, KVH, D]` cache: a view of the largest one made for `shape`."""
-        cache = self._caches.get(shape)
-        if cache is None or cache.shape[0] < num_blocks:
-            cache = self._caches[shape] = torch.empty(
-                (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=self.dtype,
-                device=self.kernels.device,
-            )
-        return cache[:num_blocks]
-
-
-def probe_block_table(kv_lens: Sequence[int], block_size: int, max_blocks: int) -> tuple[torch.Tensor, int]:
-    """A `[len(kv_lens), max_blocks]` int32 block table giving each sequence blocks of its own, and the
-    number of blocks it uses (at least 1): the smallest cache the device accepts for these lengths."""
-    table = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
-    used = 0
-    for row, kv in enumerate(kv_lens):
-        blocks = -(-int(kv) // block_size)
-        if blocks > max_blocks:
-            raise ValueError(f"kv_lens: {kv} needs {blocks} blocks of {block_size}, but rows hold {max_blocks}")
-        table[row, :blocks] = torch.arange(used, used + blocks, dtype=torch.int32)
-        used += blocks
-    return table, max(used, 1)
 
 
 def time_kernel(

@@ -32,6 +32,7 @@ from ..config import CompileConfig
 from ..ops import npu as npu_ops
 from ..ops import tiling
 from ..ops.kernel_policy import KernelChoice, KernelPolicy
+from ..ops.npu_workspace import NpuWorkspaceQuery
 from .find_attention import AttentionArgs, adapt_attention
 from .fx_utils import example_value
 from .kernel_call import KernelCall, host_placeholders, kernel_calls
@@ -66,7 +67,7 @@ def _probing_need(attention: fx.Node, config: CompileConfig) -> ProbedWorkspaceN
     """Workspaces sized by torch_npu's own workspace queries (the kernels are torch_npu's)."""
     query = example_value(AttentionArgs.of(attention).query)
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), query.device)
-    return ProbedWorkspaceNeed(npu_ops.NpuWorkspaceQuery(kernels, query.dtype), config.workspace_probe_lens)
+    return ProbedWorkspaceNeed(NpuWorkspaceQuery(kernels, query.dtype), config.workspace_probe_lens)
 
 
 def _graph_key(attention: fx.Node, bucket: int | None, decode: bool | None) -> GraphKey:
