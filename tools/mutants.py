@@ -12,7 +12,8 @@ sizing, wrong bucket, missing address check, no clone, updates after synchronize
 second audit's mutants survived (issue 27: overlapping writes, shrinking regions, padding KV lengths,
 host scalars, metadata keys, the transformers block table, vLLM's query_start_loc, collectives in
 flight, per-sequence outputs, empty queries on the device path, the workspace scan's top end, decode
-detection).
+detection), and what an Ascend device requires that the fake torch_npu now checks (issue 22: a cache
+write reading device data on the host, a skipped contiguity check, the PA block-size check removed).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -50,6 +51,7 @@ PADDING = "tests/test_design_cases.py::test_padding_sequences_have_length_0_in_t
 BUCKETS = "tests/test_design_cases.py::test_steps_smaller_than_the_bucket_are_padded_and_served_by_the_smallest_bucket"
 PROTOCOL_FIA = "tests/test_npu.py::test_replay_is_launched_before_the_updates_which_record_the_events"
 AUDIT = "tests/test_audit_survivors.py"
+DEVICE = "tests/test_npu_device.py"
 
 MUTANTS = (
     Mutant(
@@ -184,6 +186,25 @@ MUTANTS = (
         "    lens = torch.arange(1, max_model_len + 1, dtype=torch.int64)\n",
         "    lens = torch.arange(1, max(2, max_model_len), dtype=torch.int64)\n",
         (f"{AUDIT}::test_a_sequence_of_exactly_max_model_len_fits_its_workspace",),
+    ),
+    # issue 22: what an Ascend device requires
+    Mutant(
+        "a cache write with a host read", "ascend_compile/ops/npu.py",
+        "        library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)\n"
+        "        self.torch_npu.npu_scatter_pa_kv_cache(",
+        "        library.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)\n"
+        "        self.torch_npu.npu_scatter_pa_kv_cache(",
+        (f"{DEVICE}::test_the_cache_write_binding_reads_no_device_data_on_the_host",),
+    ),
+    Mutant(
+        "skipped contiguity check", "ascend_compile/ops/npu_rules.py",
+        "        if not tensor.is_contiguous():\n", "        if False:\n",
+        (f"{DEVICE}::test_a_non_contiguous_kv_cache_is_refused_at_compile",),
+    ),
+    Mutant(
+        "PA block size check removed", "ascend_compile/passes/npu_checks.py",
+        "        _refuse(call.node, lambda: npu_rules.check_pa_block_size(block_size))\n", "        pass\n",
+        (f"{DEVICE}::test_a_pa_block_size_of_256_is_refused_at_compile",),
     ),
 )
 
