@@ -3,8 +3,9 @@
 It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
 ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
 `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
-`stream`, `current_stream`, `synchronize`, ...), `torch_npu._C._weak_ref_tensor`, and the attention
-kernels with their workspace queries. The kernels are defined in torch's op registry from the
+`stream`, `current_stream`, `synchronize`, `empty_cache`, `host_empty_cache`, `get/set_stream_limit`,
+...), `torch_npu._C._weak_ref_tensor`, the attention kernels with their workspace queries, and the
+KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
 with a wrong argument name, order or kind fails here as it does on the device, and the simulator
 records each call as one task. They compute for real, with the project's reference kernels, and
@@ -20,10 +21,18 @@ nothing queued can satisfy (an update queued behind the replay waiting for it) r
 node. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
 a fast path that records another task than real lengths do; PA's task reads its CPU `context_lens`
-when it runs, so that tensor must outlive it. FIA refuses what its torch_npu documentation forbids
-for paged TND calls: a block size that is not a multiple of 128 in [128, 512], a cache with fewer
-blocks than the sequences' lengths need, and a sequence with more query tokens than KV. FIA's
-workspace query answers in the query's dtype (its bytes are `numel * element_size`).
+when it runs, so that tensor must outlive it. Each refuses what its torch_npu documentation forbids
+(quoted where checked): FIA, for paged TND calls, a block size that is not a multiple of 128 in
+[128, 512], a cache with fewer blocks than the sequences' lengths need, non-contiguous query or
+caches, and a sequence with more query tokens than KV; PA a block size that is not a multiple of 16
+of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot dtypes other
+than int32/int64, slots past the cache or repeated (negative ones it skips, as the kernel source
+does). FIA's max-workspace query answers the most any lengths the block table holds can need, in the
+query's dtype (its bytes are `numel * element_size`). Each stream has a core limit; a task update
+issued on a stream limited otherwise than the task's capture is refused (it would re-tile the kernel
+for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's does.
+`HostReads` records host reads of tensor data (what a device kernel's binding must not issue), and
+`AllocatedBytes` the device memory ops allocate.
 The call log keeps tensors as meta tensors (shape and dtype only), so it holds no memory alive.
 `install(monkeypatch)` puts the fake in `sys.modules` for one test.
 """
