@@ -20,7 +20,8 @@ from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
 from .passes.fx_utils import clone_graph_module
-from .passes.npu_checks import StepGuard, check_npu_graph, fia_step_guard
+from .passes.kernel_call import StepGuard
+from .passes.npu_checks import check_npu_graph, fia_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
 from .runtime.base import Runtime

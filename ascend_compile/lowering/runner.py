@@ -25,8 +25,7 @@ from ..config import CompileConfig
 from ..errors import AscendCompileError, CaptureError
 from ..gc_pause import gc_paused
 from ..passes import dump
-from ..passes.kernel_call import HostSource, host_sources, kernel_calls
-from ..passes.npu_checks import StepGuard
+from ..passes.kernel_call import HostSource, StepGuard, host_sources, kernel_calls
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
 from ..passes.size_symbols import evaluate

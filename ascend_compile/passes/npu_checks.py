@@ -16,11 +16,8 @@ from torch import fx
 
 from ..ops import npu_rules, tiling
 from .fx_utils import example_value, is_op
-from .kernel_call import HostSource, KernelCall, is_kernel, kernel_calls
+from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
 from .workspaces import GraphKey
-
-#: Why a step cannot run on a graph, or None: given the step's padded host lists.
-StepGuard = Callable[[Mapping[HostSource, list[int]]], "str | None"]
 
 
 def layer_of(node: fx.Node) -> str:

@@ -119,8 +119,7 @@ class NpuGraph(DeviceGraph):
             raise CaptureError(f"{self.name} was already captured; capture into a new graph")
         rt.capturing = self
         try:
-            self.core_limit = rt.prepare_capture()
-            rt.kernels.take_host_tensors()  # prepare_capture synchronized: earlier work is done
+            self.core_limit = rt.prepare_capture()  # synchronized: the host tensors of earlier work are freed
             with rt.npu.stream(rt.capture_stream):
                 self.native.capture_begin(pool=rt.pool)
                 try:
