@@ -38,9 +38,10 @@ class CompileConfig:
         auto_seq_len: the context length "auto" times the kernels at (default min(1024, max_model_len)).
         workspace_seq_len: None sizes workspaces for the exact maximum over [1, max_model_len]; an
             int pins one length instead (the SEQ_LEN_WITH_MAX_PA_WORKSPACE way; may under-size).
-        workspace_probe_lens: on "npu", whose kernels have no workspace formula, the lengths the
-            workspace queries are asked at, at compile time (the largest answer is kept). None:
-            every block-count class at both ends, every power of two, 6144 and max_model_len (see
+        workspace_probe_lens: on "npu", whose kernels have no workspace formula, the lengths PA's
+            workspace query is asked at, at compile time (the largest answer is kept; FIA's query
+            answers for every length and is asked once per graph). None: every block-count class at
+            both ends, every power of two, 6144 and max_model_len (see
             `passes.probe.default_probe_lengths`). Each at most max_model_len.
         share_workspace: one workspace slot for all buckets (True) or one per bucket.
         runtime: "auto" (npu for graphs on an NPU when torch_npu imports and reports a device,

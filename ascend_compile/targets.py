@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Sequence
 
 import torch
 from torch import fx
@@ -20,6 +20,8 @@ from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
 from .passes.fx_utils import clone_graph_module
+from .passes.kernel_call import StepGuard
+from .passes.npu_checks import check_npu_graph, fia_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
 from .runtime.base import Runtime
@@ -70,11 +72,19 @@ class Target:
         """The graph `key` captures, from its variant `gm`: the variant itself."""
         return gm
 
+    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
+        """Refuse, at compile time, what this device cannot run in `gm` (a variant serving `keys`)."""
+
+    def step_guard(self, gm: fx.GraphModule) -> StepGuard | None:
+        """Why a step may not run on a captured `gm` (it then runs eagerly), or None when every step may."""
+        return None
+
 
 @dataclasses.dataclass
 class NpuTarget(Target):
-    """Ascend through torch_npu: workspaces from torch_npu's own queries, probed at compile time
-    (no formula), and "auto" timing the torch_npu kernels the runtime binds."""
+    """Ascend through torch_npu: workspaces from torch_npu's own queries, asked at compile time
+    (no formula), "auto" timing the torch_npu kernels the runtime binds, and the kernels' documented
+    constraints refused at compile time (and FIA's block count at each step)."""
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
         from .ops import npu as npu_ops
@@ -84,10 +94,27 @@ class NpuTarget(Target):
             runtime.kernels, runtime.synchronize, kernel, shape, bucket, config.auto_timing_seq_len, dtype)
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
-        from .ops import npu as npu_ops
+        """torch_npu's workspace queries, asked as each answers (`passes/probe.py`)."""
+        from .ops.npu_workspace import NpuWorkspaceQuery
         from .passes.probe import ProbedWorkspaceNeed
 
-        return ProbedWorkspaceNeed(npu_ops.NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
+        return ProbedWorkspaceNeed(NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
+
+    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
+        """Every kernel and cache write held to the torch_npu kernels' documented constraints
+        (`passes/npu_checks.py`), before torch_npu is asked anything."""
+        check_npu_graph(gm, keys)
+
+    def step_guard(self, gm: fx.GraphModule) -> StepGuard | None:
+        """FIA's block count on each step's padded lengths (`passes/npu_checks.py`)."""
+        return fia_step_guard(gm)
+
+    def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
+        """The variant, with each non-contiguous query copied contiguous before its kernel
+        (`passes/contiguous_query.py`): torch_npu's kernels take contiguous queries."""
+        from .passes.contiguous_query import contiguous_queries
+
+        return contiguous_queries(gm)
 
 
 @dataclasses.dataclass

@@ -3,8 +3,9 @@
 It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
 ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
 `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
-`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state`, ...), `torch_npu._C._weak_ref_tensor`, and the attention
-kernels with their workspace queries. The kernels are defined in torch's op registry from the
+`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state`, `empty_cache`,
+`host_empty_cache`, `get/set_stream_limit`, ...), `torch_npu._C._weak_ref_tensor`, the attention kernels
+with their workspace queries, and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
 with a wrong argument name, order or kind fails here as it does on the device, and the simulator
 records each call as one task. They compute for real, with the project's reference kernels, and
@@ -20,10 +21,18 @@ nothing queued can satisfy (an update queued behind the replay waiting for it) r
 node. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
 a fast path that records another task than real lengths do; PA's task reads its CPU `context_lens`
-when it runs, so that tensor must outlive it. FIA refuses what its torch_npu documentation forbids
-for paged TND calls: a block size that is not a multiple of 128 in [128, 512], a cache with fewer
-blocks than the sequences' lengths need, and a sequence with more query tokens than KV. FIA's
-workspace query answers in the query's dtype (its bytes are `numel * element_size`).
+when it runs, so that tensor must outlive it. Each refuses what its torch_npu documentation forbids
+(quoted where checked): FIA, for paged TND calls, a block size that is not a multiple of 128 in
+[128, 512], a cache with fewer blocks than the sequences' lengths need, non-contiguous query or
+caches, and a sequence with more query tokens than KV; PA a block size that is not a multiple of 16
+of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot dtypes other
+than int32/int64, slots past the cache or repeated (negative ones it skips, as the kernel source
+does). FIA's max-workspace query answers the most any lengths the block table holds can need, in the
+query's dtype (its bytes are `numel * element_size`). Each stream has a core limit; a task update
+issued on a stream limited otherwise than the task's capture is refused (it would re-tile the kernel
+for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's does.
+`HostReads` records host reads of tensor data (what a device kernel's binding must not issue), and
+`AllocatedBytes` the device memory ops allocate.
 The call log keeps tensors as meta tensors (shape and dtype only), so it holds no memory alive.
 `install(monkeypatch)` puts the fake in `sys.modules` for one test.
 """
@@ -35,13 +44,15 @@ import importlib.util
 import itertools
 import sys
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ascend_compile.ops import library, reference, tiling, validate
 from ascend_compile.runtime import npu as runtime_npu
@@ -107,17 +118,32 @@ def _executed(kernel: str, kv_lens: list[int]) -> None:
         _ACTIVE.executed.append((kernel, tuple(kv_lens)))
 
 
-def _pa_shapes(query, key_cache, num_kv_heads, num_heads) -> None:
+def _contiguous(source: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not t.is_contiguous():
+            _fail(name, f"a contiguous tensor ({source})", f"strides {t.stride()}")
+
+
+def _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads) -> None:
+    """PA's documented shape rules: "因硬件限制，block_size %16 == 0 ... 因硬件限制，block_size <= 128"
+    (`op_plugin/atb/_atb_api_docs.py`, `_npu_paged_attention_v2`, ATB's same PagedAttentionOperation), and
+    contiguous tensors (no PA doc line: the ATB plugin, `lib/libop_plugin_atb.so`, holds the error
+    "at_tensor is not contiguous")."""
     if num_heads != query.shape[1]:
         _fail("num_heads", f"the query's head count {query.shape[1]}", num_heads)
     if num_kv_heads != key_cache.shape[2]:
         _fail("num_kv_heads", f"the cache's KV head count {key_cache.shape[2]}", num_kv_heads)
+    block_size = key_cache.shape[1]
+    if block_size % 16 or block_size > 128:
+        _fail("block_size", "a multiple of 16 of at most 128 (ATB PagedAttention: '因硬件限制，block_size %16 == 0', "
+              "'block_size <= 128')", block_size)
+    _contiguous("ATB: 'at_tensor is not contiguous'", query=query, key_cache=key_cache, value_cache=value_cache)
 
 
 def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, *,
         workspace=None):
     lens = _host_lengths("context_lens", context_lens)
-    _pa_shapes(query, key_cache, num_kv_heads, num_heads)
+    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
     if workspace is None:  # ATB allocates its own scratch
         shape = tiling.AttentionShape.of(query, key_cache)
         workspace = torch.empty(tiling.workspace_nbytes(tiling.PA, shape, lens), dtype=torch.uint8)
@@ -129,7 +155,7 @@ def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, blo
 def _pa_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens,
                   out):
     lens = _host_lengths("context_lens", context_lens)
-    _pa_shapes(query, key_cache, num_kv_heads, num_heads)
+    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
     nbytes = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(query, key_cache), lens)
     return torch.empty(nbytes, dtype=torch.uint8, device=query.device)
 
@@ -160,6 +186,7 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _fail("actual_seq_lengths", "both actual_seq_lengths and actual_seq_lengths_kv (TND requires them)", None)
     if key.dim() != 3 or value.shape != key.shape:
         _fail("key", "a [num_blocks, block_size, KVH*D] cache (and value alike)", tuple(key.shape))
+    _contiguous("npu_fused_infer_attention_score: '不支持非连续的Tensor'", query=query, key=key, value=value)
     heads, dim = query.shape[1], query.shape[2]
     if kw["num_heads"] != heads:
         _fail("num_heads", f"the query's head count {heads}", kw["num_heads"])
@@ -220,10 +247,66 @@ def _fia_out_meta(query, key, value, **kwargs):
     return kwargs["out"][0], kwargs["out"][1]
 
 
+#: torch_npu 2.14 `_op_plugin_docs.py`, npu_scatter_pa_kv_cache: "输入参数不支持非连续" (inputs may not be
+#: non-contiguous) and "slot_mapping（Tensor）：...数据类型支持int32和int64" (int32 and int64 slots).
+_SCATTER_DOC = "npu_scatter_pa_kv_cache (torch_npu 2.14 _op_plugin_docs.py)"
+
+
+def _scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
+                         compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
+    """`npu_scatter_pa_kv_cache` in its second scenario (key/value `[T, N, D]`, ND caches
+    `[num_blocks, block_size, N, D]`, slots `[T]`), refusing what its documentation forbids and
+    writing for real. A negative slot is skipped, as the kernel source does
+    (ops-transformer `scatter_pa_kv_cache_nd.h`: `if (slotValue < 0) continue;`); the docs allow only
+    `[0, num_blocks*block_size-1]` ("slot_mapping的值范围[0,num_blocks*block_size-1]") and distinct
+    slots ("元素值保证不重复，重复时不保证正确性"), so a slot past the cache or a repeated one is refused."""
+    if cache_mode not in (None, "Norm"):
+        _fail("cache_mode", "None or 'Norm' for ND caches ('PA_NZ', the default, takes NZ-format caches)",
+              repr(cache_mode))
+    if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
+        raise NotImplementedError("compress_lens/compress_seq_offsets/seq_lens: the fake implements scenario 2 only")
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("slot_mapping", slot_mapping)):
+        if not t.is_contiguous():
+            _fail(name, f"a contiguous tensor ({_SCATTER_DOC}: 输入参数不支持非连续)", f"strides {t.stride()}")
+    if key.dim() != 3 or key_cache.dim() != 4 or value.shape[:2] != key.shape[:2]:
+        _fail("key", "[T, N, D] key and value with ND caches [num_blocks, block_size, N, D]",
+              f"{tuple(key.shape)}, {tuple(value.shape)}, {tuple(key_cache.shape)}")
+    if key_cache.shape[2:] != key.shape[1:] or value_cache.shape[:3] != key_cache.shape[:3] or \
+            value_cache.shape[3] != value.shape[2]:
+        _fail("key_cache", f"[num_blocks, block_size, {key.shape[1]}, D] caches matching key and value",
+              f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) != 1:
+        _fail("key_cache", "key, value and both caches of one dtype (数据类型必须一致)",
+              [t.dtype for t in (key, value, key_cache, value_cache)])
+    if slot_mapping.dtype not in (torch.int32, torch.int64) or tuple(slot_mapping.shape) != (key.shape[0],):
+        _fail("slot_mapping", f"a [{key.shape[0]}] int32 or int64 tensor", f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if _ACTIVE is not None:
+        _ACTIVE.sim.first_call("npu_scatter_pa_kv_cache")
+    slots = slot_mapping.long()
+    written = slots >= 0
+    slots = slots[written]
+    capacity = key_cache.shape[0] * key_cache.shape[1]
+    if slots.numel() and int(slots.max()) >= capacity:
+        _fail("slot_mapping", f"slots in [0, {capacity - 1}] (num_blocks*block_size-1), or negative (skipped)",
+              int(slots.max()))
+    if slots.unique().numel() != slots.numel():
+        _fail("slot_mapping", "distinct slots (重复时不保证正确性: repeated slots are not guaranteed)", "a repeated slot")
+    if _ACTIVE is not None:
+        _ACTIVE.writes.append(int(slots.numel()))
+    key_cache.view(capacity, *key_cache.shape[2:])[slots] = key[written]
+    value_cache.view(capacity, *value_cache.shape[2:])[slots] = value[written]
+
+
 def _fia_max_workspace(query, key, value, **kwargs):
+    """The most FIA can need for these shapes at any lengths: "获取最大workspace size" (torch_npu 2.14
+    `_op_plugin_docs.py`, `_npu_fused_infer_attention_score_get_max_workspace`; the kernel source's max
+    path ignores the length values). Here: the reference tiling's maximum for the query's tokens over
+    every KV length the block table can hold, in the query's dtype. The lengths must still be valid."""
     kw = _fia_arguments(torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default._schema, kwargs)
-    key4, _, _, kv_lens, query_lens = _fia_layout(query, key, value, kw)
-    nbytes = tiling.workspace_nbytes(tiling.FIA, tiling.AttentionShape.of(query, key4), kv_lens, query_lens)
+    key4, *_ = _fia_layout(query, key, value, kw)
+    kv_capacity = kw["block_table"].shape[1] * key4.shape[1]
+    nbytes = tiling.max_workspace(tiling.FIA, tiling.AttentionShape.of(query, key4), query.shape[0], kv_capacity).nbytes
     return torch.empty(-(-nbytes // query.element_size()), dtype=query.dtype, device=query.device)
 
 
@@ -249,6 +332,81 @@ def _define_ops() -> None:
     npu.impl("npu_fused_infer_attention_score.out", _fia_out, "CPU")
     npu.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
     npu.impl("_npu_fused_infer_attention_score_get_max_workspace", _fia_max_workspace, "CPU")
+    npu.impl("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache, "CPU")
+
+
+class HostReads:
+    """Records the host reads of tensor data issued while it is active: `.item()`, `int(t)`, `bool(t)`
+    (`_local_scalar_dense`), ops whose output shape depends on data (a boolean-mask index, `nonzero`)
+    and `.tolist()` / `.numpy()`. A device graph cannot record any of them, so a binding of a device
+    kernel must issue none; the kernels' own work runs below the dispatcher's view and is not seen.
+    `reads` lists what was read, by op name."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        self._modes = (_HostReadDispatch(self.reads), _HostReadFunction(self.reads))
+
+    def __enter__(self) -> "HostReads":
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+class _HostReadDispatch(TorchDispatchMode):
+    def __init__(self, reads: list[str]) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _HostReadFunction(TorchFunctionMode):
+    def __init__(self, reads: list[str]) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tolist, torch.Tensor.numpy):
+            self.reads.append(f"Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Counts the device memory ops allocate while it is active (every output tensor on new storage,
+    a kernel's own scratch aside): `peak` bytes alive at once, `total` bytes ever allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = self.total = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for out in pytree.tree_leaves(result):
+            if isinstance(out, torch.Tensor):
+                self._count(out.untyped_storage())
+        return result
+
+    def _count(self, storage: torch.UntypedStorage) -> None:
+        key = storage.data_ptr()
+        if key in self._seen or not storage.nbytes():
+            return
+        self._seen.add(key)
+        self.live += storage.nbytes()
+        self.total += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, key, storage.nbytes())
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
 
 
 # ----------------------------------------------------------------------------- the device
@@ -274,6 +432,7 @@ class FakeNpu:
         self.sim.reads_on_host(pa, "context_lens")
         self.calls: list[Call] = []
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
+        self.writes: list[int] = []  # slots written by each execution of npu_scatter_pa_kv_cache
         self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order
         self.pools: list[Any] = []
         self.capturing: Any = None  # the capture stream while a capture is open
@@ -309,13 +468,19 @@ def _fake() -> FakeNpu:
     return _ACTIVE
 
 
+#: The cores a stream may use until `set_stream_limit` says otherwise (an Atlas A2's AI cube and vector
+#: cores; any value would do).
+DEVICE_CORES = {"cube_core_num": 24, "vector_core_num": 48}
+
+
 class Stream:
-    """`torch.npu.Stream`: an ordered queue of device work."""
+    """`torch.npu.Stream`: an ordered queue of device work, with the core limit of its kernels."""
 
     def __new__(cls, device=None, priority=0, **kwargs):
         self = super().__new__(cls)
         self.device, self.priority, self.stream_id = device, priority, next(_fake().ids)
         self.sim = _fake().sim.new_stream(f"npu stream {self.stream_id}", priority)
+        self.core_limit = dict(DEVICE_CORES)
         return self
 
     def wait_event(self, event):
@@ -364,10 +529,11 @@ class ExternalEvent:
 
 
 class _NPUTaskGroupHandle:
-    """`torch_npu._C._NPUTaskGroupHandle`."""
+    """`torch_npu._C._NPUTaskGroupHandle`, with the core limit its kernels were tiled for."""
 
-    def __init__(self, task_group: Any) -> None:
+    def __init__(self, task_group: Any, core_limit: dict[str, int]) -> None:
         self.task_group = task_group
+        self.core_limit = core_limit
 
 
 class NPUGraph:
@@ -418,7 +584,9 @@ class graph:  # noqa: N801 - the real name
 
     def __enter__(self):
         fake = _fake()
-        fake.synchronize()
+        fake.synchronize()  # torch_npu/npu/graphs.py, graph.__enter__: synchronize, empty_cache, host_empty_cache
+        empty_cache()
+        host_empty_cache()
         fake.streams.append(self.capture_stream)
         try:
             self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
@@ -451,13 +619,23 @@ def graph_task_group_end(stream):
     if fake.capturing is None or stream is not fake.capturing:
         raise RuntimeError(f"graph_task_group_end: {stream!r} is not capturing")
     fake.trace.append(("graph_task_group_end", stream))
-    return _NPUTaskGroupHandle(fake.sim.task_group_end())
+    return _NPUTaskGroupHandle(fake.sim.task_group_end(), dict(stream.core_limit))
 
 
 def graph_task_update_begin(stream, handle):
+    """A task update re-tiles its kernel on the host for the cores of the stream it is issued on; a
+    stream limited otherwise than the capture's would re-tile the task for another core count, so the
+    fake refuses it (npugraph_ex sets the update stream's limit to the one captured before every update:
+    torch_npu 2.14 `npugraph_ex/_acl_concrete_graph/acl_graph.py`, `set_stream_limit` before
+    `graph_task_update_begin`; the limit recorded at capture in `fx2acl_converter.py`)."""
     fake = _fake()
     if stream is fake.capturing:
         raise RuntimeError("graph_task_update_begin: the stream is capturing")
+    if stream.core_limit != handle.core_limit:
+        raise RuntimeError(
+            f"graph_task_update_begin: the update stream's core limit {stream.core_limit} differs from the "
+            f"{handle.core_limit} the task was captured with: the update would tile it for other cores"
+        )
     fake.trace.append(("graph_task_update_begin", stream))
     fake.sim.task_update_begin(handle.task_group, stream.sim)
 
@@ -470,6 +648,28 @@ def graph_task_update_end(stream):
 
 def synchronize(device=None):
     _fake().synchronize()
+
+
+def empty_cache():
+    """Releases the caching allocator's unused blocks (nothing to release on the fake's CPU)."""
+    _fake().trace.append(("empty_cache", None))
+
+
+def host_empty_cache():
+    """Releases the host allocator's unused pinned blocks (nothing to release on the fake's CPU)."""
+    _fake().trace.append(("host_empty_cache", None))
+
+
+def get_stream_limit(stream):
+    return dict(stream.core_limit)
+
+
+def set_stream_limit(stream, cube_num=-1, vector_num=-1):
+    _fake().trace.append(("set_stream_limit", stream))
+    if cube_num != -1:
+        stream.core_limit["cube_core_num"] = cube_num
+    if vector_num != -1:
+        stream.core_limit["vector_core_num"] = vector_num
 
 
 def current_stream(device=None):
@@ -540,7 +740,8 @@ def _logged(name: str, fn: Any) -> Any:
 NPU_FUNCTIONS = (
     Stream, Event, ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end, synchronize, current_stream,
-    stream, current_device, is_available, device_count, get_rng_state, set_rng_state,
+    stream, current_device, is_available, device_count, get_rng_state, set_rng_state, empty_cache, host_empty_cache,
+    get_stream_limit, set_stream_limit,
 )
 
 
@@ -577,6 +778,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
         "_npu_fused_infer_attention_score_get_max_workspace",
         torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace,
     )
+    torch_npu.npu_scatter_pa_kv_cache = _logged("npu_scatter_pa_kv_cache", torch.ops.npu.npu_scatter_pa_kv_cache)
     for name, module in (("torch_npu", torch_npu), ("torch_npu.npu", npu), ("torch_npu._C", c)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(torch, "npu", npu, raising=False)

@@ -13,6 +13,7 @@ from ascend_compile.config import CompileConfig
 from ascend_compile.errors import ReplayError, StreamRace
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
+from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery, fia_probe_lengths
 from ascend_compile.passes.fx_utils import is_op
 from ascend_compile.passes.probe import ProbedWorkspaceNeed, default_probe_lengths
 from ascend_compile.passes.torchair import npugraph_ex_pre_pass
@@ -231,28 +232,43 @@ def test_configured_probe_lengths_are_the_ones_asked(fake_npu):
     assert "workspace too small" in str(results[2][0])
 
 
+class FormulaQueries:
+    """Workspace queries answered by the reference tiling, as the device answers them: PA for the
+    lengths given, FIA's maximum for any lengths the block table holds."""
+
+    def __init__(self) -> None:
+        self.asked = []
+
+    def paged_attention(self, shape, context_lens, max_blocks):
+        self.asked.append((tiling.PA, len(context_lens), max_blocks))
+        return tiling.workspace_nbytes(tiling.PA, shape, context_lens)
+
+    def fused_infer_attention_max(self, shape, tokens, max_blocks):
+        self.asked.append((tiling.FIA, tokens, max_blocks))
+        return tiling.max_workspace(tiling.FIA, shape, tokens, max_blocks * shape.block_size).nbytes
+
+
 def test_probing_without_a_device_finds_the_formula_maximum():
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
-    asked = []
-
-    def query(kernel, shape, query_lens, kv_lens, max_blocks):
-        asked.append((kernel, tuple(query_lens), max_blocks))
-        return tiling.workspace_nbytes(kernel, shape, kv_lens, query_lens)
-
-    need_fn = ProbedWorkspaceNeed(query)
+    device = FormulaQueries()
+    need_fn = ProbedWorkspaceNeed(device)
     for kernel in (tiling.PA, tiling.FIA):
         need = need_fn(KernelSite("n", kernel, shape), 8, 5000, None)
         exact = tiling.max_workspace(kernel, shape, 8, 5000)
-        assert (need.nbytes, need.argmax_len) == (exact.nbytes, exact.argmax_len)
-    assert {q for _, q, _ in asked} == {(1,) * 8, (8,) + (0,) * 7} and {b for *_, b in asked} == {313}
-    asked.clear()
+        assert need.nbytes == exact.nbytes
+    # PA at every probe length; FIA once (its answer covers every length: recorded as max_model_len).
+    assert need_fn.queries == {tiling.PA: len(default_probe_lengths(5000, 16)), tiling.FIA: 1}
+    assert need_fn(KernelSite("n", tiling.FIA, shape), 8, 5000, None).argmax_len == 5000
+    assert {b for *_, b in device.asked} == {313}
+    device.asked.clear()
     need_fn(KernelSite("other_layer", tiling.PA, shape), 8, 5000, None)
-    assert not asked  # answers are cached: layers of one shape cost one probe set
+    need_fn(KernelSite("other_layer", tiling.FIA, shape), 8, 5000, 1000)
+    assert not device.asked  # answers are cached: layers of one shape cost one probe set; FIA ignores a pin
     assert default_probe_lengths(40, 16) == [1, 2, 4, 8, 16, 17, 32, 33, 40]
-    pinned = ProbedWorkspaceNeed(query, [100, 3000])(KernelSite("n", tiling.PA, shape), 2, 5000, 1000)
+    pinned = ProbedWorkspaceNeed(device, [100, 3000])(KernelSite("n", tiling.PA, shape), 2, 5000, 1000)
     assert (pinned.argmax_len, pinned.exact_argmax_len) == (1000, 3000) and pinned.nbytes < pinned.exact_nbytes
     with pytest.raises(ValueError, match="workspace_probe_lens: lengths \\[6000\\] exceed max_model_len=5000"):
-        ProbedWorkspaceNeed(query, [6000])(KernelSite("n", tiling.PA, shape), 2, 5000, None)
+        ProbedWorkspaceNeed(device, [6000])(KernelSite("n", tiling.PA, shape), 2, 5000, None)
     with pytest.raises(ValueError, match="workspace_probe_lens: expected lengths of at most max_model_len"):
         CompileConfig(max_model_len=100, workspace_probe_lens=[200])
 
@@ -319,10 +335,14 @@ def test_calls_match_the_torch_npu_2_14_schemas(fake_npu):
         prob = make_problem([5, 3000, 40], query_lens=query_lens, block_size=NPU_BLOCK)
         host = (prob.seq_lens,) if kernel == tiling.PA else (prob.query_start_loc[1:], prob.seq_lens)
         shape = tiling.AttentionShape.of(prob.query, prob.key_cache)
-        need = npu_ops.NpuWorkspaceQuery(kernels, prob.query.dtype)(
-            kernel, shape, prob.query_lens, prob.seq_lens, prob.block_table.shape[1]
-        )
-        assert need == tiling.workspace_nbytes(kernel, shape, prob.seq_lens, prob.query_lens) > 0
+        queries, width = NpuWorkspaceQuery(kernels, prob.query.dtype), prob.block_table.shape[1]
+        if kernel == tiling.PA:  # for these lengths; FIA: the most any lengths the table holds can need
+            need = queries.paged_attention(shape, prob.seq_lens, width)
+            assert need == tiling.workspace_nbytes(kernel, shape, prob.seq_lens) > 0
+        else:
+            need = queries.fused_infer_attention_max(shape, prob.query.shape[0], width)
+            assert need == tiling.max_workspace(kernel, shape, 7, width * NPU_BLOCK).nbytes
+            assert need >= tiling.workspace_nbytes(kernel, shape, prob.seq_lens, prob.query_lens) > 0
         out = torch.empty_like(prob.query)
         workspace = torch.empty(need, dtype=torch.uint8)
         kernels.call(kernel, prob.query, prob.key_cache, prob.value_cache, prob.block_table, *host, prob.scale,
@@ -456,24 +476,29 @@ def test_seq_lens_may_be_host_lengths_while_the_query_is_on_the_device():
     assert out.device == meta and out.shape == query.shape
 
 
-def test_workspace_probe_gives_every_sequence_its_own_blocks(fake_npu):
-    # torch_npu's FIA docs: num_blocks at least the sum of every sequence's blocks (the fake checks it).
+def test_workspace_probes_are_caches_of_a_few_blocks_the_device_accepts(fake_npu):
+    # PA's docs constrain block ids only: its probe is one block every row names. FIA's docs want as many
+    # blocks as the sequences' lengths take (the fake checks it): its probe packs the graph's tokens into
+    # as few sequences as a row holds, the others empty.
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=NPU_BLOCK)
-    query = npu_ops.NpuWorkspaceQuery(kernels, torch.float32)
-    for kernel in (tiling.PA, tiling.FIA):
-        assert query(kernel, shape, [1] * 4, [512, 300, 129, 1], 4) >= tiling.workspace_nbytes(
-            kernel, shape, [512, 300, 129, 1], [1] * 4)
-    table, blocks = npu_ops.probe_block_table([300, 129, 1], NPU_BLOCK, 4)
-    assert blocks == 6 and table.tolist() == [[0, 1, 2, 0], [3, 4, 0, 0], [5, 0, 0, 0]]
+    queries = NpuWorkspaceQuery(kernels, torch.float32)
+    assert queries.paged_attention(shape, [512, 300, 129, 1], 4) == tiling.workspace_nbytes(
+        tiling.PA, shape, [512, 300, 129, 1])
+    assert queries.fused_infer_attention_max(shape, 300, 2) == tiling.max_workspace(tiling.FIA, shape, 300, 256).nbytes
+    pa_call, fia_call = fake_npu.calls[-2:]
+    assert pa_call.args[1].shape[0] == 1 and pa_call.args[6].shape == (4, 4)
+    assert fia_call.args[1].shape[0] == 3 and fia_call.kwargs["block_table"].shape == (300, 2)
+    assert fia_call.kwargs["actual_seq_lengths_kv"] == [256, 44] + [0] * 298
+    assert fia_probe_lengths(5, 2) == ([2, 2, 1, 0, 0], [2, 2, 1, 0, 0])
 
 
 def test_workspace_bytes_are_the_answers_bytes_not_its_element_count(fake_npu):
     # FIA's query answers in the query's dtype: a float32 answer of n elements is 4n bytes.
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=NPU_BLOCK)
-    need = npu_ops.NpuWorkspaceQuery(kernels, torch.float32)(tiling.FIA, shape, [3, 1], [3000, 40], 24)
-    exact = tiling.workspace_nbytes(tiling.FIA, shape, [3000, 40], [3, 1])
+    need = NpuWorkspaceQuery(kernels, torch.float32).fused_infer_attention_max(shape, 3, 24)
+    exact = tiling.max_workspace(tiling.FIA, shape, 3, 24 * NPU_BLOCK).nbytes
     assert 0 < exact <= need < exact + 4
 
 
@@ -518,7 +543,7 @@ def test_fia_block_size_is_checked_before_torch_npu_is_asked(fake_npu):
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
     with pytest.raises(ValueError, match=r"block_size: torch_npu's paged FIA .* got 16"):
-        npu_ops.NpuWorkspaceQuery(kernels, torch.float32)(tiling.FIA, shape, [1, 1], [20, 30], 4)
+        NpuWorkspaceQuery(kernels, torch.float32).fused_infer_attention_max(shape, 2, 4)
     assert fake_npu.count(*QUERIES) == 0
     cfg = LlamaConfig(num_layers=1, num_blocks=128)  # block_size 16: the mixed graph's FIA is refused at compile
     results, _ = run_model([[10, 20, 30]], cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")

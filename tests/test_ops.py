@@ -234,8 +234,8 @@ def test_reshape_and_cache_errors():
     key = torch.ones(2, 1, 3)
     with pytest.raises(ValueError, match="slot_mapping: expected slots below 8"):
         ops.reshape_and_cache(key, key, kc, kc.clone(), torch.tensor([8, 0]))
-    with pytest.raises(ValueError, match="slot_mapping: expected a \\[2\\] torch.int64 tensor"):
-        ops.reshape_and_cache(key, key, kc, kc.clone(), torch.tensor([1, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="slot_mapping: expected a \\[2\\] torch.int32 or torch.int64 tensor"):
+        ops.reshape_and_cache(key, key, kc, kc.clone(), torch.tensor([1, 0], dtype=torch.int16))
     with pytest.raises(ValueError, match="key_cache: expected dtype torch.float32"):
         ops.reshape_and_cache(key, key, kc.half(), kc.clone(), torch.tensor([1, 0]))
 

@@ -13,8 +13,9 @@ bugs of issue 24 (a capture or a warm-up consuming the step's generator, replays
 draws), the twelve a second audit's mutants survived (issue 27: overlapping writes, shrinking regions,
 padding KV lengths, host scalars, metadata keys, the transformers block table, vLLM's query_start_loc,
 collectives in flight, per-sequence outputs, empty queries on the device path, the workspace scan's
-top end, decode detection), `verify` comparing nothing (issue 22) and the attention features' bugs
-(issue 25).
+top end, decode detection), `verify` comparing nothing and what an Ascend device requires that the
+fake torch_npu now checks (issue 22: a cache write reading device data on the host, a skipped
+contiguity check, the PA block-size check removed), and the attention features' bugs (issue 25).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -55,6 +56,7 @@ AUDIT = "tests/test_audit_survivors.py"
 SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_replay_steps"
 ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
 TRITON = "tests/test_triton_kernels.py"
+DEVICE = "tests/test_npu_device.py"
 
 MUTANTS = (
     Mutant(
@@ -274,6 +276,25 @@ MUTANTS = (
         "triton soft-cap on base-2 logits", "ascend_compile/ops/cuda_triton.py",
         "window or 0, (soft_cap or 1.0) * LOG2E.value,", "window or 0, (soft_cap or 1.0),",
         (f"{TRITON}::test_triton_features_match_dense[soft_cap-decode]",),
+    ),
+    # issue 22: what an Ascend device requires
+    Mutant(
+        "a cache write with a host read", "ascend_compile/ops/npu.py",
+        "        library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)\n"
+        "        self.torch_npu.npu_scatter_pa_kv_cache(",
+        "        library.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)\n"
+        "        self.torch_npu.npu_scatter_pa_kv_cache(",
+        (f"{DEVICE}::test_the_cache_write_binding_reads_no_device_data_on_the_host",),
+    ),
+    Mutant(
+        "skipped contiguity check", "ascend_compile/ops/npu_rules.py",
+        "        if not tensor.is_contiguous():\n", "        if False:\n",
+        (f"{DEVICE}::test_a_non_contiguous_kv_cache_is_refused_at_compile",),
+    ),
+    Mutant(
+        "PA block size check removed", "ascend_compile/passes/npu_checks.py",
+        "        _refuse(call.node, lambda: npu_rules.check_pa_block_size(block_size))\n", "        pass\n",
+        (f"{DEVICE}::test_a_pa_block_size_of_256_is_refused_at_compile",),
     ),
 )
 

@@ -5,7 +5,8 @@ end. The update table keeps, per kernel node (by name), the group's handle, its 
 host arguments and which host list refreshes each (`kernel_call.HostArg`); applying it re-issues
 the kernel inside a task update with the step's lengths and records the event, so the graph's wait
 releases (`UpdateSchedule`). Workspaces are the compiled artifact's slots, alive for its whole life
-(`WorkspaceLifetime`).
+(`WorkspaceLifetime`). Any other op the runtime binds to a device kernel (`Runtime.kernel`, e.g.
+the KV-cache write on torch_npu) is warmed up and captured as that kernel.
 
 A runtime without task updates (CUDA) captures graphs whose kernels read lengths on the device
 (`passes/device_lengths.py`): they need no update entries, and a host-length kernel is refused
@@ -130,7 +131,7 @@ class CaptureInterpreter(fx.Interpreter):
                                                 lambda: fx.Interpreter.run_node(self, n))
         if is_kernel(n):
             return self._kernel(KernelCall.of(n))
-        return super().run_node(n)
+        return run_bound(self, self.runtime, n)
 
     def _kernel(self, call: KernelCall) -> Any:
         n = call.node
@@ -158,7 +159,7 @@ class CaptureInterpreter(fx.Interpreter):
 
 
 class WarmupInterpreter(fx.Interpreter):
-    """Runs a bucket graph eagerly with the runtime's kernels (`Runtime.kernel`), so the warm-up
+    """Runs a bucket graph eagerly with the runtime's bindings (`Runtime.kernel`), so the warm-up
     before a capture sets up the very kernels the capture records."""
 
     def __init__(self, gm: fx.GraphModule, runtime: Runtime) -> None:
@@ -166,10 +167,19 @@ class WarmupInterpreter(fx.Interpreter):
         self.runtime = runtime
 
     def run_node(self, n: fx.Node) -> Any:
-        if is_kernel(n):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            return self.runtime.kernel(n.target)(*args, **kwargs)
-        return super().run_node(n)
+        return run_bound(self, self.runtime, n)
+
+
+def run_bound(interpreter: fx.Interpreter, runtime: Runtime, n: fx.Node) -> Any:
+    """Run node `n` as `runtime` binds its op (`Runtime.kernel`: a device kernel in place of an op
+    whose Python body a device graph could not record, e.g. the KV-cache write on torch_npu), or as
+    the node itself."""
+    if n.op == "call_function":
+        impl = runtime.kernel(n.target)
+        if impl is not n.target:
+            args, kwargs = interpreter.fetch_args_kwargs_from_env(n)
+            return impl(*args, **kwargs)
+    return fx.Interpreter.run_node(interpreter, n)
 
 
 def workspace_env(gm: fx.GraphModule, workspaces: WorkspaceFor) -> dict[fx.Node, torch.Tensor]:

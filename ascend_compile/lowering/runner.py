@@ -25,7 +25,7 @@ from ..config import CompileConfig
 from ..errors import AscendCompileError, CaptureError
 from ..gc_pause import gc_paused
 from ..passes import dump
-from ..passes.kernel_call import HostSource, host_sources, kernel_calls
+from ..passes.kernel_call import HostSource, StepGuard, host_sources, kernel_calls
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
 from ..passes.size_symbols import evaluate
@@ -64,6 +64,7 @@ class GraphEntry:
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
         self.verified: dict[str, Any] | None = None  # the first replay's check against eager (`verify.py`)
         self.captured_inputs: CapturedInputs | None = None
+        self.step_guard: StepGuard | None = None  # why a step may not run on this graph (`Target.step_guard`)
         self._output_views: dict[tuple, list] = {}
         self.capture_seconds = 0.0
 
@@ -203,6 +204,9 @@ class CompiledArtifact:
         if entry.eager_reason:
             return self._fallback(caller_args, entry.eager_reason)
         plan = entry.plan(step)
+        refusal = entry.step_guard(plan.host) if entry.step_guard is not None else None
+        if refusal:
+            return self._fallback(caller_args, refusal)
         if not isinstance(self.runtime, GraphRuntime):
             outputs = entry.run_eager(plan, self.workspaces_for(key))
             narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
@@ -247,7 +251,9 @@ class CompiledArtifact:
         gm = self.specialize(key)
         padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, symbols)
         staging = Staging(self.signature, self.rewritten.write_back, self.runtime, gm, padded)
-        return GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
+        entry = GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
+        entry.step_guard = self.target.step_guard(gm)
+        return entry
 
     def _entry(self, key: GraphKey, args: Sequence[Any], symbols: dict) -> GraphEntry | None:
         """The graph serving `key` at these symbol values, captured if new; None when the key has

@@ -16,6 +16,10 @@ from .kernel_policy import KernelPolicy, choose_kernel
 
 #: The policy `ascend.attention` uses in eager: the compiler's default one.
 EAGER_POLICY = KernelPolicy()
+#: Slot-mapping dtypes the cache write takes: vLLM's int64 and vLLM-Ascend's int32
+#: (`vllm_ascend/worker/block_table.py`), both of which torch_npu's `npu_scatter_pa_kv_cache` accepts
+#: ("slot_mapping...数据类型支持int32和int64", torch_npu 2.14 `_op_plugin_docs.py`).
+SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_out(query: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor) -> None:
@@ -275,9 +279,10 @@ def check_cache_write(
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.dtype != key.dtype:
             raise ValueError(f"{name}: expected dtype {key.dtype} (the key's), got {t.dtype}")
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
+    if slot_mapping.dtype not in SLOT_DTYPES or slot_mapping.shape != (key.shape[0],):
         raise ValueError(
-            f"slot_mapping: expected a [{key.shape[0]}] torch.int64 tensor, got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+            f"slot_mapping: expected a [{key.shape[0]}] torch.int32 or torch.int64 tensor, got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
         )
     for name, t in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
         if t.device != key.device:

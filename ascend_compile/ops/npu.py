@@ -14,11 +14,13 @@ and order of the schemas in the torch_npu 2.14 wheel (`tests/fixtures/torch_npu_
   requires, `workspace=`, and `out=[attention_out, softmax_lse]` (the registered overload takes `out`
   as a list).
 
+The KV-cache write runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`.
+
 Ascend gives no formula for the workspace these kernels need, only queries
-(`_npu_paged_attention_get_workspace`, `_npu_fused_infer_attention_score_get_max_workspace`) that
-answer for given host lengths. `NpuWorkspaceQuery` asks them; `passes.probe.ProbedWorkspaceNeed`
-asks it at compile time over a set of lengths and keeps the maximum and the length that needs it;
-nothing is queried or allocated at replay.
+(`_npu_paged_attention_get_workspace` for given lengths, `_npu_fused_infer_attention_score_get_max_workspace`
+for any): `NpuKernels.workspace_nbytes` asks either, `ops/npu_workspace.py` asks them at compile time
+on probe tensors, and nothing is queried or allocated at replay. The kernels' documented constraints
+are in `ops/npu_rules.py`.
 
 torch_npu is imported lazily, by `load_torch_npu`: importing this module needs no NPU.
 """
@@ -31,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import library, tiling
+from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
 
@@ -38,10 +41,6 @@ from .tiling import AttentionShape
 FIA_SPARSE_MODE = 3
 #: The side of the optimised causal mask FIA's sparse modes 2-4 take.
 FIA_MASK_SIZE = 2048
-#: KV-cache block sizes paged FIA accepts: "block_size最小为128, 最大为512, 且要求是128的倍数" (at least 128,
-#: at most 512, a multiple of 128; `npu_fused_infer_attention_score` in torch_npu 2.14's
-#: `_op_plugin_docs.py`). vLLM-Ascend runs its caches at 128 on hardware.
-FIA_BLOCK_SIZES = (128, 256, 384, 512)
 
 
 def load_torch_npu() -> ModuleType:
@@ -53,17 +52,6 @@ def load_torch_npu() -> ModuleType:
             "runtime: 'npu' needs torch_npu (pip install torch-npu matching your torch and CANN; "
             "see docs/ascend.md)"
         ) from err
-
-
-def check_fia_block_size(block_size: int) -> None:
-    """Refuse a KV-cache block size paged FIA does not accept (see `FIA_BLOCK_SIZES`), before the
-    device does, so compile time says so (the workspace probe asks FIA for every mixed graph)."""
-    if block_size not in FIA_BLOCK_SIZES:
-        raise ValueError(
-            f"block_size: torch_npu's paged FIA (npu_fused_infer_attention_score) takes KV-cache blocks of "
-            f"{list(FIA_BLOCK_SIZES)} tokens (a multiple of 128, at most 512), got {block_size}; allocate the KV "
-            f"cache with block_size=128, as vLLM-Ascend does"
-        )
 
 
 def fia_causal_mask(device: torch.device) -> torch.Tensor:
@@ -203,6 +191,38 @@ class NpuKernels:
             *args, **kwargs, workspace=workspace, out=[out, self.softmax_lse]
         )
 
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """`ascend.reshape_and_cache` as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`, the
+        write vLLM-Ascend issues on A2/A3 (`vllm_ascend/device/device_op.py`, `BaseDeviceAdaptor`), with
+        key, value and slots made contiguous as it does ("输入参数不支持非连续", torch_npu 2.14
+        `_op_plugin_docs.py`; a copy of this step's tokens, never of a cache: non-contiguous caches are
+        refused at compile time, `ops/npu_rules.py`). "Norm" selects the ND cache layout
+        `[num_blocks, block_size, KVH, D]` (the default, "PA_NZ", takes NZ-format caches).
+
+        It reads no device data on the host, unlike the reference body (which checks the slots' range
+        on the host): the ACL graph records the kernel once and replays it with each step's slots.
+
+        Padding tokens keep slot -1. The docs allow slots in `[0, num_blocks*block_size-1]` only, and
+        distinct ("slot_mapping的值范围[0,num_blocks*block_size-1]，且slot_mapping内的元素值保证不重复"), so no
+        documented value serves a padding token: -1 is outside the range, and one reserved slot for every
+        padding token would repeat, and reserving one per token would take cache blocks the caller owns.
+        -1 is what the kernel skips in its source (ops-transformer `scatter_pa_kv_cache_nd.h`:
+        `if (slotValue < 0) continue;`) and what vLLM-Ascend sends in full-graph mode
+        (`vllm_ascend/worker/model_runner_v1.py`: "Fill unused with -1. Needed for reshape_and_cache in
+        full cuda graph mode"): proven practice, not a documented contract (docs/ascend.md lists it as
+        unverified)."""
+        library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+        self.torch_npu.npu_scatter_pa_kv_cache(
+            key.contiguous(), value.contiguous(), key_cache, value_cache, slot_mapping.contiguous(), cache_mode="Norm"
+        )
+
     def workspace_nbytes(
         self,
         kernel: str,
@@ -238,63 +258,6 @@ class NpuKernels:
             self.fused_infer_attention(*args)
         else:
             raise ValueError(f"kernel: expected {tiling.PA!r} or {tiling.FIA!r}, got {kernel!r}")
-
-
-class NpuWorkspaceQuery:
-    """Asks torch_npu's workspace queries for host lengths, on probe tensors of a given dtype.
-
-    A `passes.probe.WorkspaceQuery`: `(kernel, shape, query_lens, kv_lens, max_blocks) -> bytes`.
-    The probe is a cache the device accepts: torch_npu's FIA docs require `num_blocks` to be at least
-    the sum of every sequence's blocks ("blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个
-    batch的block数量之和"), so each sequence gets blocks of its own, and each block-table row (`max_blocks`
-    wide, like the runner's static block table) lists them, padded with block 0. The largest cache asked
-    for so far is kept per shape and narrowed for smaller questions. Used at compile time only.
-    """
-
-    def __init__(self, kernels: NpuKernels, dtype: torch.dtype) -> None:
-        self.kernels = kernels
-        self.dtype = dtype
-        self._caches: dict[AttentionShape, torch.Tensor] = {}
-
-    def __call__(
-        self, kernel: str, shape: AttentionShape, query_lens: Sequence[int], kv_lens: Sequence[int], max_blocks: int
-    ) -> int:
-        device = self.kernels.device
-        block_table, num_blocks = probe_block_table(kv_lens, shape.block_size, max_blocks)
-        cache = self._cache(shape, num_blocks)
-        query = torch.empty(sum(query_lens), shape.num_heads, shape.head_dim, dtype=self.dtype, device=device)
-        ends, total = [], 0
-        for n in query_lens:
-            total += n
-            ends.append(total)
-        return self.kernels.workspace_nbytes(
-            kernel, query, cache, cache, block_table.to(device), ends, kv_lens, shape.head_dim**-0.5,
-            torch.empty_like(query),
-        )
-
-    def _cache(self, shape: AttentionShape, num_blocks: int) -> torch.Tensor:
-        """A `[num_blocks, block_size, KVH, D]` cache: a view of the largest one made for `shape`."""
-        cache = self._caches.get(shape)
-        if cache is None or cache.shape[0] < num_blocks:
-            cache = self._caches[shape] = torch.empty(
-                (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim), dtype=self.dtype,
-                device=self.kernels.device,
-            )
-        return cache[:num_blocks]
-
-
-def probe_block_table(kv_lens: Sequence[int], block_size: int, max_blocks: int) -> tuple[torch.Tensor, int]:
-    """A `[len(kv_lens), max_blocks]` int32 block table giving each sequence blocks of its own, and the
-    number of blocks it uses (at least 1): the smallest cache the device accepts for these lengths."""
-    table = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
-    used = 0
-    for row, kv in enumerate(kv_lens):
-        blocks = -(-int(kv) // block_size)
-        if blocks > max_blocks:
-            raise ValueError(f"kv_lens: {kv} needs {blocks} blocks of {block_size}, but rows hold {max_blocks}")
-        table[row, :blocks] = torch.arange(used, used + blocks, dtype=torch.int32)
-        used += blocks
-    return table, max(used, 1)
 
 
 def time_kernel(

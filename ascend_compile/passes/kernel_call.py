@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -51,6 +51,11 @@ class HostSource:
 
     def placeholder_name(self) -> str:
         return f"{self.source}_{'ends' if self.conversion is Conversion.ENDS else 'host'}"
+
+
+#: Why a step may not run on a graph (it then runs eagerly), or None: given the step's padded host
+#: lists, as the graph's kernels would take them (`Target.step_guard`).
+StepGuard = Callable[[Mapping[HostSource, list[int]]], "str | None"]
 
 
 @dataclasses.dataclass(frozen=True)

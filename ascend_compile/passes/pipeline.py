@@ -44,6 +44,8 @@ class PassTarget(Protocol):
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn: ...
 
+    def check_graph(self, gm: fx.GraphModule, keys: list[GraphKey]) -> None: ...
+
 
 @dataclasses.dataclass
 class Variant:
@@ -206,6 +208,8 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
             select_kernels(variant_gm, kernels)
             variants[name] = Variant(name, kernels, variant_gm, [])
         variants[name].keys.append(key)
+    for variant in variants.values():
+        target.check_graph(variant.gm, variant.keys)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
     plan = plan_workspaces(((key, _sites_for(key, sites[variant_of[key]], choices)) for key in choices),
                            config.max_model_len, config.workspace_seq_len, config.share_workspace,

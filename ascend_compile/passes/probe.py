@@ -1,25 +1,43 @@
-"""Workspace sizes from a device's workspace query, probed at compile time over a set of lengths.
+"""Workspace sizes from a device's workspace queries, asked at compile time the way each answers.
 
-Where a kernel's workspace has no formula (Ascend's PA and FIA), the only source is a query that
-answers for given host lengths. `ProbedWorkspaceNeed` is the `NeedFn` (see `workspaces.py`) that
-asks it over a set of probe lengths, keeps the maximum over lengths (and, through the planner, over
-layers and buckets), and records the length that needs it. The need is not assumed monotonic in
-length, so the probe set covers every block-count class at both ends, not only the largest length.
+Where a kernel's workspace has no formula (Ascend's PA and FIA), the only source is the device's
+query, and the two kernels' queries answer different questions (`ops/npu_workspace.py`):
+
+- FIA's `get_max_workspace` answers the most any lengths up to the shapes given can need: it is asked
+  once per graph (per bucket and shape), like torch_npu's own ACL-graph capture and vLLM-Ascend ask it.
+  Its answer covers every length, so a pinned `workspace_seq_len` does not shrink it, and the plan
+  records `max_model_len` as its length.
+- PA's `get_workspace` answers for the lengths given, and that need is not assumed monotonic in
+  length (vLLM-Ascend's worry: "smaller seq_lens might encounter a bigger workspace"). A workspace slot
+  must cover every length a step may bring, so PA is asked at every probe length, every sequence of
+  the bucket decoding at it: every block-count class at both ends, not only the largest length. The
+  largest answer sizes the slot and its length is the plan's arg-max. (PA batches of mixed lengths are
+  not asked: issue 22, item 4.)
+
+`ProbedWorkspaceNeed` is the `NeedFn` (see `workspaces.py`) doing this; answers are cached per
+(kernel, shape, tokens, length, table width), so the layers of one shape cost one question each.
 Nothing here runs at replay.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import collections
+from typing import Callable, Protocol, Sequence
 
 from ..ops import tiling
 from .workspaces import KernelSite, NodeNeed
 
-#: Bytes a kernel needs: (kernel, shape, query tokens per sequence, KV length per sequence,
-#: block-table width) -> bytes.
-WorkspaceQuery = Callable[[str, tiling.AttentionShape, Sequence[int], Sequence[int], int], int]
-
 #: The length vLLM-Ascend pinned PA's workspace to (SEQ_LEN_WITH_MAX_PA_WORKSPACE).
 VLLM_ASCEND_PINNED_LEN = 6144
+
+
+class WorkspaceQueries(Protocol):
+    """A device's workspace queries, in bytes (`ops.npu_workspace.NpuWorkspaceQuery` on torch_npu)."""
+
+    def paged_attention(self, shape: tiling.AttentionShape, context_lens: Sequence[int], max_blocks: int) -> int:
+        """PA's need for one decode token per sequence at `context_lens`."""
+
+    def fused_infer_attention_max(self, shape: tiling.AttentionShape, tokens: int, max_blocks: int) -> int:
+        """FIA's largest need for `tokens` query tokens in as many sequences, at any lengths."""
 
 
 def default_probe_lengths(max_model_len: int, block_size: int) -> list[int]:
@@ -37,30 +55,24 @@ def default_probe_lengths(max_model_len: int, block_size: int) -> list[int]:
 
 
 class ProbedWorkspaceNeed:
-    """A `NeedFn` that sizes a kernel node by asking `query` at each probe length.
+    """A `NeedFn` sizing each kernel node from the device's workspace queries (see the module docstring).
 
-    For a node in a graph of `tokens` query tokens (and as many, padded, sequences) it asks at each
-    length `L`: every sequence decoding at `L` (PA and FIA) and, for FIA, one sequence holding all
-    `tokens` query tokens at KV length `max(L, tokens)` with the others empty. The need is the
-    largest answer; its length is the plan's arg-max. Answers are cached per (kernel, shape, tokens,
-    layout, length), so the layers of one shape cost one probe set.
-
-    `probe_lens`: the lengths to ask at; None for `default_probe_lengths`. `queries` counts the
-    questions asked.
+    `probe_lens`: the lengths PA is asked at; None for `default_probe_lengths`. `queries` counts the
+    questions asked, per kernel.
     """
 
-    def __init__(self, query: WorkspaceQuery, probe_lens: Sequence[int] | None = None) -> None:
+    def __init__(self, queries: WorkspaceQueries, probe_lens: Sequence[int] | None = None) -> None:
         if probe_lens is not None:
             probe_lens = sorted(set(probe_lens))
             if not probe_lens or any(not isinstance(n, int) or n < 1 for n in probe_lens):
                 raise ValueError(f"workspace_probe_lens: expected positive int lengths, got {probe_lens!r}")
-        self.query = query
+        self.device_queries = queries
         self.probe_lens = probe_lens
-        self.queries = 0
+        self.queries: collections.Counter[str] = collections.Counter()
         self._answers: dict[tuple, int] = {}
 
     def lengths(self, max_model_len: int, block_size: int) -> list[int]:
-        """The lengths probed for graphs bounded by `max_model_len`."""
+        """The lengths PA is asked at for graphs bounded by `max_model_len`."""
         if self.probe_lens is None:
             return default_probe_lengths(max_model_len, block_size)
         too_long = [n for n in self.probe_lens if n > max_model_len]
@@ -69,29 +81,29 @@ class ProbedWorkspaceNeed:
         return list(self.probe_lens)
 
     def __call__(self, site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len: int | None) -> NodeNeed:
+        max_blocks = -(-max_model_len // site.shape.block_size)
+        if site.kernel == tiling.FIA:
+            nbytes = self._ask((tiling.FIA, site.shape, tokens, max_blocks), lambda: self.device_queries.fused_infer_attention_max(
+                site.shape, tokens, max_blocks))
+            return NodeNeed(site.node, site.kernel, nbytes, max_model_len, nbytes, max_model_len)
         lens = self.lengths(max_model_len, site.shape.block_size)
-        needs = [self.need(site.kernel, site.shape, tokens, n, max_model_len) for n in lens]
+        needs = [self.pa_need(site.shape, tokens, n, max_blocks) for n in lens]
         top = max(needs)
         exact, exact_len = top, lens[needs.index(top)]  # the shortest length with the largest need
         if pinned_seq_len is None:
             return NodeNeed(site.node, site.kernel, exact, exact_len, exact, exact_len)
-        pinned = self.need(site.kernel, site.shape, tokens, pinned_seq_len, max_model_len)
+        pinned = self.pa_need(site.shape, tokens, pinned_seq_len, max_blocks)
         if pinned > exact:
             exact, exact_len = pinned, pinned_seq_len
         return NodeNeed(site.node, site.kernel, pinned, pinned_seq_len, exact, exact_len)
 
-    def need(self, kernel: str, shape: tiling.AttentionShape, tokens: int, seq_len: int, max_model_len: int) -> int:
-        """Bytes `kernel` needs in a graph of `tokens` query tokens at probe length `seq_len`."""
-        layouts = [("decode", [1] * tokens, [seq_len] * tokens)]
-        if kernel == tiling.FIA and tokens > 1 and max(seq_len, tokens) <= max_model_len:
-            empty = [0] * (tokens - 1)
-            layouts.append(("chunk", [tokens] + empty, [max(seq_len, tokens)] + empty))
-        max_blocks = -(-max_model_len // shape.block_size)
-        best = 0
-        for layout, query_lens, kv_lens in layouts:
-            key = (kernel, shape, tokens, layout, seq_len, max_blocks)
-            if key not in self._answers:
-                self.queries += 1
-                self._answers[key] = int(self.query(kernel, shape, query_lens, kv_lens, max_blocks))
-            best = max(best, self._answers[key])
-        return best
+    def pa_need(self, shape: tiling.AttentionShape, tokens: int, seq_len: int, max_blocks: int) -> int:
+        """Bytes PA needs with `tokens` sequences decoding at `seq_len`."""
+        return self._ask((tiling.PA, shape, tokens, seq_len, max_blocks), lambda: self.device_queries.paged_attention(
+            shape, [seq_len] * tokens, max_blocks))
+
+    def _ask(self, key: tuple, query: Callable[[], int]) -> int:
+        if key not in self._answers:
+            self.queries[key[0]] += 1
+            self._answers[key] = int(query())
+        return self._answers[key]

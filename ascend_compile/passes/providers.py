@@ -64,9 +64,13 @@ def fresh_size(fake_mode: Any, hint: int, name: str) -> Any:
 
 
 def fake_like(fake_mode: Any, real: torch.Tensor, shape: Sequence[Any] | None = None) -> torch.Tensor:
-    """A fake tensor with `real`'s dtype and device and `shape` (default: `real`'s, static)."""
+    """A fake tensor with `real`'s dtype and device and `shape`; by default `real`'s shape (static) and
+    strides, so the passes see the layout the step brings (e.g. one half of a `[num_blocks, 2, ...]` KV
+    cache is not contiguous)."""
     with fake_mode:
-        return torch.empty(tuple(real.shape if shape is None else shape), dtype=real.dtype, device=real.device)
+        if shape is None:
+            return torch.empty_strided(tuple(real.shape), real.stride(), dtype=real.dtype, device=real.device)
+        return torch.empty(tuple(shape), dtype=real.dtype, device=real.device)
 
 
 def add_provided_input(gm: fx.GraphModule, provided: ProvidedInput, fake: torch.Tensor) -> fx.Node:

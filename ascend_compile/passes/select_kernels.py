@@ -97,6 +97,8 @@ def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCal
             }))
         host_args = tuple(HostArg(name, host.meta[HOST_META_KEY]) for name, host in hosts.items())
         call.meta[META_KEY] = meta = KernelMeta(kernel, node.name, shape, host_args, features=features)
+        call.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "ascend_adapted_from")
+                          if k in node.meta})  # where the attention was traced, for messages naming the layer
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         calls.append(KernelCall(call, meta))

@@ -32,9 +32,11 @@ from ..config import CompileConfig
 from ..ops import npu as npu_ops
 from ..ops import tiling
 from ..ops.kernel_policy import KernelChoice, KernelPolicy
+from ..ops.npu_workspace import NpuWorkspaceQuery
 from .find_attention import AttentionArgs, adapt_attention
 from .fx_utils import example_value
 from .kernel_call import KernelCall, host_placeholders, kernel_calls
+from .npu_checks import check_npu_graph
 from .probe import ProbedWorkspaceNeed
 from .select_kernels import attention_layers, choose_kernels, select_kernels
 from .workspaces import GraphKey, NeedFn, WorkspacePlan, insert_workspaces, kernel_sites, plan_workspaces
@@ -65,7 +67,7 @@ def _probing_need(attention: fx.Node, config: CompileConfig) -> ProbedWorkspaceN
     """Workspaces sized by torch_npu's own workspace queries (the kernels are torch_npu's)."""
     query = example_value(AttentionArgs.of(attention).query)
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), query.device)
-    return ProbedWorkspaceNeed(npu_ops.NpuWorkspaceQuery(kernels, query.dtype), config.workspace_probe_lens)
+    return ProbedWorkspaceNeed(NpuWorkspaceQuery(kernels, query.dtype), config.workspace_probe_lens)
 
 
 def _graph_key(attention: fx.Node, bucket: int | None, decode: bool | None) -> GraphKey:
@@ -159,6 +161,7 @@ def rewrite_for_npugraph_ex(
     choices = choose_kernels(attention_layers(gm), key.bucket, _policy(config), key.decode)
     calls = select_kernels(gm, [c.kernel for c in choices])
     _refuse_fia(calls, choices)
+    check_npu_graph(gm, [key])
     plan = plan_workspaces([(key, kernel_sites(gm))], config.max_model_len, config.workspace_seq_len, True, need_fn)
     insert_workspaces(gm, [key], plan)
     _lower_to_torch_npu(gm)

@@ -100,8 +100,9 @@ class Runtime(abc.ABC):
         """Wait for all launched work, replays included."""
 
     def kernel(self, op: Any) -> Callable[..., Any]:
-        """The callable that runs an `ascend` kernel op on this runtime (captured, and re-issued in
-        task updates). By default the op itself; a runtime binding a vendor API returns its binding."""
+        """The callable that runs an op of a graph on this runtime (warmed up, captured, and for
+        kernels re-issued in task updates). By default the op itself; a runtime binding a vendor API
+        returns its binding (an `ascend` op whose reference body a device could not capture)."""
         return op
 
     #: Whether `verify` checks this runtime's first replays by default: the devices, where no test

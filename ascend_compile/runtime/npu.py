@@ -1,7 +1,8 @@
 """The Ascend runtime: ACL graphs through torch_npu (`torch.npu.NPUGraph`) with task-group updates.
 
 Per compiled artifact: one graph memory pool shared by every bucket's graph (buckets never replay at
-once), one capture stream, and one update stream. Each attention kernel is captured as
+once), one capture stream, and one update stream limited to the cores each graph was captured for.
+Only the first capture empties the caching allocators. Each attention kernel is captured as
 `ExternalEvent.wait` + `reset` on the capture stream, then `graph_task_group_begin`, the torch_npu
 kernel, `graph_task_group_end` -> handle. Each step the runner launches the replay first, then for
 every kernel issues `graph_task_update_begin(update_stream, handle)`, the kernel with the step's
@@ -27,6 +28,9 @@ log = logging.getLogger("ascend_compile")
 
 #: The torch device type of NPU tensors (torch_npu renames PrivateUse1 to it when imported).
 NPU_DEVICE_TYPE = "npu"
+
+#: A stream's core limit as `torch.npu.get_stream_limit` reports it: {"cube_core_num": n, "vector_core_num": m}.
+CoreLimit = dict[str, int]
 
 
 def available() -> bool:
@@ -86,6 +90,7 @@ class NpuGraph(DeviceGraph):
         self.groups = 0
         self.captured = False
         self.host_tensors: list[torch.Tensor] = []
+        self.core_limit: CoreLimit | None = None  # the cores its kernels were tiled for, set at capture
 
     def warmup(self, run: Callable[[], Any]) -> None:
         """Run the graph's work once eagerly, then synchronize, before its capture: ATB and aclnn set
@@ -104,7 +109,13 @@ class NpuGraph(DeviceGraph):
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Record the work issued in this context into the graph (pool and stream of the runtime),
-        under `generators_kept` as torch_npu's own recordings are (`torch_npu/npu/_graph_tree.py`)."""
+        under `generators_kept` as torch_npu's own recordings are (`torch_npu/npu/_graph_tree.py`).
+
+        It does what `torch.npu.graph` does on entry and exit (`torch_npu/npu/graphs.py`, `graph.__enter__`:
+        `synchronize`, `empty_cache`, `host_empty_cache`, then `capture_begin` on the capture stream;
+        `__exit__`: `capture_end`) but empties the two caching allocators only before the runtime's first
+        capture (`NpuRuntime.prepare_capture`), and tiles the kernels for the cores of the stream the
+        graph will replay on."""
         rt = self._runtime
         if rt.capturing is not None:
             raise CaptureError(f"cannot capture {self.name}: {rt.capturing.name} is being captured")
@@ -112,9 +123,13 @@ class NpuGraph(DeviceGraph):
             raise CaptureError(f"{self.name} was already captured; capture into a new graph")
         rt.capturing = self
         try:
-            with rt.generators_kept(), rt.npu.graph(self.native, pool=rt.pool, stream=rt.capture_stream):
-                rt.kernels.take_host_tensors()  # entering the capture synchronized: earlier work is done
-                yield
+            self.core_limit = rt.prepare_capture()  # synchronized: the host tensors of earlier work are freed
+            with rt.generators_kept(), rt.npu.stream(rt.capture_stream):
+                self.native.capture_begin(pool=rt.pool)
+                try:
+                    yield
+                finally:
+                    self.native.capture_end()
         finally:
             rt.capturing = None
             group_open, rt.group_open = rt.group_open, False
@@ -141,6 +156,7 @@ class NpuGraph(DeviceGraph):
         rt.order_after_previous_step()
         self.native.replay()
         rt.step_done(stream)
+        rt.limit_update_stream(self.core_limit)
 
 
 class NpuRuntime(TaskUpdateRuntime):
@@ -174,6 +190,8 @@ class NpuRuntime(TaskUpdateRuntime):
         # High priority, like npugraph_ex's: updates must not queue behind other work of this step.
         self.update_stream = self.npu.Stream(device, priority=-1)
         self.pool = self.npu.graph_pool_handle()
+        self._update_core_limit: CoreLimit = self.npu.get_stream_limit(self.update_stream)
+        self._captures = 0
         self._previous_step = self.npu.Event()
         self._steps = 0
         self._graph_count = 0
@@ -268,12 +286,14 @@ class NpuRuntime(TaskUpdateRuntime):
         self.kernels.take_host_tensors()
 
     def kernel(self, op: Any) -> Callable[..., Any]:
-        """The torch_npu binding of an ascend kernel op (PA, FIA); any other op runs as itself."""
+        """The torch_npu binding of an ascend op (PA, FIA, the KV-cache write); any other op runs as itself."""
         packet = getattr(op, "overloadpacket", op)
         if packet is torch.ops.ascend.paged_attention:
             return self.kernels.paged_attention
         if packet is torch.ops.ascend.fused_infer_attention:
             return self.kernels.fused_infer_attention
+        if packet is torch.ops.ascend.reshape_and_cache:
+            return self.kernels.reshape_and_cache
         return op
 
     def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -281,6 +301,39 @@ class NpuRuntime(TaskUpdateRuntime):
         if tensor.device.type != self._device.type:
             return tensor
         return self.torch_npu._C._weak_ref_tensor(tensor)
+
+    def prepare_capture(self) -> CoreLimit:
+        """Before a capture: wait for the device; before the first capture only, release both caching
+        allocators' unused blocks, as `torch.npu.graph` does before every capture. Every later capture
+        skips them, as vLLM-Ascend's does (it patches `torch.npu.empty_cache` and `gc.collect` out for
+        every graph after the first, `vllm_ascend/compilation/acl_graph.py`): graphs captured lazily
+        while serving would otherwise give the allocator's cache back on each first use of a bucket.
+
+        Then the capture stream takes the core limit of the current stream, where the graph replays,
+        so its kernels are tiled for the cores it runs on; returns that limit. `set_stream_limit` turns
+        on core control for the whole process (each later aclnn call queries it, the comment of
+        `_set_stream_limit` in torch_npu's `npugraph_ex/_acl_concrete_graph/acl_graph.py`), so a limit
+        is set only where it differs."""
+        self.synchronize()
+        if not self._captures:
+            self.npu.empty_cache()
+            self.npu.host_empty_cache()
+        self._captures += 1
+        limit = self.npu.get_stream_limit(self.npu.current_stream())
+        if self.npu.get_stream_limit(self.capture_stream) != limit:
+            self.npu.set_stream_limit(self.capture_stream, limit["cube_core_num"], limit["vector_core_num"])
+        return limit
+
+    def limit_update_stream(self, limit: CoreLimit | None) -> None:
+        """Before a graph's task updates: the update stream limited to the cores the graph was captured
+        for. A task update tiles its kernel again on the host, for the cores of the stream it is issued
+        on; npugraph_ex sets the update stream's limit to the captured one before every update
+        (`npugraph_ex/_acl_concrete_graph/acl_graph.py`, the limit recorded at capture in
+        `fx2acl_converter.py`). The update stream is this runtime's own, so its limit is known here and
+        set only when a graph needs another."""
+        if limit is not None and limit != self._update_core_limit:
+            self.npu.set_stream_limit(self.update_stream, limit["cube_core_num"], limit["vector_core_num"])
+            self._update_core_limit = dict(limit)
 
     def order_after_previous_step(self) -> None:
         """Make the update stream wait until the previous step's replay has finished."""

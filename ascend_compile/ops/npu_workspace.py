@@ -1,0 +1,89 @@
+"""torch_npu's workspace queries, asked the way the device answers them, on probe tensors that do not
+grow with `max_model_len`. Used at compile time only (`passes/probe.py`); line numbers are of the
+torch_npu 2.14.0 wheel's `torch_npu/_op_plugin_docs.py` and `torch_npu/op_plugin/atb/_atb_api_docs.py`.
+
+**FIA: one question per graph, answered for every length.** `_npu_fused_infer_attention_score_get_max_workspace`
+is documented as the query of the ACL-graph tiling-sink case: "获取最大workspace size" (it gets the
+*maximum* workspace size, `_op_plugin_docs.py` L8436). In the kernel source (CANN ops-transformer,
+unverified on a device) the aclnn `...V3GetMaxWorkspaceSize` replaces both length lists by arrays of
+the same size without data (`FakeFiaActualSeqArrays`, `FakeArray` in `aclnn_fused_infer_attention_score_inner.cpp`),
+which sends the tiling down its max path (`GetMaxWorkspaceFlag`, `CalcMaxWorkspaceSize` in
+`fia_tiling_nonquant.cpp`: sized by the core count and head dim, not by any length). torch_npu's own
+ACL-graph capture asks it once per op at capture, with the capture's arguments, and reuses the answer
+at every replay (`torch_npu/npu/_npugraph_handlers/ifa_handler.py`, `prepare_capture`); vLLM-Ascend
+does the same with its capture's dummy lengths (`vllm_ascend/attention/attention_v1.py`). So FIA is
+asked once per graph with that graph's shapes: `tokens` query tokens in `tokens` sequences, a block
+table as wide as the runner's. Its length values are placeholders the device does not read; the ones
+sent are the smallest the docs accept (every sequence's KV length its query length, the tokens packed
+into as few sequences as the table allows, the rest empty: "blocknum不能小于...的block数量之和", L8220, is
+met by `ceil(tokens / block_size)` blocks), so the probe cache is a few blocks, not
+`bucket * max_model_len / block_size`.
+
+**PA: asked at each length it will be sized for.** ATB's `_npu_paged_attention_get_workspace` answers
+for the `context_lens` it is given: vLLM-Ascend captures PA at a pinned length because it "only returns
+max workspace with specific seq_lens" (`vllm_ascend/worker/model_runner_v1.py`), so `passes/probe.py`
+asks it at every probe length. PA's docs constrain block ids only ("block_tables中元素的值须在
+[0, num_blocks)之间", `_atb_api_docs.py` L277), not blocks per sequence, so every row of its probe block
+table names the probe cache's one block.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import tiling
+from .npu import NpuKernels
+from .tiling import AttentionShape
+
+
+def fia_probe_lengths(tokens: int, kv_capacity: int) -> tuple[list[int], list[int]]:
+    """Query and KV lengths of `tokens` sequences holding `tokens` query tokens, packed into as few
+    sequences as hold at most `kv_capacity` tokens each (every KV length its query length)."""
+    query_lens, left = [], tokens
+    for _ in range(tokens):
+        query_lens.append(min(left, kv_capacity))
+        left -= query_lens[-1]
+    if left:
+        raise ValueError(f"tokens: {tokens} query tokens do not fit {tokens} sequences of at most {kv_capacity}")
+    return query_lens, list(query_lens)
+
+
+class NpuWorkspaceQuery:
+    """Asks torch_npu's workspace queries on probe tensors of a given dtype (a `passes.probe.WorkspaceQueries`)."""
+
+    def __init__(self, kernels: NpuKernels, dtype: torch.dtype) -> None:
+        self.kernels = kernels
+        self.dtype = dtype
+
+    def paged_attention(self, shape: AttentionShape, context_lens: Sequence[int], max_blocks: int) -> int:
+        """Bytes PA needs for one decode token per sequence at these lengths (block tables of
+        `max_blocks` columns, all naming a one-block cache)."""
+        table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32, device=self.kernels.device)
+        query = self._query(len(context_lens), shape)
+        cache = self._cache(shape, 1)
+        return self.kernels.workspace_nbytes(tiling.PA, query, cache, cache, table, [], context_lens,
+                                             shape.head_dim**-0.5, torch.empty_like(query))  # PA's query takes `out`
+
+    def fused_infer_attention_max(self, shape: AttentionShape, tokens: int, max_blocks: int) -> int:
+        """Bytes FIA needs at most, for any lengths, in a graph of `tokens` query tokens and as many
+        sequences with block tables of `max_blocks` columns."""
+        query_lens, kv_lens = fia_probe_lengths(tokens, max_blocks * shape.block_size)
+        table = torch.zeros(tokens, max_blocks, dtype=torch.int32, device=self.kernels.device)
+        used = 0
+        for row, n in enumerate(kv_lens):
+            blocks = -(-n // shape.block_size)
+            table[row, :blocks] = torch.arange(used, used + blocks, dtype=torch.int32)
+            used += blocks
+        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        query = self._query(tokens, shape)
+        cache = self._cache(shape, max(used, 1))
+        return self.kernels.workspace_nbytes(tiling.FIA, query, cache, cache, table, ends, kv_lens,
+                                             shape.head_dim**-0.5, query)  # FIA's query takes no `out`
+
+    def _query(self, tokens: int, shape: AttentionShape) -> torch.Tensor:
+        return torch.empty(tokens, shape.num_heads, shape.head_dim, dtype=self.dtype, device=self.kernels.device)
+
+    def _cache(self, shape: AttentionShape, num_blocks: int) -> torch.Tensor:
+        return torch.empty(num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=self.dtype,
+                           device=self.kernels.device)

@@ -1,0 +1,40 @@
+"""Stage each kernel's query contiguous, for kernels that take only contiguous queries (torch_npu's).
+
+torch_npu's FIA takes a contiguous query ("query ... 不支持非连续的Tensor", torch_npu 2.14
+`_op_plugin_docs.py`, npu_fused_infer_attention_score), and ATB's PA takes contiguous tensors (its
+plugin's error "at_tensor is not contiguous"). A model's query is often a view of a fused QKV
+projection (vLLM's is), so where a kernel's query is not contiguous this pass copies it into a
+contiguous tensor with a node of its own, before the kernel and outside its task group (so task
+updates re-issue the kernel alone), and makes the kernel's `out` like the copy. The copy is the step's
+query: a few KiB per layer, unlike a cache, which must be contiguous already (`passes/npu_checks.py`).
+"""
+from __future__ import annotations
+
+from torch import fx
+
+from .fx_utils import clone_graph_module, example_value
+from .kernel_call import arg_names, kernel_calls
+
+
+def contiguous_queries(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm`, or a copy whose kernels read a contiguous copy of each non-contiguous query."""
+    if all(example_value(c.arg("query")).is_contiguous() for c in kernel_calls(gm)):
+        return gm
+    gm = clone_graph_module(gm)
+    graph = gm.graph
+    for call in kernel_calls(gm):
+        query = call.arg("query")
+        value = example_value(query)
+        if value.is_contiguous():
+            continue
+        out = call.arg("out")
+        like_query = out.args[:1] == (query,)  # `empty_like(query)`, as select_kernels makes it
+        with graph.inserting_before(out if like_query else call.node):
+            staged = graph.call_method("contiguous", (query,))
+        staged.meta["example_value"] = value.contiguous()
+        call.node.update_arg(arg_names(call.op).index("query"), staged)
+        if like_query:
+            out.update_arg(0, staged)
+    graph.lint()
+    gm.recompile()
+    return gm

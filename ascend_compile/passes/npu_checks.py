@@ -1,0 +1,93 @@
+"""The NPU target's checks of a graph against the torch_npu kernels' documented constraints.
+
+At compile time (`check_npu_graph`) every kernel node and KV-cache write of a rewritten graph is held
+to `ops/npu_rules.py`: PA's and FIA's block sizes, contiguous caches, and enough cache blocks for FIA
+to count one per sequence of each bucket's all-padding capture. A violation is refused before
+torch_npu is called, naming the layer, the kernel and the rule: on a device it would fail at the first
+capture, or worse, run with a copy of the whole cache per call. Each step (`fia_step_guard`), FIA's
+block count is checked on the padded lengths the step would send; a step over it runs eagerly.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from ..ops import npu_rules, tiling
+from .fx_utils import example_value, is_op
+from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
+from .workspaces import GraphKey
+
+
+def layer_of(node: fx.Node) -> str:
+    """A node's name and, where dynamo recorded it, the module it was traced in."""
+    adapted = node.meta.get("ascend_adapted_from")
+    stack = node.meta.get("nn_module_stack")
+    where = adapted or (list(stack.values())[-1][0] if stack else None)
+    return f"{node.name} (layer {where})" if where else node.name
+
+
+def _refuse(node: fx.Node, check: Callable[[], None]) -> None:
+    try:
+        check()
+    except ValueError as err:
+        raise ValueError(f"{layer_of(node)}: {err}") from None
+
+
+def _check_kernel(call: KernelCall, keys: Sequence[GraphKey]) -> None:
+    args = call.args()
+    key_cache, value_cache = example_value(args["key_cache"]), example_value(args["value_cache"])
+    block_size = call.meta.shape.block_size
+    if call.meta.kernel == tiling.PA:
+        kernel = npu_rules.PA_KERNEL
+        _refuse(call.node, lambda: npu_rules.check_pa_block_size(block_size))
+    else:
+        kernel = npu_rules.FIA_KERNEL
+        _refuse(call.node, lambda: npu_rules.check_fia_block_size(block_size))
+    _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
+    if call.meta.kernel == tiling.FIA and isinstance(key_cache.shape[0], int):
+        for key in keys:  # captured with every one of the bucket's sequences padding, of KV length 1
+            _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, block_size))
+
+
+def _check_capture_blocks(num_blocks: int, bucket: int, block_size: int) -> None:
+    try:
+        npu_rules.check_fia_num_blocks(num_blocks, [1] * bucket, block_size)
+    except ValueError as err:
+        raise ValueError(f"{err}; bucket {bucket} is captured with {bucket} padding sequences: lower "
+                         f"capture_sizes or allocate more blocks") from None
+
+
+def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
+    """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys`."""
+    for node in gm.graph.nodes:
+        if is_kernel(node):
+            _check_kernel(KernelCall.of(node), keys)
+        elif is_op(node, torch.ops.ascend.reshape_and_cache):
+            key_cache, value_cache = (example_value(n) for n in node.args[2:4])
+            _refuse(node, lambda: npu_rules.check_contiguous(
+                npu_rules.CACHE_WRITE_KERNEL, {"key_cache": key_cache, "value_cache": value_cache}))
+
+
+def fia_step_guard(gm: fx.GraphModule) -> StepGuard | None:
+    """A check of each step's padded KV lengths against FIA's block count ("blocknum不能小于..."), for a
+    graph with FIA kernels; None without. Real sequences hold their own blocks, and each padding
+    sequence counts one more: a step near a full cache would exceed it, and runs eagerly instead."""
+    limits = {}
+    for call in kernel_calls(gm):
+        num_blocks = example_value(call.arg("key_cache")).shape[0]
+        if call.meta.kernel == tiling.FIA and isinstance(num_blocks, int):
+            source = next(a.source for a in call.meta.host_args if a.kernel_arg == "actual_seq_lengths_kv")
+            limits[(source, call.meta.shape.block_size, num_blocks)] = call.node.name
+    if not limits:
+        return None
+
+    def guard(host: Mapping[HostSource, list[int]]) -> str | None:
+        for (source, block_size, num_blocks), name in limits.items():
+            if npu_rules.fia_block_count(host[source], block_size) > num_blocks:
+                return (f"{name}: the step's sequences, padding included, need more than the cache's {num_blocks} "
+                        f"blocks, which FIA refuses ('blocknum不能小于...的block数量之和')")
+        return None
+
+    return guard

@@ -1,0 +1,287 @@
+"""What an Ascend device requires of the NPU path (issue 22), against the fake torch_npu: every op of a
+captured graph a device kernel (the KV-cache write through `npu_scatter_pa_kv_cache`, no host reads),
+the kernels' documented constraints refused at compile time, workspaces asked the way the device
+answers them, and capture costs as vLLM-Ascend and npugraph_ex handle them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops import tiling
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests import fake_torch_npu
+from tests.test_backend import compiled_model
+from tests.test_npu import MAX_LEN, NPU_BLOCK, TOL, lengths
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    return fake_torch_npu.install(monkeypatch)
+
+
+def caches(model):
+    return [t for layer in model.layers for t in (layer.attn.key_cache, layer.attn.value_cache)]
+
+
+# ----------------------------------------------------------------------------- the KV-cache write
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_the_kv_cache_is_written_by_the_device_kernel_at_every_replay(fake_npu, slot_dtype):
+    # Batch sizes change from step to step (buckets 4 and 8, and a mixed step); after every step both
+    # caches equal eager's, and each replay ran npu_scatter_pa_kv_cache once per layer.
+    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
+    batch, rng = PagedBatch(cfg, seed=5), random.Random(5)
+    steps = [lengths(rng, n) for n in (3, 4, 7, 2, 8, 3)] + [([40, 300, 17], [3, 1, 2])]
+    writes = []
+    with torch.no_grad():
+        for lens, qlens in ((s, None) if isinstance(s, list) else s for s in steps):
+            inputs = batch.step(lens, qlens)
+            inputs["slot_mapping"] = inputs["slot_mapping"].to(slot_dtype)
+            before = len(fake_npu.writes)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+            writes.append(fake_npu.writes[before:])
+            for got, want in zip(caches(model), caches(reference)):
+                torch.testing.assert_close(got, want, **TOL)
+    layers = cfg.num_layers
+    for step, w in zip(steps, writes):
+        real = len(step) if isinstance(step, list) else sum(step[1])
+        assert w[-layers:] == [real] * layers, step  # the replay: each layer's kernel wrote the step's tokens
+        assert not any(w[:-layers]), step  # warm-up and capture (all padding, slot -1) wrote nothing
+    assert sum(a.stats["replays"] for a in artifacts) == len(steps) and fake_npu.count("npu_scatter_pa_kv_cache") > 0
+
+
+def _cache_write_args(slots, dtype=torch.int64):
+    key = torch.randn(len(slots), 2, 16)
+    cache = torch.zeros(4, NPU_BLOCK, 2, 16)
+    return key, -key, cache, cache.clone(), torch.tensor(slots, dtype=dtype)
+
+
+def test_the_cache_write_binding_reads_no_device_data_on_the_host(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    for slots in ([-1, -1, -1], [5, -1, 130]):  # all padding (as captured), and a step
+        key, value, key_cache, value_cache, slot_mapping = _cache_write_args(slots)
+        with fake_torch_npu.HostReads() as host:
+            kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        assert host.reads == []
+    assert fake_npu.count("npu_scatter_pa_kv_cache") == 2 and fake_npu.writes == [0, 2]
+    assert torch.equal(key_cache.view(-1, 2, 16)[130], key[2]) and torch.equal(value_cache.view(-1, 2, 16)[5], -key[0])
+    (call,) = [c for c in fake_npu.calls if c.name == "npu_scatter_pa_kv_cache"][-1:]
+    assert call.kwargs == {"cache_mode": "Norm"}
+
+
+def test_the_fake_cache_write_refuses_what_its_documentation_forbids(fake_npu):
+    scatter = npu_ops.load_torch_npu().npu_scatter_pa_kv_cache
+    key, value, key_cache, value_cache, slots = _cache_write_args([1, 2])
+    with pytest.raises(ValueError, match="cache_mode: expected None or 'Norm'"):
+        scatter(key, value, key_cache, value_cache, slots)  # the default, PA_NZ, takes NZ caches
+    with pytest.raises(ValueError, match="key: expected a contiguous tensor"):
+        scatter(key.transpose(0, 1).contiguous().transpose(0, 1), value, key_cache, value_cache, slots,
+                cache_mode="Norm")
+    with pytest.raises(ValueError, match="key_cache: expected a contiguous tensor"):
+        kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16)  # vLLM's [num_blocks, 2, ...] cache, unbound
+        scatter(key, value, kv[:, 0], kv[:, 1], slots, cache_mode="Norm")
+    with pytest.raises(ValueError, match="slot_mapping: expected a \\[2\\] int32 or int64 tensor"):
+        scatter(key, value, key_cache, value_cache, slots.short(), cache_mode="Norm")
+    with pytest.raises(ValueError, match="slot_mapping: expected distinct slots"):
+        scatter(key, value, key_cache, value_cache, torch.tensor([3, 3]), cache_mode="Norm")
+    with pytest.raises(ValueError, match="slot_mapping: expected slots in \\[0, 511\\]"):
+        scatter(key, value, key_cache, value_cache, torch.tensor([3, 512]), cache_mode="Norm")
+    scatter(key, value, key_cache, value_cache, torch.tensor([-1, 511], dtype=torch.int32), cache_mode="Norm")
+    assert torch.equal(key_cache.view(-1, 2, 16)[511], key[1]) and key_cache.count_nonzero() == key[1].numel()
+
+
+def test_eager_cache_write_takes_int32_and_int64_slots():
+    for dtype in (torch.int32, torch.int64):
+        key, value, key_cache, value_cache, slots = _cache_write_args([5, -1, 0], dtype)
+        torch.ops.ascend.reshape_and_cache(key, value, key_cache, value_cache, slots)
+        assert torch.equal(key_cache.view(-1, 2, 16)[5], key[0]) and torch.equal(value_cache.view(-1, 2, 16)[0], -key[2])
+    with pytest.raises(ValueError, match="slot_mapping: expected a \\[3\\] torch.int32 or torch.int64 tensor"):
+        torch.ops.ascend.reshape_and_cache(key, value, key_cache, value_cache, slots.short())
+
+
+# ----------------------------------------------------------------------------- capture costs
+
+
+def _steps_on_two_buckets(cfg, **options):
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4, 8),
+                                   kernel_policy="pa", **options)
+    batch, rng = PagedBatch(cfg, seed=6), random.Random(6)
+    with torch.no_grad():
+        for n in (3, 4, 7, 2, 8):
+            inputs = batch.step(lengths(rng, n))
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    return artifacts
+
+
+def test_only_a_runtimes_first_capture_releases_the_allocators_caches(fake_npu):
+    # torch.npu.graph empties both caching allocators on every entry (torch_npu/npu/graphs.py); a lazy
+    # capture while serving would pay it each time. vLLM-Ascend skips it after the first capture.
+    artifacts = _steps_on_two_buckets(LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
+    runtimes = {id(a.runtime) for a in artifacts if a.stats["captures"]}
+    trace = [what for what, _ in fake_npu.trace]
+    assert sum(a.stats["captures"] for a in artifacts) > len(runtimes)
+    assert trace.count("empty_cache") == trace.count("host_empty_cache") == len(runtimes)
+
+
+def test_updates_are_tiled_for_the_cores_the_graph_was_captured_for(fake_npu):
+    # A step running on a stream limited to 8 cube / 16 vector cores: the graphs are captured for those
+    # cores and every task update is issued on an update stream limited alike (the fake refuses an update
+    # tiled for other cores), as npugraph_ex sets the update stream's limit before each update.
+    torch.npu.set_stream_limit(torch.npu.current_stream(), 8, 16)
+    artifacts = _steps_on_two_buckets(LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK))
+    limited = {"cube_core_num": 8, "vector_core_num": 16}
+    handles = [e.handle.native for a in artifacts for g in a.graphs.values() for e in g.table.entries.values()]
+    assert handles and all(h.core_limit == limited for h in handles)
+    assert all(torch.npu.get_stream_limit(a.runtime.update_stream) == limited for a in artifacts)
+    sets = [stream for what, stream in fake_npu.trace if what == "set_stream_limit"]
+    assert len(sets) <= 3 * len(artifacts)  # set when it differs, not before every update
+
+
+# ----------------------------------------------------------------------------- kernel constraints at compile time
+
+DEVICE_CALLS = ("_npu_paged_attention", "npu_fused_infer_attention_score.out", "_npu_paged_attention_get_workspace",
+                "_npu_fused_infer_attention_score_get_max_workspace", "npu_scatter_pa_kv_cache")
+
+
+def _first_step(cfg, model=None, steps=([10, 20, 30],), **options):
+    """Compile on the fake NPU and run `steps`; the first exception, or None."""
+    model, reference = model or build(cfg), build(cfg)
+    fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,), **options)
+    batch = PagedBatch(cfg, seed=7)
+    try:
+        with torch.no_grad():
+            for lens in steps:
+                inputs = batch.step(lens)
+                torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    except Exception as err:  # noqa: BLE001 - the tests inspect it
+        return err
+    return None
+
+
+def test_a_pa_block_size_of_256_is_refused_at_compile(fake_npu):
+    # ATB's PA: "block_size %16 == 0 ... block_size <= 128"; 256 would fail on the device at the first
+    # capture. Refused before torch_npu is called at all, naming the layer, the kernel and the rule.
+    error = _first_step(LlamaConfig(num_layers=1, num_blocks=64, block_size=256), kernel_policy="pa")
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert "paged_attention_default (layer L['self'].layers.0.attn): block_size: torch_npu._npu_paged_attention " \
+           "(ATB PagedAttention) takes" in str(error)
+    assert "block_size %16 == 0" in str(error) and "got 256" in str(error)
+
+
+def test_the_fake_pa_refuses_block_sizes_atb_does_not_take(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    query, cache = torch.randn(2, 4, 16), torch.zeros(4, 256, 2, 16)
+    with pytest.raises(ValueError, match="block_size: expected a multiple of 16 of at most 128"):
+        kernels.paged_attention(query, cache, cache, torch.zeros(2, 1, dtype=torch.int32), [3, 4], 0.25,
+                                torch.empty(0, dtype=torch.uint8), torch.empty_like(query))
+
+
+def _unbound_cache_model(cfg):
+    """The example model with vLLM's `[num_blocks, 2, block_size, KVH, D]` cache, each layer's key and
+    value caches its two non-contiguous halves."""
+    model = build(cfg)
+    for layer in model.layers:
+        kv = torch.zeros(cfg.num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        layer.attn._buffers["key_cache"], layer.attn._buffers["value_cache"] = kv[:, 0], kv[:, 1]
+    return model
+
+
+@pytest.mark.parametrize("policy", ["pa", "fia"])
+def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
+    # A contiguous copy of each half would copy the whole cache at every call inside the graph.
+    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    error = _first_step(cfg, _unbound_cache_model(cfg), kernel_policy=policy)
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert "reshape_and_cache (layer L['self'].layers.0.attn): key_cache: torch_npu.npu_scatter_pa_kv_cache" \
+           in str(error)
+    assert "takes contiguous tensors" in str(error) and "输入参数不支持非连续" in str(error)
+
+
+def test_the_fake_attention_kernels_refuse_non_contiguous_caches(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16)
+    query, table = torch.randn(2, 4, 16), torch.zeros(2, 1, dtype=torch.int32)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="key_cache: expected a contiguous tensor"):
+        kernels.paged_attention(query, kv[:, 0], kv[:, 1], table, [3, 4], 0.25, workspace, torch.empty_like(query))
+    with pytest.raises(ValueError, match="key: expected a contiguous tensor"):
+        kernels.fused_infer_attention(query, kv[:, 0], kv[:, 1], table, [1, 2], [3, 4], 0.25, workspace,
+                                      torch.empty_like(query))
+
+
+def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compile(fake_npu):
+    # FIA counts a block for each padding sequence against num_blocks ("blocknum不能小于..."): the
+    # all-padding capture of bucket 8 needs 8 blocks, the cache has 6.
+    cfg = LlamaConfig(num_layers=1, num_blocks=6, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8,), kernel_policy="fia")
+    batch = PagedBatch(cfg)
+    with torch.no_grad():
+        fn(**batch.step([10, 20, 30]))  # three tokens: dynamo traces them static, bucket 3 is captured
+        calls = fake_npu.count(*DEVICE_CALLS)
+        with pytest.raises(Exception, match="fused_infer_attention_default .*: key_cache: .* 8 blocks .* bucket 8 is "
+                                            "captured with 8 padding sequences"):
+            fn(**batch.step([10, 20, 30, 40]))  # every size dynamic: bucket 8
+    assert fake_npu.count(*DEVICE_CALLS) == calls
+
+
+def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_npu):
+    # Four sequences hold 15 of the cache's 16 blocks; padded to bucket 8, FIA would be sent 4 more
+    # sequences of one block each: 19 > 16. The step runs eagerly (and right) instead.
+    cfg = LlamaConfig(num_layers=1, num_blocks=16, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=2048, capture_sizes=(8,), kernel_policy="fia")
+    batch = PagedBatch(cfg, seed=8)
+    with torch.no_grad():
+        for lens in ([10, 20, 30], [10, 20, 30, 40], [600, 640, 500, 10], [5, 6, 7, 8, 9]):
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    fallbacks, replays = (sum(a.stats[k] for a in artifacts) for k in ("eager_fallbacks", "replays"))
+    assert (fallbacks, replays) == (1, 3)  # the third step's 15 blocks of real sequences and 4 of padding
+
+
+def _strided_query(attend):
+    """A layer's `attend` whose query reaches attention as a non-contiguous (dense) tensor, as vLLM's
+    query, a view of the fused QKV projection, does."""
+    return lambda q, *args: attend(q.transpose(0, 1).contiguous().transpose(0, 1), *args)
+
+
+@pytest.mark.parametrize("policy", ["pa", "fia"])
+def test_a_non_contiguous_query_is_staged_contiguous_before_the_kernel(fake_npu, policy):
+    # The kernels take contiguous queries ('不支持非连续的Tensor'): a step's query, a few KB per layer, is
+    # copied into a contiguous tensor by a node of the graph, outside the kernel's task group.
+    cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=NPU_BLOCK)
+    model = build(cfg)
+    for layer in model.layers:
+        layer.attn.attend = _strided_query(layer.attn.attend)
+    assert _first_step(cfg, model, steps=([10, 20, 30], [5, 6, 7, 8]), kernel_policy=policy) is None
+    assert fake_npu.count("_npu_paged_attention" if policy == "pa" else "npu_fused_infer_attention_score.out") > 0
+
+
+# ----------------------------------------------------------------------------- workspaces asked as the device answers
+
+
+def test_fia_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_with_max_model_len(fake_npu):
+    # The default buckets, KVH 8, D 128, bf16: the old probe kept a cache of bucket x max_model_len / 128
+    # blocks (4 GiB at 8k) and asked FIA at every probe length in two layouts. FIA's max-workspace query
+    # answers for any lengths up to the shapes it is given: once per graph; PA's answers for the lengths
+    # it is given, so PA still asks at every probe length, on a one-block cache.
+    from ascend_compile.passes.probe import default_probe_lengths
+    from tests.npu_probe_cost import SHAPE, probe_cost
+
+    for max_model_len in (8192, 32768):
+        cost = probe_cost(fake_npu, max_model_len)
+        assert cost.peak_bytes <= 64 << 20, (max_model_len, cost)
+        assert cost.fia_queries == cost.fia_graphs == 35  # one shape, all layers: one query per graph
+        assert cost.pa_queries == cost.pa_graphs * len(default_probe_lengths(max_model_len, SHAPE.block_size))
+        # The slot covers FIA's every length up to max_model_len for the largest bucket.
+        assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes
