@@ -10,7 +10,7 @@ with a wrong argument name, order or kind fails here as it does on the device, a
 records each call as one task. They compute for real, with the project's reference kernels, and
 their workspace queries answer with the reference tiling (whose need peaks at an interior length).
 
-The device is the CPU and the simulator (`ascend_compile/runtime/sim.py`) plays the ACL runtime:
+The device is the CPU and the simulator (`ascend_compile/runtime/sim/`) plays the ACL runtime:
 captured ops become tasks, capture-time memory is poisoned, host arguments are frozen until a task
 update, and a replay that reaches an external event nobody recorded raises instead of hanging.
 Each fake `Stream` is a simulator stream and each `Event` / `ExternalEvent` a simulator event, so

@@ -1,9 +1,11 @@
-"""The ACL-graph simulator's own rules (runtime/sim.py, runtime/sim_pool.py).
+"""The ACL-graph simulator's own rules (runtime/sim/).
 
 Each test pins one way the simulator must behave like a device graph rather than like eager PyTorch.
 """
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -12,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_compile.errors import CaptureError, ReplayError, StreamRace, TaskUpdateMismatch, WorkspaceTooSmall
+from ascend_compile.runtime import sim as sim_package
 from ascend_compile.runtime.sim import SimRuntime
-from ascend_compile.runtime.sim_pool import ALIGNMENT, SimPool
+from ascend_compile.runtime.sim.pool import ALIGNMENT, SimPool
 from tests.helpers import make_problem
 
 
@@ -817,3 +820,24 @@ def test_an_op_may_not_set_itself_up_inside_a_capture() -> None:
     rt.first_call("kernel_x")  # eagerly, before capturing: set up
     with rt.graph().capture():
         rt.first_call("kernel_x")
+
+
+# ----------------------------------------------------------------------------- the package's structure
+
+#: The simulator's modules, each importing only public names of those before it.
+SIM_MODULES = ("pool", "streams", "classify", "memory", "collectives", "overrun", "launch", "kernels", "tasks",
+               "inputs", "updates", "events", "dispatch", "runtime")
+
+
+def test_simulator_modules_import_public_names_of_the_modules_below_them_only() -> None:
+    package = Path(sim_package.__file__).parent
+    assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(SIM_MODULES)
+    for index, module in enumerate(SIM_MODULES):
+        tree = ast.parse((package / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module in SIM_MODULES[:index], f"{module} imports {node.module}"
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{module} imports private names {private} from {node.module}"
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                raise AssertionError(f"{module} imports under TYPE_CHECKING (a cycle)")

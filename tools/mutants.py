@@ -169,7 +169,7 @@ MUTANTS = (
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
     ),
     Mutant(
-        "collective output written before its wait", "ascend_compile/runtime/sim_collectives.py",
+        "collective output written before its wait", "ascend_compile/runtime/sim/collectives.py",
         "            poison(dst)\n", "            poison(dst)\n            dst.copy_(result)\n",
         ("tests/test_sim.py::test_a_collectives_output_read_before_its_wait_is_poison",),
     ),

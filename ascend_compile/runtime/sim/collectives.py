@@ -1,4 +1,4 @@
-"""Functional collectives in flight on the ACL-graph simulator (`runtime/sim.py`).
+"""Functional collectives in flight on the ACL-graph simulator.
 
 A functional collective (`_c10d_functional`) returns before its work is done, and c10d keys that
 work by the output's storage: on the device its output reaches its captured address only when the
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .sim_tasks import _completes_at_wait
+from .classify import completes_at_wait
 
 
 class InFlight:
@@ -26,7 +26,7 @@ class InFlight:
         collective, when it completes. Until then `dst` holds poison, whatever the CPU backend's
         timing: gloo has the result by now, an asynchronous HCCL/NCCL collective would not, and a
         read before the wait must show up as garbage here as it would there."""
-        if _completes_at_wait(op):
+        if completes_at_wait(op):
             self._pending[dst.data_ptr()] = (result, dst)
             poison(dst)
         else:

@@ -1,4 +1,4 @@
-"""Simulated device memory for the ACL-graph simulator (`runtime/sim.py`).
+"""Simulated device memory of the ACL-graph simulator: segments carved into blocks.
 
 A device graph replays at the addresses it was captured at, and the bugs the simulator exists to
 reproduce depend on where blocks land: a workspace freed during capture is handed to a later
@@ -65,6 +65,10 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.pool.name}#{self.index}, {self.size} bytes)"
+
+
+#: A region of simulated memory: (segment, byte offset, bytes).
+Region = tuple[Segment, int, int]
 
 
 class Block:

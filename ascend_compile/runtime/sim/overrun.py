@@ -1,4 +1,4 @@
-"""Workspace overruns on the ACL-graph simulator (`runtime/sim.py`).
+"""Workspace overruns on the ACL-graph simulator.
 
 A kernel given less workspace than it needs does not fail on the device: it writes past its buffer
 into whatever follows it in its segment (another workspace, an output, a KV block), which is the
@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import AscendCompileError, WorkspaceTooSmall
-from .sim_pool import Segment
+from ...errors import AscendCompileError, WorkspaceTooSmall
+from .pool import Segment
 
 logger = logging.getLogger("ascend_compile.sim")
 

@@ -1,4 +1,4 @@
-"""Streams, events and the device queue of the ACL-graph simulator (`runtime/sim.py`).
+"""Streams, events and the device queue of the ACL-graph simulator.
 
 The device runs work asynchronously from the host. Every launch — a graph replay, a task update, an
 event record, wait or reset — is queued on a **stream**, an ordered queue, and the device drains the
@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Optional
 
-from ..errors import ReplayError, StreamRace
+from ...errors import ReplayError, StreamRace
 
 #: A vector clock: stream id -> how many of that stream's items have been seen.
 Clock = dict[int, int]

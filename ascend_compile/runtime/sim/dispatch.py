@@ -1,0 +1,132 @@
+"""Dispatch recording of the ACL-graph simulator: how ops become tasks.
+
+A device graph records kernel launches instead of Python calls, so the simulator sits under the
+dispatcher: `CaptureMode` (a `TorchDispatchMode`) runs each op once during a capture and records it
+as a task with its operands as addresses, fresh outputs placed in the graph pool; `UpdateMode`
+records the ops of a task update without running them (outputs are empty stand-ins);
+`HostReadGuard` (a `TorchFunctionMode`) refuses the host reads that bypass the dispatcher. Both
+recordings freeze operands the same way (`record_operands`) and name tasks the same way
+(`DeviceKernels.task_kind`), which is what lets a task update be matched against its group. Apart
+from the runtime because it is the one part of the simulator that talks to the dispatcher.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ...errors import CaptureError
+from .classify import ALLOCATION_OPS, HOST_READ_METHODS, aliases_inputs, arg, is_cpu_dense, is_view, storage_id, syncs_host
+from .kernels import DeviceKernels
+from .launch import Launcher
+from .memory import SimMemory
+from .streams import SimStream
+from .tasks import HostRef, IssuedOp, OpTask, Recording
+from .updates import SimTaskHandle
+
+
+def record_operands(
+    memory: SimMemory, kernels: DeviceKernels, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple, dict]:
+    """A task's operands: tensors as addresses, host tensors the op reads when it runs
+    (`DeviceKernels.host_reads`) held weakly."""
+    args, kwargs = pytree.tree_map(memory.describe, (args, kwargs))
+    for name in kernels.host_read_args(op):
+        key, value = arg(op, args, kwargs, name)
+        if isinstance(value, torch.Tensor):
+            if isinstance(key, int):
+                args = (*args[:key], HostRef(value, name), *args[key + 1:])
+            else:
+                kwargs = {**kwargs, key: HostRef(value, name)}
+    return args, kwargs
+
+
+class HostReadGuard(TorchFunctionMode):
+    """During capture, refuses tensor-to-host conversions that bypass the dispatcher (`tolist`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in HOST_READ_METHODS:
+            raise CaptureError(
+                f"Tensor.{func.__name__}() during graph capture: a device graph cannot copy device data "
+                f"to the host; do host conversions before capture (or before the task update)"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+class CaptureMode(TorchDispatchMode):
+    """Runs each op once and records it as a task of `recording`, with fresh outputs in the graph pool."""
+
+    def __init__(self, recording: Recording, memory: SimMemory, kernels: DeviceKernels, launcher: Launcher) -> None:
+        super().__init__()
+        self.recording = recording
+        self.memory = memory
+        self.kernels = kernels
+        self.launcher = launcher
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        memory = self.memory
+        if func in ALLOCATION_OPS:
+            return pytree.tree_map_only(torch.Tensor, lambda t: memory.like(t, capturing=True), func(*args, **kwargs))
+        if syncs_host(func) and any(
+            memory.locate(t) is not None for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        ):
+            raise CaptureError(
+                f"{func} during graph capture reads device data on the host (.item(), bool(tensor), "
+                f"a data-dependent output shape, ...); a device graph cannot record a host "
+                f"synchronisation: move it out of the captured region"
+            )
+        if is_view(func):
+            result = func(*args, **kwargs)
+            if aliases_inputs(result, args, kwargs):
+                return result
+            # A "maybe view" op (reshape, contiguous, ... seen whole under inference mode) that
+            # copied: it launches a kernel, so it is recorded like any other op.
+        label = f"{self.recording.label()} ({func})"
+        frozen_args, frozen_kwargs = record_operands(memory, self.kernels, func, args, kwargs)
+        kind = self.kernels.task_kind(func, args, kwargs)
+        result = self.launcher.launch(func, args, kwargs, label, capturing=True)
+        inputs = {storage_id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        flat, spec = pytree.tree_flatten(result)
+        fresh = []
+        for i, out in enumerate(flat):
+            if is_cpu_dense(out) and storage_id(out) not in inputs:
+                flat[i] = memory.like(out, capturing=True)
+                self.launcher.in_flight.deliver(func, out, flat[i])
+                fresh.append((i, memory.describe(flat[i])))
+        self.recording.tasks.append(OpTask(func, frozen_args, frozen_kwargs, fresh, label, kind))
+        return pytree.tree_unflatten(flat, spec)
+
+
+class UpdateMode(TorchDispatchMode):
+    """Records the ops of a task update of `handle`, to be issued on `stream`, instead of running them."""
+
+    def __init__(self, memory: SimMemory, kernels: DeviceKernels, handle: SimTaskHandle, stream: SimStream) -> None:
+        super().__init__()
+        self.memory = memory
+        self.kernels = kernels
+        self.handle = handle
+        self.stream = stream
+        self.issued: list[IssuedOp] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if is_view(func):
+            return func(*args, **kwargs)
+        frozen_args, frozen_kwargs = record_operands(self.memory, self.kernels, func, args, kwargs)
+        self.issued.append(IssuedOp(func, self.kernels.task_kind(func, args, kwargs), frozen_args, frozen_kwargs))
+        if not func._schema.returns:
+            return None
+        meta_args, meta_kwargs = pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
+            (args, kwargs),
+        )
+        return pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"),
+            func(*meta_args, **meta_kwargs),
+        )
