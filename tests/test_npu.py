@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ascend_compile.config import CompileConfig
-from ascend_compile.errors import ReplayError, StreamRace
+from ascend_compile.errors import CaptureError, ReplayError, StreamRace
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from ascend_compile.passes.fx_utils import is_op
@@ -523,3 +523,60 @@ def test_fia_block_size_is_checked_before_torch_npu_is_asked(fake_npu):
     cfg = LlamaConfig(num_layers=1, num_blocks=128)  # block_size 16: the mixed graph's FIA is refused at compile
     results, _ = run_model([[10, 20, 30]], cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
     assert "block_size: torch_npu's paged FIA" in str(results[0][0])
+
+
+# ----------------------------------------------------------------------------- ops without a device kernel
+
+
+@torch.library.custom_op("npu_test::cache_write_with_host_reads", mutates_args=("key_cache", "value_cache"))
+def cache_write_with_host_reads(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """A cache write with the host logic of `ascend.reshape_and_cache`'s Python body: the slots'
+    minimum read on the host, a boolean-mask index (a data-dependent shape), their maximum read."""
+    if slot_mapping.numel() and int(slot_mapping.min()) < -1:
+        raise ValueError("slot_mapping: expected slots >= 0 or -1")
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    if slots.numel() and int(slots.max()) >= key_cache.shape[0] * key_cache.shape[1]:
+        raise ValueError("slot_mapping: a slot past the cache")
+    blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
+    key_cache[blocks, offsets] = key[valid]
+    value_cache[blocks, offsets] = value[valid]
+
+
+@cache_write_with_host_reads.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+    return None
+
+
+def _capture_error(steps, cfg) -> Exception:
+    """The first step's error of the example model compiled on runtime "npu"."""
+    results, _ = run_model(steps, cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
+    compiled = results[0][0]
+    assert isinstance(compiled, CaptureError), compiled
+    return compiled
+
+
+def test_an_unbound_cache_write_with_host_reads_cannot_be_captured_on_npu(monkeypatch):
+    # Not a torch_npu op, so no kernel of the device: its body is recorded op by op, and its first host
+    # read fails the capture, as it would on an Ascend device.
+    fake_torch_npu.install(monkeypatch, device_kernels=fake_torch_npu.DEVICE_KERNELS)
+    from examples import llama
+
+    def attend(self, q, k, v, block_table, seq_lens, query_start_loc, slot_mapping):
+        torch.ops.npu_test.cache_write_with_host_reads(k, v, self.key_cache, self.value_cache, slot_mapping)
+        return torch.ops.ascend.attention(q, self.key_cache, self.value_cache, block_table, seq_lens,
+                                          query_start_loc, self.cfg.head_dim**-0.5)
+
+    monkeypatch.setattr(llama.Attention, "attend", attend)
+    error = _capture_error([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
+    assert "aten.item.default inside npu_test.cache_write_with_host_reads.default" in str(error)
+
+
+def test_todays_cache_write_cannot_be_captured_on_npu_until_it_is_bound(monkeypatch):
+    # `ascend.reshape_and_cache` has no torch_npu binding yet (issue 22, item 1): on the fake without the
+    # transitional stand-in (`fake_torch_npu.CACHE_WRITE_UNTIL_BOUND`) its host reads fail the capture.
+    # Flip this test when runtime/npu.py binds the cache write.
+    fake_torch_npu.install(monkeypatch, device_kernels=fake_torch_npu.DEVICE_KERNELS)
+    error = _capture_error([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
+    assert "inside ascend.reshape_and_cache.default (not a kernel of this device" in str(error)

@@ -7,6 +7,10 @@ quietly computing the eager answer:
 - capture records ops as **tasks** (a `TorchDispatchMode`); their operands are memory addresses, and
   everything allocated during a capture is poisoned (0xFF bytes: NaN, -1) when it ends, so nothing
   can depend on capture-time values;
+- an op is one task only where the device has a kernel for it (torch's own ops, and those the
+  runtime declares, `SimRuntime(device_kernels=...)`: by default `SIM_KERNELS`); any other op,
+  Python custom ops included, is recorded as the ops its body issues, so a host read inside it fails
+  the capture naming the op, and a replay runs none of its Python;
 - memory comes from simulated device pools with addresses (`pool.py`): a block freed during a
   capture is handed to a later allocation of that capture or of a later one;
 - host arguments (lists of ints) are frozen at capture; only a task update changes them, and it must
@@ -41,7 +45,7 @@ recording), `inputs` (a replay's static inputs), `updates` (task groups and thei
 and `SimGraph`, the protocol).
 """
 from .events import SimEvent
-from .runtime import SimGraph, SimRuntime
+from .runtime import SIM_KERNELS, SimGraph, SimRuntime
 from .updates import SimTaskHandle
 
-__all__ = ["SimEvent", "SimGraph", "SimRuntime", "SimTaskHandle"]
+__all__ = ["SIM_KERNELS", "SimEvent", "SimGraph", "SimRuntime", "SimTaskHandle"]

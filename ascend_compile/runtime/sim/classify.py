@@ -14,9 +14,11 @@ import torch.utils._pytree as pytree
 
 _aten = torch.ops.aten
 
-#: Ops whose output shape depends on tensor data: a device must synchronise with the host to run them.
-DATA_DEPENDENT_SHAPE = frozenset(
-    {_aten.nonzero, _aten.masked_select, _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.unique_dim}
+#: Ops that index with their `indices` argument: a boolean mask there becomes the indices of its
+#: True elements (`nonzero`, torch's `expandTensors` in ATen's TensorAdvancedIndexing), a count
+#: only the device knows.
+MASK_INDEX_OPS = frozenset(
+    {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
 )
 #: Ops that only allocate: on a device they launch no kernel, so capture records no task for them.
 ALLOCATION_OPS = frozenset(
@@ -43,9 +45,17 @@ def is_view(func: torch._ops.OpOverload) -> bool:
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-def syncs_host(func: torch._ops.OpOverload) -> bool:
-    """True for ops a device graph cannot capture because the host must read device data."""
-    return torch.Tag.data_dependent_output in func.tags or func.overloadpacket in DATA_DEPENDENT_SHAPE
+def syncs_host(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True for a call a device graph cannot capture because the host must read device data: a value
+    read back (`.item()`, `int(t)`, `bool(t)`: torch's tag `data_dependent_output`), an output whose
+    shape depends on the data (tag `dynamic_output_shape`: nonzero, masked_select, unique, ...), or
+    an index by a boolean mask."""
+    if torch.Tag.data_dependent_output in func.tags:
+        return True
+    if func in MASK_INDEX_OPS:
+        indices = arg(func, args, kwargs, "indices")[1] or ()
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+    return torch.Tag.dynamic_output_shape in func.tags
 
 
 def is_wait(func: torch._ops.OpOverload) -> bool:

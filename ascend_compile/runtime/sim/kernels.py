@@ -1,23 +1,42 @@
-"""What the ACL-graph simulator knows of a device's kernels, beyond their arguments.
+"""What the ACL-graph simulator knows of a device's kernels: which ops are kernels, and their quirks.
 
-Some kernels launch other work depending on their host arguments (a zero-length fast path), and
-some read host tensors when their task runs. A runtime declares these per op packet; capture and
+A device graph holds kernel launches, never Python: an op is one task only where the device has a
+kernel for it. torch's own ops are kernels of every device's operator library; beyond them a
+runtime declares what it binds to a kernel of its device (`DeviceKernels(names)`: op namespaces
+such as torch_npu's "atb" and "npu", or qualified op names such as "ascend::paged_attention").
+Every other op, Python custom ops included, is recorded as the ops its body issues
+(`dispatch.CaptureMode`), so a host read inside it fails at capture, as on the device, and a replay
+runs none of its Python.
+
+Some kernels also launch other work depending on their host arguments (a zero-length fast path), and
+some read host tensors when their task runs; a runtime declares these per op packet. Capture and
 task updates then name tasks (`task_kind`) and freeze operands the same way, which is what lets a
 task update be matched against the group it replaces.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from .classify import all_zero, arg
 
+#: torch's own op namespaces: the device's operator library implements each of their ops as a
+#: kernel (ATen through torch_npu's op-plugin on Ascend; the functional collectives through HCCL).
+TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
+
 
 class DeviceKernels:
-    """The kernel facts a runtime declared: zero-length fast paths, host tensors read at run time."""
+    """The kernels of a simulated device: torch's ops and `names` (namespaces or qualified op
+    names), with the facts a runtime declared of them (zero-length fast paths, host tensors read
+    when their task runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
         self.fast_paths: dict[Any, str] = {}
         self.host_reads: dict[Any, tuple[str, ...]] = {}
+
+    def is_kernel(self, op: Any) -> bool:
+        """Whether `op` (an op overload) is one device kernel: recorded as one task and run as it is."""
+        return op.namespace in TORCH_NAMESPACES or op.namespace in self.names or op._schema.name in self.names
 
     def task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The kind of task a call of `op` launches: its name, marked when its zero-length fast path

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch
 from ..base import DeviceGraph, TaskHandle, TaskUpdateRuntime
-from .dispatch import CaptureMode, HostReadGuard, UpdateMode
+from .dispatch import CaptureMode, UpdateMode
 from .events import SimEvent
 from .inputs import check_unchanged, snapshot, static_inputs
 from .kernels import DeviceKernels
@@ -28,6 +28,12 @@ from .tasks import EventTask, Item, OpTask, Recording, program
 from .updates import SimTaskHandle, land, waited_node
 
 logger = logging.getLogger("ascend_compile.sim")
+
+#: The ascend ops the simulated device has kernels for: PA and FIA, and the cache write (the device
+#: the simulator models has one, as Ascend's ATB has ReshapeAndCache and aclnn ScatterPaKvCache;
+#: `ascend.reshape_and_cache`'s body is that kernel's reference). Every other ascend op (the unified
+#: `ascend.attention`, `ascend.workspace`) is recorded as the ops its body issues.
+SIM_KERNELS = frozenset({"ascend::paged_attention", "ascend::fused_infer_attention", "ascend::reshape_and_cache"})
 
 
 class SimGraph(DeviceGraph):
@@ -61,7 +67,8 @@ class SimGraph(DeviceGraph):
         rt = self._runtime
         rt._begin_capture(self)
         try:
-            with HostReadGuard(), CaptureMode(self.recording, rt._memory, rt.kernels, rt._launcher):
+            mode = CaptureMode(self.recording, rt._memory, rt.device_kernels, rt._launcher)
+            with mode.guard, mode:
                 yield
         finally:
             group_open = rt._end_capture(self)
@@ -108,14 +115,19 @@ class SimRuntime(TaskUpdateRuntime):
     `segment_bytes`: size of each simulated memory segment (a larger request gets its own).
     `overflow`: what a kernel short of workspace does: "write" past its buffer, as the device
     does, or "raise" its `WorkspaceTooSmall`.
+    `device_kernels`: the ops besides torch's own that the device has kernels for (op namespaces or
+    qualified op names, `kernels.DeviceKernels`); every other op is recorded as the ops its body
+    issues. By default `SIM_KERNELS`.
     """
 
     name = "sim"
 
-    def __init__(self, segment_bytes: int = 64 << 20, overflow: str = "write") -> None:
+    def __init__(
+        self, segment_bytes: int = 64 << 20, overflow: str = "write", device_kernels: Iterable[str] = SIM_KERNELS
+    ) -> None:
         self._memory = SimMemory(segment_bytes)
         self._launcher = Launcher(self._memory, overflow)
-        self.kernels = DeviceKernels()
+        self.device_kernels = DeviceKernels(device_kernels)
         self._capturing: Optional[SimGraph] = None
         self._group_start: Optional[int] = None
         self._update: Optional[UpdateMode] = None
@@ -139,13 +151,13 @@ class SimRuntime(TaskUpdateRuntime):
         argument `lengths` is 0: on the device it then launches other work (or none) than for real
         lengths, so such a call records another task kind (`<op>[all lengths 0]`), and a task update
         to real lengths does not match it. A kernel must be captured with lengths it really runs."""
-        self.kernels.fast_paths[op] = lengths
+        self.device_kernels.fast_paths[op] = lengths
 
     def reads_on_host(self, op: Any, *names: str) -> None:
         """Declare that op packet `op` reads its tensor arguments `names` on the host when its task
         runs (after the call returned, with a task queue): tasks hold them weakly, and running a task
         whose host tensor was freed raises."""
-        self.kernels.host_reads[op] = names
+        self.device_kernels.host_reads[op] = names
 
     def first_call(self, name: str) -> None:
         """Called by a kernel each time it runs: its first call sets it up (tiling caches, binaries,
@@ -240,7 +252,7 @@ class SimRuntime(TaskUpdateRuntime):
             raise AscendCompileError(
                 f"task_update_begin(): the update of {self._update.handle!r} is still open (call task_update_end())"
             )
-        mode = UpdateMode(self._memory, self.kernels, handle, stream or self.update_stream)
+        mode = UpdateMode(self._memory, self.device_kernels, handle, stream or self.update_stream)
         mode.__enter__()
         self._update = mode
 
