@@ -21,10 +21,12 @@ events: an update no event orders before the kernel it rewrites is a `StreamRace
 nothing queued can satisfy (an update queued behind the replay waiting for it) raises naming the
 node. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
-a fast path that records another task than real lengths do; PA's task reads its CPU `context_lens`
-when it runs, so that tensor must outlive it. FIA refuses what its torch_npu documentation forbids
-for paged TND calls: a block size that is not a multiple of 128 in [128, 512], a cache with fewer
-blocks than the sequences' lengths need, and a sequence with more query tokens than KV. FIA's
+a fast path that records another task than real lengths do; PA's CPU `context_lens` is copied when
+the call is issued, as torch_npu's ATB binding clones CPU inputs. FIA refuses what its torch_npu documentation forbids
+for paged TND calls (each check cites its line of the wheel's `_op_plugin_docs.py` in `_fia_layout`):
+a block size that is not a multiple of 128 in [128, 512], a cache with fewer blocks than the
+sequences' lengths need. A KV length below the query length (vLLM-Ascend pads with 0) is accepted:
+the docs ask only for non-negative lengths of at most KV_S. FIA's
 workspace query answers in the query's dtype (its bytes are `numel * element_size`).
 The call log keeps tensors as meta tensors (shape and dtype only), so it holds no memory alive.
 `install(monkeypatch)` puts the fake in `sys.modules` for one test.
@@ -163,7 +165,17 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
-    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens)."""
+    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens).
+
+    The device's rules, from torch_npu 2.14's `_op_plugin_docs.py` (npu_fused_infer_attention_score):
+    TND needs both length lists (L8082-8083); paged attention needs `block_table` (L8222) and a
+    block size that is a multiple of 128 in [128, 512] (L8219), and `num_blocks` at least the sum of
+    the blocks each sequence's KV length needs (L8220); sparse_mode 3 takes the (2048, 2048) lower-
+    triangular mask (L8121, L8214). KV lengths are non-negative and at most KV_S (L8211, L8275),
+    which `library.check_fused_infer_attention` checks; nothing asks a KV length to cover the query
+    length in this layout (L8199 and L8248-8249 do for D=192 without paged attention and for int8
+    outputs only). The layout, the argument names and sparse modes 0 / 3 are what the fake computes.
+    """
     if kw["input_layout"] != "TND":
         _fail("input_layout", "'TND' (the fake implements the TND layout)", repr(kw["input_layout"]))
     if kw["block_table"] is None:
@@ -187,10 +199,6 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     needed = sum(-(-n // key.shape[1]) for n in kv_lens)
     if key.shape[0] < needed:
         _fail("key", f"at least {needed} blocks (the sum of every sequence's blocks)", f"{key.shape[0]} blocks")
-    short = [i for i, (q, kv) in enumerate(zip(query_lens, kv_lens)) if q > kv]
-    if short:
-        _fail("actual_seq_lengths_kv", "each sequence's KV length at least its query length",
-              f"{[kv_lens[i] for i in short]} for {[query_lens[i] for i in short]} query tokens")
     if kw["sparse_mode"] == 3:
         mask = kw["atten_mask"]
         if mask is None or tuple(mask.shape) != (2048, 2048) or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
@@ -283,7 +291,7 @@ class FakeNpu:
         pa, fia = torch.ops.atb._npu_paged_attention, torch.ops.npu.npu_fused_infer_attention_score
         self.sim.zero_length_fast_path(pa, "context_lens")
         self.sim.zero_length_fast_path(fia, "actual_seq_lengths_kv")
-        self.sim.reads_on_host(pa, "context_lens")
+        self.sim.copies_host_inputs(pa, "context_lens")
         self.calls: list[Call] = []
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
         self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order

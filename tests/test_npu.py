@@ -495,8 +495,9 @@ def test_capture_and_padding_never_give_the_kernels_zero_lengths(fake_npu):
 
 
 def test_context_lens_tensors_live_until_the_device_has_read_them(fake_npu):
-    # ATB reads context_lens on the host when the (queued) launch is processed; the fake's tasks hold it
-    # weakly, so a tensor freed after the call would fail the replay.
+    # The NPU runtime keeps each context_lens tensor alive until the device has run its task. ATB clones
+    # CPU inputs when the call is issued (op-plugin AtbCommon.cpp, ParamSetter::Input), and so does the
+    # fake, so this is belt and braces, no longer a device rule the fake enforces.
     cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     results, artifacts = run_model([[10, 20, 30], [40, 50, 60, 70]], cfg, max_model_len=MAX_LEN,
                                    capture_sizes=(4,), kernel_policy="pa")
@@ -580,3 +581,16 @@ def test_todays_cache_write_cannot_be_captured_on_npu_until_it_is_bound(monkeypa
     fake_torch_npu.install(monkeypatch, device_kernels=fake_torch_npu.DEVICE_KERNELS)
     error = _capture_error([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
     assert "inside ascend.reshape_and_cache.default (not a kernel of this device" in str(error)
+
+
+def test_fia_accepts_padding_sequences_of_kv_length_0(fake_npu):
+    # vLLM-Ascend updates padded decode requests with KV length 0 (model_runner_v1.py); torch_npu 2.14's
+    # FIA docs ask only for non-negative KV lengths of at most KV_S (_op_plugin_docs.py L8211, L8275).
+    prob = make_problem([40, 1, 1], block_size=NPU_BLOCK)
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    out, expected = torch.full_like(prob.query, float("nan")), torch.empty_like(prob.query)
+    args = (prob.query, prob.key_cache, prob.value_cache, prob.block_table, [1, 2, 3], [40, 0, 0], prob.scale)
+    kernels.fused_infer_attention(*args, torch.zeros(1 << 20, dtype=torch.uint8), out)
+    torch.ops.ascend.fused_infer_attention(*args, torch.zeros(1 << 20, dtype=torch.uint8), expected)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert not out[1:].any()  # a sequence of KV length 0 yields zeros

@@ -26,9 +26,9 @@ quietly computing the eager answer:
 - a kernel with a zero-length fast path (`SimRuntime.zero_length_fast_path`; by default the ascend
   PA and FIA) called with every length 0 launches another task than with real lengths, so a task
   captured that way cannot be updated to real lengths (the update is refused);
-- host tensors a kernel reads when its task runs (`SimRuntime.reads_on_host`, e.g. ATB's CPU
-  `context_lens`) are held weakly by the task, as the device holds only their address: one freed
-  before the task runs is an error;
+- host tensor inputs of a kernel (`SimRuntime.copies_host_inputs`, e.g. ATB's CPU `context_lens`)
+  are copied when the call is issued, as torch_npu's ATB binding does: freeing or overwriting the
+  caller's tensor afterwards changes nothing;
 - an op that sets itself up on its first call (`SimRuntime.first_call`) may not make that call
   inside a capture;
 - host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;

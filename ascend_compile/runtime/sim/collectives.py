@@ -4,7 +4,10 @@ A functional collective (`_c10d_functional`) returns before its work is done, an
 work by the output's storage: on the device its output reaches its captured address only when the
 work completes, at the graph's `wait_tensor` of it or at the end of the graph. `InFlight` holds
 those outputs until then. It is its own module because capture, replay and the kernel launch all
-deliver into it and complete from it, and none of them owns it.
+deliver into it and complete from it, and none of them owns it. Source: torch's functional
+collectives return an `AsyncCollectiveTensor` whose value is defined only after `wait_tensor`
+(`torch/distributed/_functional_collectives.py`); the poison before it is the model of HCCL
+running asynchronously on its own stream.
 """
 from __future__ import annotations
 

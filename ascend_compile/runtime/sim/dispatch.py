@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ...errors import CaptureError
 from .classify import ALLOCATION_OPS, HOST_READ_METHODS, aliases_inputs, arg, is_cpu_dense, is_view, storage_id, syncs_host
@@ -30,23 +30,27 @@ from .kernels import DeviceKernels
 from .launch import Launcher
 from .memory import SimMemory
 from .streams import SimStream
-from .tasks import HostRef, IssuedOp, OpTask, Recording
+from .tasks import IssuedOp, OpTask, Recording
 from .updates import SimTaskHandle
 
 
 def record_operands(
     memory: SimMemory, kernels: DeviceKernels, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple, dict]:
-    """A task's operands: tensors as addresses, host tensors the op reads when it runs
-    (`DeviceKernels.host_reads`) held weakly."""
+    """A task's operands: tensors as addresses, host tensor inputs (`DeviceKernels.host_inputs`)
+    as copies made now, when the call is issued, as torch_npu's ATB binding clones every CPU tensor
+    input and its launch holds the clone (op-plugin `op_plugin/utils/custom_functions/atb/
+    AtbCommon.cpp`, `ParamSetter::Input`): the caller may free or overwrite its tensor at once."""
     args, kwargs = pytree.tree_map(memory.describe, (args, kwargs))
-    for name in kernels.host_read_args(op):
+    for name in kernels.host_input_args(op):
         key, value = arg(op, args, kwargs, name)
         if isinstance(value, torch.Tensor):
+            with _disable_current_modes():
+                copy = value.clone()
             if isinstance(key, int):
-                args = (*args[:key], HostRef(value, name), *args[key + 1:])
+                args = (*args[:key], copy, *args[key + 1:])
             else:
-                kwargs = {**kwargs, key: HostRef(value, name)}
+                kwargs = {**kwargs, key: copy}
     return args, kwargs
 
 
@@ -98,7 +102,14 @@ def decompose(mode: TorchDispatchMode, guard: HostReadGuard, func: Any, args: An
 class CaptureMode(TorchDispatchMode):
     """Runs each device kernel once and records it as a task of `recording`, with fresh outputs in
     the graph pool; any other op is decomposed into the ops its body issues. Enter it inside its
-    `guard`, which refuses host conversions for the whole capture."""
+    `guard`, which refuses host conversions for the whole capture.
+
+    Source: a capture records "NPU work on the current stream" and a replay replays "the NPU work
+    captured by this graph" (torch_npu 2.14 `npu/graphs.py`, `NPUGraph.capture_begin`, `replay`):
+    kernel launches, not the Python that issued them. Host reads: "Ops that synchronize the CPU with
+    the GPU (e.g., .item() calls) are prohibited" in a capture (PyTorch's CUDA Graphs notes,
+    Constraints), which torch_npu's `NPUGraph`, a port of torch's `cuda/graphs.py`, inherits; a
+    data-dependent output shape is such a synchronisation (the host must learn the size)."""
 
     def __init__(self, recording: Recording, memory: SimMemory, kernels: DeviceKernels, launcher: Launcher) -> None:
         super().__init__()
@@ -148,7 +159,9 @@ class CaptureMode(TorchDispatchMode):
 class UpdateMode(TorchDispatchMode):
     """Records the ops of a task update of `handle`, to be issued on `stream`, instead of running
     them; an op that is not a device kernel is decomposed, as at capture, its host conversions
-    refused. Outputs are fresh stand-ins, not the captured tasks' buffers: an op whose body passes an
+    refused. Source: torch_npu re-issues each recorded op between `graph_task_update_begin` and
+    `graph_task_update_end` (`npu/graphs.py`, `update_capture_record`), so an update is the ops a
+    call issues, in order. Outputs are fresh stand-ins, not the captured tasks' buffers: an op whose body passes an
     intermediate from one kernel to the next does not update soundly (a device's re-issued kernels
     would allocate it anew too); ops that write their outputs in place (`out=`) do."""
 

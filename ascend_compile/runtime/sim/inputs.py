@@ -2,7 +2,9 @@
 
 `SimGraph.replay` only queues the graph: on the device it runs later, and reads its static inputs
 (general-pool memory it reads and never writes) as they are *then*. A host write into one between
-`replay()` and the replay running is a bug the eager answer hides. So a launch snapshots those
+`replay()` and the replay running is a bug the eager answer hides. (Source: a replay is launched on
+a stream and runs when the device reaches it, `NPUGraph.replay` returning at once; torch_npu's
+graph API is asynchronous like every stream launch.) So a launch snapshots those
 inputs (`snapshot`) and the first item of the replay checks them (`check_unchanged`). Its own
 module because it is the one check of host/device ordering on memory rather than on tasks.
 """

@@ -9,9 +9,9 @@ Every other op, Python custom ops included, is recorded as the ops its body issu
 runs none of its Python.
 
 Some kernels also launch other work depending on their host arguments (a zero-length fast path), and
-some read host tensors when their task runs; a runtime declares these per op packet. Capture and
-task updates then name tasks (`task_kind`) and freeze operands the same way, which is what lets a
-task update be matched against the group it replaces.
+some take host tensors, which the device copies when the call is issued; a runtime declares these
+per op packet. Capture and task updates then name tasks (`task_kind`) and freeze operands the same
+way, which is what lets a task update be matched against the group it replaces.
 """
 from __future__ import annotations
 
@@ -21,18 +21,20 @@ from .classify import all_zero, arg
 
 #: torch's own op namespaces: the device's operator library implements each of their ops as a
 #: kernel (ATen through torch_npu's op-plugin on Ascend; the functional collectives through HCCL).
+#: A model: every ATen op is taken to have a capturable kernel; on Ascend an op served by the older
+#: aclop path is not ("Cannot run aclop operators during NPU graph capture", libtorch_npu.so), which
+#: the simulator cannot tell.
 TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
 
 
 class DeviceKernels:
     """The kernels of a simulated device: torch's ops and `names` (namespaces or qualified op
-    names), with the facts a runtime declared of them (zero-length fast paths, host tensors read
-    when their task runs)."""
+    names), with the facts a runtime declared of them (zero-length fast paths, host tensor inputs)."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
         self.fast_paths: dict[Any, str] = {}
-        self.host_reads: dict[Any, tuple[str, ...]] = {}
+        self.host_inputs: dict[Any, tuple[str, ...]] = {}
 
     def is_kernel(self, op: Any) -> bool:
         """Whether `op` (an op overload) is one device kernel: recorded as one task and run as it is."""
@@ -46,6 +48,6 @@ class DeviceKernels:
             return f"{op}[all lengths 0]"
         return str(op)
 
-    def host_read_args(self, op: Any) -> tuple[str, ...]:
-        """The arguments of `op` its task reads on the host when it runs."""
-        return self.host_reads.get(op.overloadpacket, ())
+    def host_input_args(self, op: Any) -> tuple[str, ...]:
+        """The arguments of `op` that are host tensors, copied when a call is issued."""
+        return self.host_inputs.get(op.overloadpacket, ())

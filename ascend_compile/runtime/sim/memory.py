@@ -1,9 +1,12 @@
 """What the ACL-graph simulator does with its device memory.
 
 `pool.py` carves blocks out of segments; this module holds the rules the runtime applies on top:
-an allocation comes from the graph pool during a capture and from the general pool otherwise; every
-block a capture allocated is remembered and poisoned (0xFF bytes: NaN, -1) when the capture ends, so
-nothing can depend on capture-time values; `locate` finds where a tensor lives (None for memory that
+an allocation comes from the graph pool during a capture and from the general pool otherwise
+(source: a capture allocates from its graph's private pool, `torch.npu.graph_pool_handle` and the
+`pool` argument of `NPUGraph.capture_begin`, torch_npu 2.14 `npu/graphs.py`); every block a capture
+allocated is remembered and poisoned (0xFF bytes: NaN, -1) when the capture ends, so nothing can
+depend on capture-time values (a model, kept because no source promises that what a capture
+computed survives it: later work and later captures sharing the pool overwrite it); `locate` finds where a tensor lives (None for memory that
 is not the simulator's: a parameter, a user's KV cache), and `describe` turns a tensor operand into
 the address (`MemRef`) a task records instead of it. Kept apart from the runtime so that it reads as
 the capture / replay / update protocol and the memory rules read here in one place.

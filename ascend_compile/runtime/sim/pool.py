@@ -7,6 +7,12 @@ lies next to it. So memory is not one CPU tensor per allocation; it is carved, l
 allocator carves device segments, out of large uint8 CPU tensors (**segments**) into 512-byte aligned
 **blocks** (best fit, split, coalesced on free).
 
+Source: a capture allocates from its graph's private pool, whose blocks freed during the capture serve
+later allocations of it (PyTorch's CUDA semantics notes, "Graph memory management", the section
+torch_npu 2.14's `npu/graphs.py` refers to for its pools); vLLM-Ascend hit exactly that with a
+weak-referenced workspace (DESIGN.md §7, case 3). Blocks are multiples of 512 bytes, the caching
+allocators' smallest block.
+
 Every tensor handed out owns its block through its storage: the storage is created over the block's
 bytes with `torch.frombuffer`, so every view of it (made under capture or not, or saved by autograd)
 keeps the block allocated, and when the last one dies the block returns to its pool. The memory is

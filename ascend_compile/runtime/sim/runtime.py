@@ -150,19 +150,32 @@ class SimRuntime(TaskUpdateRuntime):
         """Declare that kernel `op` (an op packet) takes a fast path when every value of its host
         argument `lengths` is 0: on the device it then launches other work (or none) than for real
         lengths, so such a call records another task kind (`<op>[all lengths 0]`), and a task update
-        to real lengths does not match it. A kernel must be captured with lengths it really runs."""
+        to real lengths does not match it. A kernel must be captured with lengths it really runs.
+
+        A model, kept for the ascend PA and FIA: their host lengths choose the tiling, hence the
+        launch, each time they are issued (a task update re-tiles, torch_npu `npu/graphs.py`,
+        `update_capture_record`; FIA's tiling special-cases zero lengths, ops-transformer
+        `fused_infer_attention_score_tiling_info_parser.cpp`), and no source says a batch of zeros
+        launches what real lengths do; vLLM-Ascend captures with real lengths (its dummy run uses
+        `SEQ_LEN_WITH_MAX_PA_WORKSPACE` or `max_query_len`, `model_runner_v1.py`)."""
         self.device_kernels.fast_paths[op] = lengths
 
-    def reads_on_host(self, op: Any, *names: str) -> None:
-        """Declare that op packet `op` reads its tensor arguments `names` on the host when its task
-        runs (after the call returned, with a task queue): tasks hold them weakly, and running a task
-        whose host tensor was freed raises."""
-        self.device_kernels.host_reads[op] = names
+    def copies_host_inputs(self, op: Any, *names: str) -> None:
+        """Declare that kernel `op` (an op packet) takes its tensor arguments `names` on the host and
+        the device copies them when the call is issued (torch_npu's ATB binding clones every CPU tensor
+        input, op-plugin `AtbCommon.cpp`, `ParamSetter::Input`): its task holds the copy, so the
+        caller may free or overwrite its tensor as soon as the call returns."""
+        self.device_kernels.host_inputs[op] = names
 
     def first_call(self, name: str) -> None:
         """Called by a kernel each time it runs: its first call sets it up (tiling caches, binaries,
         allocations), which a device cannot do inside a capture, so a first call during a capture
-        raises. Run the work once eagerly before capturing (`DeviceGraph.warmup`)."""
+        raises. Run the work once eagerly before capturing (`DeviceGraph.warmup`).
+
+        A model, kept because every proven capture path warms up first: torch_npu's
+        `make_graphed_callables` runs warm-up iterations between synchronizes (`npu/graphs.py`), and
+        vLLM-Ascend runs eager dummy steps before each capture (`model_runner_v1.py`, `_dummy_run`);
+        what an unwarmed first call does inside a capture is documented nowhere."""
         if name in self._set_up:
             return
         if self._capturing is not None:
@@ -259,7 +272,12 @@ class SimRuntime(TaskUpdateRuntime):
     def task_update_end(self) -> None:
         """Check the recorded ops match the group's tasks one for one, then issue the update on its
         stream: the tasks get their new operands when the device runs it, and a replay sees them
-        only if an event orders the update before the replay's kernel (else `StreamRace`)."""
+        only if an event orders the update before the replay's kernel (else `StreamRace`).
+
+        Source: torch_npu refuses an update whose count differs from the recorded ops
+        (`npu/graphs.py`, `update_capture_record`) and re-issues each in place of its record; that
+        a re-issued op must launch the kernel it replaces is the model of an update rewriting the
+        captured task's arguments, not adding or replacing tasks."""
         mode = self._update
         if mode is None:
             raise AscendCompileError("task_update_end() without task_update_begin()")

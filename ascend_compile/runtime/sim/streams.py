@@ -15,6 +15,10 @@ From that order, whatever interleaving the drain picks:
   (`StreamRace`): on the device the kernel may read the old or the new arguments;
 - a wait nothing queued can ever satisfy is a hang: the drain raises `ReplayError` naming the wait.
 
+Source: ACL streams are queues the device runs asynchronously, ordered with one another only by
+events (`aclrtRecordEvent` / `aclrtStreamWaitEvent`); torch_npu's `Stream` / `Event` expose them as
+CUDA's. Races are the model's reading of that: two unordered items may run in either order.
+
 Events are ACL's two kinds. An **external** event (`aclrtCreateEventExWithFlag(ACL_EVENT_EXTERNAL)`,
 torch_npu's `ExternalEvent`) is a flag: `wait` blocks until it is set, `record` sets it, `reset`
 clears it. An **ordinary** event (torch_npu's `Event`) marks a point of a stream: `wait` waits for the

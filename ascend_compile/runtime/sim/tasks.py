@@ -6,44 +6,19 @@ items a replay queues on its stream, and `IssuedOp` is one op a task update issu
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.utils._pytree as pytree
 
-from ...errors import ReplayError
 from .launch import Launcher
 from .memory import MemRef
 from .pool import Region
 from .streams import EventState, RecordWork, ResetWork, SimStream, TaskAccess, WaitWork, Work
 
 
-class HostRef:
-    """A host tensor a task reads when it runs, held weakly: the device keeps its address, not it."""
-
-    __slots__ = ("ref", "name")
-
-    def __init__(self, tensor: torch.Tensor, name: str) -> None:
-        self.ref = weakref.ref(tensor)
-        self.name = name
-
-    def resolve(self) -> torch.Tensor:
-        """The tensor, which must still be alive."""
-        tensor = self.ref()
-        if tensor is None:
-            raise ReplayError(
-                f"{self.name}: the host tensor this task reads when it runs was freed before it ran; keep it "
-                f"alive until the device has run the task (until the next synchronize, or for the graph's life)"
-            )
-        return tensor
-
-    def __repr__(self) -> str:
-        return f"<host tensor {self.name}>"
-
-
 def _resolve(x: Any) -> Any:
-    return x.resolve() if isinstance(x, (MemRef, HostRef)) else x
+    return x.resolve() if isinstance(x, MemRef) else x
 
 
 class OpTask:
