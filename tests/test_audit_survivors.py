@@ -243,7 +243,8 @@ def test_a_sequence_of_exactly_max_model_len_fits_its_workspace(policy, max_len,
 def test_the_workspace_maximum_is_the_brute_force_maximum_up_to_max_model_len(kernel, max_len):
     shape = tiling.AttentionShape(4, 2, 16, 16)
     brute = max(tiling.workspace_nbytes(kernel, shape, [n]) for n in range(1, max_len + 1))
-    assert tiling.max_workspace(kernel, shape, 3, max_len).nbytes == 3 * brute
+    assert tiling.max_uniform_workspace(kernel, shape, 3, max_len).nbytes == 3 * brute
+    assert tiling.max_workspace(kernel, shape, 1, max_len).nbytes == brute  # one sequence: no mix
 
 
 # ------------------------------------------------ 6: transformers' block table at max_model_len

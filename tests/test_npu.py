@@ -195,9 +195,10 @@ def test_workspace_is_probed_at_compile_time_to_the_interior_peak(fake_npu):
     plan = artifacts[-1].rewritten.plan
     slot = plan.slots["attn_workspace"]
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
-    exact = tiling.max_workspace(tiling.PA, shape, 3, 8192)  # dynamo keeps the 3 tokens static: bucket 3
+    exact = tiling.max_uniform_workspace(tiling.PA, shape, 3, 8192)  # dynamo keeps the 3 tokens static: bucket 3
     # PA's need peaks at 3841 (16 splits) and falls above 4096: the probe set's block-count
-    # classes hit the first length of the peak, which the plan records as the arg-max.
+    # classes hit the first length of the peak, which the plan records as the arg-max. The probe asks
+    # batches of one length, so it finds the uniform maximum, not that of mixed batches.
     assert (slot.nbytes, slot.argmax_len) == (exact.nbytes, 3841) == (exact.nbytes, exact.argmax_len)
     assert all(n["argmax_len"] == 3841 for n in plan.to_json()["needs"]["b3.decode"])
 
@@ -242,7 +243,7 @@ def test_probing_without_a_device_finds_the_formula_maximum():
     need_fn = ProbedWorkspaceNeed(query)
     for kernel in (tiling.PA, tiling.FIA):
         need = need_fn(KernelSite("n", kernel, shape), 8, 5000, None)
-        exact = tiling.max_workspace(kernel, shape, 8, 5000)
+        exact = tiling.max_uniform_workspace(kernel, shape, 8, 5000)
         assert (need.nbytes, need.argmax_len) == (exact.nbytes, exact.argmax_len)
     assert {q for _, q, _ in asked} == {(1,) * 8, (8,) + (0,) * 7} and {b for *_, b in asked} == {313}
     asked.clear()
