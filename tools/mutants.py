@@ -12,7 +12,8 @@ sizing, wrong bucket, missing address check, no clone, updates after synchronize
 second audit's mutants survived (issue 27: overlapping writes, shrinking regions, padding KV lengths,
 host scalars, metadata keys, the transformers block table, vLLM's query_start_loc, collectives in
 flight, per-sequence outputs, empty queries on the device path, the workspace scan's top end, decode
-detection).
+detection), and issue 22's simulator rules (a host read inside an op, a replay running an op's Python
+body, PA sized for batches of one length only).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -184,6 +185,24 @@ MUTANTS = (
         "    lens = torch.arange(1, max_model_len + 1, dtype=torch.int64)\n",
         "    lens = torch.arange(1, max(2, max_model_len), dtype=torch.int64)\n",
         (f"{AUDIT}::test_a_sequence_of_exactly_max_model_len_fits_its_workspace",),
+    ),
+    # issue 22: the simulator as strict as the device
+    Mutant(
+        "a host read inside an op not refused in capture", "ascend_compile/runtime/sim/dispatch.py",
+        "        if syncs_host(func, args, kwargs) and any(\n",
+        "        if syncs_host(func, args, kwargs) and not self.guard.enclosing and any(\n",
+        ("tests/test_sim.py::test_a_host_read_inside_a_custom_op_fails_the_capture_naming_the_op_and_the_read",),
+    ),
+    Mutant(
+        "replay re-runs an op's Python body", "ascend_compile/runtime/sim/kernels.py",
+        "        return op.namespace in TORCH_NAMESPACES or op.namespace in self.names or op._schema.name in self.names\n",
+        "        return True\n",
+        ("tests/test_sim.py::test_a_custom_op_is_recorded_as_the_ops_its_body_issues_and_replays_run_none_of_its_python",),
+    ),
+    Mutant(
+        "PA sized for uniform batches only", "ascend_compile/ops/tiling.py",
+        "    mixed = one_short + (tokens - 1) * any_short\n", "    mixed = tokens * one_short\n",
+        ("tests/test_design_cases.py::test_case1_steps_mixing_long_and_short_sequences_are_served_by_the_exact_maximum",),
     ),
 )
 
