@@ -8,10 +8,12 @@ ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_
 with their workspace queries, and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
 with a wrong argument name, order or kind fails here as it does on the device, and the simulator
-records each call as one task. They compute for real, with the project's reference kernels, and
+records each call as one task: the ops of torch_npu's namespaces are the device's kernels
+(`DEVICE_KERNELS`), and any other op in a captured graph is recorded as the ops its body issues, so
+a host read inside it fails the capture as on the device. They compute for real, with the project's reference kernels, and
 their workspace queries answer with the reference tiling (whose need peaks at an interior length).
 
-The device is the CPU and the simulator (`ascend_compile/runtime/sim.py`) plays the ACL runtime:
+The device is the CPU and the simulator (`ascend_compile/runtime/sim/`) plays the ACL runtime:
 captured ops become tasks, capture-time memory is poisoned, host arguments are frozen until a task
 update, and a replay that reaches an external event nobody recorded raises instead of hanging.
 Each fake `Stream` is a simulator stream and each `Event` / `ExternalEvent` a simulator event, so
@@ -20,19 +22,20 @@ events: an update no event orders before the kernel it rewrites is a `StreamRace
 nothing queued can satisfy (an update queued behind the replay waiting for it) raises naming the
 node. The kernels keep the device's rules the simulator models (`SimRuntime`): they set
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
-a fast path that records another task than real lengths do; PA's task reads its CPU `context_lens`
-when it runs, so that tensor must outlive it. Each refuses what its torch_npu documentation forbids
-(quoted where checked): FIA, for paged TND calls, a block size that is not a multiple of 128 in
-[128, 512], a cache with fewer blocks than the sequences' lengths need, non-contiguous query or
-caches, and a sequence with more query tokens than KV; PA a block size that is not a multiple of 16
-of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot dtypes other
-than int32/int64, slots past the cache or repeated (negative ones it skips, as the kernel source
-does). FIA's max-workspace query answers the most any lengths the block table holds can need, in the
-query's dtype (its bytes are `numel * element_size`). Each stream has a core limit; a task update
-issued on a stream limited otherwise than the task's capture is refused (it would re-tile the kernel
-for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's does.
-`HostReads` records host reads of tensor data (what a device kernel's binding must not issue), and
-`AllocatedBytes` the device memory ops allocate.
+a fast path that records another task than real lengths do; PA's CPU `context_lens` is copied when
+the call is issued, as torch_npu's ATB binding clones CPU inputs. Each refuses what its torch_npu
+documentation forbids (quoted where checked): FIA, for paged TND calls, a block size that is not a
+multiple of 128 in [128, 512], a cache with fewer blocks than the sequences' lengths need and
+non-contiguous query or caches (a KV length below the query length, which vLLM-Ascend pads with, is
+accepted: the docs ask only for non-negative lengths of at most KV_S); PA a block size that is not a
+multiple of 16 of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot
+dtypes other than int32/int64, slots past the cache or repeated (negative ones it skips, as the
+kernel source does). FIA's max-workspace query answers the most any lengths the block table holds
+can need, in the query's dtype (its bytes are `numel * element_size`). Each stream has a core limit;
+a task update issued on a stream limited otherwise than the task's capture is refused (it would
+re-tile the kernel for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's
+does. `HostReads` records host reads of tensor data (what a device kernel's binding must not issue),
+and `AllocatedBytes` the device memory ops allocate.
 The call log keeps tensors as meta tensors (shape and dtype only), so it holds no memory alive.
 `install(monkeypatch)` puts the fake in `sys.modules` for one test.
 """
@@ -60,6 +63,10 @@ from ascend_compile.runtime.sim import SimRuntime
 
 FIXTURE = Path(__file__).parent / "fixtures" / "torch_npu_2_14_schemas.txt"
 VERSION = "2.14.0"
+#: The device's kernels besides torch's own: the ops of torch_npu's namespaces. Any other op the
+#: graphs hold (an `ascend` op that has no torch_npu binding) is recorded as the ops its body issues,
+#: so a host read in its body fails the capture, as on the device.
+DEVICE_KERNELS = ("atb", "npu")
 
 #: FIA arguments the fake computes with; any other optional tensor must be left None.
 _FIA_USED = {
@@ -177,7 +184,17 @@ def _same(value: Any, default: Any) -> bool:
 
 
 def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
-    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens)."""
+    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens).
+
+    The device's rules, from torch_npu 2.14's `_op_plugin_docs.py` (npu_fused_infer_attention_score):
+    TND needs both length lists (L8082-8083); paged attention needs `block_table` (L8222) and a
+    block size that is a multiple of 128 in [128, 512] (L8219), and `num_blocks` at least the sum of
+    the blocks each sequence's KV length needs (L8220); sparse_mode 3 takes the (2048, 2048) lower-
+    triangular mask (L8121, L8214). KV lengths are non-negative and at most KV_S (L8211, L8275),
+    which `library.check_fused_infer_attention` checks; nothing asks a KV length to cover the query
+    length in this layout (L8199 and L8248-8249 do for D=192 without paged attention and for int8
+    outputs only). The layout, the argument names and sparse modes 0 / 3 are what the fake computes.
+    """
     if kw["input_layout"] != "TND":
         _fail("input_layout", "'TND' (the fake implements the TND layout)", repr(kw["input_layout"]))
     if kw["block_table"] is None:
@@ -202,10 +219,6 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     needed = sum(-(-n // key.shape[1]) for n in kv_lens)
     if key.shape[0] < needed:
         _fail("key", f"at least {needed} blocks (the sum of every sequence's blocks)", f"{key.shape[0]} blocks")
-    short = [i for i, (q, kv) in enumerate(zip(query_lens, kv_lens)) if q > kv]
-    if short:
-        _fail("actual_seq_lengths_kv", "each sequence's KV length at least its query length",
-              f"{[kv_lens[i] for i in short]} for {[query_lens[i] for i in short]} query tokens")
     if kw["sparse_mode"] == 3:
         mask = kw["atten_mask"]
         if mask is None or tuple(mask.shape) != (2048, 2048) or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
@@ -424,12 +437,12 @@ class Call:
 class FakeNpu:
     """The state of one installed fake: the simulator, streams, launches, and a log of calls."""
 
-    def __init__(self) -> None:
-        self.sim = SimRuntime()
+    def __init__(self, device_kernels: tuple[str, ...]) -> None:
+        self.sim = SimRuntime(device_kernels=device_kernels)
         pa, fia = torch.ops.atb._npu_paged_attention, torch.ops.npu.npu_fused_infer_attention_score
         self.sim.zero_length_fast_path(pa, "context_lens")
         self.sim.zero_length_fast_path(fia, "actual_seq_lengths_kv")
-        self.sim.reads_on_host(pa, "context_lens")
+        self.sim.copies_host_inputs(pa, "context_lens")
         self.calls: list[Call] = []
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
         self.writes: list[int] = []  # slots written by each execution of npu_scatter_pa_kv_cache
@@ -745,15 +758,18 @@ NPU_FUNCTIONS = (
 )
 
 
-def install(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
+def install(
+    monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS
+) -> FakeNpu:
     """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
+    `device_kernels`: the ops besides torch's own that its simulator records as one task each.
 
     Its device is the CPU, so NPU tensors are CPU tensors: `NPU_DEVICE_TYPE` reads "cpu" meanwhile.
     """
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("a real torch_npu is installed: tests never import it, and the fake would shadow it")
     _define_ops()
-    fake = FakeNpu()
+    fake = FakeNpu(device_kernels)
     monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
     fake.default_stream = Stream()
 

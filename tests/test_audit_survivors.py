@@ -243,7 +243,8 @@ def test_a_sequence_of_exactly_max_model_len_fits_its_workspace(policy, max_len,
 def test_the_workspace_maximum_is_the_brute_force_maximum_up_to_max_model_len(kernel, max_len):
     shape = tiling.AttentionShape(4, 2, 16, 16)
     brute = max(tiling.workspace_nbytes(kernel, shape, [n]) for n in range(1, max_len + 1))
-    assert tiling.max_workspace(kernel, shape, 3, max_len).nbytes == 3 * brute
+    assert tiling.max_uniform_workspace(kernel, shape, 3, max_len).nbytes == 3 * brute
+    assert tiling.max_workspace(kernel, shape, 1, max_len).nbytes == brute  # one sequence: no mix
 
 
 # ------------------------------------------------ 6: transformers' block table at max_model_len
@@ -285,19 +286,19 @@ def test_padding_sequences_are_sent_their_query_length_as_kv_length(monkeypatch)
     (`_op_plugin_docs.py`, actual_seq_lengths_kv), but say nothing of the output of an entry of length
     0, which only the kernels' zero-init path covers; a length of at least the query's keeps every
     causal row of a padding sequence attending one key (block 0 of its all-zero block-table row)."""
-    from ascend_compile.runtime.sim import SimRuntime
+    from ascend_compile.runtime.sim.launch import Launcher
 
     sent: list[tuple[str, list[int], list[int]]] = []
-    launch = SimRuntime._launch
+    launch = Launcher.launch
 
-    def spy(self, op, args, kwargs, label):
+    def spy(self, op, args, kwargs, label, capturing):
         if op is torch.ops.ascend.paged_attention.default:
             sent.append(("pa", [], list(args[4])))
         elif op is torch.ops.ascend.fused_infer_attention.default:
             sent.append(("fia", list(args[4]), list(args[5])))
-        return launch(self, op, args, kwargs, label)
+        return launch(self, op, args, kwargs, label, capturing)
 
-    monkeypatch.setattr(SimRuntime, "_launch", spy)
+    monkeypatch.setattr(Launcher, "launch", spy)
     cfg = LlamaConfig(num_layers=1, num_blocks=300)
     fn, artifacts = compiled_model(build(cfg), max_model_len=256, capture_sizes=(4, 8), pa_max_batch=4)
     batch = PagedBatch(cfg, seed=3)

@@ -8,13 +8,15 @@ import torch
 
 from ascend_compile.errors import ReplayError, WorkspaceTooSmall
 from ascend_compile.lowering.capture import UpdateSchedule, WorkspaceLifetime
+from ascend_compile.ops import tiling
 from ascend_compile.targets import default_target
 from ascend_compile.passes.roles import Role
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests.test_backend import compiled_model
 
 # Steps whose PA workspace need sits near PA's interior peak (lengths just under 4096 take 16
-# splits, lengths above it take long-sequence tiling), after steps that need little.
+# splits, lengths above it take long-sequence tiling), after steps that need little. Each step fills
+# its graph (3 sequences), so no padding sequence of length 1 tiles the long step short.
 CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
 # The first step is traced with a static batch of 3 (its own graph); the others, batches 2, 4 and 2,
 # share dynamo's dynamic graph, served from bucket 4: two of them are padded.
@@ -76,7 +78,8 @@ def test_case1_workspace_pinned_at_max_model_len_fails_at_replay():
     assert results[0] < 1e-5 and results[1] < 1e-5  # short and long steps fit the pinned size
     assert isinstance(results[2], WorkspaceTooSmall)
     assert "needs 9792 bytes" in str(results[2]) and "given 6528 bytes" in str(results[2])
-    assert "length 3841 needs 13056" in artifacts[-1].rewritten.plan.warnings()[0]
+    # the worst step of the graph (3 sequences) mixes long and short ones: every long one is tiled short
+    assert "a step of KV lengths [7937, 7937, 3841] needs 21760" in artifacts[-1].rewritten.plan.warnings()[0]
 
 
 def test_case1_overrun_writes_into_the_neighbouring_buffers_like_the_device():
@@ -89,7 +92,25 @@ def test_case1_exact_maximum_serves_every_length():
     results, artifacts = run_steps(CASE1_STEPS, CASE1_CFG, sim_overflow="raise", **CASE1_OPTIONS)
     assert all(isinstance(r, float) and r < 1e-5 for r in results), results
     slot = artifacts[-1].rewritten.plan.slots["attn_workspace"]
-    assert slot.argmax_len == 3841 and not slot.undersized
+    assert slot.exact_argmax_batch == (7937, 7937, 3841) and not slot.undersized
+    # alone, the need of one length still peaks inside [1, max_model_len], at 3841
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
+    assert tiling.max_uniform_workspace(tiling.PA, shape, 3, 8192).argmax_len == 3841
+
+
+def test_case1_steps_mixing_long_and_short_sequences_are_served_by_the_exact_maximum():
+    # Padded into bucket 4, three long sequences share a step with a padding sequence of KV length 1:
+    # PA tiles them all short, needing more than any step of one length; the plan sized for every
+    # mix serves it, and the worst mix, without an overrun.
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
+    uniform = tiling.max_uniform_workspace(tiling.PA, shape, 4, 8192)
+    assert tiling.workspace_nbytes(tiling.PA, shape, [8000, 7990, 8100, 1]) > uniform.nbytes
+    steps = ([100, 200], [8000, 7990, 8100], [7937, 7937, 7937, 3841], [8000] * 4, [3900, 3000])
+    results, artifacts = run_steps(steps, CASE1_CFG, sim_overflow="raise", **CASE1_OPTIONS)
+    assert all(isinstance(r, float) and r < 1e-5 for r in results), results
+    slot = artifacts[-1].rewritten.plan.slots["attn_workspace"]
+    assert slot.nbytes == tiling.max_workspace(tiling.PA, shape, 4, 8192).nbytes > uniform.nbytes
+    assert sum(a.stats["replays"] for a in artifacts) >= 3
 
 
 # ------------------------------------------------------- case 2: stale host lengths

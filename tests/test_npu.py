@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ascend_compile.config import CompileConfig
-from ascend_compile.errors import ReplayError, StreamRace
+from ascend_compile.errors import CaptureError, ReplayError, StreamRace
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery, fia_probe_lengths
@@ -196,9 +196,10 @@ def test_workspace_is_probed_at_compile_time_to_the_interior_peak(fake_npu):
     plan = artifacts[-1].rewritten.plan
     slot = plan.slots["attn_workspace"]
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
-    exact = tiling.max_workspace(tiling.PA, shape, 3, 8192)  # dynamo keeps the 3 tokens static: bucket 3
+    exact = tiling.max_uniform_workspace(tiling.PA, shape, 3, 8192)  # dynamo keeps the 3 tokens static: bucket 3
     # PA's need peaks at 3841 (16 splits) and falls above 4096: the probe set's block-count
-    # classes hit the first length of the peak, which the plan records as the arg-max.
+    # classes hit the first length of the peak, which the plan records as the arg-max. The probe asks
+    # batches of one length, so it finds the uniform maximum, not that of mixed batches.
     assert (slot.nbytes, slot.argmax_len) == (exact.nbytes, 3841) == (exact.nbytes, exact.argmax_len)
     assert all(n["argmax_len"] == 3841 for n in plan.to_json()["needs"]["b3.decode"])
 
@@ -254,7 +255,7 @@ def test_probing_without_a_device_finds_the_formula_maximum():
     need_fn = ProbedWorkspaceNeed(device)
     for kernel in (tiling.PA, tiling.FIA):
         need = need_fn(KernelSite("n", kernel, shape), 8, 5000, None)
-        exact = tiling.max_workspace(kernel, shape, 8, 5000)
+        exact = tiling.max_uniform_workspace(kernel, shape, 8, 5000)
         assert need.nbytes == exact.nbytes
     # PA at every probe length; FIA once (its answer covers every length: recorded as max_model_len).
     assert need_fn.queries == {tiling.PA: len(default_probe_lengths(5000, 16)), tiling.FIA: 1}
@@ -520,8 +521,9 @@ def test_capture_and_padding_never_give_the_kernels_zero_lengths(fake_npu):
 
 
 def test_context_lens_tensors_live_until_the_device_has_read_them(fake_npu):
-    # ATB reads context_lens on the host when the (queued) launch is processed; the fake's tasks hold it
-    # weakly, so a tensor freed after the call would fail the replay.
+    # The NPU runtime keeps each context_lens tensor alive until the device has run its task. ATB clones
+    # CPU inputs when the call is issued (op-plugin AtbCommon.cpp, ParamSetter::Input), and so does the
+    # fake, so this is belt and braces, no longer a device rule the fake enforces.
     cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     results, artifacts = run_model([[10, 20, 30], [40, 50, 60, 70]], cfg, max_model_len=MAX_LEN,
                                    capture_sizes=(4,), kernel_policy="pa")
@@ -548,3 +550,75 @@ def test_fia_block_size_is_checked_before_torch_npu_is_asked(fake_npu):
     cfg = LlamaConfig(num_layers=1, num_blocks=128)  # block_size 16: the mixed graph's FIA is refused at compile
     results, _ = run_model([[10, 20, 30]], cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
     assert "block_size: torch_npu's paged FIA" in str(results[0][0])
+
+
+# ----------------------------------------------------------------------------- ops without a device kernel
+
+
+@torch.library.custom_op("npu_test::cache_write_with_host_reads", mutates_args=("key_cache", "value_cache"))
+def cache_write_with_host_reads(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """A cache write with the host logic of `ascend.reshape_and_cache`'s Python body: the slots'
+    minimum read on the host, a boolean-mask index (a data-dependent shape), their maximum read."""
+    if slot_mapping.numel() and int(slot_mapping.min()) < -1:
+        raise ValueError("slot_mapping: expected slots >= 0 or -1")
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    if slots.numel() and int(slots.max()) >= key_cache.shape[0] * key_cache.shape[1]:
+        raise ValueError("slot_mapping: a slot past the cache")
+    blocks, offsets = slots // key_cache.shape[1], slots % key_cache.shape[1]
+    key_cache[blocks, offsets] = key[valid]
+    value_cache[blocks, offsets] = value[valid]
+
+
+@cache_write_with_host_reads.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping) -> None:
+    return None
+
+
+def _capture_error(steps, cfg) -> Exception:
+    """The first step's error of the example model compiled on runtime "npu"."""
+    results, _ = run_model(steps, cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
+    compiled = results[0][0]
+    assert isinstance(compiled, CaptureError), compiled
+    return compiled
+
+
+def test_an_unbound_cache_write_with_host_reads_cannot_be_captured_on_npu(monkeypatch):
+    # Not a torch_npu op, so no kernel of the device: its body is recorded op by op, and its first host
+    # read fails the capture, as it would on an Ascend device.
+    fake_torch_npu.install(monkeypatch, device_kernels=fake_torch_npu.DEVICE_KERNELS)
+    from examples import llama
+
+    def attend(self, q, k, v, block_table, seq_lens, query_start_loc, slot_mapping):
+        torch.ops.npu_test.cache_write_with_host_reads(k, v, self.key_cache, self.value_cache, slot_mapping)
+        return torch.ops.ascend.attention(q, self.key_cache, self.value_cache, block_table, seq_lens,
+                                          query_start_loc, self.cfg.head_dim**-0.5)
+
+    monkeypatch.setattr(llama.Attention, "attend", attend)
+    error = _capture_error([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
+    assert "aten.item.default inside npu_test.cache_write_with_host_reads.default" in str(error)
+
+
+def test_the_bound_cache_write_is_captured_on_a_fake_with_only_torch_npus_kernels(fake_npu):
+    # Before the binding (issue 22, item 1) this capture failed on the strict fake: the op's Python
+    # body read device data on the host. Bound to npu_scatter_pa_kv_cache, it is one device kernel.
+    results, artifacts = run_model([[10, 20, 30], [40, 50], [60, 70, 80, 90]],
+                                   LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
+                                   max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
+    assert_all_close(results)
+    assert sum(a.stats["replays"] for a in artifacts) == 3
+    assert fake_npu.count("npu_scatter_pa_kv_cache") >= 3
+
+
+def test_fia_accepts_padding_sequences_of_kv_length_0(fake_npu):
+    # vLLM-Ascend updates padded decode requests with KV length 0 (model_runner_v1.py); torch_npu 2.14's
+    # FIA docs ask only for non-negative KV lengths of at most KV_S (_op_plugin_docs.py L8211, L8275).
+    prob = make_problem([40, 1, 1], block_size=NPU_BLOCK)
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    out, expected = torch.full_like(prob.query, float("nan")), torch.empty_like(prob.query)
+    args = (prob.query, prob.key_cache, prob.value_cache, prob.block_table, [1, 2, 3], [40, 0, 0], prob.scale)
+    kernels.fused_infer_attention(*args, torch.zeros(1 << 20, dtype=torch.uint8), out)
+    torch.ops.ascend.fused_infer_attention(*args, torch.zeros(1 << 20, dtype=torch.uint8), expected)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert not out[1:].any()  # a sequence of KV length 0 yields zeros

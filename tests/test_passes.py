@@ -1,6 +1,8 @@
 """The passes on their own: roles, kernel choice per bucket, workspace planning, foreign ops, dumps."""
 from __future__ import annotations
 
+import itertools
+
 import json
 import os
 
@@ -141,6 +143,19 @@ def peak_splits(kv_lens):
 tiling.register_tiling("test_peak", peak_splits)
 
 
+def small_short(kv_lens):
+    """Short tiling of the two-mode test rule: a split per 2 keys, at most 6."""
+    return ((kv_lens + 1) // 2).clamp(max=6)
+
+
+def small_long(kv_lens):
+    """Long tiling of the two-mode test rule (above 5 keys): a split per 4 keys, at most 3."""
+    return ((kv_lens + 3) // 4).clamp(max=3)
+
+
+tiling.register_tiling("test_modes", tiling.Tiling(small_short, small_long, 5))
+
+
 def brute_force_max(kernel, shape, tokens, max_len):
     best, arg = -1, None
     for length in range(1, max_len + 1):
@@ -152,10 +167,33 @@ def brute_force_max(kernel, shape, tokens, max_len):
 
 @pytest.mark.parametrize("kernel", [tiling.PA, tiling.FIA, "test_peak"])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_workspace_maximum_equals_brute_force(kernel, tokens):
+def test_uniform_workspace_maximum_equals_brute_force(kernel, tokens):
     max_len = 5000
-    exact = tiling.max_workspace(kernel, SHAPE, tokens, max_len)
+    exact = tiling.max_uniform_workspace(kernel, SHAPE, tokens, max_len)
     assert (exact.nbytes, exact.argmax_len) == brute_force_max(kernel, SHAPE, tokens, max_len)
+
+
+@pytest.mark.parametrize("kernel", ["test_modes", "test_peak", tiling.FIA])
+@pytest.mark.parametrize("max_len", [1, 4, 5, 6, 9, 14])
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_workspace_maximum_over_mixed_batches_equals_brute_force(kernel, max_len, tokens):
+    # Every batch of `tokens` sequences with KV lengths in [0, max_len]: the closed form is its maximum,
+    # and the batch it names needs exactly that.
+    brute = max(tiling.workspace_nbytes(kernel, SHAPE, list(lens))
+                for lens in itertools.combinations_with_replacement(range(max_len + 1), tokens))
+    exact = tiling.max_workspace(kernel, SHAPE, tokens, max_len)
+    assert exact.nbytes == brute
+    assert len(exact.argmax_batch) == tokens
+    assert tiling.workspace_nbytes(kernel, SHAPE, list(exact.argmax_batch)) == exact.nbytes
+
+
+def test_a_mixed_pa_batch_needs_more_than_every_uniform_batch():
+    uniform = tiling.max_uniform_workspace(tiling.PA, SHAPE, 4, 8192)
+    mixed = tiling.max_workspace(tiling.PA, SHAPE, 4, 8192)
+    # Alone, lengths above 4096 are tiled long; with one sequence of at most 4096 they are tiled short.
+    assert uniform.argmax_len == 3841 and mixed.argmax_batch == (7937, 7937, 7937, 3841)
+    assert mixed.nbytes == tiling.workspace_nbytes(tiling.PA, SHAPE, list(mixed.argmax_batch)) > uniform.nbytes
+    assert tiling.workspace_nbytes(tiling.PA, SHAPE, [7937] * 4) < uniform.nbytes
 
 
 def test_interior_peak_is_found_and_recorded():
@@ -173,14 +211,17 @@ def test_pinned_length_reproduces_undersizing():
     slot = plan.slots["attn_workspace"]
     assert slot.undersized
     assert slot.nbytes == tiling.workspace_nbytes(tiling.PA, SHAPE, [8192, 8192])
-    assert slot.exact_nbytes == tiling.workspace_nbytes(tiling.PA, SHAPE, [slot.exact_argmax_len] * 2)
+    assert slot.exact_nbytes == tiling.workspace_nbytes(tiling.PA, SHAPE, list(slot.exact_argmax_batch))
     assert "workspace_seq_len=8192" in plan.warnings()[0] and "overrun" in plan.warnings()[0]
 
 
-def test_pinned_at_the_true_peak_is_not_undersized():
+def test_pinned_at_the_uniform_peak_serves_one_sequence_but_not_a_mix():
     peak = tiling.max_workspace(tiling.PA, SHAPE, 1, 8192).argmax_len
-    plan = plan_workspaces([(GraphKey(2, True), [KernelSite("k", tiling.PA, SHAPE)])], 8192, pinned_seq_len=peak)
-    assert not plan.slots["attn_workspace"].undersized
+    one = plan_workspaces([(GraphKey(1, True), [KernelSite("k", tiling.PA, SHAPE)])], 8192, pinned_seq_len=peak)
+    assert not one.slots["attn_workspace"].undersized
+    two = plan_workspaces([(GraphKey(2, True), [KernelSite("k", tiling.PA, SHAPE)])], 8192, pinned_seq_len=peak)
+    assert two.slots["attn_workspace"].undersized
+    assert "a step of KV lengths [7937, 3841] needs" in two.warnings()[0]
 
 
 def test_shared_slot_and_the_schemes_it_saves():

@@ -1,9 +1,11 @@
-"""The ACL-graph simulator's own rules (runtime/sim.py, runtime/sim_pool.py).
+"""The ACL-graph simulator's own rules (runtime/sim/).
 
 Each test pins one way the simulator must behave like a device graph rather than like eager PyTorch.
 """
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -12,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ascend_compile.errors import CaptureError, ReplayError, StreamRace, TaskUpdateMismatch, WorkspaceTooSmall
-from ascend_compile.runtime.sim import SimRuntime
-from ascend_compile.runtime.sim_pool import ALIGNMENT, SimPool
+from ascend_compile.runtime import sim as sim_package
+from ascend_compile.runtime.sim import SIM_KERNELS, SimRuntime
+from ascend_compile.runtime.sim.pool import ALIGNMENT, SimPool
 from tests.helpers import make_problem
 
 
@@ -43,8 +46,12 @@ def _(x: torch.Tensor, needed: int, workspace: torch.Tensor, out: torch.Tensor) 
     return None
 
 
+#: The simulated device's kernels in these tests: the simtest ops stand for kernels too.
+KERNELS = SIM_KERNELS | {"simtest"}
+
+
 def _rt(**kwargs) -> SimRuntime:
-    return SimRuntime(segment_bytes=1 << 16, **kwargs)
+    return SimRuntime(segment_bytes=1 << 16, device_kernels=KERNELS, **kwargs)
 
 
 def _static(rt: SimRuntime, values: torch.Tensor) -> torch.Tensor:
@@ -635,7 +642,7 @@ def test_workspace_overrun_raises_with_overflow_raise() -> None:
 
 
 def test_workspace_overrun_past_the_segment_end_is_a_fault() -> None:
-    rt = SimRuntime(segment_bytes=4096)
+    rt = SimRuntime(segment_bytes=4096, device_kernels=KERNELS)
     filler = rt.empty((4096 - 512,), torch.uint8)
     ws = rt.empty((512,), torch.uint8)
     x, out = _static(rt, torch.arange(4.0)), rt.empty((4,), torch.float32)
@@ -783,9 +790,11 @@ def host_rows(x: torch.Tensor, lens: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(x * lens.to(x.dtype).view(-1, 1))
 
 
-def test_a_host_tensor_a_task_reads_must_outlive_the_task() -> None:
+def test_a_host_tensor_input_is_copied_when_the_call_is_issued_so_it_may_be_freed_at_once() -> None:
+    # torch_npu's ATB binding clones CPU tensor inputs and its launch holds the clone (op-plugin
+    # AtbCommon.cpp, ParamSetter::Input): a host tensor freed or overwritten after the call is no error.
     rt = _rt()
-    rt.reads_on_host(torch.ops.simtest.host_rows, "lens")
+    rt.copies_host_inputs(torch.ops.simtest.host_rows, "lens")
     x, out = _static(rt, torch.ones(2, 3)), _static(rt, torch.zeros(2, 3))
     graph = rt.graph()
     kept = torch.tensor([2, 3])
@@ -797,15 +806,16 @@ def test_a_host_tensor_a_task_reads_must_outlive_the_task() -> None:
         torch.ops.simtest.host_rows(x, torch.tensor([4, 5]), out)  # dropped when the call returns
     rt.synchronize()
     graph.replay()
-    with pytest.raises(ReplayError, match="lens: the host tensor this task reads when it runs was freed"):
-        rt.synchronize()
-    alive = torch.tensor([4, 5])
+    rt.synchronize()
+    assert out[:, 0].tolist() == [4.0, 5.0]
+    overwritten = torch.tensor([6, 7])
     with rt.task_update(handle):
-        torch.ops.simtest.host_rows(x, alive, out)
+        torch.ops.simtest.host_rows(x, overwritten, out)
+    overwritten.fill_(0)  # after the call: the task holds the copy made when it was issued
     rt.synchronize()
     graph.replay()
     rt.synchronize()
-    assert out[:, 0].tolist() == [4.0, 5.0]
+    assert out[:, 0].tolist() == [6.0, 7.0]
 
 
 def test_an_op_may_not_set_itself_up_inside_a_capture() -> None:
@@ -817,3 +827,121 @@ def test_an_op_may_not_set_itself_up_inside_a_capture() -> None:
     rt.first_call("kernel_x")  # eagerly, before capturing: set up
     with rt.graph().capture():
         rt.first_call("kernel_x")
+
+
+# ----------------------------------------------------------------------------- the package's structure
+
+#: The simulator's modules, each importing only public names of those before it.
+SIM_MODULES = ("pool", "streams", "classify", "memory", "collectives", "overrun", "launch", "kernels", "tasks",
+               "inputs", "updates", "events", "dispatch", "runtime")
+
+
+def test_simulator_modules_import_public_names_of_the_modules_below_them_only() -> None:
+    package = Path(sim_package.__file__).parent
+    assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(SIM_MODULES)
+    for index, module in enumerate(SIM_MODULES):
+        tree = ast.parse((package / f"{module}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module in SIM_MODULES[:index], f"{module} imports {node.module}"
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{module} imports private names {private} from {node.module}"
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                raise AssertionError(f"{module} imports under TYPE_CHECKING (a cycle)")
+
+
+# ----------------------------------------------------------------------------- ops that are not device kernels
+
+#: Calls of each `stricttest` op's Python body.
+BODY_CALLS: dict[str, int] = {}
+
+
+@torch.library.custom_op("stricttest::reads_max", mutates_args=("out",))
+def reads_max(x: torch.Tensor, out: torch.Tensor) -> None:
+    """A Python custom op with host logic: it reads the maximum of device data back to the host."""
+    out.copy_(x / int(x.max()))
+
+
+@torch.library.custom_op("stricttest::reads_list", mutates_args=("out",))
+def reads_list(x: torch.Tensor, out: torch.Tensor) -> None:
+    """A Python custom op that converts device data to a host list."""
+    out.copy_(x * len([v for v in x.tolist() if v > 0]))
+
+
+@torch.library.custom_op("stricttest::masks", mutates_args=("out",))
+def masks(x: torch.Tensor, out: torch.Tensor) -> None:
+    """A Python custom op whose intermediate has a data-dependent shape (a boolean-mask index)."""
+    out.copy_(x * x[x > 0].sum())
+
+
+@torch.library.custom_op("stricttest::axpy", mutates_args=("out",))
+def axpy(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+    """out = 2 x + y, counting its calls: a Python custom op without host logic."""
+    BODY_CALLS["axpy"] = BODY_CALLS.get("axpy", 0) + 1
+    out.copy_(2 * x + y)
+
+
+@pytest.mark.parametrize("op, read", [
+    (torch.ops.stricttest.reads_max, r"aten\.item\.default"),
+    (torch.ops.stricttest.reads_list, r"Tensor\.tolist\(\)"),
+    (torch.ops.stricttest.masks, r"aten\.index\.Tensor"),
+])
+def test_a_host_read_inside_a_custom_op_fails_the_capture_naming_the_op_and_the_read(op, read) -> None:
+    rt = _rt()
+    x, out = _static(rt, torch.tensor([1.0, -2.0, 4.0])), _static(rt, torch.zeros(3))
+    name = str(op.default).replace(".", r"\.")
+    with pytest.raises(CaptureError, match=rf"{read} inside {name} \(not a kernel of this device"):
+        with rt.graph().capture():
+            op(x, out)
+
+
+def test_a_custom_op_is_recorded_as_the_ops_its_body_issues_and_replays_run_none_of_its_python() -> None:
+    rt = _rt()
+    x, y, out = (_static(rt, torch.full((4,), v)) for v in (1.0, 10.0, 0.0))
+    BODY_CALLS.clear()
+    graph = rt.graph()
+    with graph.capture():
+        torch.ops.stricttest.axpy(x, y, out)
+    assert "stricttest.axpy.default" not in graph.tasks and "aten.copy_.default" in graph.tasks
+    for value in (2.0, 3.0, 5.0):
+        x.fill_(value)
+        graph.replay()
+        rt.synchronize()
+        assert torch.equal(out, torch.full((4,), 2 * value + 10))
+    assert BODY_CALLS == {"axpy": 1}  # the capture's run; no replay ran the body
+
+
+def test_an_op_the_runtime_declares_a_kernel_is_one_task_run_as_it_is() -> None:
+    rt = SimRuntime(segment_bytes=1 << 16, device_kernels=KERNELS | {"stricttest::axpy"})
+    x, y, out = (_static(rt, torch.full((4,), v)) for v in (1.0, 10.0, 0.0))
+    BODY_CALLS.clear()
+    graph = rt.graph()
+    with graph.capture():
+        torch.ops.stricttest.axpy(x, y, out)
+    assert graph.tasks == ("stricttest.axpy.default",)
+    graph.replay()
+    rt.synchronize()
+    assert BODY_CALLS == {"axpy": 2} and torch.equal(out, torch.full((4,), 12.0))
+
+
+@torch.library.custom_op("stricttest::scale_into", mutates_args=("out",))
+def scale_into(x: torch.Tensor, factors: list[int], out: torch.Tensor) -> None:
+    """out[i] = x[i] * factors[i], written by one kernel (`out=`): a Python op over a host list."""
+    torch.mul(x, torch.tensor(factors, dtype=x.dtype).unsqueeze(1), out=out)
+
+
+def test_a_task_update_of_a_custom_op_issues_the_ops_its_body_issues_again() -> None:
+    rt = _rt()
+    x, out = _static(rt, torch.ones(2, 3)), _static(rt, torch.zeros(2, 3))
+    graph = rt.graph()
+    with graph.capture():
+        rt.task_group_begin()
+        torch.ops.stricttest.scale_into(x, [2, 3], out)
+        handle = rt.task_group_end()
+    assert handle.tasks == ("aten.mul.out",)
+    with rt.task_update(handle):
+        torch.ops.stricttest.scale_into(x, [4, 5], out)
+    rt.synchronize()
+    graph.replay()
+    rt.synchronize()
+    assert out[:, 0].tolist() == [4.0, 5.0]

@@ -13,9 +13,11 @@ bugs of issue 24 (a capture or a warm-up consuming the step's generator, replays
 draws), the twelve a second audit's mutants survived (issue 27: overlapping writes, shrinking regions,
 padding KV lengths, host scalars, metadata keys, the transformers block table, vLLM's query_start_loc,
 collectives in flight, per-sequence outputs, empty queries on the device path, the workspace scan's
-top end, decode detection), `verify` comparing nothing and what an Ascend device requires that the
-fake torch_npu now checks (issue 22: a cache write reading device data on the host, a skipped
-contiguity check, the PA block-size check removed), and the attention features' bugs (issue 25).
+top end, decode detection), issue 22's (`verify` comparing nothing; what an Ascend device requires
+that the fake torch_npu now checks: a cache write reading device data on the host, a skipped
+contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
+a replay running an op's Python body, PA sized for batches of one length only) and the attention
+features' bugs (issue 25).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -195,7 +197,7 @@ MUTANTS = (
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
     ),
     Mutant(
-        "collective output written before its wait", "ascend_compile/runtime/sim_collectives.py",
+        "collective output written before its wait", "ascend_compile/runtime/sim/collectives.py",
         "            poison(dst)\n", "            poison(dst)\n            dst.copy_(result)\n",
         ("tests/test_sim.py::test_a_collectives_output_read_before_its_wait_is_poison",),
     ),
@@ -295,6 +297,24 @@ MUTANTS = (
         "PA block size check removed", "ascend_compile/passes/npu_checks.py",
         "        _refuse(call.node, lambda: npu_rules.check_pa_block_size(block_size))\n", "        pass\n",
         (f"{DEVICE}::test_a_pa_block_size_of_256_is_refused_at_compile",),
+    ),
+    # issue 22: the simulator as strict as the device
+    Mutant(
+        "a host read inside an op not refused in capture", "ascend_compile/runtime/sim/dispatch.py",
+        "        if syncs_host(func, args, kwargs) and any(\n",
+        "        if syncs_host(func, args, kwargs) and not self.guard.enclosing and any(\n",
+        ("tests/test_sim.py::test_a_host_read_inside_a_custom_op_fails_the_capture_naming_the_op_and_the_read",),
+    ),
+    Mutant(
+        "replay re-runs an op's Python body", "ascend_compile/runtime/sim/kernels.py",
+        "        return op.namespace in TORCH_NAMESPACES or op.namespace in self.names or op._schema.name in self.names\n",
+        "        return True\n",
+        ("tests/test_sim.py::test_a_custom_op_is_recorded_as_the_ops_its_body_issues_and_replays_run_none_of_its_python",),
+    ),
+    Mutant(
+        "PA sized for uniform batches only", "ascend_compile/ops/tiling.py",
+        "    mixed = one_short + (tokens - 1) * any_short\n", "    mixed = tokens * one_short\n",
+        ("tests/test_design_cases.py::test_case1_steps_mixing_long_and_short_sequences_are_served_by_the_exact_maximum",),
     ),
 )
 

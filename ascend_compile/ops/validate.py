@@ -63,7 +63,13 @@ def check_lengths(
     block_size: int,
     arg: str,
 ) -> None:
-    """Every KV length fits its block-table row and covers its query tokens."""
+    """Every KV length fits its block-table row and covers its query tokens.
+
+    Non-negative and at most what the block-table row holds (KV_S): the device's rule (torch_npu
+    2.14 `_op_plugin_docs.py`, npu_fused_infer_attention_score, L8211 and L8275). A length covering
+    its sequence's query tokens (or 0, an empty sequence) is the ops' contract, not a device rule
+    (DESIGN.md §3: query tokens are the last positions of their sequence, counted in its length).
+    """
     capacity = max_blocks * block_size
     for i, (kv, q) in enumerate(zip(seq_lens, query_lens)):
         if kv < 0:

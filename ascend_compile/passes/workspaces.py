@@ -3,8 +3,10 @@
 The attention nodes of one graph run one after another on one stream, so they share one
 workspace slot; graphs of different buckets never replay at once, so by default one slot serves
 every bucket too, sized to the largest need. Each need is the exact maximum of
-`workspace_nbytes` over every length in [1, max_model_len] (or, pinned, at one length), and the
-plan keeps what per-bucket and per-layer workspaces would reserve, so the saving is visible.
+`workspace_nbytes` over every call of the graph, its sequences of any lengths in
+[0, max_model_len], mixed or not (`tiling.max_workspace`; or, pinned, every sequence at one
+length), and the plan keeps what per-bucket and per-layer workspaces would reserve, so the saving
+is visible.
 """
 from __future__ import annotations
 
@@ -46,12 +48,16 @@ class KernelSite:
 
 @dataclasses.dataclass(frozen=True)
 class NodeNeed:
+    """What one kernel node needs: the bytes planned and the length needing them, and the true worst
+    case (`exact_*`); `exact_argmax_batch` is the KV lengths of a call needing it, where known."""
+
     node: str
     kernel: str
     nbytes: int
     argmax_len: int
     exact_nbytes: int
     exact_argmax_len: int
+    exact_argmax_batch: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +68,9 @@ class SlotPlan:
     nbytes: int
     argmax_len: int
     sized_for: str  # the graph key and node whose need sets the size
-    exact_nbytes: int  # the true worst case over [1, max_model_len]
+    exact_nbytes: int  # the true worst case over every call
     exact_argmax_len: int
+    exact_argmax_batch: tuple[int, ...] = ()  # the KV lengths of a call needing it, where known
 
     @property
     def undersized(self) -> bool:
@@ -90,9 +97,12 @@ class WorkspacePlan:
         out = []
         for slot in self.slots.values():
             if slot.undersized:
+                mixed = len(set(slot.exact_argmax_batch)) > 1
+                worst = (f"a step of KV lengths {list(slot.exact_argmax_batch)} needs" if mixed
+                         else f"length {slot.exact_argmax_len} needs")
                 out.append(
-                    f"{slot.name}: workspace_seq_len={self.pinned_seq_len} gives {slot.nbytes} bytes, but length "
-                    f"{slot.exact_argmax_len} needs {slot.exact_nbytes}: steps near that length overrun the workspace"
+                    f"{slot.name}: workspace_seq_len={self.pinned_seq_len} gives {slot.nbytes} bytes, but {worst} "
+                    f"{slot.exact_nbytes}: steps near {'it' if mixed else 'that length'} overrun the workspace"
                 )
         return out
 
@@ -133,7 +143,7 @@ def node_need(site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len:
         lens = torch.tensor([min(pinned_seq_len, longest_read(site, tokens, max_model_len))])
         nbytes = tokens * int(tiling.per_token_nbytes(site.kernel, site.shape, lens)[0])
         argmax = pinned_seq_len
-    return NodeNeed(site.node, site.kernel, nbytes, argmax, exact.nbytes, exact.argmax_len)
+    return NodeNeed(site.node, site.kernel, nbytes, argmax, exact.nbytes, exact.argmax_len, exact.argmax_batch)
 
 
 #: Sizes one kernel node for a graph of `tokens` query tokens: (site, tokens, max_model_len, pinned).
@@ -162,7 +172,8 @@ def plan_workspaces(
             return SlotPlan(name, 0, 0, "", 0, 0)
         key, top = max(candidates, key=lambda kn: kn[1].nbytes)
         _, worst = max(candidates, key=lambda kn: kn[1].exact_nbytes)
-        return SlotPlan(name, top.nbytes, top.argmax_len, f"{key}:{top.node}", worst.exact_nbytes, worst.exact_argmax_len)
+        return SlotPlan(name, top.nbytes, top.argmax_len, f"{key}:{top.node}", worst.exact_nbytes,
+                        worst.exact_argmax_len, worst.exact_argmax_batch)
 
     if shared:
         slot = slot_from("attn_workspace", list(needs))

@@ -1,4 +1,4 @@
-"""Simulated device memory for the ACL-graph simulator (`runtime/sim.py`).
+"""Simulated device memory of the ACL-graph simulator: segments carved into blocks.
 
 A device graph replays at the addresses it was captured at, and the bugs the simulator exists to
 reproduce depend on where blocks land: a workspace freed during capture is handed to a later
@@ -6,6 +6,12 @@ allocation of the same capture, and a kernel that overruns its workspace writes 
 lies next to it. So memory is not one CPU tensor per allocation; it is carved, like a caching
 allocator carves device segments, out of large uint8 CPU tensors (**segments**) into 512-byte aligned
 **blocks** (best fit, split, coalesced on free).
+
+Source: a capture allocates from its graph's private pool, whose blocks freed during the capture serve
+later allocations of it (PyTorch's CUDA semantics notes, "Graph memory management", the section
+torch_npu 2.14's `npu/graphs.py` refers to for its pools); vLLM-Ascend hit exactly that with a
+weak-referenced workspace (DESIGN.md §7, case 3). Blocks are multiples of 512 bytes, the caching
+allocators' smallest block.
 
 Every tensor handed out owns its block through its storage: the storage is created over the block's
 bytes with `torch.frombuffer`, so every view of it (made under capture or not, or saved by autograd)
@@ -65,6 +71,10 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.pool.name}#{self.index}, {self.size} bytes)"
+
+
+#: A region of simulated memory: (segment, byte offset, bytes).
+Region = tuple[Segment, int, int]
 
 
 class Block:

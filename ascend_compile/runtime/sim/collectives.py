@@ -1,10 +1,13 @@
-"""Functional collectives in flight on the ACL-graph simulator (`runtime/sim.py`).
+"""Functional collectives in flight on the ACL-graph simulator.
 
 A functional collective (`_c10d_functional`) returns before its work is done, and c10d keys that
 work by the output's storage: on the device its output reaches its captured address only when the
 work completes, at the graph's `wait_tensor` of it or at the end of the graph. `InFlight` holds
 those outputs until then. It is its own module because capture, replay and the kernel launch all
-deliver into it and complete from it, and none of them owns it.
+deliver into it and complete from it, and none of them owns it. Source: torch's functional
+collectives return an `AsyncCollectiveTensor` whose value is defined only after `wait_tensor`
+(`torch/distributed/_functional_collectives.py`); the poison before it is the model of HCCL
+running asynchronously on its own stream.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .sim_tasks import _completes_at_wait
+from .classify import completes_at_wait
 
 
 class InFlight:
@@ -26,7 +29,7 @@ class InFlight:
         collective, when it completes. Until then `dst` holds poison, whatever the CPU backend's
         timing: gloo has the result by now, an asynchronous HCCL/NCCL collective would not, and a
         read before the wait must show up as garbage here as it would there."""
-        if _completes_at_wait(op):
+        if completes_at_wait(op):
             self._pending[dst.data_ptr()] = (result, dst)
             poison(dst)
         else:

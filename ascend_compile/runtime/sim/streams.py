@@ -1,4 +1,4 @@
-"""Streams, events and the device queue of the ACL-graph simulator (`runtime/sim.py`).
+"""Streams, events and the device queue of the ACL-graph simulator.
 
 The device runs work asynchronously from the host. Every launch — a graph replay, a task update, an
 event record, wait or reset — is queued on a **stream**, an ordered queue, and the device drains the
@@ -15,6 +15,10 @@ From that order, whatever interleaving the drain picks:
   (`StreamRace`): on the device the kernel may read the old or the new arguments;
 - a wait nothing queued can ever satisfy is a hang: the drain raises `ReplayError` naming the wait.
 
+Source: ACL streams are queues the device runs asynchronously, ordered with one another only by
+events (`aclrtRecordEvent` / `aclrtStreamWaitEvent`); torch_npu's `Stream` / `Event` expose them as
+CUDA's. Races are the model's reading of that: two unordered items may run in either order.
+
 Events are ACL's two kinds. An **external** event (`aclrtCreateEventExWithFlag(ACL_EVENT_EXTERNAL)`,
 torch_npu's `ExternalEvent`) is a flag: `wait` blocks until it is set, `record` sets it, `reset`
 clears it. An **ordinary** event (torch_npu's `Event`) marks a point of a stream: `wait` waits for the
@@ -25,7 +29,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Optional
 
-from ..errors import ReplayError, StreamRace
+from ...errors import ReplayError, StreamRace
 
 #: A vector clock: stream id -> how many of that stream's items have been seen.
 Clock = dict[int, int]

@@ -1,8 +1,10 @@
-"""A replay's static inputs on the ACL-graph simulator (`runtime/sim.py`).
+"""A replay's static inputs on the ACL-graph simulator.
 
 `SimGraph.replay` only queues the graph: on the device it runs later, and reads its static inputs
 (general-pool memory it reads and never writes) as they are *then*. A host write into one between
-`replay()` and the replay running is a bug the eager answer hides. So a launch snapshots those
+`replay()` and the replay running is a bug the eager answer hides. (Source: a replay is launched on
+a stream and runs when the device reaches it, `NPUGraph.replay` returning at once; torch_npu's
+graph API is asynchronous like every stream launch.) So a launch snapshots those
 inputs (`snapshot`) and the first item of the replay checks them (`check_unchanged`). Its own
 module because it is the one check of host/device ordering on memory rather than on tasks.
 """
@@ -11,25 +13,21 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import ReplayError
-from .sim_memory import _region
-from .sim_pool import Segment
-from .sim_tasks import _OpTask, _Task
-
-#: A region of simulated memory: (segment, byte offset, bytes).
-Region = tuple[Segment, int, int]
+from ...errors import ReplayError
+from .pool import Region
+from .tasks import OpTask, Task
 
 
-def static_inputs(tasks: list[_Task]) -> dict[Region, str]:
+def static_inputs(tasks: list[Task]) -> dict[Region, str]:
     """General-pool memory `tasks` read and never write (a graph's static inputs), each with the
     first task reading it."""
     written: set[Region] = set()
     read: dict[Region, str] = {}
     for task in tasks:
-        if isinstance(task, _OpTask):
-            written.update(_region(r) for r in task.writes())
+        if isinstance(task, OpTask):
+            written.update(r.region() for r in task.writes())
             for ref in task.reads():
-                read.setdefault(_region(ref), task.label)
+                read.setdefault(ref.region(), task.label)
     return {k: v for k, v in read.items() if k not in written and k[0].pool.name == "general"}
 
 

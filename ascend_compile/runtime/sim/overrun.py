@@ -1,8 +1,13 @@
-"""Workspace overruns on the ACL-graph simulator (`runtime/sim.py`).
+"""Workspace overruns on the ACL-graph simulator.
 
 A kernel given less workspace than it needs does not fail on the device: it writes past its buffer
 into whatever follows it in its segment (another workspace, an output, a KV block), which is the
-bug class the simulator exists to reproduce. The reference kernels raise `WorkspaceTooSmall`
+bug class the simulator exists to reproduce. A model, kept because nothing on the device bounds a
+kernel's writes to the buffer it was given (it writes where its tiling says, from the pointer it was
+passed), and vLLM-Ascend met the consequence on hardware: a PA workspace sized at capture for one
+length was short for others ("smaller seq_lens might encounter a bigger workspace", DESIGN.md §7
+case 1), which it answers by re-querying `_npu_paged_attention_get_workspace` at every update
+(`vllm_ascend/attention/utils.py`). The reference kernels raise `WorkspaceTooSmall`
 instead; `widen_workspace` turns that into the write the device would do, by handing the kernel a
 view of the same address as wide as it needs. Its own module because it is the one place that
 reasons about a kernel's arguments against the memory layout.
@@ -14,8 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import AscendCompileError, WorkspaceTooSmall
-from .sim_pool import Segment
+from ...errors import AscendCompileError, WorkspaceTooSmall
+from .pool import Segment
 
 logger = logging.getLogger("ascend_compile.sim")
 

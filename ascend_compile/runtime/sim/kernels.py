@@ -1,0 +1,53 @@
+"""What the ACL-graph simulator knows of a device's kernels: which ops are kernels, and their quirks.
+
+A device graph holds kernel launches, never Python: an op is one task only where the device has a
+kernel for it. torch's own ops are kernels of every device's operator library; beyond them a
+runtime declares what it binds to a kernel of its device (`DeviceKernels(names)`: op namespaces
+such as torch_npu's "atb" and "npu", or qualified op names such as "ascend::paged_attention").
+Every other op, Python custom ops included, is recorded as the ops its body issues
+(`dispatch.CaptureMode`), so a host read inside it fails at capture, as on the device, and a replay
+runs none of its Python.
+
+Some kernels also launch other work depending on their host arguments (a zero-length fast path), and
+some take host tensors, which the device copies when the call is issued; a runtime declares these
+per op packet. Capture and task updates then name tasks (`task_kind`) and freeze operands the same
+way, which is what lets a task update be matched against the group it replaces.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .classify import all_zero, arg
+
+#: torch's own op namespaces: the device's operator library implements each of their ops as a
+#: kernel (ATen through torch_npu's op-plugin on Ascend; the functional collectives through HCCL).
+#: A model: every ATen op is taken to have a capturable kernel; on Ascend an op served by the older
+#: aclop path is not ("Cannot run aclop operators during NPU graph capture", libtorch_npu.so), which
+#: the simulator cannot tell.
+TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})
+
+
+class DeviceKernels:
+    """The kernels of a simulated device: torch's ops and `names` (namespaces or qualified op
+    names), with the facts a runtime declared of them (zero-length fast paths, host tensor inputs)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
+        self.fast_paths: dict[Any, str] = {}
+        self.host_inputs: dict[Any, tuple[str, ...]] = {}
+
+    def is_kernel(self, op: Any) -> bool:
+        """Whether `op` (an op overload) is one device kernel: recorded as one task and run as it is."""
+        return op.namespace in TORCH_NAMESPACES or op.namespace in self.names or op._schema.name in self.names
+
+    def task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The kind of task a call of `op` launches: its name, marked when its zero-length fast path
+        is taken."""
+        lengths = self.fast_paths.get(op.overloadpacket)
+        if lengths is not None and all_zero(arg(op, args, kwargs, lengths)[1]):
+            return f"{op}[all lengths 0]"
+        return str(op)
+
+    def host_input_args(self, op: Any) -> tuple[str, ...]:
+        """The arguments of `op` that are host tensors, copied when a call is issued."""
+        return self.host_inputs.get(op.overloadpacket, ())
