@@ -1,0 +1,143 @@
+"""The checks a route runs on every call, in place of dynamo's guards, and the generated code they
+run in.
+
+Each check is a Python expression over the call's positional arguments `a`, keyword arguments `k`
+and the graph's arguments `A` gathered from them, with the objects it compares against in the
+route's namespace; a route joins them into one generated function, so a call pays for the checks
+and not for calling them. Each stands for guards dynamo would evaluate:
+
+| check | dynamo's guards it stands for |
+|---|---|
+| the module-assignment count (`epoch.py`) | ID/TYPE matches along the module tree, the parameters' and buffers' identity |
+| `GlobalStateGuard` (dynamo's own, in C++) | GLOBAL_STATE: grad mode, autocast, deterministic algorithms, default dtype, ... |
+| the torch function mode stack, the default device | TORCH_FUNCTION_MODE_STACK, DEFAULT_DEVICE |
+| the modules the sources walk: the same objects, the same `training` | ID_MATCH of a module passed in, `training` reads |
+| no call hooks on the module the step stands for (nor global ones) | what its `__call__` would run around the frame |
+| arguments the graph does not read: constants by value, objects by identity, tensors by type | EQUALS/ID/TYPE matches on them |
+| `TensorGuards` (dynamo's own) over the caller's tensors | TENSOR_MATCH: type, dtype, device, requires_grad, dispatch keys, static sizes |
+| dynamo's shape guards over the symbolic sizes | the shape environment's guards (sizes that must agree, ranges) |
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Sequence
+
+import torch
+from torch._C._dynamo.guards import GlobalStateGuard, TensorGuards
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+from torch.nn.modules import module as nn_module
+
+from . import epoch
+from .frame import LOCAL, Frame
+from .graph_inputs import GraphInputs
+
+#: What a module's `__call__` runs around `forward` when any is registered.
+CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                     "_global_backward_pre_hooks")
+#: Arguments compared by value.
+CONSTANT_TYPES = (type(None), bool, int, float, str)
+_ARG = re.compile(r"A\[(\d+)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check: what it means when it fails, its expression, whether it runs before the graph's
+    arguments are gathered, and an expression that says more when it fails."""
+
+    description: str
+    expr: str
+    before_gather: bool = False
+    detail_expr: str | None = None
+
+    def holds(self, namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> bool:
+        return bool(eval(self.expr, namespace, {"a": a, "k": k, "A": graph_args}))
+
+    def detail(self, namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> str:
+        if self.detail_expr is None:
+            return ""
+        return str(eval(self.detail_expr, namespace, {"a": a, "k": k, "A": graph_args}))
+
+
+def evaluate(expr: str, namespace: dict[str, Any], a: tuple, k: dict) -> Any:
+    """`expr` for one call."""
+    return eval(expr, namespace, {"a": a, "k": k})
+
+
+def compile_function(name: str, body: Sequence[str], namespace: dict[str, Any]) -> Any:
+    """`def name(a, k):` with `body`, its globals `namespace`."""
+    exec(compile("\n".join([f"def {name}(a, k):", *body]), f"<ascend_compile route {name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def _ambient(namespace: dict[str, Any]) -> list[Check]:
+    namespace.update(EP=epoch.COUNT, GS=GlobalStateGuard(), TF=torch._C._len_torch_function_stack,
+                     UD=torch.utils._device, CD=torch.utils._device.CURRENT_DEVICE)
+    return [
+        Check("parameters, buffers or submodules of a module were assigned", f"EP.value == {epoch.current()}", True),
+        Check("torch's global state differs from the traced call's", "GS.check()", True, "GS.reason()"),
+        Check("torch function modes differ from the traced call's", f"TF() == {namespace['TF']()}", True),
+        Check("the default device differs from the traced call's", "UD.CURRENT_DEVICE == CD", True),
+    ]
+
+
+def _modules(frame: Frame, exprs: dict[str, str], roots: Sequence[str], namespace: dict[str, Any], a: tuple,
+             k: dict) -> list[Check]:
+    checks = []
+    for j, name in enumerate(roots):
+        module = namespace[f"R{j}"] = evaluate(exprs[name], namespace, a, k)
+        if exprs[name] != "S":
+            checks.append(Check(f"argument {name!r} is another module than in the traced call", f"{exprs[name]} is R{j}"))
+        checks.append(Check(f"module {name!r} was switched to {'eval' if module.training else 'training'} mode",
+                            f"R{j}.training is {module.training}", True))
+    if frame.module is not None:
+        namespace["NM"] = nn_module
+        hooks = [f"S.{h}" for h in CALL_HOOKS] + [f"NM.{h}" for h in GLOBAL_CALL_HOOKS]
+        checks.append(Check("the module has call hooks", f"not ({' or '.join(hooks)})", True))
+    return checks
+
+
+def _unread(exprs: dict[str, str], read: set[str], namespace: dict[str, Any], a: tuple, k: dict) -> list[Check]:
+    checks = []
+    for j, (name, expr) in enumerate(exprs.items()):
+        if name in read or expr == "S":
+            continue
+        value = evaluate(expr, namespace, a, k)
+        namespace[f"C{j}"], namespace[f"Y{j}"] = value, type(value)
+        if isinstance(value, CONSTANT_TYPES):
+            checks.append(Check(f"argument {name!r} differs from the traced call's", f"type({expr}) is Y{j} and {expr} == C{j}"))
+        elif isinstance(value, torch.Tensor):
+            checks.append(Check(f"argument {name!r} is another type of tensor", f"type({expr}) is Y{j}"))
+        else:
+            checks.append(Check(f"argument {name!r} is another object than in the traced call", f"{expr} is C{j}"))
+    return checks
+
+
+def _tensors(inputs: GraphInputs, per_call: Sequence[int], namespace: dict[str, Any],
+             graph_args: Sequence[Any]) -> list[Check]:
+    tensors = [i for i in per_call if isinstance(graph_args[i], torch.Tensor)]
+    if not tensors:
+        return []
+    namespace["TG"] = TensorGuards(*(graph_args[i] for i in tensors),
+                                   dynamic_dims_sizes=[list(inputs.static_sizes[i]) for i in tensors],
+                                   dynamic_dims_strides=[[None] * graph_args[i].dim() for i in tensors])
+    namespace["TGN"] = [inputs.sources[i] for i in tensors]
+    listed = ", ".join(f"A[{i}]" for i in tensors)
+    return [Check("a tensor argument's type, dtype, device, requires_grad or static size differs",
+                  f"TG.check({listed})", False, f"TG.check_verbose({listed}, tensor_check_names=TGN)")]
+
+
+def build(frame: Frame, exprs: dict[str, str], roots: Sequence[str], inputs: GraphInputs, per_call: Sequence[int],
+          namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> list[Check]:
+    """The checks of a route for the call (`a`, `k`) it is armed from, whose graph arguments are
+    `graph_args`: `roots` are the locals whose modules the sources walk, `per_call` the inputs
+    gathered on each call; what they compare against goes into `namespace`."""
+    for name, value in SYMPY_INTERP.items():
+        namespace.setdefault(name, value)
+    read = {name for source in inputs.sources for name in LOCAL.findall(source)}
+    checks = _ambient(namespace) + _modules(frame, exprs, roots, namespace, a, k)
+    checks += _unread(exprs, read, namespace, a, k) + _tensors(inputs, per_call, namespace, graph_args)
+    checks += [Check(f"dynamo's shape guard {_ARG.sub(lambda m: inputs.sources[int(m.group(1))], guard)} fails", guard)
+               for guard in inputs.shape_guards]
+    return checks
