@@ -1,21 +1,24 @@
-"""The checks a route runs on every call, in place of dynamo's guards, and the generated code they
-run in.
+"""The checks a route runs on every call, in place of dynamo's guards.
 
 Each check is a Python expression over the call's positional arguments `a`, keyword arguments `k`
 and the graph's arguments `A` gathered from them, with the objects it compares against in the
-route's namespace; a route joins them into one generated function, so a call pays for the checks
-and not for calling them. Each stands for guards dynamo would evaluate:
+route's namespace; a route joins them into one generated function (`gathering.py`), so a call pays
+for the checks and not for calling them. What each stands for among dynamo's guards:
 
-| check | dynamo's guards it stands for |
-|---|---|
-| the module-assignment count (`epoch.py`) | ID/TYPE matches along the module tree, the parameters' and buffers' identity |
-| `GlobalStateGuard` (dynamo's own, in C++) | GLOBAL_STATE: grad mode, autocast, deterministic algorithms, default dtype, ... |
-| the torch function mode stack, the default device | TORCH_FUNCTION_MODE_STACK, DEFAULT_DEVICE |
-| the modules the sources walk: the same objects, the same `training` | ID_MATCH of a module passed in, `training` reads |
-| no call hooks on the module the step stands for (nor global ones) | what its `__call__` would run around the frame |
-| arguments the graph does not read: constants by value, objects by identity, tensors by type | EQUALS/ID/TYPE matches on them |
-| `TensorGuards` (dynamo's own) over the caller's tensors | TENSOR_MATCH: type, dtype, device, requires_grad, dispatch keys, static sizes |
-| dynamo's shape guards over the symbolic sizes | the shape environment's guards (sizes that must agree, ranges) |
+- the module-assignment count (`epoch.py`): the ID and TYPE matches along the module tree, and the
+  identity of the parameters and buffers gathered once;
+- dynamo's own `GlobalStateGuard` (C++): GLOBAL_STATE (grad mode, autocast, deterministic
+  algorithms, default dtype, ...); the torch function mode stack and the default device:
+  TORCH_FUNCTION_MODE_STACK and DEFAULT_DEVICE;
+- the modules the sources walk, the same objects in the same `training` mode; no call hooks on the
+  module the step stands for, nor global ones: what its `__call__` would run around the frame;
+- arguments the graph does not read, constants by value, other objects by identity, tensors by
+  type: the EQUALS, ID and TYPE matches on them;
+- dynamo's own `TensorGuards` (C++) over the tensors gathered per call: TENSOR_MATCH (type, dtype,
+  device, requires_grad, dispatch keys, every static size);
+- dynamo's shape guards over the symbolic sizes (sizes that must agree, their ranges);
+- each attribute dynamo stores a constant into after the graph still holds it: the replay a direct
+  call skips is a no-op.
 """
 from __future__ import annotations
 
@@ -39,6 +42,15 @@ GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_glo
 #: Arguments compared by value.
 CONSTANT_TYPES = (type(None), bool, int, float, str)
 _ARG = re.compile(r"A\[(\d+)\]")
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+#: What an attribute that does not exist reads as.
+MISSING = _Missing()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +100,8 @@ def _modules(frame: Frame, exprs: dict[str, str], roots: Sequence[str], namespac
     for j, name in enumerate(roots):
         module = namespace[f"R{j}"] = evaluate(exprs[name], namespace, a, k)
         if exprs[name] != "S":
-            checks.append(Check(f"argument {name!r} is another module than in the traced call", f"{exprs[name]} is R{j}"))
+            checks.append(Check(f"argument {name!r} is another module than in the traced call",
+                                f"{exprs[name]} is R{j}"))
         checks.append(Check(f"module {name!r} was switched to {'eval' if module.training else 'training'} mode",
                             f"R{j}.training is {module.training}", True))
     if frame.module is not None:
@@ -106,7 +119,8 @@ def _unread(exprs: dict[str, str], read: set[str], namespace: dict[str, Any], a:
         value = evaluate(expr, namespace, a, k)
         namespace[f"C{j}"], namespace[f"Y{j}"] = value, type(value)
         if isinstance(value, CONSTANT_TYPES):
-            checks.append(Check(f"argument {name!r} differs from the traced call's", f"type({expr}) is Y{j} and {expr} == C{j}"))
+            checks.append(Check(f"argument {name!r} differs from the traced call's",
+                                f"type({expr}) is Y{j} and {expr} == C{j}"))
         elif isinstance(value, torch.Tensor):
             checks.append(Check(f"argument {name!r} is another type of tensor", f"type({expr}) is Y{j}"))
         else:
@@ -128,6 +142,17 @@ def _tensors(inputs: GraphInputs, per_call: Sequence[int], namespace: dict[str, 
                   f"TG.check({listed})", False, f"TG.check_verbose({listed}, tensor_check_names=TGN)")]
 
 
+def _stores(inputs: GraphInputs, exprs: dict[str, str], namespace: dict[str, Any]) -> list[Check]:
+    namespace["MISSING"] = MISSING
+    checks = []
+    for j, store in enumerate(inputs.stores):
+        namespace[f"V{j}"] = store.value
+        target = LOCAL.sub(lambda m: exprs[m.group(1)], store.target)
+        checks.append(Check(f"{store.target}.{store.name} is no longer {store.value!r}, which the step stores",
+                            f"getattr({target}, {store.name!r}, MISSING) == V{j}", True))
+    return checks
+
+
 def build(frame: Frame, exprs: dict[str, str], roots: Sequence[str], inputs: GraphInputs, per_call: Sequence[int],
           namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> list[Check]:
     """The checks of a route for the call (`a`, `k`) it is armed from, whose graph arguments are
@@ -138,6 +163,7 @@ def build(frame: Frame, exprs: dict[str, str], roots: Sequence[str], inputs: Gra
     read = {name for source in inputs.sources for name in LOCAL.findall(source)}
     checks = _ambient(namespace) + _modules(frame, exprs, roots, namespace, a, k)
     checks += _unread(exprs, read, namespace, a, k) + _tensors(inputs, per_call, namespace, graph_args)
+    checks += _stores(inputs, exprs, namespace)
     checks += [Check(f"dynamo's shape guard {_ARG.sub(lambda m: inputs.sources[int(m.group(1))], guard)} fails", guard)
                for guard in inputs.shape_guards]
     return checks

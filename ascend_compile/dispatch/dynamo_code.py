@@ -4,8 +4,8 @@ Once a frame is compiled, dynamo runs bytecode of its own in the frame's place: 
 graph's inputs (the sources), calls the graph and builds the return value from its outputs, and
 then replays what the frame did to Python objects (an attribute set, a list appended to, a global
 written, grad mode switched) or calls the code after a graph break. A direct call does only the
-first part and the constant stores it replays itself (`side_effects.py`), so it is allowed only
-where dynamo's code does nothing else: its instructions load, subscript, call and build; the
+first part (and skips constant stores that change nothing, `side_effects.py`), so it is allowed
+only where dynamo's code does nothing else: its instructions load, subscript, call and build; the
 globals it loads are the graph, dynamo's own utilities and the stores' objects; the attributes it
 reads are those the sources and the stores name; it calls `object_setattr_ignore_descriptor` only
 where dynamo recorded stores. Anything else refuses the direct call, naming the instruction.

@@ -2,23 +2,22 @@
 of dynamo's guards.
 
 A route is armed from a call that went through dynamo (`arm`): the sources of the graph's inputs
-become one generated function of the call's arguments; parameters and buffers (sources that walk
-modules' `_modules` / `_parameters` / `_buffers`) are gathered then, once. What the function gathers
+become one generated function of the call's arguments, parameters and buffers gathered once
+(`gathering.py`), with the checks of `checks.py` in it. What the function gathers
 is checked against what dynamo passed the graph (the same objects, the same sizes), the step's
 return value against the graph's outputs, and dynamo's own code for the frame is read
 (`dynamo_code.py`). Each later call runs the function; it returns the graph's arguments, or None
 where a check fails, and the call then goes through dynamo (`Fallback`).
 
-The checks, each for guards of dynamo's (`checks.py` builds them): the module-assignment count; torch's
-global state as dynamo guards it, the torch function mode stack, the default device; the modules
-the sources walk (the same objects, the same training mode) and no call hooks on the module the
-step stands for; arguments the graph does not read; the caller's tensors (dynamo's own tensor
-check); dynamo's shape guards over the symbolic sizes.
+Constant stores dynamo replays after the graph (`side_effects.py`) are allowed where they change
+nothing: a route is armed only once a call through dynamo found each stored attribute already at
+its constant (read before the call), and each direct call checks that it still is. A step that
+changes such an attribute on every call (`self.calls += 1`, which dynamo traces anew each time)
+stays on dynamo's path.
 """
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,13 +27,11 @@ from ..lowering.runner import MovedInputs
 from ..lowering.served import Served
 from . import checks as checks_mod
 from . import dynamo_code
-from .side_effects import ConstantStore
 from .frame import LOCAL, Frame, LayoutKey, local_expressions
+from .gathering import Gathering
+from .side_effects import ConstantStore
 
 log = logging.getLogger("ascend_compile")
-
-#: A source that walks only modules' submodules, parameters and buffers from a local.
-_MODULE_STATE = re.compile(r"L\['(\w+)'\](?:\._(?:modules|parameters|buffers)\['[^'\\]*'\])+")
 
 
 class Fallback(Exception):
@@ -43,25 +40,27 @@ class Fallback(Exception):
     def __init__(self, kind: str, detail: str = "") -> None:
         super().__init__(f"{kind}{': ' + detail if detail else ''}")
         self.kind = kind
+        self.detail = detail
 
 
 class Refused(Exception):
-    """No route can be armed from this call; `permanent`: not for this layout until rechecked."""
+    """No route can be armed from this call; `permanent`: not for this layout until rechecked;
+    `stores`: the constant stores to read before the next call through dynamo."""
 
-    def __init__(self, reason: str, permanent: bool = True) -> None:
+    def __init__(self, reason: str, permanent: bool = True, stores: Sequence[ConstantStore] = ()) -> None:
         super().__init__(reason)
         self.permanent = permanent
+        self.stores = tuple(stores)
 
 
 class Route:
-    """The graph of `artifact` called with the arguments `gather` makes of a call, the constant stores
-    dynamo would replay after it (`replay`), and the step's return value rebuilt from its outputs."""
+    """The graph of `artifact` called with the arguments `gather` makes of a call, and the step's
+    return value rebuilt from its outputs."""
 
     def __init__(self, artifact: Any, gather: Callable, build: Callable, checks: Sequence[checks_mod.Check],
-                 namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any],
-                 replay: Callable | None) -> None:
+                 namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any]) -> None:
         self.artifact = artifact
-        self._replay = replay
+        self.used = False  # whether a call has gone straight to the graph
         self._gather = gather
         self._build = build
         self._checks = checks
@@ -78,9 +77,9 @@ class Route:
         try:
             outputs = self.artifact.call_direct(graph_args)
         except MovedInputs as moved:
-            raise Fallback("in-place inputs moved since their graph was captured", ", ".join(moved.args[0])) from None
-        if self._replay is not None:
-            self._replay(args, kwargs)
+            raise Fallback("in-place inputs moved since their graph was captured", ", ".join(moved.args[0])) \
+                from None
+        self.used = True
         return self._rebuild(outputs)
 
     def explain(self, args: tuple, kwargs: dict) -> Fallback:
@@ -124,16 +123,35 @@ def _same(gathered: Any, passed: Any) -> bool:
     return type(gathered) is type(passed) and gathered == passed
 
 
-def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwargs: dict, result: Any) -> Route:
-    """The route for calls of layout `key`, from one call that went through dynamo (`calls`: what
-    the probe saw run, `result`: what the call returned)."""
-    served = _served(calls)
-    artifact, inputs = served.artifact, served.artifact.graph_inputs
-    if inputs.refusal:
-        raise Refused(inputs.refusal)
+def read_stores(frame: Frame, key: LayoutKey, stores: Sequence[ConstantStore], args: tuple,
+                kwargs: dict) -> dict[tuple[str, str], Any]:
+    """The attributes `stores` write, as they are for this call (before it runs)."""
     exprs = local_expressions(frame, key)
     if isinstance(exprs, str):
-        raise Refused(exprs)
+        return {}
+    namespace = {"S": frame.bound, "D": frame.defaults, "G": frame.func.__globals__}
+    values = {}
+    for store in stores:
+        try:
+            target = checks_mod.evaluate(LOCAL.sub(lambda m: exprs[m.group(1)], store.target), namespace, args, kwargs)
+            values[store.target, store.name] = getattr(target, store.name, checks_mod.MISSING)
+        except Exception:  # another structure: the next arming refuses, naming it
+            values[store.target, store.name] = checks_mod.MISSING
+    return values
+
+
+def _check_stores(stores: Sequence[ConstantStore], before: dict[tuple[str, str], Any] | None) -> None:
+    if not stores:
+        return
+    if before is None or any((s.target, s.name) not in before for s in stores):
+        raise Refused("its constant stores are read before the next call through dynamo", permanent=False,
+                      stores=stores)
+    for store in stores:
+        if before[store.target, store.name] != store.value:
+            raise Refused(f"the step changes {store.target}.{store.name} on every call")
+
+
+def _check_code(frame: Frame, artifact: Any, inputs: Any, exprs: dict[str, str]) -> None:
     code = dynamo_code.entry_code(frame.func.__code__, frame.func.__globals__, artifact)
     if code is None:
         raise Refused(f"dynamo's code calling this graph is not cached for {frame.func.__qualname__}")
@@ -144,43 +162,34 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
         for name in LOCAL.findall(source):
             if name not in exprs:
                 raise Refused(f"the source {source} reads {name!r}, not an argument of {frame.func.__qualname__}")
+
+
+def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwargs: dict, result: Any,
+        stores_before: dict[tuple[str, str], Any] | None = None) -> Route:
+    """The route for calls of layout `key`, from one call that went through dynamo (`calls`: what
+    the probe saw run, `result`: what the call returned, `stores_before`: what `read_stores` read
+    before it, for the stores of an earlier refusal)."""
+    served = _served(calls)
+    artifact, inputs = served.artifact, served.artifact.graph_inputs
+    if inputs.refusal:
+        raise Refused(inputs.refusal)
+    exprs = local_expressions(frame, key)
+    if isinstance(exprs, str):
+        raise Refused(exprs)
+    _check_code(frame, artifact, inputs, exprs)
+    _check_stores(inputs.stores, stores_before)
     namespace = {"S": frame.bound, "D": frame.defaults, "G": frame.func.__globals__}
-    gathered = [LOCAL.sub(lambda m: exprs[m.group(1)], s) for s in inputs.sources]
-    state = [i for i, s in enumerate(inputs.sources) if _MODULE_STATE.fullmatch(s)
-             and isinstance(checks_mod.evaluate(exprs[LOCAL.match(s).group(1)], namespace, args, kwargs), torch.nn.Module)]
-    namespace["T"] = [checks_mod.evaluate(gathered[i], namespace, args, kwargs) if i in state else None
-                      for i in range(len(gathered))]
-    per_call = [i for i in range(len(gathered)) if i not in state]
-    lines = [f"    A[{i}] = {gathered[i]}" for i in per_call]
-    build = checks_mod.compile_function("build", ["    A = T.copy()", *lines, "    return A"], namespace)
+    gathering = Gathering.of(inputs.sources, exprs, namespace, args, kwargs)
+    build = gathering.build(namespace)
     graph_args = build(args, kwargs)
     if len(graph_args) != len(served.args):
         raise Refused(f"dynamo passed {len(served.args)} inputs, the sources name {len(graph_args)}")
-    for i, (mine, passed) in enumerate(zip(graph_args, served.args)):
+    for source, mine, passed in zip(inputs.sources, graph_args, served.args):
         if not _same(mine, passed):
-            raise Refused(f"{inputs.sources[i]} gathers {type(mine).__name__} where dynamo passed {type(passed).__name__}")
+            raise Refused(f"{source} gathers a {type(mine).__name__} where dynamo passed a {type(passed).__name__}")
     rebuild = _output_recipe(result, served.result)
-    roots = sorted({LOCAL.match(inputs.sources[i]).group(1) for i in state})
-    checks = checks_mod.build(frame, exprs, roots, inputs, per_call, namespace, args, kwargs, graph_args)
-    pre, post = [c for c in checks if c.before_gather], [c for c in checks if not c.before_gather]
-    body = [f"    if not ({' and '.join(c.expr for c in pre)}):", "        return None"] if pre else []
-    body += ["    A = T.copy()", *lines]
-    body += [f"    if not ({' and '.join(c.expr for c in post)}):", "        return None"] if post else []
-    gather = checks_mod.compile_function("gather", [*body, "    return A"], namespace)
-    replay = _replay(inputs.stores, exprs, namespace)
+    checks = checks_mod.build(frame, exprs, gathering.roots, inputs, gathering.per_call, namespace, args, kwargs,
+                              graph_args)
     log.debug("ascend_compile: dispatch='direct': %s: %d inputs gathered once, %d per call, %d checks",
-              frame.func.__qualname__, len(state), len(per_call), len(checks))
-    return Route(artifact, gather, build, checks, namespace, rebuild, replay)
-
-
-def _replay(stores: Sequence[ConstantStore], exprs: dict[str, str], namespace: dict[str, Any]) -> Callable | None:
-    """The constant stores dynamo replays after the graph, as one generated function (None: none)."""
-    if not stores:
-        return None
-    namespace["OSID"] = torch._dynamo.utils.object_setattr_ignore_descriptor
-    lines = []
-    for j, store in enumerate(stores):
-        namespace[f"V{j}"] = store.value
-        target = LOCAL.sub(lambda m: exprs[m.group(1)], store.target)
-        lines.append(f"    OSID({target}, {store.name!r}, V{j})")
-    return checks_mod.compile_function("replay", lines, namespace)
+              frame.func.__qualname__, len(gathering.state), len(gathering.per_call), len(checks))
+    return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild)

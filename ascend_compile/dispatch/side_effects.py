@@ -1,13 +1,15 @@
 """What a traced frame does to Python objects besides its graph, as dynamo recorded it.
 
 Dynamo replays a frame's side effects after calling its graph, from what it recorded while tracing
-(`tx.output.side_effects`). A direct call can replay one kind itself: constants written into an
-object's instance dict (transformers' output capturing resets a context variable's `compiling`
-and `global_var` after every forward), which dynamo replays with `object_setattr_ignore_descriptor`.
-Anything else (a computed value stored, a list or dict mutated, a tensor hook, a global written)
-refuses the direct call. Objects created inside the frame are not side effects unless they escape,
-which dynamo's code would show (`dynamo_code.py`), and deletions of attributes the object did not
-have before the frame are no-ops, which dynamo does not replay either.
+(`tx.output.side_effects`). A direct call allows one kind, where it changes nothing: constants
+written into an object's instance dict (transformers' output capturing resets a context variable's
+`compiling` and `global_var` after every forward), which dynamo replays with
+`object_setattr_ignore_descriptor`; `route.py` arms a route only once such an attribute was found
+at its constant before a call, and checks it still is on each. Anything else (a computed value
+stored, a list or dict mutated, a tensor hook, a global written) refuses the direct call. Objects
+created inside the frame are not side effects unless they escape, which dynamo's code would show
+(`dynamo_code.py`); deletions of attributes the object did not have before the frame are no-ops,
+which dynamo does not replay either.
 """
 from __future__ import annotations
 

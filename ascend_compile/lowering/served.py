@@ -26,17 +26,20 @@ class Served:
 
 @contextlib.contextmanager
 def probe() -> Iterator[list[Served]]:
-    """The calls artifacts report inside the block, in order."""
-    outer, calls = getattr(_local, "calls", None), []
-    _local.calls = calls
+    """The calls artifacts report inside the block, in order (probes nest: each sees every call)."""
+    calls: list[Served] = []
+    outer = getattr(_local, "probes", ())
+    _local.probes = (*outer, calls)
     try:
         yield calls
     finally:
-        _local.calls = outer
+        _local.probes = outer
 
 
 def report(artifact: Any, args: Sequence[Any], result: Any) -> None:
     """An artifact was called (a no-op unless a probe is set on this thread)."""
-    calls = getattr(_local, "calls", None)
-    if calls is not None:
-        calls.append(Served(artifact, args, result))
+    probes = getattr(_local, "probes", ())
+    if probes:
+        served = Served(artifact, args, result)
+        for calls in probes:
+            calls.append(served)
