@@ -22,7 +22,6 @@ for the checks and not for calling them. What each stands for among dynamo's gua
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any, Sequence
 
@@ -32,7 +31,9 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.nn.modules import module as nn_module
 
 from . import epoch
+from .codegen import MISSING, Check, evaluate
 from .frame import LOCAL, Frame
+from .gathering import Gathering
 from .graph_inputs import GraphInputs
 
 #: What a module's `__call__` runs around `forward` when any is registered.
@@ -42,45 +43,9 @@ GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_glo
 #: Arguments compared by value.
 CONSTANT_TYPES = (type(None), bool, int, float, str)
 _ARG = re.compile(r"A\[(\d+)\]")
+_SIZE_AT_LEAST_0 = re.compile(r"0 <= [^<>=]*\.size\(\)\[\d+\]")
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-#: What an attribute that does not exist reads as.
-MISSING = _Missing()
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """One check: what it means when it fails, its expression, whether it runs before the graph's
-    arguments are gathered, and an expression that says more when it fails."""
-
-    description: str
-    expr: str
-    before_gather: bool = False
-    detail_expr: str | None = None
-
-    def holds(self, namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> bool:
-        return bool(eval(self.expr, namespace, {"a": a, "k": k, "A": graph_args}))
-
-    def detail(self, namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> str:
-        if self.detail_expr is None:
-            return ""
-        return str(eval(self.detail_expr, namespace, {"a": a, "k": k, "A": graph_args}))
-
-
-def evaluate(expr: str, namespace: dict[str, Any], a: tuple, k: dict) -> Any:
-    """`expr` for one call."""
-    return eval(expr, namespace, {"a": a, "k": k})
-
-
-def compile_function(name: str, body: Sequence[str], namespace: dict[str, Any]) -> Any:
-    """`def name(a, k):` with `body`, its globals `namespace`."""
-    exec(compile("\n".join([f"def {name}(a, k):", *body]), f"<ascend_compile route {name}>", "exec"), namespace)
-    return namespace[name]
 
 
 def _ambient(namespace: dict[str, Any]) -> list[Check]:
@@ -153,17 +118,32 @@ def _stores(inputs: GraphInputs, exprs: dict[str, str], namespace: dict[str, Any
     return checks
 
 
-def build(frame: Frame, exprs: dict[str, str], roots: Sequence[str], inputs: GraphInputs, per_call: Sequence[int],
-          namespace: dict[str, Any], a: tuple, k: dict, graph_args: Sequence[Any]) -> list[Check]:
+def _shape_guards(inputs: GraphInputs, gathering: Gathering) -> list[Check]:
+    """Dynamo's shape guards, over what the gathering reads per call; those true by construction (a
+    size input gathered as the very size it is compared with, a size at least 0) are left out."""
+    def over_call(match: re.Match) -> str:  # sources are primaries (subscripts, attributes, calls): no parentheses
+        i = int(match.group(1))
+        return gathering.expressions[i] if i in gathering.per_call else match.group(0)
+
+    checks, seen = [], set()
+    for guard in inputs.shape_guards:
+        expr = _ARG.sub(over_call, guard)
+        sides = [side.strip() for side in expr.split(" == ")]
+        if expr in seen or len(sides) == 2 and sides[0] == sides[1] or _SIZE_AT_LEAST_0.fullmatch(expr):
+            continue
+        seen.add(expr)
+        readable = _ARG.sub(lambda m: inputs.sources[int(m.group(1))], guard)
+        checks.append(Check(f"dynamo's shape guard {readable} fails", expr))
+    return checks
+
+
+def build(frame: Frame, exprs: dict[str, str], gathering: Gathering, inputs: GraphInputs, namespace: dict[str, Any],
+          a: tuple, k: dict, graph_args: Sequence[Any]) -> list[Check]:
     """The checks of a route for the call (`a`, `k`) it is armed from, whose graph arguments are
-    `graph_args`: `roots` are the locals whose modules the sources walk, `per_call` the inputs
-    gathered on each call; what they compare against goes into `namespace`."""
+    `graph_args` gathered by `gathering`; what they compare against goes into `namespace`."""
     for name, value in SYMPY_INTERP.items():
         namespace.setdefault(name, value)
     read = {name for source in inputs.sources for name in LOCAL.findall(source)}
-    checks = _ambient(namespace) + _modules(frame, exprs, roots, namespace, a, k)
-    checks += _unread(exprs, read, namespace, a, k) + _tensors(inputs, per_call, namespace, graph_args)
-    checks += _stores(inputs, exprs, namespace)
-    checks += [Check(f"dynamo's shape guard {_ARG.sub(lambda m: inputs.sources[int(m.group(1))], guard)} fails", guard)
-               for guard in inputs.shape_guards]
-    return checks
+    checks = _ambient(namespace) + _modules(frame, exprs, gathering.roots, namespace, a, k)
+    checks += _unread(exprs, read, namespace, a, k) + _tensors(inputs, gathering.per_call, namespace, graph_args)
+    return checks + _stores(inputs, exprs, namespace) + _shape_guards(inputs, gathering)

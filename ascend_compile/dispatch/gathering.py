@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .checks import Check, compile_function, evaluate
+from .codegen import Check, compile_function, evaluate
 from .frame import LOCAL
 
 #: A source that walks only modules' submodules, parameters and buffers from a local.

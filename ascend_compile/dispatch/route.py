@@ -27,6 +27,7 @@ from ..lowering.runner import MovedInputs
 from ..lowering.served import Served
 from . import checks as checks_mod
 from . import dynamo_code
+from .codegen import MISSING, Check, evaluate
 from .frame import LOCAL, Frame, LayoutKey, local_expressions
 from .gathering import Gathering
 from .side_effects import ConstantStore
@@ -57,7 +58,7 @@ class Route:
     """The graph of `artifact` called with the arguments `gather` makes of a call, and the step's
     return value rebuilt from its outputs."""
 
-    def __init__(self, artifact: Any, gather: Callable, build: Callable, checks: Sequence[checks_mod.Check],
+    def __init__(self, artifact: Any, gather: Callable, build: Callable, checks: Sequence[Check],
                  namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any]) -> None:
         self.artifact = artifact
         self.used = False  # whether a call has gone straight to the graph
@@ -133,10 +134,10 @@ def read_stores(frame: Frame, key: LayoutKey, stores: Sequence[ConstantStore], a
     values = {}
     for store in stores:
         try:
-            target = checks_mod.evaluate(LOCAL.sub(lambda m: exprs[m.group(1)], store.target), namespace, args, kwargs)
-            values[store.target, store.name] = getattr(target, store.name, checks_mod.MISSING)
+            target = evaluate(LOCAL.sub(lambda m: exprs[m.group(1)], store.target), namespace, args, kwargs)
+            values[store.target, store.name] = getattr(target, store.name, MISSING)
         except Exception:  # another structure: the next arming refuses, naming it
-            values[store.target, store.name] = checks_mod.MISSING
+            values[store.target, store.name] = MISSING
     return values
 
 
@@ -188,8 +189,7 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
         if not _same(mine, passed):
             raise Refused(f"{source} gathers a {type(mine).__name__} where dynamo passed a {type(passed).__name__}")
     rebuild = _output_recipe(result, served.result)
-    checks = checks_mod.build(frame, exprs, gathering.roots, inputs, gathering.per_call, namespace, args, kwargs,
-                              graph_args)
+    checks = checks_mod.build(frame, exprs, gathering, inputs, namespace, args, kwargs, graph_args)
     log.debug("ascend_compile: dispatch='direct': %s: %d inputs gathered once, %d per call, %d checks",
               frame.func.__qualname__, len(gathering.state), len(gathering.per_call), len(checks))
     return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild)
