@@ -44,9 +44,12 @@ a `CaptureError` that names the sizes kept and points to `step_dims`
 (tests/test_runtime_graphs.py::test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error).
 Not the case for examples/llama.py.
 
-Guards are kept: with every step size symbolic no guard fails on a step shape, so dropping them
-(vLLM's `guard_filter_fn`) gains only their evaluation time, and is wrong where a size is still
-specialised (e.g. a first call at batch 1 without `backed_size_oblivious`).
+Guards are kept by default: with every step size symbolic no guard fails on a step shape, but
+dropping them (vLLM's `guard_filter_fn`) is wrong where a size is still specialised (e.g. a first
+call at batch 1 without `backed_size_oblivious`), and their evaluation is only part of dynamo's
+cost per call (fetching every lifted parameter again is the rest). `dispatch="direct"` skips
+dynamo altogether after the first call, with checks of its own that include dynamo's shape guards
+(`ascend_compile.dispatch`).
 """
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """Host time per decode step through the documented entry, the device stubbed: what a caller pays.
 
-    python benchmarks/host_dispatch.py [--layers 4 32 64] [--rounds 15] [--calls 200] [--json]
+    python benchmarks/host_dispatch.py [--layers 4 32 64] [--rounds 40] [--calls 50] [--json]
 
 The example model compiled with `ascend_compile.compile`, decode batches 16 down to 9 in turn (one
 bucket, vLLM's fixed block-table width), the device's work stubbed as `cpu_runner.py --runner-only`
 stubs it (replay, task updates and synchronize do nothing), `compiled(**step)` per step. At each
 depth, in one process, us per step, best / median of `--rounds` rounds of `--calls` steps with the
-collector off (the first three interleaved round by round):
+collector off (the first three interleaved round by round), timed in the CPU time of the calling
+thread (`time.thread_time`): with the device stubbed a step is this thread's work alone, and on a
+shared machine the time other processes hold the core does not count:
 - dynamo: the default, every call through dynamo's frame hook and guards;
 - direct: `dispatch="direct"` on the same compiled model: calls go straight to the graph, checked
   by `ascend_compile/dispatch/checks.py`;
@@ -53,7 +55,8 @@ def decode_steps(cfg: LlamaConfig) -> list[dict[str, torch.Tensor]]:
 
 def time_rounds(fns: dict[str, Callable[[Any], Any]], inputs: dict[str, list], rounds: int,
                 calls: int) -> dict[str, tuple[float, float]]:
-    """(best, median) us per call of each of `fns` over its `inputs` in turn, rounds interleaved."""
+    """(best, median) us of thread CPU time per call of each of `fns` over its `inputs` in turn, rounds
+    interleaved."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for name, fn in fns.items():
         for i in range(50):
@@ -64,10 +67,10 @@ def time_rounds(fns: dict[str, Callable[[Any], Any]], inputs: dict[str, list], r
         for _ in range(rounds):
             for name, fn in fns.items():
                 items = inputs[name]
-                start = time.perf_counter()
+                start = time.thread_time()
                 for i in range(calls):
                     fn(items[i % len(items)])
-                times[name].append((time.perf_counter() - start) / calls * 1e6)
+                times[name].append((time.thread_time() - start) / calls * 1e6)
     finally:
         gc.enable()
     return {name: (round(min(t), 1), round(statistics.median(t), 1)) for name, t in times.items()}
@@ -128,16 +131,16 @@ def measure(layers: int, rounds: int, calls: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 32, 64])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     measure(2, 3, 50)  # warm-up: the first measurement of a process runs slow
     names = {"dynamo": "dynamo (default)", "direct": "direct", "direct_frozen": "direct, frozen_parameters",
              "floor": "dynamo's floor", "runner": "runner alone"}
     if not args.json:
-        print(f"host us per decode step (batches {BATCH} to {BATCH - 7} in turn, device stubbed), best / median of "
-              f"{args.rounds} rounds of {args.calls} steps")
+        print(f"host us per decode step, thread CPU time (batches {BATCH} to {BATCH - 7} in turn, device stubbed), "
+              f"best / median of {args.rounds} rounds of {args.calls} steps")
         print(f"{'layers':>6} {'inputs':>6} " + " ".join(f"{v:>26}" for v in names.values()))
     rows = []
     for layers in args.layers:

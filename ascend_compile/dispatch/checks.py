@@ -82,7 +82,9 @@ def _unread(exprs: dict[str, str], read: set[str], namespace: dict[str, Any], a:
         if name in read or expr == "S":
             continue
         value = evaluate(expr, namespace, a, k)
-        namespace[f"C{j}"], namespace[f"Y{j}"] = value, type(value)
+        namespace[f"Y{j}"] = type(value)
+        if not isinstance(value, torch.Tensor):
+            namespace[f"C{j}"] = value
         if isinstance(value, CONSTANT_TYPES):
             checks.append(Check(f"argument {name!r} differs from the traced call's",
                                 f"type({expr}) is Y{j} and {expr} == C{j}"))

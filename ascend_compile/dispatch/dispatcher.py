@@ -6,8 +6,9 @@ checks, then the graph. A call that fails a check goes through dynamo again (dyn
 reuse the graph or compile another) and the route is armed again from it. A layout whose call
 cannot be routed (a graph break, a step with Python side effects, a return value that is not the
 graph's outputs) stays on dynamo's path, logged once, until `recheck()`; so does a layout whose
-routes fail their checks at their first call `MAX_UNUSED_ROUTES` times in a row (something the
-checks compare changes on every call), where arming again each time would cost more than dynamo.
+routes fail their checks at their first call, or cannot be armed yet, `MAX_UNUSED_ROUTES` times in
+a row (something the checks compare changes on every call), where arming again each time would
+cost more than dynamo.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class DirectDispatcher:
         self.frame = frame_of(step)
         self.routes: dict[LayoutKey, Route | str] = {}  # a str: why calls of that layout stay on dynamo's path
         self._stores: dict[LayoutKey, tuple] = {}  # constant stores to read before a layout's next dynamo call
-        self._unused: dict[LayoutKey, int] = {}  # routes in a row that failed before any call went straight
+        self._unused: dict[LayoutKey, int] = {}  # arming attempts in a row that no direct call followed
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         epoch.install()
@@ -85,7 +86,8 @@ class DirectDispatcher:
                 self.routes.pop(key, None)
                 if refused.stores:
                     self._stores[key] = refused.stores
-                if refused.permanent:
+                unarmed = self._unused[key] = self._unused.get(key, 0) + 1
+                if refused.permanent or unarmed >= MAX_UNUSED_ROUTES:
                     self.routes[key] = str(refused)
                     self._log(f"ascend_compile: dispatch='direct': {refused}: calls of this layout go through dynamo")
                 else:

@@ -2,8 +2,9 @@
 
 Each source becomes an expression over the call (`frame.local_expressions`). Sources that walk only
 modules' `_modules` / `_parameters` / `_buffers` from a module (its parameters, buffers, KV caches)
-are evaluated once, into a template list the function copies; the others (the caller's tensors,
-their sizes, tensors reached through other objects) are evaluated on every call.
+are evaluated once, into tuples of consecutive inputs the function unpacks (`(*T0, k['ids'], *T1)`:
+one copy at C speed, the tuple the runner takes); the others (the caller's tensors, their sizes,
+tensors reached through other objects) are evaluated on every call.
 """
 from __future__ import annotations
 
@@ -32,25 +33,46 @@ class Gathering:
     @classmethod
     def of(cls, sources: Sequence[str], exprs: dict[str, str], namespace: dict[str, Any], a: tuple,
            k: dict) -> "Gathering":
-        """The gathering of `sources` for calls like (`a`, `k`), whose locals are `exprs`; the template
-        of the inputs gathered once goes into `namespace` (as `T`)."""
+        """The gathering of `sources` for calls like (`a`, `k`), whose locals are `exprs`; the inputs
+        gathered once go into `namespace` (as tuples `T0`, `T1`, ... of consecutive ones)."""
         expressions = tuple(LOCAL.sub(lambda m: exprs[m.group(1)], s) for s in sources)
         state = tuple(i for i, s in enumerate(sources) if MODULE_STATE.fullmatch(s) and isinstance(
             evaluate(exprs[LOCAL.match(s).group(1)], namespace, a, k), torch.nn.Module))
-        namespace["T"] = [evaluate(expressions[i], namespace, a, k) if i in state else None
-                          for i in range(len(sources))]
         roots = tuple(sorted({LOCAL.match(sources[i]).group(1) for i in state}))
         per_call = tuple(i for i in range(len(sources)) if i not in state)
-        return cls(expressions, state, per_call, roots)
+        gathering = cls(expressions, state, per_call, roots)
+        for j, run in enumerate(gathering._runs()):
+            namespace[f"T{j}"] = tuple(evaluate(expressions[i], namespace, a, k) for i in run)
+        return gathering
+
+    def _runs(self) -> list[list[int]]:
+        """The inputs gathered once, in runs of consecutive positions."""
+        runs: list[list[int]] = []
+        for i in self.state:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return runs
 
     def _lines(self) -> list[str]:
-        return ["    A = T.copy()", *(f"    A[{i}] = {self.expressions[i]}" for i in self.per_call)]
+        runs = {run[0]: (j, len(run)) for j, run in enumerate(self._runs())}
+        items, i = [], 0
+        while i < len(self.expressions):
+            if i in runs:
+                j, length = runs[i]
+                items.append(f"*T{j}")
+                i += length
+            else:
+                items.append(self.expressions[i])
+                i += 1
+        return [f"    A = ({', '.join(items)},)"]
 
-    def build(self, namespace: dict[str, Any]) -> Callable[[tuple, dict], list]:
+    def build(self, namespace: dict[str, Any]) -> Callable[[tuple, dict], tuple]:
         """`build(a, k)`: the graph's arguments for a call, unchecked."""
         return compile_function("build", [*self._lines(), "    return A"], namespace)
 
-    def gather(self, checks: Sequence[Check], namespace: dict[str, Any]) -> Callable[[tuple, dict], list | None]:
+    def gather(self, checks: Sequence[Check], namespace: dict[str, Any]) -> Callable[[tuple, dict], tuple | None]:
         """`gather(a, k)`: the graph's arguments for a call, or None where one of `checks` fails."""
         pre = [c.expr for c in checks if c.before_gather]
         post = [c.expr for c in checks if not c.before_gather]

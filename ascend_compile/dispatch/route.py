@@ -85,7 +85,10 @@ class Route:
 
     def explain(self, args: tuple, kwargs: dict) -> Fallback:
         """The first check this call fails."""
-        graph_args = self._build(args, kwargs)
+        try:
+            graph_args = self._build(args, kwargs)
+        except Exception as err:  # a check before gathering failed, and gathering would too
+            return Fallback("the graph's inputs could not be gathered", f"{type(err).__name__}: {err}")
         for check in self._checks:
             if not check.holds(self._namespace, args, kwargs, graph_args):
                 return Fallback(check.description, check.detail(self._namespace, args, kwargs, graph_args))
