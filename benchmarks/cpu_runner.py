@@ -160,10 +160,10 @@ def runner_only_us(layers: int, batch_size: int, frozen_parameters: bool, rounds
         compiled(**batch.step([rng.randint(1, MAX_LEN) for _ in range(batch_size)]))
         art = artifacts[-1]
         stub_device(art)
-        with served.probe() as calls:  # the arguments dynamo gathers for the artifact, step by step
+        with served.probe() as served_calls:  # the arguments dynamo gathers for the artifact, step by step
             for size in sizes:
                 compiled(**batch.step([rng.randint(1, MAX_LEN) for _ in range(size)]))
-        seen = [c.args for c in calls]
+        seen = [c.args for c in served_calls]
         for i in range(50):
             art(*seen[i % len(seen)])
         times = []
