@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import re
 from typing import Any
 
@@ -22,8 +21,6 @@ from torch import fx
 
 from .side_effects import ConstantStore
 from .side_effects import record as record_side_effects
-
-log = logging.getLogger("ascend_compile")
 
 _ARG = re.compile(r"L\['t(\d+)'\]")
 
