@@ -13,6 +13,7 @@ from torch import fx
 
 from .compile_once import retrace_general
 from .config import CompileConfig
+from .dispatch import graph_inputs
 from .gc_pause import gc_paused
 from .lowering.runner import CompiledArtifact
 from .passes.find_attention import AttentionArgs, has_attention
@@ -52,7 +53,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         if rewritten is None:
             log.info("ascend_compile: graph has no attention: running it as traced")
             return gm.forward
-        return CompiledArtifact(rewritten, device_target, config)
+        artifact = CompiledArtifact(rewritten, device_target, config)
+        artifact.graph_inputs = graph_inputs.record(gm)  # dynamo drops its records once the compile is over
+        return artifact
 
 
 def ascend_graph(

@@ -44,9 +44,12 @@ a `CaptureError` that names the sizes kept and points to `step_dims`
 (tests/test_runtime_graphs.py::test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error).
 Not the case for examples/llama.py.
 
-Guards are kept: with every step size symbolic no guard fails on a step shape, so dropping them
-(vLLM's `guard_filter_fn`) gains only their evaluation time, and is wrong where a size is still
-specialised (e.g. a first call at batch 1 without `backed_size_oblivious`).
+Guards are kept by default: with every step size symbolic no guard fails on a step shape, but
+dropping them (vLLM's `guard_filter_fn`) is wrong where a size is still specialised (e.g. a first
+call at batch 1 without `backed_size_oblivious`), and their evaluation is only part of dynamo's
+cost per call (fetching every lifted parameter again is the rest). `dispatch="direct"` skips
+dynamo altogether after the first call, with checks of its own that include dynamo's shape guards
+(`ascend_compile.dispatch`).
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 from torch import fx
+
+from .dispatch import DirectDispatcher
 
 log = logging.getLogger("ascend_compile")
 
@@ -132,7 +137,9 @@ def _compile_callbacks() -> Any:
     return None
 
 
-StepDims = Mapping[str, "int | tuple[int, ...]"]
+#: Step dims by argument name, or a function marking a call's step dims itself (nested inputs).
+StepDims = "Mapping[str, int | tuple[int, ...]] | Callable[[tuple, dict], None]"
+DISPATCHES = ("dynamo", "direct")
 
 
 class CompiledStep:
@@ -140,19 +147,38 @@ class CompiledStep:
 
     The settings are in force only while dynamo compiles (dynamo's compile start and end
     callbacks), so a call that compiles nothing costs a thread-local write; where torch has no such
-    callbacks, they are put in force around every call (about 10-20 us)."""
+    callbacks, they are put in force around every call (about 10-20 us).
 
-    def __init__(self, compiled: Callable[..., Any], model: Any, step_dims: StepDims | None = None) -> None:
+    With `dispatch="direct"`, calls after the first go to the compiled graph without dynamo
+    (`ascend_compile.dispatch`)."""
+
+    def __init__(self, compiled: Callable[..., Any], model: Any, step_dims: StepDims | None = None,
+                 dispatch: str = "dynamo") -> None:
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch: expected one of {list(DISPATCHES)}, got {dispatch!r}")
         self.compiled = compiled  # what torch.compile returned
         self.model = model
-        self.step_dims = {k: (v,) if isinstance(v, int) else tuple(v) for k, v in (step_dims or {}).items()}
+        self._mark_dims = step_dims if callable(step_dims) else self._mark_named
+        self.step_dims = {} if callable(step_dims) else {k: (v,) if isinstance(v, int) else tuple(v)
+                                                          for k, v in (step_dims or {}).items()}
         self.settings = SIZE_SETTINGS if step_dims is not None else TRACE_SETTINGS
         forward = model.forward if isinstance(model, torch.nn.Module) else model
         self._signature = inspect.signature(forward) if step_dims is not None else None
         self._marking = step_dims is not None  # until the first compile: marks are read when dynamo traces
+        self.dispatcher = DirectDispatcher(model) if dispatch == "direct" else None
+
+    def recheck(self) -> None:
+        """Under `dispatch="direct"`: send the next call of every argument layout through dynamo's
+        guards, which see what the direct checks do not (a Python attribute the model reads, a
+        global, a monkeypatched function), and arm the direct route again from it."""
+        if self.dispatcher is not None:
+            self.dispatcher.recheck()
 
     def mark(self, args: tuple, kwargs: dict) -> None:
         """Mark the step dims of this call's tensors dynamic (`maybe_mark_dynamic`)."""
+        self._mark_dims(args, kwargs)
+
+    def _mark_named(self, args: tuple, kwargs: dict) -> None:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
         for name, dims in self.step_dims.items():
             value = bound.get(name)
@@ -161,6 +187,11 @@ class CompiledStep:
                     torch._dynamo.maybe_mark_dynamic(value, dim % value.dim())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dispatcher is not None:
+            return self.dispatcher(args, kwargs, self._through_dynamo)
+        return self._through_dynamo(args, kwargs)
+
+    def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
         if self._marking:
             self.mark(args, kwargs)
         handler = _compile_callbacks()
@@ -189,6 +220,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
     *,
     backend: str | Callable[..., Any] = "ascend_graph",
     step_dims: StepDims | None = None,
+    dispatch: str = "dynamo",
     **torch_compile_kwargs: Any,
 ) -> CompiledStep:
     """`torch.compile(model, backend="ascend_graph", options=options)` whose first trace is general:
@@ -201,14 +233,20 @@ def compile(  # noqa: A001 - mirrors torch.compile
     "seq_lens": 0, "query_start_loc": 0, "slot_mapping": 0}` for `[1, T]` token inputs) makes only
     those symbolic: needed where a tensor has a dim of size 1 that is not a step dim (`[1, T]`),
     which would otherwise get a symbol too and make the token count a product the backend cannot
-    pad.
+    pad. A function `(args, kwargs) -> None` marks a call's step dims itself (`maybe_mark_dynamic`),
+    for tensors nested in the arguments.
+
+    `dispatch`: "dynamo" (default) sends every call through dynamo's frame hook and guards;
+    "direct" sends calls after the first straight to the compiled graph, with cheap checks in place
+    of dynamo's guards (`ascend_compile.dispatch`; what they do not catch, and `recheck()`, are in
+    the README's "Calling the graph directly").
 
     `backend` may also be a backend callable (`ascend_compile.backend(config, on_compiled=...)`) or
     another backend name (e.g. "eager", to compare); other keyword arguments go to `torch.compile`
     (e.g. `fullgraph=True`). The result is called like the model."""
     options = dict(options) if options is not None else None
     compiled = torch.compile(model, backend=backend, options=options, **torch_compile_kwargs)
-    return CompiledStep(compiled, model, step_dims)
+    return CompiledStep(compiled, model, step_dims, dispatch)
 
 
 # --- the backend alone -------------------------------------------------------------------------

@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--max-batch-tokens", type=int, default=32)
+    parser.add_argument("--dispatch", choices=("dynamo", "direct"), default="dynamo",
+                        help="ascend_compile.compile's dispatch for the runner's step")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
@@ -41,7 +43,7 @@ def main() -> None:
     plain_tokens, plain_s = run(model, prompts, generation, ContinuousBatchingConfig(**cb))
     artifacts = []
     config = ac_hf.continuous_batching(model, ContinuousBatchingConfig(**cb), on_compiled=artifacts.append,
-                                       capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+                                       capture_sizes=[1, 2, 4, 8, 16, 32, 64], dispatch=args.dispatch)
     first_tokens, first_s = run(model, prompts, generation, config)
     compiled_tokens, compiled_s = run(model, prompts, generation, config)
     stats = sum((a.stats for a in artifacts), start=collections.Counter())

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 
 from ascend_compile.integrations import transformers as ac_hf  # noqa: E402
+from ascend_compile.lowering.runner import CompiledArtifact  # noqa: E402
 
 PROMPT_LENGTHS = [5, 12, 3, 21, 9, 30]
 WINDOW = 8  # shorter than most prompts: the window decides the tokens
@@ -40,6 +41,7 @@ def tiny(family: str):
     if family == "gpt_oss":  # sinks in every layer, a sliding and a full one
         config = transformers.GptOssConfig(**dict(windowed, intermediate_size=64), head_dim=16, num_local_experts=4,
                                            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+        config._experts_implementation = "batched_mm"  # its grouped-mm CPU fallback reads lengths on the host
         model = transformers.GptOssForCausalLM(config).eval()
         with torch.no_grad():
             for module in model.modules():
@@ -66,15 +68,21 @@ def in_order(outputs):
     return [outputs[k] for k in sorted(outputs, key=lambda k: int(k.rsplit("_", 1)[-1]))]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "gpt_oss"])
-def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
-    model = tiny(family)
+def greedy_tokens(model):
+    """Each prompt's tokens from plain greedy `model.generate`."""
     expected = []
     with torch.no_grad():
         for p in prompts():
             out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                  generation_config=greedy())
             expected.append(out[0, len(p):].tolist())
+    return expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "gpt_oss"])
+def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
+    model = tiny(family)
+    expected = greedy_tokens(model)
     artifacts = []
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -88,6 +96,29 @@ def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
     if family in ("llama", "qwen2"):  # PA-eligible layers: mixed steps get graphs of their own
         mixed = [a for a in artifacts if any(not g.key.decode for g in a.graphs.values())]
         assert mixed, "no step mixed prefill chunks with decodes"
+
+
+@pytest.mark.parametrize("dispatch", ["dynamo", "direct"])
+def test_one_dynamo_graph_serves_every_step(dispatch, monkeypatch):
+    """The runner's step is compiled with its step dims named: one dynamo graph for decode and mixed
+    steps of every size; with dispatch="direct" the steps after the first two skip dynamo (the
+    second finds the constants transformers' output capturing stores already in place). Steps run
+    on continuous batching's own thread: direct calls are counted at the artifact."""
+    direct = []
+    call_direct = CompiledArtifact.call_direct
+    monkeypatch.setattr(CompiledArtifact, "call_direct", lambda self, args: (direct.append(1), call_direct(self, args))[1])
+    model = tiny("llama")
+    expected = greedy_tokens(model)
+    artifacts = []
+    torch._dynamo.reset()
+    cb = ac_hf.continuous_batching(model, cb_config(), on_compiled=artifacts.append, capture_sizes=CAPTURE_SIZES,
+                                   dispatch=dispatch)
+    outputs = in_order(model.generate_batch(prompts(), generation_config=greedy(), continuous_batching_config=cb))
+    assert [o.generated_tokens for o in outputs] == expected
+    assert len(artifacts) == 1
+    steps = artifacts[0].stats["steps"]
+    assert artifacts[0].stats["replays"] == steps and steps > 2
+    assert len(direct) == (steps - 2 if dispatch == "direct" else 0)
 
 
 def test_logprobs_match_continuous_batching_without_the_backend():

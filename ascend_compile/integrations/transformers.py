@@ -10,7 +10,12 @@ prologue, so the step has no graph break and every bucket is one captured graph.
 The touches of transformers' internals, all here: the cache's per-layer `update` (which would
 gather the whole KV and breaks the graph) is made to hand the attention function its page views
 instead, for models using this module's attention only; the padding granularity of continuous
-batching is set to one token, since the backend pads to its own buckets.
+batching is set to one token, since the backend pads to its own buckets; and the model runner's
+compiled step (`ModelRunner._compiled_varlen`, which transformers makes with `torch.compile`) is
+made with `ascend_compile.compile` instead, its step dims named (`STEP_DIMS`), for runners whose
+config carries this module's backend: one dynamo graph for every step (plain `torch.compile(dynamic=
+True)` traced 3 to 4: static sizes first, sizes 0 and 1 and equal sizes specialised), and
+`dispatch="direct"` available.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .. import backend as ascend_backend
+from .. import compile_once
 from ..config import CompileConfig as AscendConfig
 from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
 
@@ -30,6 +36,12 @@ SUPPORTED_VERSIONS = ("5.24",)
 #: Attention layer types whose cache this module can serve.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 SLIDING = "sliding_attention"
+#: The step dims of continuous batching's model inputs (`batch_data`): token dims of the ids and
+#: positions, sequence dims of the query offsets and logits indices. The per-layer-type KV offsets
+#: and the cache read and write indices (dicts and lists of them) are marked along dim 0 too.
+STEP_DIMS = {"input_ids": 1, "position_ids": 1, "cu_seq_lens_q": 0, "logits_indices": 0, "logits_processor_args": 1}
+#: The attribute of this module's backend that tells the patched model runner how to dispatch.
+DISPATCH_ATTR = "ascend_dispatch"
 
 
 def installed_version() -> str:
@@ -181,16 +193,48 @@ def _block_table(cu_k, seq_lens, read_index, write_index, page_size: int, max_bl
     return torch.where(valid, pages, 0).to(torch.int32)
 
 
+def mark_step_dims(args: tuple, kwargs: dict) -> None:
+    """Mark the step dims of one call of the runner's step, `(model, batch_data, carry_over_ids,
+    prev_output_ids, output_ids)`, dynamic (`STEP_DIMS`; the rest of the sizes stay static)."""
+    batch = args[1] if len(args) > 1 else kwargs["batch_data"]
+    tensors = [(batch.get(name), dim) for name, dim in STEP_DIMS.items()]
+    offsets = batch.get("cu_seq_lens_k")
+    tensors += [(t, 0) for t in (offsets.values() if isinstance(offsets, dict) else [offsets])]
+    tensors += [(t, 0) for t in [*batch.get("read_index", ()), *batch.get("write_index", ())]]
+    for tensor, dim in tensors:
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def _runner_init(original: Callable) -> Callable:
+    """The model runner's constructor, which for a config carrying this module's backend makes the
+    compiled step with `ascend_compile.compile` (one graph for every step, its dims named)."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        step_backend = getattr(self.cb_config.varlen_compile_config, "backend", None)
+        dispatch = getattr(step_backend, DISPATCH_ATTR, None)
+        if dispatch is not None:
+            self._compiled_varlen = compile_once.compile(self._forward_process_and_sample, backend=step_backend,
+                                                         step_dims=mark_step_dims, dispatch=dispatch, fullgraph=True)
+
+    __init__.ascend_original = original
+    return __init__
+
+
 def _install() -> None:
-    """Register the attention function and the page update (once per process)."""
+    """Register the attention function, the page update and the runner's compiled step (once per process)."""
     from transformers import AttentionInterface
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
 
     AttentionInterface.register(ATTENTION, attention_forward)
     if not hasattr(PagedAttentionCache.update, "ascend_original"):
         PagedAttentionCache.update = _page_update(PagedAttentionCache.update)
     if not hasattr(PagedAttentionCache.__init__, "ascend_original"):
         PagedAttentionCache.__init__ = _cache_init(PagedAttentionCache.__init__)
+    if not hasattr(ModelRunner.__init__, "ascend_original"):
+        ModelRunner.__init__ = _runner_init(ModelRunner.__init__)
 
 
 def max_model_len_of(model: torch.nn.Module) -> int:
@@ -202,12 +246,17 @@ def max_model_len_of(model: torch.nn.Module) -> int:
 
 
 def continuous_batching(model: torch.nn.Module, config: Any = None, on_compiled: Callable | None = None,
-                        **options: Any):
+                        dispatch: str = "dynamo", **options: Any):
     """A `ContinuousBatchingConfig` (a copy of `config`, or a default one) whose step function is
     compiled by `ascend_graph` with `options` (`max_model_len` defaults to the model's
     `max_position_embeddings`); the model is switched to this module's attention.
 
-    `on_compiled` receives each compiled artifact (its `stats`, `describe()`, `memory_report()`)."""
+    `on_compiled` receives each compiled artifact (its `stats`, `describe()`, `memory_report()`);
+    `dispatch` is `ascend_compile.compile`'s ("direct": each runner's steps after its first go
+    straight to the graph; the values continuous batching keeps fixed for a runner, its flags and
+    the cache's layout, are then not compared per step)."""
+    if dispatch not in compile_once.DISPATCHES:
+        raise ValueError(f"dispatch: expected one of {list(compile_once.DISPATCHES)}, got {dispatch!r}")
     _check_version()
     _check_model(model)
     from transformers import ContinuousBatchingConfig
@@ -226,5 +275,6 @@ def continuous_batching(model: torch.nn.Module, config: Any = None, on_compiled:
     cb.kv_padding_interval_size = 1
     cb.max_blocks_per_request = 0  # the block-table decode path is flash_attn_with_kvcache's
     compiled = ascend_backend(ascend_config, on_compiled=on_compiled)
+    setattr(compiled, DISPATCH_ATTR, dispatch)
     cb.varlen_compile_config = CompileConfig(fullgraph=True, dynamic=True, backend=compiled, mode=None)
     return cb

@@ -9,6 +9,10 @@ checked every step (parameters not under `frozen_parameters`) and a graph whose 
 re-captured (`input_checks.py`). Host scalars (0-d CPU tensors,
 e.g. dynamo's wrapped floats) are read at capture like any host argument, so their values are
 checked every step too.
+
+Dynamo calls the artifact (`__call__`, which reports itself to a probe set by the direct dispatcher,
+`served.py`); the direct dispatcher calls it without dynamo (`call_direct`), where moved inputs are
+not re-captured but raise `MovedInputs`, so that the step goes through dynamo's guards instead.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx
@@ -28,11 +32,10 @@ from ..passes import dump
 from ..passes.kernel_call import HostSource, StepGuard, host_sources, kernel_calls
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
-from ..passes.size_symbols import evaluate
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime, TaskUpdateRuntime
 from ..ops.tiling import PA
-from . import capture as capture_mod
+from . import capture as capture_mod, report, served
 from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
     read_step
 from .input_checks import CapturedInputs, change_summary
@@ -46,6 +49,11 @@ log = logging.getLogger("ascend_compile")
 def _specialization(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
     """The values of the graph's specialized symbols in a step: part of the key of its capture."""
     return tuple((str(sym), symbols[sym]) for sym in signature.specialized)
+
+
+class MovedInputs(Exception):
+    """A direct call found in-place inputs of its graph (the names in `args`) at other addresses
+    than at capture; nothing of the step has run."""
 
 
 class GraphEntry:
@@ -170,6 +178,8 @@ class CompiledArtifact:
         self.verify = config.verify if config.verify is not None else self.runtime.verify_first_replays
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
                            for slot in rewritten.plan.slots.values()}
+        #: what dynamo passes this graph, where it gets it (`dispatch/graph_inputs.py`): set by the backend
+        self.graph_inputs: Any = None
         self.write_plan()
 
     def workspaces_for(self, key: GraphKey) -> capture_mod.WorkspaceFor:
@@ -177,18 +187,33 @@ class CompiledArtifact:
         return lambda node: self.workspaces[node.meta[WORKSPACE_META_KEY][str(key)]]
 
     def __call__(self, *args: Any) -> Any:
+        result = self._call(args, direct=False)
+        served.report(self, args, result)
+        return result
+
+    def call_direct(self, args: Sequence[Any]) -> Any:
+        """One step called by the direct dispatcher, not by dynamo: as `__call__`, but a graph whose
+        in-place inputs moved raises `MovedInputs` instead of being captured again, so that the step
+        goes through dynamo, whose guards see what else changed with them (a module converted to
+        another dtype)."""
+        return self._call(args, direct=True)
+
+    def _call(self, args: Sequence[Any], direct: bool) -> Any:
         with self.lock:
             start = time.perf_counter()
             phases = sum(self.seconds.values())
-            result = self._step(self.rewritten.prologue.extend(args), args)
+            result = self._step(self.rewritten.prologue.extend(args), args, direct)
             self.seconds["host"] += time.perf_counter() - start - (sum(self.seconds.values()) - phases)
             return result
 
-    def _step(self, args: Sequence[Any], caller_args: Sequence[Any]) -> Any:
+    def _count(self, step: Step, sign: int) -> None:
+        self.stats["steps"] += sign
+        self.stats["host_conversions"] += sign * (len(step.seq_lens) + len(step.query_start_loc))
+
+    def _step(self, args: Sequence[Any], caller_args: Sequence[Any], direct: bool) -> Any:
         """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata)."""
         step = read_step(self.signature, args, self.config.max_model_len, self.target.host_lengths)
-        self.stats["steps"] += 1
-        self.stats["host_conversions"] += len(step.seq_lens) + len(step.query_start_loc)
+        self._count(step, 1)
         bucket = choose_bucket(self.rewritten.buckets, step.tokens, step.seqs)
         if bucket is None:
             return self._fallback(caller_args, f"no graph for {step.tokens} tokens in {step.seqs} sequences "
@@ -197,7 +222,7 @@ class CompiledArtifact:
         if overlap:
             return self._fallback(caller_args, f"inputs {overlap} overlap in memory and the graph writes one of them")
         key = self.rewritten.key_for(bucket, step.decode)
-        entry = self._entry(key, args, step.symbols)
+        entry = self._entry(key, args, step, direct)
         if entry is None:
             return self._fallback(caller_args, f"{key} already has {self.config.max_specializations} captures "
                                                f"for other values of {[str(s) for s in self.signature.specialized]}")
@@ -255,9 +280,10 @@ class CompiledArtifact:
         entry.step_guard = self.target.step_guard(gm)
         return entry
 
-    def _entry(self, key: GraphKey, args: Sequence[Any], symbols: dict) -> GraphEntry | None:
-        """The graph serving `key` at these symbol values, captured if new; None when the key has
+    def _entry(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> GraphEntry | None:
+        """The graph serving `key` at the step's symbol values, captured if new; None when the key has
         used up its captures for other values of the specialized symbols."""
+        symbols = step.symbols
         specialization = _specialization(self.signature, symbols)
         entry = self.graphs.get((key, specialization))
         if entry is None:
@@ -273,6 +299,9 @@ class CompiledArtifact:
             return entry
         if entry.graph is not None:
             moved = entry.captured_inputs.changed(args)
+            if moved and direct:
+                self._count(step, -1)  # the step is not run here: dynamo calls the artifact again
+                raise MovedInputs([self.names[i] for i in moved])
             if moved:
                 self._log_change(entry, moved, args)
                 self.stats["recaptures"] += 1
@@ -360,38 +389,11 @@ class CompiledArtifact:
 
     def memory_report(self) -> dict[str, Any]:
         """Bytes held by this artifact: workspace slots, static buffers and outputs per graph, pool."""
-        report = {
-            "workspace_bytes": {name: t.numel() for name, t in self.workspaces.items()},
-            "graphs": {g.name: g.memory() for g in self.graphs.values() if g.graph is not None},
-        }
-        stats: Callable[[], Any] | None = getattr(self.runtime, "memory_stats", None)
-        if stats is not None:
-            report["pool"] = stats()
-        return report
+        return report.memory_report(self)
 
     def describe(self) -> dict[str, Any]:
-        plan = self.rewritten.describe()
-        plan["runtime"] = self.runtime.describe()
-        plan["config"] = {k: v for k, v in vars(self.config).items()}
-        checked, in_place = set(self.checked), {role.value for role in IN_PLACE_ROLES}
-        for spec in plan["inputs"]:
-            if spec["role"] in in_place:
-                spec["address_checked"] = spec["index"] in checked  # each step (False: a frozen parameter)
-        for key, gm in self.specialized.items():
-            for kernel, call in zip(plan["graphs"][str(key)]["kernels"], kernel_calls(gm)):
-                kernel.update(call.meta.describe(), node=call.node.name)
-        for (key, specialization), entry in self.graphs.items():
-            if entry.graph is None:
-                continue
-            graph = plan["graphs"][str(key)]
-            captured = {"update_table": entry.table.describe(), "capture_seconds": round(entry.capture_seconds, 4)}
-            if entry.verified is not None:
-                captured["verified"] = entry.verified
-            if specialization:
-                graph.setdefault("specializations", {})[entry.name] = captured
-            if not specialization or "update_table" not in graph:
-                graph.update(captured)
-        return plan
+        """The plan.json content: the passes' plan, and what lowering decided and captured."""
+        return report.describe(self)
 
     def write_plan(self) -> None:
         dump.dump_plan(self.rewritten.graph_dir, self.describe)

@@ -1,0 +1,83 @@
+"""Dynamo's code for a frame, read to make sure that calling its graph directly skips nothing.
+
+Once a frame is compiled, dynamo runs bytecode of its own in the frame's place: it gathers the
+graph's inputs (the sources), calls the graph and builds the return value from its outputs, and
+then replays what the frame did to Python objects (an attribute set, a list appended to, a global
+written, grad mode switched) or calls the code after a graph break. A direct call does only the
+first part (and skips constant stores that change nothing, `side_effects.py`), so it is allowed
+only where dynamo's code does nothing else: its instructions load, subscript, call and build; the
+globals it loads are the graph, dynamo's own utilities and the stores' objects; the attributes it
+reads are those the sources and the stores name; it calls `object_setattr_ignore_descriptor` only
+where dynamo recorded stores. Anything else refuses the direct call, naming the instruction.
+"""
+from __future__ import annotations
+
+import dis
+import re
+import types
+from typing import Any, Sequence
+
+import torch
+
+from .side_effects import ConstantStore
+
+#: Instructions that only move values: loads, subscripts, calls, building the result, returning it.
+SAFE_OPCODES = frozenset({
+    "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "MAKE_CELL", "COPY_FREE_VARS",
+    "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_CONST", "LOAD_SMALL_INT",
+    "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "BINARY_SUBSCR",
+    "STORE_FAST", "DELETE_FAST", "COPY", "SWAP", "POP_TOP", "PUSH_NULL",
+    "PRECALL", "CALL", "CALL_KW", "KW_NAMES",
+    "BUILD_LIST", "BUILD_TUPLE", "LIST_EXTEND", "LIST_APPEND", "UNPACK_SEQUENCE",
+    "RETURN_VALUE", "RETURN_CONST",
+})
+#: The module dynamo's code loads its utilities from, and the utilities a plain graph call uses.
+DYNAMO_UTILS = "__import_torch_dot__dynamo_dot_utils"
+DYNAMO_UTIL_ATTRS = frozenset({
+    "call_size", "call_stride", "call_storage_offset", "record_pregraph_bytecode_enter",
+    "record_pregraph_bytecode_exit",
+})
+
+#: What dynamo's code calls to replay a constant store.
+STORE_UTIL = "object_setattr_ignore_descriptor"
+
+_ATTRIBUTE = re.compile(r"\.(\w+)")
+_GLOBAL = re.compile(r"G\['([^']+)'\]")
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    return [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+
+
+def entry_code(code: types.CodeType, globals_: dict[str, Any], artifact: Any) -> types.CodeType | None:
+    """The code dynamo runs in place of `code` when its cached graph is `artifact`, or None."""
+    for entry in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code):
+        for name in _global_names(entry.code):
+            compiled = globals_.get(name) if name.startswith("__compiled_fn") else None
+            if getattr(compiled, "_torchdynamo_orig_callable", None) is artifact:
+                return entry.code
+    return None
+
+
+def unsafe_instruction(code: types.CodeType, sources: Sequence[str], stores: Sequence[ConstantStore]) -> str | None:
+    """The first instruction of dynamo's `code` that a direct call would skip (or None), where
+    `sources` are the graph inputs' source expressions and `stores` the constant stores the direct
+    call replays."""
+    named = [*sources, *(store.target for store in stores)]
+    attributes = {name for text in named for name in _ATTRIBUTE.findall(text)} | DYNAMO_UTIL_ATTRS
+    globals_ = {DYNAMO_UTILS} | {name for text in named for name in _GLOBAL.findall(text)}
+    if stores:
+        attributes.add(STORE_UTIL)
+    replays = 0
+    for instruction in dis.get_instructions(code):
+        name, value = instruction.opname, instruction.argval
+        if name not in SAFE_OPCODES:
+            return f"{name} {value!r}"
+        if name == "LOAD_GLOBAL" and not (value in globals_ or str(value).startswith("__compiled_fn")):
+            return f"LOAD_GLOBAL {value!r}"
+        if name in ("LOAD_ATTR", "LOAD_METHOD") and value not in attributes:
+            return f"{name} {value!r}"
+        replays += name in ("LOAD_ATTR", "LOAD_METHOD") and value == STORE_UTIL
+    if bool(replays) != bool(stores):  # loaded once and kept in a local however many stores it makes
+        return f"{STORE_UTIL} {'loaded' if replays else 'not loaded'} where dynamo recorded {len(stores)} stores"
+    return None

@@ -1,0 +1,49 @@
+"""What a compiled artifact reports of itself: its plan (plan.json, `inspect`) and the memory it holds.
+
+Read-only over the artifact (`runner.CompiledArtifact`): the runner calls these when it writes the
+plan or is asked for its memory, so its own module stays the step's logic.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..passes.kernel_call import kernel_calls
+from ..passes.roles import IN_PLACE_ROLES
+
+
+def memory_report(art: Any) -> dict[str, Any]:
+    """Bytes held by this artifact: workspace slots, static buffers and outputs per graph, pool."""
+    report = {
+        "workspace_bytes": {name: t.numel() for name, t in art.workspaces.items()},
+        "graphs": {g.name: g.memory() for g in art.graphs.values() if g.graph is not None},
+    }
+    stats: Callable[[], Any] | None = getattr(art.runtime, "memory_stats", None)
+    if stats is not None:
+        report["pool"] = stats()
+    return report
+
+def describe(art: Any) -> dict[str, Any]:
+    """The plan.json content of a compiled artifact: the passes' plan, each in-place input's per-step
+    address check, each kernel's decision, each captured graph's update table and first-replay check."""
+    plan = art.rewritten.describe()
+    plan["runtime"] = art.runtime.describe()
+    plan["config"] = {k: v for k, v in vars(art.config).items()}
+    checked, in_place = set(art.checked), {role.value for role in IN_PLACE_ROLES}
+    for spec in plan["inputs"]:
+        if spec["role"] in in_place:
+            spec["address_checked"] = spec["index"] in checked  # each step (False: a frozen parameter)
+    for key, gm in art.specialized.items():
+        for kernel, call in zip(plan["graphs"][str(key)]["kernels"], kernel_calls(gm)):
+            kernel.update(call.meta.describe(), node=call.node.name)
+    for (key, specialization), entry in art.graphs.items():
+        if entry.graph is None:
+            continue
+        graph = plan["graphs"][str(key)]
+        captured = {"update_table": entry.table.describe(), "capture_seconds": round(entry.capture_seconds, 4)}
+        if entry.verified is not None:
+            captured["verified"] = entry.verified
+        if specialization:
+            graph.setdefault("specializations", {})[entry.name] = captured
+        if not specialization or "update_table" not in graph:
+            graph.update(captured)
+    return plan

@@ -1,0 +1,269 @@
+"""`ascend_compile.compile(..., dispatch="direct")`: calls after the first skip dynamo's frame hook and
+guards, and what dynamo's guards would have caught is caught by the direct checks (the call then goes
+through dynamo, which reuses its graph or compiles another), or is a documented limitation.
+
+Whether a call went through dynamo is seen with the artifact's probe (`lowering/served.py`): the
+artifact reports calls dynamo makes, not direct ones.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ascend_compile
+from ascend_compile import CompileConfig, backend
+from ascend_compile.lowering import served
+from examples.llama import DecoderLayer, LlamaConfig, PagedBatch, build
+
+CFG = LlamaConfig(num_layers=1, num_blocks=256)
+OPTIONS = dict(max_model_len=256, capture_sizes=(4, 8, 16), runtime="sim")
+
+
+def compiled(model, **options):
+    """`model` compiled with dispatch="direct", and the list its artifacts are appended to."""
+    torch._dynamo.reset()
+    artifacts = []
+    fn = ascend_compile.compile(model, backend=backend(CompileConfig(**OPTIONS, **options),
+                                                       on_compiled=artifacts.append), dispatch="direct")
+    return fn, artifacts
+
+
+def call(fn, step):
+    """(the call's result, whether it went through dynamo)."""
+    with served.probe() as calls:
+        result = fn(**step)
+    return result, bool(calls)
+
+
+def armed(model, **options):
+    """`model` compiled, called once through dynamo and once directly; and a batch for more steps."""
+    fn, artifacts = compiled(model, **options)
+    batch = PagedBatch(CFG, seed=1)
+    assert call(fn, batch.step([5, 30, 9]))[1]
+    assert not call(fn, batch.step([7, 3]))[1]
+    return fn, artifacts, batch
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_direct_calls_equal_eager_and_skip_dynamo():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts = compiled(model)
+    batch = PagedBatch(CFG, seed=3)
+    went = []
+    for lens, query_lens in [([37], None), ([5, 80, 17, 250, 3, 64], None), ([45], [5]), ([30, 9, 100], [3, 1, 4]),
+                             ([12, 7], None)]:
+        step = batch.step(lens, query_lens)
+        result, through_dynamo = call(fn, step)
+        close(result, reference(**step))
+        went.append(through_dynamo)
+    assert went == [True, False, False, False, False] and len(artifacts) == 1
+    positional = batch.step([9, 4])  # another layout of arguments: its own route, armed through dynamo once
+    assert call(lambda **s: fn(*s.values()), positional)[1]
+    close(call(lambda **s: fn(*s.values()), positional)[0], reference(**positional))
+
+
+@torch.no_grad()
+def test_grad_mode_enabled_goes_through_dynamo():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    step = batch.step([5, 9])
+    with torch.enable_grad():
+        result, through_dynamo = call(fn, step)
+        expected = reference(**step)
+    assert through_dynamo and len(artifacts) == 2  # dynamo's guard on grad mode: another graph
+    close(result.detach(), expected.detach())
+    went = [call(fn, batch.step(lens))[1] for lens in ([6, 2], [3, 9, 1])]
+    assert went == [True, False]  # grad mode off again: the route is armed again on the first graph
+    assert len(artifacts) == 2
+
+
+@torch.no_grad()
+def test_an_input_of_another_dtype_goes_through_dynamo():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    step = batch.step([5, 9])
+    step["input_ids"] = step["input_ids"].to(torch.int32)
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo and len(artifacts) == 2
+    close(result, reference(**step))
+
+
+@torch.no_grad()
+def test_a_replaced_parameter_is_seen():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
+    model.lm_head.weight, reference.lm_head.weight = weight, torch.nn.Parameter(weight.detach().clone())
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo  # the module-assignment count moved; the runner re-captures for the new address
+    close(result, reference(**step))
+    step = batch.step([11, 2, 7])
+    result, through_dynamo = call(fn, step)
+    assert not through_dynamo  # armed again, with the new parameter gathered
+    close(result, reference(**step))
+
+
+@torch.no_grad()
+def test_a_swapped_module_is_seen():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    torch.manual_seed(5)
+    layer = DecoderLayer(CFG)
+    for p in layer.parameters():
+        p.data.normal_(std=0.05)
+    model.layers[0], reference.layers[0] = layer, copy.deepcopy(layer)
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo
+    close(result, reference(**step))
+    assert not call(fn, batch.step([3, 3]))[1]
+
+
+@torch.no_grad()
+def test_a_parameter_moved_in_place_goes_through_dynamo():
+    """`p.data = t` runs no hook: the runner's address check sees it, and the step goes through
+    dynamo (whose guards would see a new dtype or size with it) instead of being re-captured directly."""
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    for m in (model, reference):
+        m.lm_head.weight.data = m.lm_head.weight.data * 2
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo and artifacts[0].stats["recaptures"] == 1
+    close(result, reference(**step))
+    assert not call(fn, batch.step([4, 8]))[1]
+
+
+@torch.no_grad()
+def test_training_mode_goes_through_dynamo():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    model.train()
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo
+    close(result, reference(**step))
+
+
+@torch.no_grad()
+def test_a_call_hook_goes_through_dynamo():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model)
+    seen = []
+    model.register_forward_hook(lambda module, args, kwargs, output: seen.append(output.shape), with_kwargs=True)
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo and seen == [result.shape]
+    close(result, reference(**step))
+
+
+@torch.no_grad()
+def test_sizes_that_disagree_go_through_dynamo():
+    """dynamo's shape guards are checked: ids and positions of different lengths fail as through dynamo."""
+    fn, artifacts, batch = armed(build(CFG))
+    step = batch.step([5, 9])
+    step["positions"] = step["positions"][:1]
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError):
+        fn(**step)
+
+
+class Scaled(torch.nn.Module):
+    """The example model with a Python argument the trace specialises on."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, scale=1.0):
+        logits = self.model(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping)
+        return logits * scale if scale != 1.0 else logits
+
+
+@torch.no_grad()
+def test_another_value_of_an_argument_the_graph_does_not_read_goes_through_dynamo():
+    model, reference = Scaled(build(CFG)), Scaled(build(CFG))
+    fn, artifacts, batch = armed(model)
+    step = dict(batch.step([5, 9]), scale=2.0)
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo and len(artifacts) == 2
+    close(result, reference(**step))
+
+
+@torch.no_grad()
+def test_a_changed_python_attribute_is_not_seen_until_recheck():
+    """The documented limitation: Python values the model reads (an RMSNorm's eps) are constants of
+    the trace; a direct call does not compare them, `recheck()` sends the next call through dynamo."""
+    model, reference = build(CFG), build(CFG)
+    traced = build(CFG)  # before the route is armed: building a model moves the module-assignment count
+    fn, artifacts, batch = armed(model)
+    model.norm.eps = reference.norm.eps = 0.5
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert not through_dynamo
+    close(result, traced(**step))  # the traced eps
+    fn.recheck()
+    step = batch.step([6, 2])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo and len(artifacts) == 2
+    close(result, reference(**step))
+
+
+class Counting(torch.nn.Module):
+    """The example model counting its calls in a Python attribute: a side effect dynamo replays."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.calls = 0
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping):
+        self.calls += 1
+        return self.model(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping)
+
+
+class Breaking(Counting):
+    """The example model with a graph break in its forward."""
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping):
+        logits = self.model(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping)
+        torch._dynamo.graph_break()
+        return logits + 0
+
+
+@pytest.mark.parametrize("wrapper", [Counting, Breaking])
+@torch.no_grad()
+def test_side_effects_and_graph_breaks_keep_calls_on_dynamo(wrapper):
+    model, reference = wrapper(build(CFG)), wrapper(build(CFG))
+    fn, artifacts = compiled(model)
+    batch = PagedBatch(CFG, seed=1)
+    for lens in ([5, 30, 9], [7, 3], [4]):
+        step = batch.step(lens)
+        result, through_dynamo = call(fn, step)
+        assert through_dynamo
+        close(result, reference(**step))
+    assert model.calls == reference.calls
+    assert all(isinstance(route, str) for route in fn.dispatcher.routes.values())  # the refusal, once
+
+
+@torch.no_grad()
+def test_frozen_parameters_and_direct_dispatch_still_check_the_kv_caches():
+    model, reference = build(CFG), build(CFG)
+    fn, artifacts, batch = armed(model, frozen_parameters=True)
+    for m in (model, reference):
+        m.layers[0].attn.key_cache.data = m.layers[0].attn.key_cache.data.clone()
+    step = batch.step([5, 9])
+    result, through_dynamo = call(fn, step)
+    assert through_dynamo and artifacts[0].stats["recaptures"] == 1
+    close(result, reference(**step))
+
+
+def test_dispatch_values_are_checked():
+    with pytest.raises(ValueError, match="dispatch: expected one of"):
+        ascend_compile.compile(build(CFG), dispatch="fast")
