@@ -20,7 +20,7 @@ quietly computing the eager answer:
   write into a static input of a replay launched and not yet run (`ReplayError`); a replay waiting on
   an event that nothing queued can record raises naming the node, instead of hanging;
 - a kernel with a zero-length fast path (`SimRuntime.zero_length_fast_path`; by default the ascend
-  PA and FIA) called with every length 0 launches another task than with real lengths, so a task
+  PA, FIA and MLA) called with every length 0 launches another task than with real lengths, so a task
   captured that way cannot be updated to real lengths (the update is refused);
 - host tensors a kernel reads when its task runs (`SimRuntime.reads_on_host`, e.g. ATB's CPU
   `context_lens`) are held weakly by the task, as the device holds only their address: one freed
@@ -172,6 +172,7 @@ class SimRuntime(TaskUpdateRuntime):
         self._set_up: set[str] = set()
         self.zero_length_fast_path(torch.ops.ascend.paged_attention, "context_lens")
         self.zero_length_fast_path(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths_kv")
+        self.zero_length_fast_path(torch.ops.ascend.mla_fused_infer_attention, "actual_seq_kvlen")
 
     def zero_length_fast_path(self, op: Any, lengths: str) -> None:
         """Declare that kernel `op` (an op packet) takes a fast path when every value of its host
