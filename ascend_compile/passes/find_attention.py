@@ -139,11 +139,11 @@ def by_name(args: AttentionArgs | MlaArgs) -> dict[str, Any]:
 
 
 def layer_name(node: fx.Node) -> str:
-    """An attention node as a refusal names it: the node and, where dynamo recorded it, its module."""
+    """An attention node as a refusal names it: its module where dynamo recorded it, and the node."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return node.name
-    return f"{node.name} (module {list(stack.values())[-1][0]})"
+    return f"layer {list(stack.values())[-1][0]} (node {node.name})"
 
 
 def _is_attention(node: fx.Node) -> bool:
