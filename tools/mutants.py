@@ -13,8 +13,8 @@ bugs of issue 24 (a capture or a warm-up consuming the step's generator, replays
 draws), the twelve a second audit's mutants survived (issue 27: overlapping writes, shrinking regions,
 padding KV lengths, host scalars, metadata keys, the transformers block table, vLLM's query_start_loc,
 collectives in flight, per-sequence outputs, empty queries on the device path, the workspace scan's
-top end, decode detection), `verify` comparing nothing (issue 22) and the attention features' bugs
-(issue 25).
+top end, decode detection), `verify` comparing nothing (issue 22), the attention features' bugs
+(issue 25) and MLA's (issue 26).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -247,6 +247,21 @@ MUTANTS = (
         "transformers ring left at the window", "ascend_compile/integrations/transformers.py",
         "        allocator.sliding_window = ring_length(", "        allocator.sliding_window_unused = ring_length(",
         ("tests/test_transformers_cb.py::test_generate_batch_equals_greedy_generate_with_graphs_replayed[mistral]",),
+    ),
+    Mutant(
+        "MLA rope part dropped from the score", "ascend_compile/ops/reference.py",
+        "        scores = scores + torch.einsum(", "        scores = scores + 0 * torch.einsum(",
+        ("tests/test_mla.py::test_mla_equals_the_dense_oracle",),
+    ),
+    Mutant(
+        "MLA lengths not refreshed", "ascend_compile/passes/select_kernels.py",
+        "for name, host in hosts.items())", "for name, host in hosts.items() if kernel != tiling.MLA)",
+        ("tests/test_mla.py::test_the_deepseek_example_is_replayed_from_captured_graphs_and_equals_eager",),
+    ),
+    Mutant(
+        "MLA cache write at slot -1", "ascend_compile/ops/mla.py",
+        "    valid = slots >= 0\n", "    valid = slots >= -1\n",
+        ("tests/test_mla.py::test_the_cache_write_skips_slot_minus_one",),
     ),
 )
 
