@@ -27,10 +27,11 @@ from ascend_compile.config import CompileConfig
 from ascend_compile.errors import CaptureError, WorkspaceTooSmall
 from ascend_compile.backend import backend
 from ascend_compile.ops import cuda, tiling
+from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.passes.device_lengths import use_device_lengths
 from ascend_compile.passes.fx_utils import clone_graph_module, is_op
 from ascend_compile.passes.inner_compile import compile_inner
-from ascend_compile.passes.kernel_call import HOST_LENGTH_OPS, HOST_META_KEY, KernelCall, host_sources
+from ascend_compile.passes.kernel_call import HOST_LENGTH_OPS, HOST_META_KEY, KernelCall, host_sources, kernel_calls
 from ascend_compile.passes.pipeline import rewrite_buckets
 from ascend_compile.passes.workspaces import GraphKey
 from ascend_compile.runtime import create_runtime
@@ -81,25 +82,26 @@ def run_triton(kernels, p, num_splits, decode, guard=0, workspace=False, **knobs
     return (out.cpu(), ws.cpu()) if workspace else out.cpu()
 
 
-def reference_dev(p, num_splits, decode):
-    """The device-length op's reference kernel (`ops/reference.py`) on the CPU for problem `p`."""
+def reference_dev(p, num_splits, decode, **features):
+    """The device-length op's reference kernel (`ops/reference.py`) on the CPU for problem `p`
+    (FIA with `features`: window, soft_cap, sinks)."""
     seq_lens, loc = p.tensors()
     shape = tiling.AttentionShape.of(p.query, p.key_cache)
     ws = torch.empty(cuda.dev_workspace_nbytes(p.query.shape[0], shape, num_splits), dtype=torch.uint8)
     out = torch.empty_like(p.query)
     args = (p.query, p.key_cache, p.value_cache, p.block_table)
-    if decode:
+    if decode and not features:
         ops.paged_attention_dev(*args, seq_lens, p.scale, ws, out, num_splits)
-    else:
-        ops.fused_infer_attention_dev(*args, loc, seq_lens, p.scale, ws, out, num_splits)
+    else:  # PA takes no features: decode with them is FIA of one token per sequence
+        ops.fused_infer_attention_dev(*args, loc, seq_lens, p.scale, ws, out, num_splits, **features)
     return out
 
 
-def assert_exact(out, p, num_splits, decode):
+def assert_exact(out, p, num_splits, decode, **features):
     """`out` matches the reference kernel and the dense softmax within the float32 tolerance."""
     tol = dict(atol=TOLERANCE[torch.float32], rtol=1e-4)
-    torch.testing.assert_close(out, reference_dev(p, num_splits, decode), **tol)
-    torch.testing.assert_close(out, p.dense(), **tol)
+    torch.testing.assert_close(out, reference_dev(p, num_splits, decode, **features), **tol)
+    torch.testing.assert_close(out, p.dense(**features), **tol)
 
 
 # ---------------------------------------------------------------- Triton kernels (interpreted on the CPU)
@@ -299,11 +301,126 @@ def test_triton_launch_config_picks_large_tiles_for_prefill(kernels):
     torch.testing.assert_close(out.float(), reference_dev(p, 1, decode=False).float(), atol=3e-2, rtol=3e-2)
 
 
+# ---------------------------------------------------------------- attention features (ops/features.py)
+
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0])  # one logit per query head (4 heads)
+#: Windows below (5), equal to (17, the second sequence's length) and above (100) the contexts,
+#: the soft-cap (small enough to flatten the logits), the sinks, and their combinations.
+FEATURES = {
+    "window5": dict(window=5), "window17": dict(window=17), "window100": dict(window=100),
+    "soft_cap": dict(soft_cap=0.7), "sinks": dict(sinks=SINKS), "window_sinks": dict(window=9, sinks=SINKS),
+    "window_soft_cap": dict(window=12, soft_cap=1.5), "all": dict(window=17, soft_cap=1.5, sinks=SINKS),
+}
+FEATURE_LENS = [1, 17, 40, 0, 70]
+FEATURE_QUERY_LENS = [1, 5, 12, 1, 20]  # chunked prefill: several query tokens per sequence
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_triton_features_match_dense(kernels, name, decode):
+    """Each feature and combination, GQA (2 query heads per KV head), split three ways (the reduce
+    adds the sinks), against the dense oracle and the reference kernel."""
+    features = FEATURES[name]
+    p = make_problem(FEATURE_LENS, None if decode else FEATURE_QUERY_LENS, heads=4, kv_heads=2, seed=51)
+    assert_exact(run_triton(kernels, p, 3, decode=decode, **features, **SPLITTY), p, 3, decode, **features)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_triton_features_with_one_split(kernels, decode):
+    """One split per sequence: the split kernel writes the output itself, sink included."""
+    features = FEATURES["all"]
+    p = make_problem(FEATURE_LENS, None if decode else FEATURE_QUERY_LENS, heads=4, kv_heads=2, seed=52)
+    assert_exact(run_triton(kernels, p, 1, decode=decode, **features, **SPLITTY), p, 1, decode, **features)
+
+
+def test_triton_window_with_large_query_tiles(kernels):
+    """64-row tiles of 16 query tokens (8 heads on 2 KV heads) and a window of 7 keys, shorter than
+    a tile: each tile starts at its first token's window and masks every row's own."""
+    sinks = torch.linspace(-1.0, 1.0, 8)
+    features = dict(window=7, soft_cap=3.0, sinks=sinks)
+    p = make_problem([90, 40, 9, 0], [90, 20, 1, 1], heads=8, kv_heads=2, dim=16, block_size=16, seed=53)
+    out = run_triton(kernels, p, 2, decode=False, key_tile=32, min_split_tiles=1, tile_rows=64, **features)
+    assert_exact(out, p, 2, False, **features)
+
+
+def test_triton_bf16_features_match_reference_op(kernels):
+    """bfloat16 on the default launch (a prefill chunk through 64-row tiles) with every feature and
+    bfloat16 sinks, within today's bfloat16 tolerance of the reference op."""
+    features = dict(window=24, soft_cap=2.0, sinks=SINKS.to(torch.bfloat16))
+    p = make_problem([80, 5], [70, 1], heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.bfloat16, seed=54)
+    out = run_triton(kernels, p, 1, decode=False, **features)
+    expected = reference_dev(p, 1, False, **features)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def null_blocks_before_spans(p, window):
+    """Point every block-table entry wholly before a sequence's span (`features.py`) at a new block
+    full of NaN, as a runtime that freed those blocks may leave them; returns how many."""
+    block_size = p.key_cache.shape[1]
+    nan_block = torch.full((1, *p.key_cache.shape[1:]), float("nan"), dtype=p.key_cache.dtype)
+    nulled = p.key_cache.shape[0]
+    p.key_cache, p.value_cache = torch.cat([p.key_cache, nan_block]), torch.cat([p.value_cache, nan_block])
+    count = 0
+    for b, (n, q) in enumerate(zip(p.seq_lens, p.query_lens)):
+        first = (n - AttentionFeatures(window=window).span(n, q)) // block_size
+        p.block_table[b, :first] = nulled
+        count += first
+    return count
+
+
+@pytest.mark.parametrize("block_size", [16, 12])  # one block-table entry per key tile, one per key
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_triton_window_never_reads_blocks_before_the_span(kernels, block_size, decode):
+    """Blocks before a window's span may be freed: with their entries pointing at a block of NaN,
+    the output is still the oracle's (a value read from it would make the row NaN). A window of 15
+    starts spans mid-tile, so first tiles begin in a nulled block (block size 12)."""
+    window = 15
+    p = make_problem([100, 70, 33, 15], None if decode else [1, 11, 6, 15], heads=4, kv_heads=2,
+                     block_size=block_size, seed=55 + block_size)
+    expected = p.dense(window=window)
+    assert null_blocks_before_spans(p, window) >= 7
+    out = run_triton(kernels, p, 3, decode=decode, window=window, **SPLITTY)
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=1e-4)
+    torch.testing.assert_close(reference_dev(p, 3, decode, window=window), expected,
+                               atol=TOLERANCE[torch.float32], rtol=1e-4)
+
+
+def test_triton_window_schedule_and_splits_follow_the_span(kernels):
+    """With a window, the decode schedule and FIA's split counts are those of each span's key
+    tiles: the workspace records written are the window-aware host mirror's, not those of the
+    whole sequences (`test_triton_device_side_split_counts` without a window)."""
+    from ascend_compile.ops.cuda_triton import decode_schedule, span_tiles
+
+    heads, dim, splits, window = 4, 16, 3, 20
+    p = make_problem([300, 5, 0, 90, 17], heads=heads, kv_heads=2, dim=dim, block_size=16, seed=56)
+    assert [span_tiles(n, 1, window, 16) for n in p.seq_lens] == [2, 1, 0, 2, 2]
+    chunk, units = decode_schedule(p.seq_lens, splits, key_tile=16, min_split_tiles=1, window=window)
+    assert (chunk, units) == (1, [2, 1, 1, 2, 2])  # [7, 1, 1, 2, 1] without the window
+    out, ws = run_triton(kernels, p, splits, decode=True, workspace=True, window=window, **SPLITTY)
+    assert_exact(out, p, splits, True, window=window)
+    records = 5 * splits
+    lse = ws.view(torch.float32)[records * heads * dim:].view(records, heads)
+    written = [bool(torch.isfinite(lse[u]).all()) for u in range(records)]
+    assert written == [n > 1 for n in units for _ in range(n)] + [False] * (records - sum(units))
+
+    # FIA, 4-token tiles: 40 keys, 1 token: 2 span tiles, 2 splits (3 without the window); the rest 1
+    m = make_problem([40, 33, 3, 0], [1, 9, 2, 1], heads=8, kv_heads=2, dim=dim, block_size=16, seed=57)
+    out, ws = run_triton(kernels, m, splits, decode=False, workspace=True, window=10, **SPLITTY)
+    assert_exact(out, m, splits, False, window=10)
+    tokens = m.query.shape[0]
+    lse = ws.view(torch.float32)[tokens * splits * 8 * dim:].view(tokens, splits, 8)
+    token_splits = [n for n, q in zip([2, 1, 1, 1], m.query_lens) for _ in range(q)]
+    for token, n in enumerate(token_splits):
+        used = torch.isfinite(lse[token]).all(dim=1) | (lse[token] == float("-inf")).all(dim=1)
+        assert used.tolist() == [n > 1 and s < n for s in range(splits)], token
+
+
 #: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
 #: without a GPU), with the options `attention_dev` launches them with; prints, per variant, the
 #: registers and spilled bytes (cuobjdump's REG and STACK, -1 without cuobjdump), the shared memory
 #: and how many K/V tiles the key loop keeps in flight (its shared buffers' depth, 0 for kernels
-#: without a key loop).
+#: without a key loop). The featured variants (window, soft-cap, sinks: `ops/features.py`) are
+#: compiled beside the plain ones.
 COMPILE_SCRIPT = r"""
 import os, re, subprocess, tempfile
 import torch
@@ -337,10 +454,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 for dt in ("bf16", "fp32"):
     types = {"query": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt, "block_table": "*i32",
              "seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32", "out": "*" + dt,
-             "scale_log2": "fp32"}
+             "sinks": "*fp32", "scale_log2": "fp32", "cap_log2": "fp32"}
+    plain = dict(WINDOW=False, SOFT_CAP=False, HAS_SINKS=False)
+    featured = dict(WINDOW=True, SOFT_CAP=True, HAS_SINKS=True)
     base = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=ct.KEY_TILE, BLOCK_B=256,
                 MIN_TILES=ct.MIN_SPLIT_TILES, DIRECT=False, PRECISION="ieee" if dt == "fp32" else "tf32",
-                DOT_FP32=False)
+                DOT_FP32=False, **plain)
     # decode: the schedule with one block-table entry per tile (block 128) and per key (block 16)
     rows, stages = ct.launch_config(DTYPES[dt], 128, True, 256, 256)
     for block in (128, 16):
@@ -359,12 +478,20 @@ for dt in ("bf16", "fp32"):
         consts = dict(base, BLOCK_Q=ct.tile_tokens(2, rows), BLOCK_M=rows, BLOCK_SIZE=block, DECODE=False,
                       NUM_STAGES=stages)
         report("split", dt, name, block, result=build(ct._split_kernel, types, consts, stages))
-    for decode in (True, False):
+    # every feature: decode with per-key block lookups (block 16), FIA prefill chunks with both kinds
+    for name, decode, tokens, block in (("decode", True, 256, 16), ("fia-prefill", False, 4096, 128),
+                                        ("fia-prefill", False, 4096, 16)):
+        rows, stages = ct.launch_config(DTYPES[dt], 128, decode, tokens, 256)
+        consts = dict(base, **featured, BLOCK_Q=1 if decode else ct.tile_tokens(2, rows), BLOCK_M=rows,
+                      BLOCK_SIZE=block, DECODE=decode, NUM_STAGES=stages)
+        report("split-features", dt, name, block, result=build(ct._split_kernel, types, consts, stages))
+    for decode, switches in ((True, plain), (False, plain), (True, featured), (False, featured)):
         consts = dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=ct.REDUCE_SPLITS, BLOCK_N=ct.KEY_TILE,
-                      BLOCK_Q=8, BLOCK_B=256, MIN_TILES=ct.MIN_SPLIT_TILES, DECODE=decode)
-        report("reduce", dt, "decode" if decode else "fia", 0,
+                      BLOCK_Q=8, BLOCK_B=256, MIN_TILES=ct.MIN_SPLIT_TILES, DECODE=decode, WINDOW=switches["WINDOW"],
+                      HAS_SINKS=switches["HAS_SINKS"])
+        report("reduce" if switches is plain else "reduce-features", dt, "decode" if decode else "fia", 0,
                result=build(ct._reduce_kernel, {"seq_lens": "*i32", "query_start_loc": "*i32", "workspace": "*fp32",
-                                           "out": "*" + dt}, consts, 1))
+                                           "out": "*" + dt, "sinks": "*fp32"}, consts, 1))
     report("cache", dt, "-", 0, result=build(ct._cache_write_kernel,
            {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
             "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024), 1))
@@ -386,7 +513,7 @@ def test_triton_kernels_compile_for_hopper_without_spills():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert len(rows) == 17, result.stdout
+    assert len(rows) == 27, result.stdout
     for kernel, dt, variant, block, regs, stack, shared, depth in rows:
         assert int(stack) <= 0, result.stdout  # no stack: nothing spilled
         assert int(shared) <= HOPPER_SHARED, result.stdout
@@ -445,6 +572,8 @@ def test_dev_ops_opcheck():
     torch.library.opcheck(ops.paged_attention_dev.default, (*args, seq_lens, p.scale, ws, torch.empty_like(p.query), 3))
     torch.library.opcheck(ops.fused_infer_attention_dev.default,
                           (*args, loc, seq_lens, p.scale, ws, torch.empty_like(p.query), 3))
+    torch.library.opcheck(ops.fused_infer_attention_dev.default,
+                          (*args, loc, seq_lens, p.scale, ws, torch.empty_like(p.query), 3, 9, 1.5, SINKS))
 
 
 def test_split_choice_fills_the_sms_within_bounds():
@@ -520,6 +649,31 @@ def test_device_length_graphs_match_the_model_over_changing_steps():
     expected = max(cuda.dev_workspace_nbytes(b, model_shape, splits_rule(k, model_shape, b))
                    for b, k in ((2, tiling.PA), (4, tiling.PA), (2, tiling.FIA), (4, tiling.FIA), (8, tiling.FIA)))
     assert art.rewritten.plan.slots["attn_workspace"].nbytes == expected
+
+
+def test_device_length_graphs_carry_the_layer_features():
+    """A sliding layer beside a full one, both soft-capped and with sinks: every device-length
+    FIA node takes its host node's window, soft-cap and sinks (and its `KernelMeta` the features),
+    and the graphs equal the model over decode and mixed steps whose contexts pass the window."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=256, layer_types=("sliding", "full"), sliding_window=10,
+                      soft_cap=2.0, sinks=True)
+    model, reference = build(cfg), build(cfg)
+    for m in (model, reference):
+        for layer in m.layers:
+            layer.attn.sinks.data.copy_(torch.tensor([0.3, -0.7, 1.1, 0.0]))
+    fn, artifacts = device_length_model(model, (2, 4), EagerRuntime(torch.device("cpu")))
+    batch = PagedBatch(cfg, seed=7)
+    with torch.no_grad():
+        for lens, qlens in (([60, 7, 33], None), ([90, 12], [4, 3]), ([41, 80, 5, 96], None)):
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    calls = [call for a in artifacts for gm in a.specialized.values() for call in kernel_calls(gm)]
+    assert calls and all(call.op is ops.fused_infer_attention_dev.default for call in calls)
+    windows = sorted({(call.arg("window"), call.meta.features.window) for call in calls}, key=str)
+    assert windows == [(10, 10), (None, None)]
+    for call in calls:
+        assert call.arg("soft_cap") == 2.0 and call.meta.features.sinks
+        assert isinstance(call.arg("sinks"), fx.Node)
 
 
 def test_use_device_lengths_wires_the_graph_inputs():

@@ -54,6 +54,7 @@ PROTOCOL_FIA = "tests/test_npu.py::test_replay_is_launched_before_the_updates_wh
 AUDIT = "tests/test_audit_survivors.py"
 SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_replay_steps"
 ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
+TRITON = "tests/test_triton_kernels.py"
 
 MUTANTS = (
     Mutant(
@@ -247,6 +248,32 @@ MUTANTS = (
         "transformers ring left at the window", "ascend_compile/integrations/transformers.py",
         "        allocator.sliding_window = ring_length(", "        allocator.sliding_window_unused = ring_length(",
         ("tests/test_transformers_cb.py::test_generate_batch_equals_greedy_generate_with_graphs_replayed[mistral]",),
+    ),
+    # issue 25: the features in the Triton kernels (interpreted on the CPU)
+    Mutant(
+        "triton window ignored", "ascend_compile/ops/cuda_triton.py",
+        "    switches = dict(WINDOW=window is not None, HAS_SINKS=sinks is not None)\n",
+        "    switches = dict(WINDOW=False, HAS_SINKS=sinks is not None)\n",
+        (f"{TRITON}::test_triton_features_match_dense[window5-decode]",),
+    ),
+    Mutant(
+        "triton sink added per split", "ascend_compile/ops/cuda_triton.py",
+        "            if n == 1:\n                if HAS_SINKS:  # the whole softmax is here: its sink joins the denominator now\n"
+        "                    sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E\n"
+        "                    result = result * _sink_share(m_i, l_i, sink)[:, None]\n",
+        "            if HAS_SINKS:\n                sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E\n"
+        "                result = result * _sink_share(m_i, l_i, sink)[:, None]\n            if n == 1:\n",
+        (f"{TRITON}::test_triton_features_match_dense[sinks-decode]",),
+    ),
+    Mutant(
+        "triton reads keys before the span", "ascend_compile/ops/cuda_triton_device.py",
+        "            kv_ok = (key_pos >= kv_start) & (key_pos < kv_len)\n", "            kv_ok = key_pos < kv_len\n",
+        (f"{TRITON}::test_triton_window_never_reads_blocks_before_the_span[decode-16]",),
+    ),
+    Mutant(
+        "triton soft-cap on base-2 logits", "ascend_compile/ops/cuda_triton.py",
+        "window or 0, (soft_cap or 1.0) * LOG2E.value,", "window or 0, (soft_cap or 1.0),",
+        (f"{TRITON}::test_triton_features_match_dense[soft_cap-decode]",),
     ),
     Mutant(
         "MLA rope part dropped from the score", "ascend_compile/ops/reference.py",

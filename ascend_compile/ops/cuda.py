@@ -5,7 +5,7 @@ refreshes them with task updates). A CUDA graph has no task updates, so on CUDA 
 lengths from device buffers instead and a captured graph stays correct for every length:
 
 - `ascend.paged_attention_dev(query, key_cache, value_cache, block_table, seq_lens, scale, workspace, out, num_splits)`
-- `ascend.fused_infer_attention_dev(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits)`
+- `ascend.fused_infer_attention_dev(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits, window=None, soft_cap=None, sinks=None)`
 
 `seq_lens [B]` and `query_start_loc [B+1]` are int32 device tensors with the meaning they have in
 `ascend.attention` (the reference kernels check their values; the CUDA kernels cannot without a
@@ -16,7 +16,8 @@ the capacity is spent is the kernel's choice: the reference kernels split every 
 the CUDA kernels decide on the device from the lengths (`ops/cuda_triton.py`): decode spreads
 the `B * S` records over the sequences in proportion to their lengths (a long sequence among
 short ones gets far more than S splits), FIA uses up to S splits per sequence. The result is the
-same either way.
+same either way. FIA takes the attention features of `ops/features.py` (PA none, as on Ascend): a
+window bounds the keys read to each sequence's span, not the workspace, the same for every length.
 
 Their default kernels (CPU and any other device) are the reference split-K kernels with that split
 count, reading the lengths on the host. For CUDA tensors this module registers Triton kernels
@@ -29,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -189,36 +190,44 @@ def fused_infer_attention_dev(
     workspace: torch.Tensor,
     out: torch.Tensor,
     num_splits: int,
+    window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """FIA reading `query_start_loc` and `seq_lens` from device tensors, with `num_splits` fixed
-    splits (reference kernel)."""
+    splits and the features of `ops/features.py` (reference kernel)."""
     check_dev_attention(
         tiling.FIA, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out, num_splits
     )
+    features = library.check_features(query, window, soft_cap, sinks)
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     validate.query_lens_from_start_loc(starts, query.shape[0])
     query_lens = library.check_fused_infer_attention(
-        query, key_cache, value_cache, block_table, starts[1:], lens, workspace, out
+        query, key_cache, value_cache, block_table, starts[1:], lens, workspace, out, features=features
     )
     reference.split_k_attention(
         tiling.FIA, query, key_cache, value_cache, block_table, starts[:-1], query_lens, lens,
-        scale, workspace, out, num_splits=num_splits,
+        scale, workspace, out, num_splits=num_splits, features=features, sinks=sinks,
     )
 
 
 @fused_infer_attention_dev.register_fake
-def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits) -> None:
+def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits,
+      window=None, soft_cap=None, sinks=None) -> None:
     return None
 
 
 @fused_infer_attention_dev.register_kernel("cuda")
-def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits) -> None:
+def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, workspace, out, num_splits,
+      window=None, soft_cap=None, sinks=None) -> None:
     check_dev_attention(
         tiling.FIA, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out, num_splits
     )
+    library.check_features(query, window, soft_cap, sinks)
     _triton().attention_dev(
         query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(),
         query_start_loc.contiguous(), scale, workspace, out, num_splits,
+        window=window, soft_cap=soft_cap, sinks=sinks,
     )
 
 
@@ -231,9 +240,14 @@ def _attention_cuda(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    window: Optional[int] = None,
+    soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The unified op on CUDA: the FIA kernel, split for the block table's capacity, no host sync."""
+    """The unified op on CUDA: the FIA kernel with the layer's features, split for the block
+    table's capacity, no host sync."""
     library.check_attention_metadata(query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
+    library.check_features(query, window, soft_cap, sinks)
     shape = tiling.AttentionShape.of(query, key_cache)
     splits = choose_num_splits(
         max(1, seq_lens.shape[0] * shape.num_kv_heads), max(1, block_table.shape[1] * shape.block_size),
@@ -243,7 +257,7 @@ def _attention_cuda(
     out = torch.empty_like(query)
     _triton().attention_dev(
         query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(),
-        query_start_loc.contiguous(), scale, workspace, out, splits,
+        query_start_loc.contiguous(), scale, workspace, out, splits, window=window, soft_cap=soft_cap, sinks=sinks,
     )
     return out
 

@@ -36,6 +36,20 @@ Workspace layout (float32): partials `[T * S, H, D]`, then log-sum-exps `[T * S,
 (unit, head) for decode, per (token, split, head) for FIA), so a call needs `T * S * H * (D + 1) * 4`
 bytes whatever the lengths (none with `S == 1`); the reduce kernel combines the records of each
 (token, head) whose sequence used more than one split.
+
+The attention features (`ops/features.py`), each a compile-time switch so plain layers run the
+plain kernel:
+
+- **window** (`WINDOW`): every length above is that of the sequence's *span*, its last
+  `min(L, W + q - 1)` keys (`_span_tiles`): the decode schedule, FIA's split counts and every
+  program's key range cover the span's tiles only, and the loads mask keys before it, so blocks
+  before the span are never read (they may be freed). FIA programs start at the first key their
+  tile's first query token sees, and mask each row's keys at or before `position - W`.
+- **soft-cap** (`SOFT_CAP`): on the logits before the online softmax's max and exponent, in base 2
+  (`_attend`).
+- **sinks** (`HAS_SINKS`): each query head's logit joins the softmax denominator once, where the
+  output is normalised: in the split kernel when the sequence used one split, else in the reduce
+  (split records are partial softmaxes without it).
 """
 from __future__ import annotations
 
@@ -45,10 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .cuda_triton_device import (SEARCH_STEPS, _attend, _decode_schedule, _fia_num_splits, _sequence_of_tile,
-                                 _sequence_of_token)
+from .cuda_triton_device import (LOG2E, SEARCH_STEPS, _attend, _decode_schedule, _fia_num_splits,
+                                 _sequence_of_tile, _sequence_of_token, _sink_share, _span_tiles)
+from .features import AttentionFeatures
 
-LOG2E = 1.4426950408889634
 #: Rows (query tokens x heads) of a decode-like attention tile: the smallest `tl.dot` operand.
 TILE_ROWS = 16
 #: Rows of an FIA tile in steps with more query tokens than sequences (prefill chunks): one
@@ -70,13 +84,15 @@ UNBOUNDED_SLOTS = 1 << 30
 #: Splits the reduce kernel combines per step of its loop.
 REDUCE_SPLITS = 16
 
-_VARYING = ["num_seqs", "lse_base", "slots"]
+#: Runtime ints left unspecialised (Triton would compile a variant for values == 1 or divisible by
+#: 16): those that vary with the batch, and the window, so one compiled kernel serves every layer.
+_VARYING = ["num_seqs", "lse_base", "slots", "window"]
 
 
 @triton.jit(do_not_specialize=_VARYING)
 def _split_kernel(
-    query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out,
-    scale_log2, num_seqs, lse_base, num_splits, slots,
+    query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out, sinks,
+    scale_log2, num_seqs, lse_base, num_splits, slots, window, cap_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -86,8 +102,10 @@ def _split_kernel(
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, MIN_TILES: tl.constexpr,
     DECODE: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """One work unit (decode) or one (query tile, split) (FIA) of one KV head: its keys' partial
+    softmax into the workspace, or the output itself when its sequence used one split."""
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     if DECODE:
@@ -97,17 +115,15 @@ def _split_kernel(
             seq = program
             split = 0
             n = 1
-            first_tile = 0
-            chunk = 0  # unused: the whole sequence
+            chunk = 0  # unused: the whole span
         else:
             chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, tl.num_programs(1),
-                                                  slots, BLOCK_B, BLOCK_N, MIN_TILES)
+                                                  slots, window, BLOCK_B, BLOCK_N, MIN_TILES, WINDOW)
             seqs = tl.arange(0, BLOCK_B)
             seq = tl.sum((ends <= program).to(tl.int32), 0)
             mine = seqs == seq
             n = tl.sum(tl.where(mine, units, 0), 0)
             split = program - (tl.sum(tl.where(mine, ends, 0), 0) - n)
-            first_tile = split * chunk
         active = seq < num_seqs
         q_start = seq
     else:
@@ -119,23 +135,26 @@ def _split_kernel(
         q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
         active = q_first < q_len
         n = 1
-        first_tile = 0
         chunk = 0
     if active:
         kv_len = tl.load(seq_lens + seq)
-        num_tiles = (kv_len + BLOCK_N - 1) // BLOCK_N
+        kv_start, span_tile, num_tiles = _span_tiles(kv_len, q_len, window, WINDOW, BLOCK_N)
         if DECODE:
+            first_tile = span_tile + split * chunk
             if DIRECT:
                 end_tile = num_tiles
             else:
                 end_tile = tl.minimum(first_tile + chunk, num_tiles)
         else:
             if not DIRECT:
-                n = _fia_num_splits(kv_len, q_len, num_splits, BLOCK_Q, BLOCK_N, MIN_TILES)
-            per_split = (num_tiles + n - 1) // n
-            first_tile = split * per_split
+                n = _fia_num_splits(num_tiles - span_tile, q_len, num_splits, BLOCK_Q, MIN_TILES)
+            per_split = (num_tiles - span_tile + n - 1) // n
+            first_tile = span_tile + split * per_split
             last_position = kv_len - q_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
             end_tile = tl.minimum(tl.minimum(first_tile + per_split, num_tiles), last_position // BLOCK_N + 1)
+            if WINDOW:  # no key before the window of the tile's first query token
+                kv_start = tl.maximum(kv_len - q_len + q_first - window + 1, kv_start)
+                first_tile = tl.maximum(first_tile, kv_start // BLOCK_N)
         if split < n:
             rows = tl.arange(0, BLOCK_M)
             local = q_first + rows // GROUP  # query token of each row, within its sequence
@@ -152,22 +171,26 @@ def _split_kernel(
             if DOT_FP32:
                 q = q.to(tl.float32)
             acc, m_i, l_i = _attend(
-                q, key_cache, value_cache, block_table, seq, kv_head, kv_len, first_tile, end_tile,
-                position, row_ok, scale_log2,
+                q, key_cache, value_cache, block_table, seq, kv_head, kv_start, kv_len, first_tile, end_tile,
+                position, row_ok, scale_log2, window, cap_log2,
                 stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd,
                 stride_bt,
                 HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_M, BLOCK_SIZE, not DECODE, PRECISION, DOT_FP32, NUM_STAGES,
+                WINDOW, SOFT_CAP,
             )
             has_keys = l_i > 0
             result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
             store_ok = row_ok[:, None] & dim_ok[None, :]
             if n == 1:
+                if HAS_SINKS:  # the whole softmax is here: its sink joins the denominator now
+                    sink = tl.load(sinks + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+                    result = result * _sink_share(m_i, l_i, sink)[:, None]
                 tl.store(
                     out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
                     result.to(out.dtype.element_ty), mask=store_ok,
                 )
-            else:
+            else:  # a partial softmax without the sink, which the reduce adds once
                 if DECODE:
                     record = program.to(tl.int64) * NUM_HEADS + head
                 else:
@@ -179,18 +202,19 @@ def _split_kernel(
 
 @triton.jit(do_not_specialize=_VARYING)
 def _reduce_kernel(
-    seq_lens, query_start_loc, workspace, out, num_seqs, lse_base, num_splits, num_kv_heads, slots,
+    seq_lens, query_start_loc, workspace, out, sinks, num_seqs, lse_base, num_splits, num_kv_heads, slots, window,
     stride_ot, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_B: tl.constexpr, MIN_TILES: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Combines the split records of one (token, head) whose sequence used more than one split."""
+    """Combines the split records of one (token, head) whose sequence used more than one split,
+    and the head's sink (once: the records are partial softmaxes without it)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     if DECODE:
         chunk, units, ends = _decode_schedule(seq_lens, num_seqs, num_seqs * num_splits, num_kv_heads, slots,
-                                              BLOCK_B, BLOCK_N, MIN_TILES)
+                                              window, BLOCK_B, BLOCK_N, MIN_TILES, WINDOW)
         mine = tl.arange(0, BLOCK_B) == token
         n = tl.sum(tl.where(mine, units, 0), 0)
         first = (tl.sum(tl.where(mine, ends, 0), 0) - n).to(tl.int64)  # the sequence's first unit
@@ -199,7 +223,8 @@ def _reduce_kernel(
         n = 0
         if seq < num_seqs:
             q_len = tl.load(query_start_loc + seq + 1) - tl.load(query_start_loc + seq)
-            n = _fia_num_splits(tl.load(seq_lens + seq), q_len, num_splits, BLOCK_Q, BLOCK_N, MIN_TILES)
+            _, span_tile, num_tiles = _span_tiles(tl.load(seq_lens + seq), q_len, window, WINDOW, BLOCK_N)
+            n = _fia_num_splits(num_tiles - span_tile, q_len, num_splits, BLOCK_Q, MIN_TILES)
         first = token.to(tl.int64) * num_splits
     if n > 1:
         dims = tl.arange(0, BLOCK_D)
@@ -225,6 +250,8 @@ def _reduce_kernel(
             total = total * alpha + tl.sum(weight, 0)
             m = m_new
         result = acc / tl.where(total > 0, total, 1.0)
+        if HAS_SINKS:
+            result = result * _sink_share(m, total, tl.load(sinks + head).to(tl.float32) * LOG2E)
         tl.store(out + token * stride_ot + head * stride_oh + dims * stride_od, result.to(out.dtype.element_ty),
                  mask=dim_ok)
 
@@ -284,16 +311,23 @@ def launch_config(dtype: torch.dtype, head_dim: int, decode: bool, num_tokens: i
     return PREFILL_TILE_ROWS, NUM_STAGES
 
 
+def span_tiles(kv_len: int, query_len: int, window: int | None, key_tile: int = KEY_TILE) -> int:
+    """The host mirror of `_span_tiles`: key tiles of a sequence's span (tiles aligned from key 0)."""
+    first_key = kv_len - AttentionFeatures(window=window).span(kv_len, query_len)
+    return -(-kv_len // key_tile) - first_key // key_tile
+
+
 def decode_schedule(seq_lens: list[int], num_splits: int, key_tile: int = KEY_TILE,
                     min_split_tiles: int = MIN_SPLIT_TILES, num_kv_heads: int = 1,
-                    slots: int = UNBOUNDED_SLOTS) -> tuple[int, list[int]]:
+                    slots: int = UNBOUNDED_SLOTS, window: int | None = None) -> tuple[int, list[int]]:
     """The host mirror of `_decode_schedule` (for tests and tools): (key tiles per unit, units of
-    each sequence) for `len(seq_lens) * num_splits` units; `num_splits == 1`: one unit each."""
+    each sequence) for `len(seq_lens) * num_splits` units over each sequence's span (`window`);
+    `num_splits == 1`: one unit each."""
     num_seqs = len(seq_lens)
     if num_splits == 1 or num_seqs == 0:
         return 0, [1] * num_seqs
     num_units = num_seqs * num_splits
-    tiles = [-(-n // key_tile) for n in seq_lens]
+    tiles = [span_tiles(n, 1, window, key_tile) for n in seq_lens]
     total = sum(tiles)
     lo = max(-(-total // num_units), min_split_tiles, -(-total * num_kv_heads // slots))
     hi = max(-(-total // (num_units - num_seqs)), lo)
@@ -318,6 +352,9 @@ def attention_dev(
     out: torch.Tensor,
     num_splits: int,
     *,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     key_tile: int = KEY_TILE,
     min_split_tiles: int = MIN_SPLIT_TILES,
     tile_rows: int | None = None,
@@ -330,9 +367,10 @@ def attention_dev(
     (FIA) each sequence's query tokens are the last ones of its sequence, causal among them, and
     `query_start_loc[B]` must be T (tokens outside every sequence are not written: checking it
     would need the offsets on the host). `num_splits` is the most splits per query token, which
-    sizes the workspace; the splits used are decided on the device (module docstring). Arguments
-    are checked by the caller (`ops/cuda.py`). The keyword arguments are tuning knobs (the tests
-    shrink `key_tile` and `min_split_tiles` to split short sequences).
+    sizes the workspace; the splits used are decided on the device (module docstring). `window`,
+    `soft_cap` and `sinks` are the features of `ops/features.py`. Arguments are checked by the
+    caller (`ops/cuda.py`). The other keyword arguments are tuning knobs (the tests shrink
+    `key_tile` and `min_split_tiles` to split short sequences).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -362,21 +400,25 @@ def attention_dev(
     dot_fp32 = query.device.type == "cpu"
     precision = "ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32"
     loc = seq_lens if decode else query_start_loc
+    switches = dict(WINDOW=window is not None, HAS_SINKS=sinks is not None)
+    sink_logits = seq_lens if sinks is None else sinks.contiguous()  # any pointer stands in for no sinks
     _split_kernel[grid](
-        query, key_cache, value_cache, block_table, seq_lens, loc, partials, out,
-        scale * LOG2E, num_seqs, lse_base, num_splits, slots,
+        query, key_cache, value_cache, block_table, seq_lens, loc, partials, out, sink_logits,
+        scale * LOG2E.value, num_seqs, lse_base, num_splits, slots, window or 0, (soft_cap or 1.0) * LOG2E.value,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), block_table.stride(0), *out.stride(),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=key_tile,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_B=block_b, MIN_TILES=min_split_tiles,
         DECODE=decode, DIRECT=direct, PRECISION=precision, DOT_FP32=dot_fp32, NUM_STAGES=stages,
-        num_warps=4, num_stages=stages,
+        SOFT_CAP=soft_cap is not None, **switches, num_warps=4, num_stages=stages,
     )
     if not direct:
         _reduce_kernel[(num_tokens, num_heads)](
-            seq_lens, loc, partials, out, num_seqs, lse_base, num_splits, num_kv_heads, slots, *out.stride(),
+            seq_lens, loc, partials, out, sink_logits, num_seqs, lse_base, num_splits, num_kv_heads, slots,
+            window or 0, *out.stride(),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_S=min(REDUCE_SPLITS, max(2, triton.next_power_of_2(num_splits))),
             BLOCK_N=key_tile, BLOCK_Q=block_q, BLOCK_B=block_b, MIN_TILES=min_split_tiles, DECODE=decode,
+            **switches,
         )
 
 

@@ -25,8 +25,10 @@ def use_device_lengths(gm: fx.GraphModule, bucket: int, num_splits_for: cuda_ops
     """Replace every PA/FIA node of a graph (after `select_kernels` and `insert_workspaces`) by its
     device-length op with `num_splits_for(kernel, shape, bucket)` splits; returns the new calls.
 
-    Each new node reads the tensor its host lists were converted from (`HostArg.source`), and its
-    `KernelMeta` records the split count and `lengths="device"`, so the dump shows them. Host
+    Each new node reads the tensor its host lists were converted from (`HostArg.source`) and takes
+    the host node's other arguments as they are: FIA's `window`, `soft_cap` and `sinks` (the layer's
+    `KernelMeta.features`, which the new meta keeps) included. Its `KernelMeta` records the split
+    count and `lengths="device"`, so the dump shows them. Host
     placeholders left without users are removed; the runner derives the host lists it passes from
     the placeholders that remain.
     """
