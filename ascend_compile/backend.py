@@ -16,7 +16,7 @@ from .config import CompileConfig
 from .dispatch import graph_inputs
 from .gc_pause import gc_paused
 from .lowering.runner import CompiledArtifact
-from .passes.find_attention import AttentionArgs, has_attention
+from .passes.find_attention import attention_args, attention_nodes, has_attention
 from .passes.fx_utils import example_value
 from .passes.pipeline import rewrite_buckets
 from .passes.providers import Binder
@@ -27,9 +27,9 @@ log = logging.getLogger("ascend_compile")
 
 def _device_of(gm: fx.GraphModule) -> torch.device:
     """The device of the graph's tensors: the first attention query's, else the first tensor input's."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.ascend.attention.default:
-            return example_value(AttentionArgs.of(node).query).device
+    attention = attention_nodes(gm)
+    if attention:
+        return example_value(attention_args(attention[0]).query).device
     for node in gm.graph.find_nodes(op="placeholder"):
         value = example_value(node)
         if isinstance(value, torch.Tensor):

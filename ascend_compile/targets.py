@@ -19,6 +19,8 @@ from .config import CompileConfig
 from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
+from .ops.tiling import MLA
+from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
 from .passes.kernel_call import StepGuard
 from .passes.npu_checks import check_npu_graph, fia_step_guard
@@ -50,6 +52,10 @@ class Target:
                 f"runtime {self.runtime.name!r} has no such graphs (its kernels need task updates, or it has no "
                 f"graphs), use inner_compiler='eager' there"
             )
+
+    def check_kernel(self, kernel: str, layer: str) -> None:
+        """Refuse, at compile time and naming the layer, a kernel this target does not run: here
+        the reference kernels run every one."""
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
         device = self.runtime.device
@@ -85,6 +91,23 @@ class NpuTarget(Target):
     """Ascend through torch_npu: workspaces from torch_npu's own queries, asked at compile time
     (no formula), "auto" timing the torch_npu kernels the runtime binds, and the kernels' documented
     constraints refused at compile time (and FIA's block count at each step)."""
+
+    def check_kernel(self, kernel: str, layer: str) -> None:
+        """MLA is not bound to torch_npu yet, so it is refused here rather than run as anything else.
+
+        Its binding is `npu_fused_infer_attention_score_v2(.out)` with `query_rope` / `key_rope`: in
+        torch_npu 2.14's `_op_plugin_docs.py` ("query_rope和key_rope输入时即为MLA场景"), with a query d
+        of 512 it takes rope d 64, key n 1, 1-16 query tokens per sequence, query heads
+        1/2/4/.../128, paged KV of block_size 16 or 128, TND with `actual_seq_qlen` cumulative and
+        `actual_seq_kvlen` per sequence, sparse_mode 0 without a mask for one query token and 3 with
+        one above; its workspace from `_npu_fused_infer_attention_score_v2_get_max_workspace`.
+        """
+        if kernel == MLA:
+            raise ValueError(
+                f"{layer}: runtime 'npu' does not serve latent attention (ascend.mla_attention) yet: its kernel, "
+                f"torch_npu.npu_fused_infer_attention_score_v2 with query_rope/key_rope, is not bound in this "
+                f"version; compile with runtime='sim' or 'eager'"
+            )
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
         from .ops import npu as npu_ops
@@ -127,6 +150,16 @@ class CudaTarget(Target):
 
     def check(self, config: CompileConfig) -> None:
         """Every option holds on CUDA, the inner compiler included."""
+
+    def check_kernel(self, kernel: str, layer: str) -> None:
+        """A kernel without a device-length form (MLA: no Triton kernel yet) cannot be captured in a
+        CUDA graph, whose kernels read their lengths on the device."""
+        if kernel not in DEVICE_LENGTH_OPS:
+            raise ValueError(
+                f"{layer}: runtime 'cuda' has no {kernel} kernel reading its lengths on the device (CUDA graphs "
+                f"cannot refresh host lengths); latent attention (ascend.mla_attention) is served on the simulator "
+                f"and in eager only for now: compile with runtime='eager' (or 'sim' on CPU tensors)"
+            )
 
     def kernel_policy(self, config: CompileConfig, dtype: torch.dtype) -> KernelPolicy:
         """The decode kernel (PA) for every decode-only bucket under the default policy: its device

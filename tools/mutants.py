@@ -16,8 +16,8 @@ collectives in flight, per-sequence outputs, empty queries on the device path, t
 top end, decode detection), issue 22's (`verify` comparing nothing; what an Ascend device requires
 that the fake torch_npu now checks: a cache write reading device data on the host, a skipped
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
-a replay running an op's Python body, PA sized for batches of one length only) and the attention
-features' bugs (issue 25).
+a replay running an op's Python body, PA sized for batches of one length only), the attention
+features' bugs (issue 25) and MLA's (issue 26).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -315,6 +315,21 @@ MUTANTS = (
         "PA sized for uniform batches only", "ascend_compile/ops/tiling.py",
         "    mixed = one_short + (tokens - 1) * any_short\n", "    mixed = tokens * one_short\n",
         ("tests/test_design_cases.py::test_case1_steps_mixing_long_and_short_sequences_are_served_by_the_exact_maximum",),
+    ),
+    Mutant(
+        "MLA rope part dropped from the score", "ascend_compile/ops/reference.py",
+        "        scores = scores + torch.einsum(", "        scores = scores + 0 * torch.einsum(",
+        ("tests/test_mla.py::test_mla_equals_the_dense_oracle",),
+    ),
+    Mutant(
+        "MLA lengths not refreshed", "ascend_compile/passes/select_kernels.py",
+        "for name, host in hosts.items())", "for name, host in hosts.items() if kernel != tiling.MLA)",
+        ("tests/test_mla.py::test_the_deepseek_example_is_replayed_from_captured_graphs_and_equals_eager",),
+    ),
+    Mutant(
+        "MLA cache write at slot -1", "ascend_compile/ops/mla.py",
+        "    valid = slots >= 0\n", "    valid = slots >= -1\n",
+        ("tests/test_mla.py::test_the_cache_write_skips_slot_minus_one",),
     ),
 )
 

@@ -1,5 +1,6 @@
 """The op library: the `ascend` torch ops, their reference kernels and workspace sizes."""
-from . import cuda, library
-from .tiling import FIA, PA, AttentionShape, max_workspace, register_tiling, workspace_nbytes
+from . import cuda, library, mla
+from .tiling import FIA, MLA, PA, AttentionShape, max_workspace, register_tiling, workspace_nbytes
 
-__all__ = ["cuda", "library", "PA", "FIA", "AttentionShape", "max_workspace", "register_tiling", "workspace_nbytes"]
+__all__ = ["cuda", "library", "mla", "PA", "FIA", "MLA", "AttentionShape", "max_workspace", "register_tiling",
+           "workspace_nbytes"]

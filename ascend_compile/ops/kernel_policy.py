@@ -1,4 +1,5 @@
-"""Which attention kernel serves a batch: PA (decode-only, fast at small batch) or FIA (general).
+"""Which attention kernel serves a batch: PA (decode-only, fast at small batch) or FIA (general);
+a latent-attention (MLA) layer has one kernel, MLA, in every bucket.
 
 One policy for every caller: `select_kernels` asks it per bucket at compile time, and the eager
 `ascend.attention` op asks it per call with the default policy, so the threshold lives here only.
@@ -46,8 +47,12 @@ class KernelChoice:
 def choose_kernel(policy: KernelPolicy, batch: int, decode: bool, shape: tiling.AttentionShape,
                   features: AttentionFeatures = PLAIN) -> KernelChoice:
     """The kernel `policy` picks for `batch` query tokens (decode: one token per sequence) of a
-    layer with `features`: FIA in every bucket for a layer with a feature PA lacks."""
+    layer with `features`: FIA in every bucket for a layer with a feature PA lacks, MLA for an MLA
+    layer (its shape has a rope part)."""
     pa, fia = tiling.PA, tiling.FIA
+    if shape.latent:
+        return KernelChoice(tiling.MLA, "MLA: a latent-attention layer; its one kernel (FIA v2's query_rope/key_rope "
+                                        "form) serves decode and mixed steps in every bucket")
     if not features.plain:
         return KernelChoice(fia, f"FIA: the layer has {', '.join(features.names())}, which PA does not take")
     if not decode:

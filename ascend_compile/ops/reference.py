@@ -1,4 +1,4 @@
-"""Reference PA and FIA kernels in pure torch: split-K attention over a paged KV cache.
+"""Reference PA, FIA and MLA kernels in pure torch: split-K attention over a paged KV cache.
 
 They run on any device and define the semantics every device kernel must match. Both really use
 their workspace: each split's partial output and log-sum-exp are written there, and the reduce
@@ -10,6 +10,7 @@ with one split write their output directly and take no workspace. See `tiling.py
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import torch
@@ -49,9 +50,14 @@ def split_k_attention(
     num_splits: int | None = None,
     features: AttentionFeatures = PLAIN,
     sinks: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal split-K attention of each sequence's query tokens over its paged KV, into `out`,
     with the `features` of `features.py` (the sinks' values in `sinks`).
+
+    `rope` (MLA, FIA v2's `query_rope` / `key_rope`): a query part `[T, H, R]` and a key cache part
+    `[NB, BS, KVH, R]` whose product adds to the scores; the values keep the dim of `value_cache`.
+    MLA passes its latent cache as both `key_cache` and `value_cache` (read once).
 
     The split count of each sequence follows `kernel`'s tiling rule over the keys it reads (its
     span: all of them, or with a window its last `W + q - 1`), or is `num_splits` for every
@@ -59,6 +65,8 @@ def split_k_attention(
     before a sequence's span is read, so its blocks may be freed.
     """
     shape = tiling.AttentionShape.of(query, key_cache)
+    if rope is not None:
+        shape = dataclasses.replace(shape, rope_dim=int(rope[0].shape[2]))
     spans = [features.span(n, q) for n, q in zip(kv_lens, query_lens)]
     if num_splits is None:
         needed = tiling.workspace_nbytes(kernel, shape, spans, query_lens)
@@ -99,7 +107,7 @@ def split_k_attention(
     start = (kv - span).view(-1, 1, 1)  # slots past a sequence's keys read its span's first key: no block before it
     kv_idx = torch.where(kv_valid, start + offset, start.expand_as(offset))
     keys = _gather_split_kv(key_cache, block_table, kv_idx)
-    values = _gather_split_kv(value_cache, block_table, kv_idx)
+    values = keys if value_cache is key_cache else _gather_split_kv(value_cache, block_table, kv_idx)
 
     # Queries padded per sequence: [B, Q, KVH, G, D].
     q_pos = torch.arange(max_q, device=device).view(1, -1)
@@ -107,7 +115,12 @@ def split_k_attention(
     tok = torch.where(q_valid, qs.view(-1, 1) + q_pos, torch.zeros_like(q_pos))
     q = query[tok].float().view(num_seqs, max_q, kv_heads, group, dim)
 
-    scores = torch.einsum("bqkgd,bsckd->bkgqsc", q, keys) * scale
+    scores = torch.einsum("bqkgd,bsckd->bkgqsc", q, keys)
+    if rope is not None:
+        query_rope, key_rope = rope
+        q_rope = query_rope[tok].float().view(num_seqs, max_q, kv_heads, group, shape.rope_dim)
+        scores = scores + torch.einsum("bqkgd,bsckd->bkgqsc", q_rope, _gather_split_kv(key_rope, block_table, kv_idx))
+    scores = scores * scale
     if features.soft_cap is not None:
         scores = features.soft_cap * torch.tanh(scores / features.soft_cap)
     position = (kv - ql).view(-1, 1) + q_pos  # absolute position of each query token
@@ -213,4 +226,27 @@ def fused_infer_attention(
     split_k_attention(
         tiling.FIA, query, key_cache, value_cache, block_table,
         starts, query_lens, kv_lens, scale, workspace, out, features=features, sinks=sinks,
+    )
+
+
+def mla_fused_infer_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c_cache: torch.Tensor,
+    k_pe_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_ends: Sequence[int],
+    kv_lens: Sequence[int],
+    query_lens: Sequence[int],
+    scale: float,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """MLA (absorbed form): TND like FIA, one latent KV head; the scores are
+    `q_nope . kv_c + q_pe . k_pe`, the values `kv_c` (see `ops/mla.py`)."""
+    starts = [end - n for end, n in zip(query_ends, query_lens)]
+    latent = kv_c_cache.unsqueeze(2)  # [NB, BS, 1, kv_lora_rank]: one KV head, keys and values alike
+    split_k_attention(
+        tiling.MLA, q_nope, latent, latent, block_table,
+        starts, query_lens, kv_lens, scale, workspace, out, rope=(q_pe, k_pe_cache.unsqueeze(2)),
     )

@@ -43,6 +43,12 @@ need::
 (a one-mode table: it sees no mix dependence, which only batches of mixed lengths would measure.
 `runtime="npu"` does the probing itself at compile time, `passes/probe.py`; this is for the model
 and for tools that plan workspaces without a device at hand.)
+
+**MLA** (`ops/mla.py`) is split-K attention too, over one latent KV head: its partials have the
+latent's dim (`head_dim` = kv_lora_rank; the keys' rope part, `rope_dim`, adds to the scores, not
+to the partials), so the formula above holds as is. Its rule models a decode kernel like PA's: short
+chunks below `MLA_LONG_SEQ`, long ones above, so its need too peaks at an interior length
+(897, while max_model_len is below 7681).
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ import torch
 
 PA = "paged_attention"
 FIA = "fused_infer_attention"
+MLA = "mla_fused_infer_attention"
 
 PA_CHUNK_TOKENS = 256
 PA_LONG_SEQ = 4096
@@ -66,15 +73,30 @@ PA_MAX_SHORT_SPLITS = 32
 FIA_CHUNK_TOKENS = 1024
 FIA_MAX_SPLITS = 8
 
+MLA_CHUNK_TOKENS = 128
+MLA_LONG_SEQ = 1024
+MLA_LONG_CHUNK_TOKENS = 512
+MLA_MAX_SPLITS = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
-    """The static shape of an attention call that its tiling and workspace depend on."""
+    """The static shape of an attention call that its tiling and workspace depend on.
+
+    `head_dim` is the dim of the values (and partial outputs); `rope_dim` that of the keys' rope
+    part, which only MLA has (`ops/mla.py`: its keys are the latent plus a rope part, its values
+    the latent alone), 0 elsewhere."""
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     block_size: int
+    rope_dim: int = 0
+
+    @property
+    def latent(self) -> bool:
+        """An MLA layer's shape: its keys have a rope part beside the latent they share with the values."""
+        return self.rope_dim > 0
 
     @classmethod
     def of(cls, query: torch.Tensor, key_cache: torch.Tensor) -> "AttentionShape":
@@ -85,6 +107,13 @@ class AttentionShape:
             head_dim=int(query.shape[2]),
             block_size=int(key_cache.shape[1]),
         )
+
+    @classmethod
+    def of_mla(cls, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor) -> "AttentionShape":
+        """The shape of an MLA call: `q_nope [T, H, kv_lora_rank]`, `q_pe [T, H, rope_dim]`, one latent
+        KV head in `kv_c_cache [NB, BS, kv_lora_rank]`."""
+        return cls(num_heads=int(q_nope.shape[1]), num_kv_heads=1, head_dim=int(q_nope.shape[2]),
+                   block_size=int(kv_c_cache.shape[1]), rope_dim=int(q_pe.shape[2]))
 
 
 def _ceil_div(a: torch.Tensor, b: torch.Tensor | int) -> torch.Tensor:
@@ -136,8 +165,14 @@ def fia_splits(kv_lens: torch.Tensor) -> torch.Tensor:
     return _ceil_div(kv_lens, FIA_CHUNK_TOKENS).clamp(max=FIA_MAX_SPLITS)
 
 
+def mla_splits(kv_lens: torch.Tensor) -> torch.Tensor:
+    """Number of KV splits the MLA kernel uses for each length (0 for an empty sequence)."""
+    chunk = torch.where(kv_lens > MLA_LONG_SEQ, MLA_LONG_CHUNK_TOKENS, MLA_CHUNK_TOKENS)
+    return _ceil_div(kv_lens, chunk).clamp(max=MLA_MAX_SPLITS)
+
+
 PA_TILING = Tiling(pa_short_splits, pa_long_splits, PA_LONG_SEQ)
-_TILINGS: dict[str, Tiling] = {PA: PA_TILING, FIA: Tiling(fia_splits)}
+_TILINGS: dict[str, Tiling] = {PA: PA_TILING, FIA: Tiling(fia_splits), MLA: Tiling(mla_splits)}
 
 
 def register_tiling(kernel: str, rule: Union[SplitsFn, Tiling]) -> None:

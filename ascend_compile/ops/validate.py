@@ -127,3 +127,37 @@ def check_block_ids(
             f"block ids in [0, {num_blocks}) for every block a sequence uses",
             f"block {int(block_table[row, col])} at row {row}, column {col}",
         )
+
+
+def check_mla_tensors(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c_cache: torch.Tensor,
+    k_pe_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_seqs: int,
+) -> None:
+    """Shapes, dtypes and devices of MLA's queries, latent caches and block table."""
+    if q_nope.dim() != 3:
+        _fail("q_nope", "a [T, H, kv_lora_rank] tensor", f"shape {tuple(q_nope.shape)}")
+    tokens, heads, rank = q_nope.shape
+    if q_pe.dim() != 3 or q_pe.shape[:2] != (tokens, heads) or q_pe.shape[2] == 0:
+        _fail("q_pe", f"a [{tokens}, {heads}, rope_dim] tensor (rope_dim > 0)", f"shape {tuple(q_pe.shape)}")
+    if kv_c_cache.dim() != 3 or kv_c_cache.shape[2] != rank:
+        _fail("kv_c_cache", f"a [num_blocks, block_size, {rank}] tensor (q_nope's kv_lora_rank)",
+              f"shape {tuple(kv_c_cache.shape)}")
+    expected = (*kv_c_cache.shape[:2], q_pe.shape[2])
+    if tuple(k_pe_cache.shape) != expected:
+        _fail("k_pe_cache", f"a {list(expected)} tensor (kv_c_cache's blocks, q_pe's rope_dim)",
+              f"shape {tuple(k_pe_cache.shape)}")
+    for name, t in (("q_pe", q_pe), ("kv_c_cache", kv_c_cache), ("k_pe_cache", k_pe_cache)):
+        if t.dtype != q_nope.dtype:
+            _fail(name, f"dtype {q_nope.dtype} (q_nope's)", t.dtype)
+    if block_table.dtype != torch.int32:
+        _fail("block_table", "dtype torch.int32", block_table.dtype)
+    if block_table.dim() != 2 or block_table.shape[0] != num_seqs:
+        _fail("block_table", f"a [{num_seqs}, max_blocks] tensor", f"shape {tuple(block_table.shape)}")
+    for name, t in (("q_pe", q_pe), ("kv_c_cache", kv_c_cache), ("k_pe_cache", k_pe_cache),
+                    ("block_table", block_table)):
+        if t.device != q_nope.device:
+            _fail(name, f"device {q_nope.device} (q_nope's)", t.device)

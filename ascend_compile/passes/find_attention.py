@@ -1,9 +1,11 @@
 """Attention nodes of a graph, and the pass bringing other runtimes' attention ops onto the contract.
 
-`ascend.attention` is found as is. Another runtime registers its own op with an adapter
-(`register_attention_op`); `adapt_attention` (the pipeline's first pass) calls the adapter to rewrite
-each such node into an `ascend.attention` node, so every later pass sees one kind of attention node,
-which `attention_nodes` lists without changing anything.
+`ascend.attention` and `ascend.mla_attention` (latent attention, `ops/mla.py`) are found as they
+are. Another runtime registers its own op with an adapter (`register_attention_op`);
+`adapt_attention` (the pipeline's first pass) calls the adapter to rewrite each such node into an
+`ascend.attention` node, so every later pass sees the built-in attention ops only, which
+`attention_nodes` lists without changing anything. `attention_args` is the one view of either op's
+arguments: both name their metadata alike (`block_table`, `seq_lens`, `query_start_loc`).
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..ops.features import AttentionFeatures
-from .fx_utils import fill_fake_values, is_op
+from ..ops import tiling
+from ..ops.features import PLAIN, AttentionFeatures
+from .fx_utils import example_value, fill_fake_values, is_op
 
 #: An adapter inserts, before `node`, the nodes that bring its arguments onto the contract of
 #: `ascend.attention`, calls `ascend.attention` on them, makes the result take the place of the
@@ -26,8 +29,8 @@ _ADAPTERS: dict[Any, Adapter] = {}
 
 def register_attention_op(op: Any, adapter: Adapter) -> None:
     """Declare another runtime's attention op (an OpOverloadPacket or OpOverload) and its adapter."""
-    if op is torch.ops.ascend.attention:
-        raise ValueError("op: ascend.attention is built in and needs no adapter")
+    if op in _ARGS or getattr(op, "overloadpacket", None) in _ARGS:
+        raise ValueError(f"op: {op} is built in and needs no adapter")
     _ADAPTERS[op] = adapter
 
 
@@ -53,10 +56,14 @@ class AttentionArgs:
 
     @classmethod
     def of(cls, node: fx.Node) -> "AttentionArgs":
-        names = [f.name for f in dataclasses.fields(cls)]
-        bound = dict(zip(names, node.args))
-        bound.update(node.kwargs)
-        return cls(**bound)
+        return _bind(cls, node)
+
+    @property
+    def caches(self) -> tuple[Any, ...]:
+        return (self.key_cache, self.value_cache)
+
+    def shape(self) -> tiling.AttentionShape:
+        return tiling.AttentionShape.of(example_value(self.query), example_value(self.key_cache))
 
     @property
     def features(self) -> AttentionFeatures:
@@ -65,6 +72,82 @@ class AttentionArgs:
             if value is not None and not isinstance(value, (int, float)):
                 raise ValueError(f"{name}: expected a constant of the layer, got {value} (a value computed in the graph)")
         return AttentionFeatures(self.window, self.soft_cap, self.sinks is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaArgs:
+    """The FX arguments of one `ascend.mla_attention` node, by name; `query` and `key_cache` are
+    its token-sized query (`q_nope`) and the cache giving the block size (`kv_c_cache`)."""
+
+    q_nope: fx.Node
+    q_pe: fx.Node
+    kv_c_cache: fx.Node
+    k_pe_cache: fx.Node
+    block_table: fx.Node
+    seq_lens: fx.Node
+    query_start_loc: fx.Node
+    scale: float
+
+    @classmethod
+    def of(cls, node: fx.Node) -> "MlaArgs":
+        return _bind(cls, node)
+
+    @property
+    def query(self) -> fx.Node:
+        return self.q_nope
+
+    @property
+    def key_cache(self) -> fx.Node:
+        return self.kv_c_cache
+
+    @property
+    def caches(self) -> tuple[Any, ...]:
+        return (self.kv_c_cache, self.k_pe_cache)
+
+    def shape(self) -> tiling.AttentionShape:
+        return tiling.AttentionShape.of_mla(example_value(self.q_nope), example_value(self.q_pe),
+                                            example_value(self.kv_c_cache))
+
+    @property
+    def features(self) -> AttentionFeatures:
+        return PLAIN
+
+
+def _bind(cls: type, node: fx.Node) -> Any:
+    """`cls` (fields named like the op's arguments) from a node's positional and keyword arguments."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    return cls(**bound)
+
+
+#: The built-in attention ops and the view of their arguments.
+_ARGS = {torch.ops.ascend.attention: AttentionArgs, torch.ops.ascend.mla_attention: MlaArgs}
+
+
+def attention_args(node: fx.Node) -> AttentionArgs | MlaArgs:
+    """The arguments of a built-in attention node, by name."""
+    for op, cls in _ARGS.items():
+        if is_op(node, op):
+            return cls.of(node)
+    raise ValueError(f"{node.name}: not an attention node ({node.target})")
+
+
+def by_name(args: AttentionArgs | MlaArgs) -> dict[str, Any]:
+    """Every argument of an attention node, keyed by the op's argument names."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+
+
+def layer_name(node: fx.Node) -> str:
+    """An attention node as a refusal names it: its module where dynamo recorded it, and the node."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return node.name
+    return f"layer {list(stack.values())[-1][0]} (node {node.name})"
+
+
+def _is_attention(node: fx.Node) -> bool:
+    return any(is_op(node, op) for op in _ARGS)
 
 
 def _adapter_for(node: fx.Node) -> Adapter | None:
@@ -77,13 +160,13 @@ def _adapter_for(node: fx.Node) -> Adapter | None:
 
 
 def attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The `ascend.attention` nodes of `gm`, in graph order."""
-    return [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.attention)]
+    """The `ascend.attention` and `ascend.mla_attention` nodes of `gm`, in graph order."""
+    return [n for n in gm.graph.nodes if _is_attention(n)]
 
 
 def has_attention(gm: fx.GraphModule) -> bool:
-    """Whether `gm` calls attention: `ascend.attention` or a registered foreign op."""
-    return any(is_op(n, torch.ops.ascend.attention) or _adapter_for(n) is not None for n in gm.graph.nodes)
+    """Whether `gm` calls attention: a built-in attention op or a registered foreign op."""
+    return any(_is_attention(n) or _adapter_for(n) is not None for n in gm.graph.nodes)
 
 
 def adapt_attention(gm: fx.GraphModule) -> list[fx.Node]:

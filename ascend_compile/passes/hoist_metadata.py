@@ -25,6 +25,8 @@ from .providers import Provider
 HOISTED_ARGS = {
     torch.ops.ascend.attention: ((3, "block_table"), (4, "seq_lens"), (5, "query_start_loc")),
     torch.ops.ascend.reshape_and_cache: ((4, "slot_mapping"),),
+    torch.ops.ascend.mla_attention: ((4, "block_table"), (5, "seq_lens"), (6, "query_start_loc")),
+    torch.ops.ascend.mla_cache_write: ((4, "slot_mapping"),),
 }
 
 

@@ -1,4 +1,4 @@
-"""The kernel-call contract: a typed view of a PA/FIA node and the metadata it carries.
+"""The kernel-call contract: a typed view of a PA/FIA/MLA node and the metadata it carries.
 
 `select_kernels` writes a `KernelMeta` on every kernel node it creates; workspaces, device lengths,
 torchair, capture and the runner only read it. Arguments are named by the ops' own schemas, so no
@@ -22,7 +22,8 @@ from .fx_utils import is_op
 
 #: The host-length kernel op of each kernel name, and its device-length form (CUDA graphs).
 HOST_LENGTH_OPS = {tiling.PA: torch.ops.ascend.paged_attention.default,
-                   tiling.FIA: torch.ops.ascend.fused_infer_attention.default}
+                   tiling.FIA: torch.ops.ascend.fused_infer_attention.default,
+                   tiling.MLA: torch.ops.ascend.mla_fused_infer_attention.default}
 DEVICE_LENGTH_OPS = {tiling.PA: torch.ops.ascend.paged_attention_dev.default,
                      tiling.FIA: torch.ops.ascend.fused_infer_attention_dev.default}
 KERNEL_PACKETS = tuple(op.overloadpacket for op in (*HOST_LENGTH_OPS.values(), *DEVICE_LENGTH_OPS.values()))
@@ -40,6 +41,17 @@ class Conversion(str, enum.Enum):
 
     LIST = "list"  # tensor.tolist(): per-sequence KV lengths
     ENDS = "ends"  # tensor[1:].tolist(): cumulative query ends from query_start_loc
+
+
+#: Each kernel's host-length arguments: the attention op's argument each comes from, and how.
+#: Every other argument of a kernel named like one of the attention op's takes that one's value.
+HOST_LENGTH_ARGS = {
+    tiling.PA: {"context_lens": ("seq_lens", Conversion.LIST)},
+    tiling.FIA: {"actual_seq_lengths": ("query_start_loc", Conversion.ENDS),
+                 "actual_seq_lengths_kv": ("seq_lens", Conversion.LIST)},
+    tiling.MLA: {"actual_seq_qlen": ("query_start_loc", Conversion.ENDS),
+                 "actual_seq_kvlen": ("seq_lens", Conversion.LIST)},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +82,8 @@ class HostArg:
 class KernelMeta:
     """What the compiler decided for one kernel node."""
 
-    kernel: str  # tiling.PA or tiling.FIA
-    attention: str  # the `ascend.attention` node it replaces
+    kernel: str  # tiling.PA, tiling.FIA or tiling.MLA
+    attention: str  # the attention node it replaces
     shape: tiling.AttentionShape
     host_args: tuple[HostArg, ...]
     lengths: str = "host"  # "host" (frozen at capture, refreshed by task updates) or "device"
@@ -115,7 +127,7 @@ def with_host_lengths(op: torch._ops.OpOverload, args: Sequence[Any], lengths: M
 
 
 def is_kernel(node: fx.Node) -> bool:
-    """Whether `node` is a PA/FIA kernel call (host- or device-length)."""
+    """Whether `node` is a PA/FIA/MLA kernel call (host- or device-length)."""
     return node.op == "call_function" and any(is_op(node, p) for p in KERNEL_PACKETS)
 
 

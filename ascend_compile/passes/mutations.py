@@ -29,7 +29,7 @@ from .fx_utils import ancestors, example_value, is_op, nodes_in, placeholders, w
 
 #: Ops whose writes into graph inputs are safe under padding: the cache write skips padding
 #: rows (slot -1), so a padded step writes exactly what the real step writes.
-PADDING_SAFE_WRITES = (torch.ops.ascend.reshape_and_cache,)
+PADDING_SAFE_WRITES = (torch.ops.ascend.reshape_and_cache, torch.ops.ascend.mla_cache_write)
 
 
 @dataclasses.dataclass(frozen=True)

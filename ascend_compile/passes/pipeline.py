@@ -19,9 +19,9 @@ from torch import fx
 
 from ..config import CompileConfig
 from ..ops.kernel_policy import KernelChoice, KernelPolicy
-from ..ops.tiling import FIA, PA
+from ..ops.tiling import FIA, MLA, PA
 from . import dump
-from .find_attention import AttentionArgs, adapt_attention, attention_nodes
+from .find_attention import adapt_attention, attention_args, attention_nodes, layer_name
 from .fx_utils import clone_graph_module, example_value
 from .hoist_metadata import Prologue, hoist_metadata
 from .kernel_call import KernelCall, kernel_calls
@@ -34,7 +34,7 @@ from .write_back import WriteBack, build_write_back
 
 log = logging.getLogger("ascend_compile")
 
-SHORT = {PA: "pa", FIA: "fia"}
+SHORT = {PA: "pa", FIA: "fia", MLA: "mla"}
 
 
 class PassTarget(Protocol):
@@ -45,6 +45,7 @@ class PassTarget(Protocol):
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn: ...
 
     def check_graph(self, gm: fx.GraphModule, keys: list[GraphKey]) -> None: ...
+    def check_kernel(self, kernel: str, layer: str) -> None: ...
 
 
 @dataclasses.dataclass
@@ -187,7 +188,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     write_back = build_write_back(gm, signature, mutations)
     if signature.pad_reason:
         log.info("ascend_compile: steps are not padded (each size is captured as is): %s", signature.pad_reason)
-    first = AttentionArgs.of(attention[0])
+    first = attention_args(attention[0])
     dtype = example_value(first.query).dtype
     block_size = int(example_value(first.key_cache).shape[1])
     max_blocks = -(-config.max_model_len // block_size)
@@ -198,6 +199,8 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
 
     buckets = _buckets(signature, config)
     choices = bucket_choices(attention_layers(gm), buckets, target.kernel_policy(config, dtype))
+    for node, kernel in dict.fromkeys((n, c.kernel) for chosen in choices.values() for n, c in zip(attention, chosen)):
+        target.check_kernel(kernel, layer_name(node))
     variants: dict[str, Variant] = {}
     variant_of: dict[GraphKey, str] = {}
     for key, chosen in choices.items():

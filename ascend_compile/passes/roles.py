@@ -1,7 +1,8 @@
 """Placeholder roles: what each graph input is, so the runner pads it by one table of rules.
 
 A role comes from the argument an input feeds (`seq_lens`, `block_table`, `query_start_loc` of an
-attention node, `slot_mapping` and the caches of `reshape_and_cache`), else from what it is:
+attention node, `slot_mapping` and the caches of a cache write: `reshape_and_cache`, MLA's
+`mla_cache_write`), else from what it is:
 inputs with a symbolic (batch-dependent) size, and in static graphs any tensor that is not a
 parameter or buffer (dynamo marks those), are batch data; 0-d tensors are scalars copied each
 step; weights and buffers are static and used in place.
@@ -21,7 +22,7 @@ import torch
 import torch.utils._sympy.functions as torch_sympy
 from torch import fx
 
-from .find_attention import AttentionArgs
+from .find_attention import attention_args
 from .mutations import MutationFacts, analyse_mutations, output_aliases, target_nodes, view_closure, written_view_value
 from .fx_utils import example_value, is_op, placeholders, shape_exprs, size_expr
 from .size_symbols import SymbolKind, SymbolSource
@@ -131,6 +132,10 @@ class GraphSignature:
         return {sym: read(args[index]) for sym, index, read in self._readers}
 
 
+#: The cache writes: `(rows, rows, cache, cache, slot_mapping)` each.
+CACHE_WRITES = (torch.ops.ascend.reshape_and_cache, torch.ops.ascend.mla_cache_write)
+
+
 def _role_of_uses(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> dict[str, Role]:
     roles: dict[str, Role] = {}
 
@@ -146,20 +151,21 @@ def _role_of_uses(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> dict[str,
         roles[node.name] = role
 
     for node in attention:
-        args = AttentionArgs.of(node)
+        args = attention_args(node)
         assign(args.block_table, Role.BLOCK_TABLE, f"{node.name}.block_table")
         assign(args.seq_lens, Role.SEQ_LENS, f"{node.name}.seq_lens")
         assign(args.query_start_loc, Role.QUERY_START_LOC, f"{node.name}.query_start_loc")
-        for cache in (args.key_cache, args.value_cache):
+        for cache in args.caches:
             if isinstance(cache, fx.Node) and cache.op == "placeholder":
                 roles[cache.name] = Role.KV_CACHE
     for node in gm.graph.nodes:
-        if is_op(node, torch.ops.ascend.reshape_and_cache):
-            key, value, key_cache, value_cache, slot_mapping = node.args
-            assign(slot_mapping, Role.SLOT_MAPPING, f"{node.name}.slot_mapping")
-            for cache in (key_cache, value_cache):
-                if isinstance(cache, fx.Node) and cache.op == "placeholder":
-                    roles[cache.name] = Role.KV_CACHE
+        for op in CACHE_WRITES:
+            if is_op(node, op):
+                *_, first_cache, second_cache, slot_mapping = node.args
+                assign(slot_mapping, Role.SLOT_MAPPING, f"{node.name}.slot_mapping")
+                for cache in (first_cache, second_cache):
+                    if isinstance(cache, fx.Node) and cache.op == "placeholder":
+                        roles[cache.name] = Role.KV_CACHE
     return roles
 
 
@@ -200,7 +206,7 @@ def assign_roles(gm: fx.GraphModule, attention: Sequence[fx.Node], facts: Mutati
         inputs.append(InputSpec(index, node.name, role, shape, expr, index in written, strides, offset,
                                 isinstance(value, torch.nn.Parameter)))
 
-    first = AttentionArgs.of(attention[0])
+    first = attention_args(attention[0])
     tokens = shape_exprs(example_value(first.query))[0]
     sequences = shape_exprs(example_value(first.seq_lens))[0]
     output_node = next(n for n in gm.graph.nodes if n.op == "output")

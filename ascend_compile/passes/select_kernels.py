@@ -1,4 +1,5 @@
-"""Rewrite each attention node into a kernel: PA or FIA, with host-side lengths.
+"""Rewrite each attention node into a kernel: PA or FIA, or MLA for a latent-attention node,
+with host-side lengths.
 
 The kernels take host-side lengths; the rewrite adds one host-list input per source it converts
 (one `seq_lens` list shared by every layer), which the runner fills once per step and lowering
@@ -19,10 +20,10 @@ from torch import fx
 from ..ops import tiling
 from ..ops.features import AttentionFeatures
 from ..ops.kernel_policy import KernelChoice, KernelPolicy, choose_kernel
-from .find_attention import AttentionArgs, attention_nodes
+from .find_attention import attention_args, attention_nodes, by_name
 from .fx_utils import example_value
-from .kernel_call import (HOST_LENGTH_OPS, HOST_META_KEY, META_KEY, Conversion, HostArg, HostSource, KernelCall,
-                          KernelMeta, build_args)
+from .kernel_call import (HOST_LENGTH_ARGS, HOST_LENGTH_OPS, HOST_META_KEY, META_KEY, Conversion, HostArg, HostSource,
+                          KernelCall, KernelMeta, arg_names, build_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,8 @@ def attention_layers(gm: fx.GraphModule) -> list[AttentionLayer]:
     """The shape and features of each attention node of `gm`, in graph order."""
     layers = []
     for node in attention_nodes(gm):
-        args = AttentionArgs.of(node)
-        shape = tiling.AttentionShape.of(example_value(args.query), example_value(args.key_cache))
-        layers.append(AttentionLayer(shape, args.features))
+        args = attention_args(node)
+        layers.append(AttentionLayer(args.shape(), args.features))
     return layers
 
 
@@ -73,28 +73,23 @@ def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCal
         raise ValueError(f"kernels: expected one per attention node ({len(nodes)}), got {len(kernels)}")
     calls = []
     for node, kernel in zip(nodes, kernels):
-        args = AttentionArgs.of(node)
-        query = example_value(args.query)
-        shape = tiling.AttentionShape.of(query, example_value(args.key_cache))
+        args = attention_args(node)
+        shape = args.shape()
         features = args.features
         if kernel == tiling.PA and not features.plain:
             raise ValueError(f"{node.name}: PA does not take {', '.join(features.names())}; the layer needs FIA")
-        lengths = {"context_lens": (args.seq_lens, Conversion.LIST)} if kernel == tiling.PA else {
-            "actual_seq_lengths": (args.query_start_loc, Conversion.ENDS),
-            "actual_seq_lengths_kv": (args.seq_lens, Conversion.LIST),
-        }
-        extra = {} if kernel == tiling.PA else {"window": args.window, "soft_cap": args.soft_cap, "sinks": args.sinks}
+        if (kernel == tiling.MLA) != shape.latent:
+            raise ValueError(f"{node.name}: the MLA kernel serves latent-attention nodes (ascend.mla_attention) "
+                             f"and only them; got kernel {kernel!r} for {node.target}")
+        op = HOST_LENGTH_OPS[kernel]
+        named = {name: value for name, value in by_name(args).items() if name in arg_names(op)}
         with graph.inserting_before(node):
             out = graph.call_function(torch.empty_like, (args.query,))
             out.meta["example_value"] = example_value(node)
-            workspace = graph.call_function(torch.ops.ascend.workspace.default, (0, query.device))
-            hosts = {name: _host_input(graph, src, conv) for name, (src, conv) in lengths.items()}
-            op = HOST_LENGTH_OPS[kernel]
-            call = graph.call_function(op, build_args(op, {
-                "query": args.query, "key_cache": args.key_cache, "value_cache": args.value_cache,
-                "block_table": args.block_table, **hosts, "scale": args.scale, "workspace": workspace, "out": out,
-                **extra,
-            }))
+            workspace = graph.call_function(torch.ops.ascend.workspace.default, (0, example_value(args.query).device))
+            hosts = {name: _host_input(graph, getattr(args, src), conv)
+                     for name, (src, conv) in HOST_LENGTH_ARGS[kernel].items()}
+            call = graph.call_function(op, build_args(op, {**named, **hosts, "workspace": workspace, "out": out}))
         host_args = tuple(HostArg(name, host.meta[HOST_META_KEY]) for name, host in hosts.items())
         call.meta[META_KEY] = meta = KernelMeta(kernel, node.name, shape, host_args, features=features)
         call.meta.update({k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "ascend_adapted_from")

@@ -33,8 +33,8 @@ from ..ops import npu as npu_ops
 from ..ops import tiling
 from ..ops.kernel_policy import KernelChoice, KernelPolicy
 from ..ops.npu_workspace import NpuWorkspaceQuery
-from .find_attention import AttentionArgs, adapt_attention
-from .fx_utils import example_value
+from .find_attention import AttentionArgs, adapt_attention, attention_args, layer_name
+from .fx_utils import example_value, is_op
 from .kernel_call import KernelCall, host_placeholders, kernel_calls
 from .npu_checks import check_npu_graph
 from .probe import ProbedWorkspaceNeed
@@ -65,14 +65,14 @@ def _policy(config: CompileConfig) -> KernelPolicy:
 
 def _probing_need(attention: fx.Node, config: CompileConfig) -> ProbedWorkspaceNeed:
     """Workspaces sized by torch_npu's own workspace queries (the kernels are torch_npu's)."""
-    query = example_value(AttentionArgs.of(attention).query)
+    query = example_value(attention_args(attention).query)
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), query.device)
     return ProbedWorkspaceNeed(NpuWorkspaceQuery(kernels, query.dtype), config.workspace_probe_lens)
 
 
 def _graph_key(attention: fx.Node, bucket: int | None, decode: bool | None) -> GraphKey:
     """The bucket (query tokens) and kind of a graph npugraph_ex compiles for one input shape."""
-    args = AttentionArgs.of(attention)
+    args = attention_args(attention)
     tokens = example_value(args.query).shape[0]
     seqs = example_value(args.seq_lens).shape[0]
     if bucket is None:
@@ -109,6 +109,14 @@ def _refuse_fia(calls: list[KernelCall], choices: tuple[KernelChoice, ...]) -> N
             f"buckets (kernel_policy 'pa' or a pa_max_batch covering them) and run mixed steps through "
             f"backend 'ascend_graph'"
         )
+
+
+def _refuse_mla(attention: list[fx.Node]) -> None:
+    """Latent attention has no torch_npu binding here (`targets.NpuTarget.check_kernel`)."""
+    for node in attention:
+        if is_op(node, torch.ops.ascend.mla_attention):
+            raise ValueError(f"{layer_name(node)}: npugraph_ex does not serve latent attention (ascend.mla_attention) "
+                             f"yet: its torch_npu kernel (npu_fused_infer_attention_score_v2) is not bound")
 
 
 def _lower_to_torch_npu(gm: fx.GraphModule) -> None:
@@ -156,6 +164,7 @@ def rewrite_for_npugraph_ex(
         return None
     if config.max_model_len is None:
         raise ValueError("max_model_len: required (workspaces are sized for every length up to it)")
+    _refuse_mla(attention)
     key = _graph_key(attention[0], bucket, decode)
     need_fn = need_fn or _probing_need(attention[0], config)
     choices = choose_kernels(attention_layers(gm), key.bucket, _policy(config), key.decode)

@@ -29,11 +29,13 @@ from .updates import SimTaskHandle, land, waited_node
 
 logger = logging.getLogger("ascend_compile.sim")
 
-#: The ascend ops the simulated device has kernels for: PA and FIA, and the cache write (the device
-#: the simulator models has one, as Ascend's ATB has ReshapeAndCache and aclnn ScatterPaKvCache;
-#: `ascend.reshape_and_cache`'s body is that kernel's reference). Every other ascend op (the unified
+#: The ascend ops the simulated device has kernels for: PA, FIA and the MLA kernel (FIA v2's latent
+#: form), and the cache writes (the device the simulator models has them, as Ascend's ATB has
+#: ReshapeAndCache and aclnn ScatterPaKvCache; the ops' bodies are those kernels' references).
+#: Every other ascend op (the unified
 #: `ascend.attention`, `ascend.workspace`) is recorded as the ops its body issues.
-SIM_KERNELS = frozenset({"ascend::paged_attention", "ascend::fused_infer_attention", "ascend::reshape_and_cache"})
+SIM_KERNELS = frozenset({"ascend::paged_attention", "ascend::fused_infer_attention", "ascend::reshape_and_cache",
+                         "ascend::mla_fused_infer_attention", "ascend::mla_cache_write"})
 
 
 class SimGraph(DeviceGraph):
@@ -143,6 +145,7 @@ class SimRuntime(TaskUpdateRuntime):
         self._set_up: set[str] = set()
         self.zero_length_fast_path(torch.ops.ascend.paged_attention, "context_lens")
         self.zero_length_fast_path(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths_kv")
+        self.zero_length_fast_path(torch.ops.ascend.mla_fused_infer_attention, "actual_seq_kvlen")
 
     @property
     def overflow(self) -> str:
