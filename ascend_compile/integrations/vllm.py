@@ -30,6 +30,7 @@ from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
 from ..targets import TargetFactory, default_target
+from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
 
 log = logging.getLogger("ascend_compile")
 
@@ -95,12 +96,18 @@ class ForwardContextBinder:
 
     # -------------------------------------------------------------- what the forward context holds
 
+    def current_context(self) -> Any:
+        """The forward context, or None outside one (vLLM asserts there is one)."""
+        try:
+            return self.get_forward_context()
+        except AssertionError:
+            return None
+
     def ready(self) -> bool:
         """Whether the current forward context has the metadata and caches a compile binds to (vLLM's
         profiling run has no metadata and no caches yet: such steps run eagerly, uncompiled)."""
-        try:
-            ctx = self.get_forward_context()
-        except AssertionError:
+        ctx = self.current_context()
+        if ctx is None:
             return False
         metadata = ctx.attn_metadata
         if metadata is None or isinstance(metadata, list):
@@ -121,6 +128,20 @@ class ForwardContextBinder:
             raise TypeError(f"{node.name}.layer_name: expected a str or vLLM LayerName, got {type(arg).__name__}")
         return arg
 
+    def layer_names(self, gm: fx.GraphModule) -> list[str]:
+        """The layer names of the graph's vLLM attention nodes, in graph order."""
+        return [self.layer_name(gm, node) for node in vllm_graph_nodes(gm)[0]]
+
+    def refuse_unsupported(self, gm: fx.GraphModule, ctx: Any) -> None:
+        """Refuse, naming the layer and the feature, any of the graph's attention layers the rewrite
+        would compute wrongly (`vllm_layers.refusal`), and a configured KV-transfer connector."""
+        refuse_unsupported({name: ctx.no_compile_layers[name] for name in self.layer_names(gm)})
+        if kv_transfer_configured():
+            raise UnsupportedAttention(
+                self.layer_names(gm)[0], "a KV-transfer connector (kv_transfer_config: its per-layer "
+                "wait_for_layer_load / save_kv_layer hooks run in Python around vLLM's attention op, which a "
+                "captured graph replaces)")
+
     # -------------------------------------------------------------- the rewrite
 
     def __call__(self, gm: fx.GraphModule) -> Provider | None:
@@ -128,6 +149,7 @@ class ForwardContextBinder:
         if not attention:
             return None
         ctx = self.get_forward_context()
+        self.refuse_unsupported(gm, ctx)
         if ctx.attn_metadata is None or isinstance(ctx.attn_metadata, list):
             raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata at compile time "
                              "(a step with metadata), got "
@@ -145,6 +167,7 @@ class ForwardContextBinder:
 
         def metadata_inputs(layer: str, tokens: Any) -> dict[str, fx.Node]:
             metadata = ctx.attn_metadata[layer]
+            refuse_metadata(layer, metadata)
             key = id(metadata)
             if key not in groups:
                 groups[key] = self._bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
@@ -230,8 +253,8 @@ class ForwardContextBinder:
         if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
             inputs["slot_mapping"] = provide(
                 f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: _attention_slots(_meta(ctx, layer)),
-                fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
+                lambda ctx: _as_int64(_attention_slots(_meta(ctx, layer))),
+                fake_like(fake_mode, _as_int64(metadata.slot_mapping), (tokens,)))
         return inputs
 
     @staticmethod
@@ -240,7 +263,7 @@ class ForwardContextBinder:
         """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
         layer sharing the tensor)."""
         return provide(f"vllm_slot_mapping_{index}", f"forward_context.slot_mapping[{layer!r}]",
-                       lambda c: c.slot_mapping[layer], fake_like(fake_mode, real, (tokens,)))
+                       lambda c: _as_int64(c.slot_mapping[layer]), fake_like(fake_mode, _as_int64(real), (tokens,)))
 
     @staticmethod
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
@@ -249,6 +272,7 @@ class ForwardContextBinder:
         `[num_blocks, 2, ...]` cache unbound on dim 1, or vLLM-Ascend's `(key, value)` pair."""
         where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
         key, value = _split_cache(attn_layer.kv_cache, where)
+        refuse_cache_dtype(layer, key)
         name = layer.replace(".", "_")
         return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: _cache(ctx, layer, where)[0],
                         fake_like(fake_mode, key)),
@@ -291,6 +315,22 @@ def _block_table(metadata: Any, field: str) -> torch.Tensor:
 def _attention_slots(metadata: Any) -> torch.Tensor:
     """vLLM-Ascend's slots of the real tokens (the attention op writes the cache itself)."""
     return metadata.slot_mapping[: metadata.num_actual_tokens]
+
+
+def _as_int64(slots: torch.Tensor) -> torch.Tensor:
+    """Slots as `ascend.reshape_and_cache` takes them today: int64. vLLM-Ascend's are int32; the op is
+    to accept int32 itself (ops/library.py), after which this conversion (one small cast per step and
+    metadata group, no host sync) is to go."""
+    return slots if slots.dtype == torch.int64 else slots.to(torch.int64)
+
+
+def kv_transfer_configured() -> bool:
+    """Whether vLLM has a KV-transfer connector (disaggregated prefill, LMCache-style offload) set up."""
+    try:
+        from vllm.distributed.kv_transfer import has_kv_transfer_group
+    except ImportError:  # no vLLM (the stand-in's tests): no connector
+        return False
+    return has_kv_transfer_group()
 
 
 def _cache(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,6 +384,9 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
                 on_compiled(compiled)
             return compiled
         binder = ForwardContextBinder(get_forward_context, example_inputs)
+        ctx = binder.current_context()
+        if ctx is not None:  # vLLM's profile run: the layers are known, refuse what we cannot serve now
+            binder.refuse_unsupported(gm, ctx)
         return DeferredCompile(gm, example_inputs, config, binder, target, on_compiled)
 
     return compile_fn
