@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from ..backend import compile_graph
+from ..compile_once import SHARED_TOKEN_SETTINGS, retrace_general
 from ..config import CompileConfig
 from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
@@ -375,6 +376,7 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
         raise ValueError("backend: pass either a CompileConfig or options, not both")
     if get_forward_context is None:  # vLLM's own forward context: check the release it comes from
         _check_version()
+    deferred = dataclasses.replace(config, retrace_static=False)  # retraced at dynamo's call, if at all
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         attention, _ = vllm_graph_nodes(gm)
@@ -387,7 +389,11 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
         ctx = binder.current_context()
         if ctx is not None:  # vLLM's profile run: the layers are known, refuse what we cannot serve now
             binder.refuse_unsupported(gm, ctx)
-        return DeferredCompile(gm, example_inputs, config, binder, target, on_compiled)
+        # vLLM's model.compile passes no dynamic=: have dynamo trace this first call again with every
+        # step size symbolic (batch 1 included), so that one graph and one artifact serve every step.
+        # Here, inside dynamo's backend call, not at the deferred compile (outside dynamo).
+        retrace_general(gm, SHARED_TOKEN_SETTINGS)
+        return DeferredCompile(gm, example_inputs, deferred, binder, target, on_compiled)
 
     return compile_fn
 
