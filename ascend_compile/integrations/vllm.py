@@ -31,7 +31,9 @@ from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
 from ..targets import TargetFactory, default_target
+from .vllm_deferred import DeferredCompile
 from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
+from .vllm_options import current_vllm_config, options_for
 
 log = logging.getLogger("ascend_compile")
 
@@ -94,6 +96,7 @@ class ForwardContextBinder:
                  example_inputs: Sequence[Any] = ()) -> None:
         self.get_forward_context = get_forward_context or _default_forward_context
         self.example_inputs = list(example_inputs)
+        self.group_layers: list[str] = []  # one layer per metadata group bound, set by the rewrite
 
     # -------------------------------------------------------------- what the forward context holds
 
@@ -104,18 +107,38 @@ class ForwardContextBinder:
         except AssertionError:
             return None
 
-    def ready(self) -> bool:
-        """Whether the current forward context has the metadata and caches a compile binds to (vLLM's
-        profiling run has no metadata and no caches yet: such steps run eagerly, uncompiled)."""
+    def not_ready(self, layers: Sequence[str]) -> str | None:
+        """Why the current step cannot be compiled against (None: it can): no forward context, no
+        metadata (vLLM's profiling run, before the KV caches exist), list-form metadata (DBO /
+        micro-batching), or one of the graph's `layers` without a KV cache bound."""
         ctx = self.current_context()
         if ctx is None:
-            return False
+            return "no forward context"
         metadata = ctx.attn_metadata
-        if metadata is None or isinstance(metadata, list):
-            return False
-        layers = list(ctx.no_compile_layers.values())
-        return bool(layers) and all(_has_cache(getattr(layer, "kv_cache", None)) for layer in layers
-                                    if hasattr(layer, "impl"))
+        if metadata is None:
+            return "no attention metadata (vLLM's profiling run)"
+        if isinstance(metadata, list):
+            return "attn_metadata is a list (DBO / micro-batching), which ascend_graph does not support"
+        for name in layers:
+            layer = ctx.no_compile_layers.get(name)
+            if layer is None or not _has_cache(getattr(layer, "kv_cache", None)):
+                return f"layer {name!r} has no KV cache bound (forward_context.no_compile_layers[{name!r}].kv_cache)"
+        return None
+
+    def longest_sequence(self) -> int | None:
+        """The longest KV length of the current step, from the host copies the metadata keeps
+        (FLASH_ATTN's `max_seq_len`, vLLM-Ascend's `seq_lens_list`), over every metadata group the
+        compile bound; None where no host copy exists (the runner then checks the device lengths)."""
+        ctx = self.get_forward_context()
+        longest = None
+        for layer in self.group_layers:
+            metadata = ctx.attn_metadata[layer]
+            value = getattr(metadata, "max_seq_len", None)
+            if value is None and getattr(metadata, "seq_lens_list", None):
+                value = max(metadata.seq_lens_list)
+            if value is not None:
+                longest = max(longest or 0, int(value))
+        return longest
 
     def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
         """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph
@@ -171,6 +194,7 @@ class ForwardContextBinder:
             refuse_metadata(layer, metadata)
             key = id(metadata)
             if key not in groups:
+                self.group_layers.append(layer)
                 groups[key] = self._bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
             return groups[key]
 
@@ -342,28 +366,6 @@ def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
     return [r.read(ctx) for r in readers]
 
 
-class DeferredCompile:
-    """What the backend returns for a vLLM graph: it runs the graph as traced (vLLM's own ops) until a
-    step's forward context has metadata and caches, then compiles once against it (vLLM compiles
-    during its profiling run, before the KV caches exist)."""
-
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
-                 binder: ForwardContextBinder, target: TargetFactory,
-                 on_compiled: Callable[[CompiledArtifact], None] | None) -> None:
-        self.gm, self.example_inputs, self.config = gm, list(example_inputs), config
-        self.binder, self.target, self.on_compiled = binder, target, on_compiled
-        self.compiled: Callable[..., Any] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.compiled is None:
-            if not self.binder.ready():
-                return self.gm(*args)
-            self.compiled = compile_graph(self.gm, self.example_inputs, self.config, self.target, bind=self.binder)
-            if self.on_compiled is not None and isinstance(self.compiled, CompiledArtifact):
-                self.on_compiled(self.compiled)
-        return self.compiled(*args)
-
-
 def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,
             get_forward_context: Callable[[], Any] | None = None, target: TargetFactory = default_target,
             **options: Any) -> Callable[..., Any]:
@@ -398,11 +400,18 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
     return compile_fn
 
 
-def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """The backend for vLLM's `compilation_config.backend` (a qualified name, so no arguments): options
-    from the environment variable `ASCEND_COMPILE_OPTIONS` (JSON), e.g. `{"max_model_len": 8192}`."""
-    import json
-    import os
+def configured_backend(vllm_config: Any) -> Callable[..., Any]:
+    """`backend(...)` with the options for `vllm_config` (`vllm_options.options_for`: vLLM's
+    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them)."""
+    return backend(**options_for(vllm_config))
 
-    options = json.loads(os.environ.get("ASCEND_COMPILE_OPTIONS", "{}"))
-    return backend(**options)(gm, example_inputs)
+
+def __getattr__(name: str) -> Any:
+    """`vllm_backend`: the backend for vLLM's `compilation_config.backend` (a qualified name, so no
+    arguments). vLLM's runner resolves that name (`init_backend`, `getattr` on this module) while
+    loading the model, under `set_current_vllm_config`, and calls the result later, when vLLM's
+    config is no longer current: this module attribute is made at that lookup, from the config
+    current then (`configured_backend`)."""
+    if name == "vllm_backend":
+        return configured_backend(current_vllm_config())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
