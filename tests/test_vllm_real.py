@@ -178,3 +178,87 @@ def test_a_kv_transfer_connector_is_refused_at_compile_time(compiled, monkeypatc
     models = make()
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", object())
     _refused_at_the_profile_run(models, "a KV-transfer connector")
+
+
+# ---------------------------------------------------------------- vLLM-Ascend: the plug-in
+
+
+class NPUModelRunner:
+    """A stand-in for vLLM-Ascend's `NPUModelRunner` as far as the plug-in touches it (its
+    `vllm_config`, `load_model` setting `self.model`): the real one does not import here (docs/vllm.md).
+    The model it loads is vLLM's own."""
+
+    def __init__(self, vllm_config, seed: int = 3) -> None:
+        self.vllm_config, self.seed = vllm_config, seed
+        self.model = None
+
+    def load_model(self) -> None:
+        self.loaded = real.build(self.vllm_config, seed=self.seed)
+        self.model = self.loaded.model
+
+
+@pytest.fixture
+def ascend_runner(monkeypatch):
+    """`vllm_ascend.worker.model_runner_v1` holding the stand-in runner class (a fresh class per test)."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm_ascend.worker.model_runner_v1")
+    module.NPUModelRunner = type("NPUModelRunner", (NPUModelRunner,), {})
+    for name in ("vllm_ascend", "vllm_ascend.worker"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.NPUModelRunner
+
+
+def _plugin():
+    """Our `vllm.general_plugins` entry point, as vLLM's plugin loader finds it (package metadata)."""
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(group=DEFAULT_PLUGINS_GROUP)
+    assert "ascend_compile" in plugins, f"entry point not installed: {sorted(plugins)}"
+    return plugins["ascend_compile"]
+
+
+def test_the_plugin_compiles_the_model_after_load_model(compiled, ascend_runner, monkeypatch, tmp_path, caplog):
+    """Opted in, the entry point wraps `NPUModelRunner.load_model`, which then compiles vLLM's model
+    with our backend, although the config's compilation mode is NONE (what NPUPlatform resets it to):
+    the mode no longer decides. One artifact serves the steps, equal to eager."""
+    artifacts = compiled[0]
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"capture_sizes": [4, 8]}))
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _plugin()()
+        config = real.vllm_config(tmp_path, compile_mode=0)  # mode NONE, cudagraph_mode NONE
+        runner = ascend_runner(config)
+        runner.load_model()
+    assert any("ascend_graph in use for vLLM-Ascend's NPUModelRunner" in r.getMessage() for r in caplog.records)
+    (tmp_path / "eager").mkdir()
+    eager = real.build(real.vllm_config(tmp_path / "eager"), seed=3)
+    real.profile_run(runner.loaded)
+    _equal_to_eager([runner.loaded, eager], STEPS[:4])
+    assert len(artifacts) == 1 and artifacts[0].stats["replays"] == 4
+    assert artifacts[0].config.max_model_len == 256  # from the runner's vllm_config
+
+
+def test_the_plugin_says_why_it_is_not_in_use(ascend_runner, monkeypatch, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _plugin()()  # not opted in
+    assert "ASCEND_COMPILE_VLLM_ASCEND is not 1" in caplog.text
+    assert not hasattr(ascend_runner.load_model, "_ascend_compile_wrapped")
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    _plugin()()
+    config = real.vllm_config(tmp_path, compile_mode=0)
+    config.compilation_config.cudagraph_mode = type(config.compilation_config.cudagraph_mode).FULL
+    runner = ascend_runner(config)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        runner.load_model()
+    assert "vLLM-Ascend captures ACL graphs itself (compilation_config.cudagraph_mode=FULL)" in caplog.text
+    assert runner.model._compiled_call_impl is None  # not compiled (nn.Module.compile sets it)
+
+
+def test_the_plugin_without_vllm_ascend_says_so(monkeypatch, caplog):
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _plugin()()
+    assert "vllm_ascend.worker.model_runner_v1.NPUModelRunner does not import" in caplog.text
