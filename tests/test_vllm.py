@@ -265,3 +265,23 @@ def test_kv_transfer_connector_is_refused_at_compile_time(monkeypatch):
     pair = Pair("FLASH_ATTN", 16, "sim", [])
     with pytest.raises(Exception, match=r"a KV-transfer connector"):
         pair.run(pair.step(random.Random(0), 3, False))
+
+
+def test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_shape():
+    """vLLM's mode 1 calls `model.compile(fullgraph=True, backend=...)` with no `dynamic=`: the
+    profile run's static graph is traced again general inside dynamo's backend call, so one graph
+    serves every step, batch 1 included (on vLLM's own Llama: tests/test_vllm_real.py)."""
+    artifacts, calls = [], []
+    pair = Pair("FLASH_ATTN", 16, "sim", artifacts)
+    compile_fn = integration.backend(CompileConfig(max_model_len=MAX_LEN, capture_sizes=BUCKETS, runtime="sim"),
+                                     on_compiled=artifacts.append, get_forward_context=v.get_forward_context)
+    torch._dynamo.reset()
+    pair.compiled = torch.compile(pair.models[0], fullgraph=True,
+                                  backend=lambda gm, inputs: calls.append(1) or compile_fn(gm, inputs))
+    with torch.no_grad(), v.set_forward_context(None, pair.configs[0]):  # the profile run
+        pair.compiled(torch.zeros(16, dtype=torch.long), torch.arange(16))
+    rng = random.Random(5)
+    for batch, mixed in [(1, False), (3, False), (1, True), (2, True), (6, False)]:
+        got, expected = pair.run(pair.step(rng, batch, mixed))
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert len(calls) == 2 and len(artifacts) == 1 and artifacts[0].stats["replays"] == 5

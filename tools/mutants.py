@@ -12,7 +12,8 @@ sizing, wrong bucket, missing address check, no clone, updates after synchronize
 second audit's mutants survived (issue 27: overlapping writes, shrinking regions, padding KV lengths,
 host scalars, metadata keys, the transformers block table, vLLM's query_start_loc, collectives in
 flight, per-sequence outputs, empty queries on the device path, the workspace scan's top end, decode
-detection).
+detection), and issue 23's vLLM ones (a sliding window or another backend not refused, the first
+vLLM graph not traced general).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -190,6 +191,25 @@ MUTANTS = (
         "    if torch.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=True).all():\n",
         "    if True:\n",
         ("tests/test_verify.py::test_stale_lengths_are_caught_at_the_first_replay_and_every_step_stays_right",),
+    ),
+    # issue 23: vLLM attention features the rewrite would compute wrongly, refused at compile time
+    Mutant(
+        "sliding window ignored", "ascend_compile/integrations/vllm_layers.py",
+        "    if window is not None:\n        return f\"sliding window",
+        "    if False:\n        return f\"sliding window",
+        ("tests/test_vllm.py::test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time",),
+    ),
+    Mutant(
+        "other backend not refused", "ascend_compile/integrations/vllm_layers.py",
+        "    if path not in SUPPORTED_BACKENDS:\n",
+        "    if False:\n",
+        ("tests/test_vllm.py::test_other_attention_backends_are_refused_by_name_at_compile_time",),
+    ),
+    Mutant(
+        "vLLM graph not traced general", "ascend_compile/integrations/vllm.py",
+        "        retrace_general(gm, SHARED_TOKEN_SETTINGS)\n",
+        "",
+        ("tests/test_vllm.py::test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_shape",),
     ),
 )
 

@@ -52,11 +52,9 @@ def refusal(name: str, layer: Any) -> str | None:
         return (f"attention backend {path} (get_name() {label!r}); supported: "
                 + ", ".join(SUPPORTED_BACKENDS.values()))
     impl = layer.impl
-    window = getattr(impl, "sliding_window", None)
-    if window is not None and window != (-1, -1):  # FlashAttention's "no window" is (-1, -1)
-        return f"sliding window (impl.sliding_window={window!r})"
-    if getattr(layer, "sliding_window", None) is not None:
-        return f"sliding window (layer.sliding_window={layer.sliding_window!r})"
+    window = _sliding_window(impl, layer)
+    if window is not None:
+        return f"sliding window ({window})"
     cap = getattr(impl, "logits_soft_cap", None)
     if cap:  # FlashAttention keeps 0 for "none", vLLM-Ascend keeps nothing
         return f"logits soft-cap (impl.logits_soft_cap={cap!r})"
@@ -72,6 +70,17 @@ def refusal(name: str, layer: Any) -> str | None:
         dtype = getattr(owner, "kv_cache_dtype", "auto")
         if dtype not in UNQUANTIZED_CACHE_DTYPES:
             return f"quantized KV cache (kv_cache_dtype={dtype!r})"
+    return None
+
+
+def _sliding_window(impl: Any, layer: Any) -> str | None:
+    """The layer's window as `where=value`, or None: FlashAttention's impl keeps (-1, -1) for none,
+    vLLM-Ascend's None; vLLM's `Attention` keeps the window it was built with."""
+    window = getattr(impl, "sliding_window", None)
+    if window is not None and window != (-1, -1):
+        return f"impl.sliding_window={window!r}"
+    if getattr(layer, "sliding_window", None) is not None:
+        return f"layer.sliding_window={layer.sliding_window!r}"
     return None
 
 
