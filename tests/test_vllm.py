@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import random
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from ascend_compile import cli
 from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
+from ascend_compile.integrations.vllm_memory import graph_memory
 from tests import fake_torch_npu
 from tests import vllm_standin as v
 
@@ -285,3 +287,18 @@ def test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_sh
         got, expected = pair.run(pair.step(rng, batch, mixed))
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
     assert len(calls) == 2 and len(artifacts) == 1 and artifacts[0].stats["replays"] == 5
+
+
+def test_graph_memory_outside_vllms_budget_is_reported_after_each_capture(caplog):
+    """vLLM sizes its KV cache before anything of ours is captured: the figure to reserve is logged."""
+    artifacts = []
+    pair = Pair("FLASH_ATTN", 16, "sim", artifacts)
+    rng = random.Random(3)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        for batch, mixed in [(3, False), (3, False), (6, False)]:
+            pair.run(pair.step(rng, batch, mixed))
+    lines = [r.getMessage() for r in caplog.records if "outside vLLM's KV-cache budget" in r.getMessage()]
+    assert len(lines) == 2 and "after 1 captures" in lines[0] and "after 2 captures" in lines[1]
+    parts = graph_memory(artifacts[0].memory_report())
+    assert parts["workspaces"] > 0 and parts["buffers"] > 0 and parts["pool"] > 0
+    assert f"{sum(parts.values()) / 2 ** 20:.1f} MiB" in lines[1]

@@ -5,7 +5,8 @@ the graph runs as traced (vLLM's own ops and kernels) until a step's forward con
 and every one of the graph's layers has its cache, then compiles once against it. After that, a
 step with a sequence longer than the `max_model_len` the workspaces were sized for runs as traced
 too (correct, uncompiled), instead of failing inside vLLM's `execute_model` and with it the engine.
-Each reason a step runs as traced is logged once: a model that stays uncompiled says why.
+Each reason a step runs as traced is logged once: a model that stays uncompiled says why. After
+each new capture the graph memory outside vLLM's KV-cache budget is logged (`vllm_memory`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..backend import compile_graph
 from ..config import CompileConfig
 from ..lowering.runner import CompiledArtifact
 from ..targets import TargetFactory
+from .vllm_memory import log_graph_memory
 
 if TYPE_CHECKING:
     from .vllm import ForwardContextBinder
@@ -39,6 +41,7 @@ class DeferredCompile:
         self.layers = binder.layer_names(gm)
         self.compiled: Callable[..., Any] | None = None
         self.logged: set[str] = set()
+        self.captures = 0  # the artifact's captures last reported (`vllm_memory`)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is None:
@@ -53,7 +56,11 @@ class DeferredCompile:
             return self.as_traced(args, f"a sequence is longer than max_model_len="
                                         f"{self.config.max_model_len}, the longest the graphs' workspaces were "
                                         f"sized for (set max_model_len in ASCEND_COMPILE_OPTIONS or vLLM's config)")
-        return self.compiled(*args)
+        result = self.compiled(*args)
+        if isinstance(self.compiled, CompiledArtifact) and self.compiled.stats["captures"] != self.captures:
+            self.captures = self.compiled.stats["captures"]
+            log_graph_memory(self.compiled)
+        return result
 
     def as_traced(self, args: Sequence[Any], reason: str) -> Any:
         """Run the graph as dynamo traced it (vLLM's ops), logging `reason` the first time."""
