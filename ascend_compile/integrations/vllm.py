@@ -12,7 +12,8 @@ host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
 
 Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
 qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
-"cudagraph_mode": "NONE"}`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
+"cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
+features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
 tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
 """
 from __future__ import annotations
@@ -159,10 +160,11 @@ class ForwardContextBinder:
     def refuse_unsupported(self, gm: fx.GraphModule, ctx: Any) -> None:
         """Refuse, naming the layer and the feature, any of the graph's attention layers the rewrite
         would compute wrongly (`vllm_layers.refusal`), and a configured KV-transfer connector."""
-        refuse_unsupported({name: ctx.no_compile_layers[name] for name in self.layer_names(gm)})
+        names = self.layer_names(gm)
+        refuse_unsupported({name: ctx.no_compile_layers[name] for name in names})
         if kv_transfer_configured():
             raise UnsupportedAttention(
-                self.layer_names(gm)[0], "a KV-transfer connector (kv_transfer_config: its per-layer "
+                names[0], "a KV-transfer connector (kv_transfer_config: its per-layer "
                 "wait_for_layer_load / save_kv_layer hooks run in Python around vLLM's attention op, which a "
                 "captured graph replaces)")
 
@@ -174,6 +176,7 @@ class ForwardContextBinder:
             return None
         ctx = self.get_forward_context()
         self.refuse_unsupported(gm, ctx)
+        self.group_layers = []
         if ctx.attn_metadata is None or isinstance(ctx.attn_metadata, list):
             raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata at compile time "
                              "(a step with metadata), got "
