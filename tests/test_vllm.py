@@ -14,6 +14,7 @@ import torch
 from ascend_compile import cli
 from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
+from ascend_compile.integrations import vllm_context
 from ascend_compile.integrations.vllm_memory import graph_memory
 from tests import fake_torch_npu
 from tests import vllm_standin as v
@@ -142,7 +143,7 @@ def test_binder_leaves_other_graphs_and_refuses_unknown_cache_layouts():
     binder = integration.ForwardContextBinder(v.get_forward_context)
     assert binder(gm) is None  # no vLLM attention: nothing to bind
     with pytest.raises(ValueError, match="a \\(key, value\\) pair or a \\[num_blocks, 2, block_size"):
-        integration._split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
+        vllm_context.split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
 
 
 def test_an_unsupported_vllm_release_is_refused(monkeypatch):

@@ -164,7 +164,7 @@ MUTANTS = (
         (f"{AUDIT}::test_transformers_sequences_up_to_a_max_model_len_off_the_page_size_keep_their_last_page",),
     ),
     Mutant(
-        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm.py",
+        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm_context.py",
         "    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]\n",
         "    return metadata.query_start_loc\n",
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),

@@ -32,6 +32,8 @@ from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
 from ..targets import TargetFactory, default_target
+from .vllm_context import (as_int64, attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
+                           metadata_of, query_start_loc, split_cache)
 from .vllm_deferred import DeferredCompile
 from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
 from .vllm_options import current_vllm_config, options_for
@@ -122,7 +124,7 @@ class ForwardContextBinder:
             return "attn_metadata is a list (DBO / micro-batching), which ascend_graph does not support"
         for name in layers:
             layer = ctx.no_compile_layers.get(name)
-            if layer is None or not _has_cache(getattr(layer, "kv_cache", None)):
+            if layer is None or not has_cache(getattr(layer, "kv_cache", None)):
                 return f"layer {name!r} has no KV cache bound (forward_context.no_compile_layers[{name!r}].kv_cache)"
         return None
 
@@ -267,22 +269,22 @@ class ForwardContextBinder:
         seqs = fresh_size(fake_mode, seq_lens.shape[0], f"seqs_{index}")
         table = getattr(metadata, table_field)
         inputs = {
-            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: _meta(ctx, layer).seq_lens,
+            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: metadata_of(ctx, layer).seq_lens,
                                 fake_like(fake_mode, seq_lens, (seqs,))),
             "query_start_loc": provide(
                 f"vllm_query_start_loc_{index}", f"{where}.query_start_loc[:num_reqs + 1]",
-                lambda ctx: _query_start_loc(_meta(ctx, layer)),
+                lambda ctx: query_start_loc(metadata_of(ctx, layer)),
                 fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
             "block_table": provide(
                 f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
-                lambda ctx: _block_table(_meta(ctx, layer), table_field),
+                lambda ctx: block_table(metadata_of(ctx, layer), table_field),
                 fake_like(fake_mode, table, (seqs, table.shape[1]))),
         }
         if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
             inputs["slot_mapping"] = provide(
                 f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: _as_int64(_attention_slots(_meta(ctx, layer))),
-                fake_like(fake_mode, _as_int64(metadata.slot_mapping), (tokens,)))
+                lambda ctx: as_int64(attention_slots(metadata_of(ctx, layer))),
+                fake_like(fake_mode, as_int64(metadata.slot_mapping), (tokens,)))
         return inputs
 
     @staticmethod
@@ -291,7 +293,7 @@ class ForwardContextBinder:
         """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
         layer sharing the tensor)."""
         return provide(f"vllm_slot_mapping_{index}", f"forward_context.slot_mapping[{layer!r}]",
-                       lambda c: _as_int64(c.slot_mapping[layer]), fake_like(fake_mode, _as_int64(real), (tokens,)))
+                       lambda c: as_int64(c.slot_mapping[layer]), fake_like(fake_mode, as_int64(real), (tokens,)))
 
     @staticmethod
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
@@ -299,70 +301,13 @@ class ForwardContextBinder:
         """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM's
         `[num_blocks, 2, ...]` cache unbound on dim 1, or vLLM-Ascend's `(key, value)` pair."""
         where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
-        key, value = _split_cache(attn_layer.kv_cache, where)
+        key, value = split_cache(attn_layer.kv_cache, where)
         refuse_cache_dtype(layer, key)
         name = layer.replace(".", "_")
-        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: _cache(ctx, layer, where)[0],
+        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: cache_pair(ctx, layer, where)[0],
                         fake_like(fake_mode, key)),
-                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: _cache(ctx, layer, where)[1],
+                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: cache_pair(ctx, layer, where)[1],
                         fake_like(fake_mode, value)))
-
-
-def _has_cache(kv_cache: Any) -> bool:
-    if isinstance(kv_cache, (tuple, list)):
-        return len(kv_cache) >= 2 and all(isinstance(t, torch.Tensor) and t.numel() for t in kv_cache[:2])
-    return isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5
-
-
-def _split_cache(kv_cache: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) >= 2:
-        return kv_cache[0], kv_cache[1]
-    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
-        return kv_cache[:, 0], kv_cache[:, 1]
-    raise ValueError(f"{where}: expected a (key, value) pair or a [num_blocks, 2, block_size, kv_heads, head_dim] "
-                     f"tensor (FLASH_ATTN's layout), got "
-                     f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
-
-
-def _meta(ctx: Any, layer: str) -> Any:
-    metadata = ctx.attn_metadata
-    if not isinstance(metadata, dict):
-        raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata, got "
-                         + ("None" if metadata is None else type(metadata).__name__))
-    return metadata[layer]
-
-
-def _query_start_loc(metadata: Any) -> torch.Tensor:
-    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]
-
-
-def _block_table(metadata: Any, field: str) -> torch.Tensor:
-    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]
-
-
-def _attention_slots(metadata: Any) -> torch.Tensor:
-    """vLLM-Ascend's slots of the real tokens (the attention op writes the cache itself)."""
-    return metadata.slot_mapping[: metadata.num_actual_tokens]
-
-
-def _as_int64(slots: torch.Tensor) -> torch.Tensor:
-    """Slots as `ascend.reshape_and_cache` takes them today: int64. vLLM-Ascend's are int32; the op is
-    to accept int32 itself (ops/library.py), after which this conversion (one small cast per step and
-    metadata group, no host sync) is to go."""
-    return slots if slots.dtype == torch.int64 else slots.to(torch.int64)
-
-
-def kv_transfer_configured() -> bool:
-    """Whether vLLM has a KV-transfer connector (disaggregated prefill, LMCache-style offload) set up."""
-    try:
-        from vllm.distributed.kv_transfer import has_kv_transfer_group
-    except ImportError:  # no vLLM (the stand-in's tests): no connector
-        return False
-    return has_kv_transfer_group()
-
-
-def _cache(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _split_cache(ctx.no_compile_layers[layer].kv_cache, where)
 
 
 def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
