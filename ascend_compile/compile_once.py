@@ -81,6 +81,14 @@ TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
     (torch._dynamo.config, "specialize_float", True),
     *SIZE_SETTINGS,
 )
+#: A general trace where equal sizes share a symbol (duck shaping kept): for callers whose every
+#: step-sized input carries the one token count, as vLLM's `input_ids [T]` and `positions [T]` do
+#: (its lengths and tables come from the forward context, not the caller). Without duck shaping the
+#: two get distinct symbols that vLLM's model never equates (rotary embedding's
+#: `query.view(positions.shape[0], -1, head_size)` only divides), and the one the runner does not pad
+#: is held at the traced value.
+SHARED_TOKEN_SETTINGS: tuple[tuple[Any, str, Any], ...] = tuple(
+    setting for setting in TRACE_SETTINGS if setting[1] != "use_duck_shape")
 
 
 def _apply_settings(settings: tuple[tuple[Any, str, Any], ...] = TRACE_SETTINGS) -> list[tuple[Any, str, Any]]:
@@ -286,7 +294,7 @@ def specialized_inputs(gm: fx.GraphModule) -> list[str]:
     return names
 
 
-def retrace_general(gm: fx.GraphModule) -> None:
+def retrace_general(gm: fx.GraphModule, settings: tuple[tuple[Any, str, Any], ...] = TRACE_SETTINGS) -> None:
     """Ask dynamo to trace this frame again with the general-trace settings, when `gm` has caller
     inputs with static sizes and the caller has not asked for static shapes (`dynamic=False`).
 
@@ -314,6 +322,6 @@ def retrace_general(gm: fx.GraphModule) -> None:
         handler = torch._dynamo.callback.callback_handler
         if _end_of_compile not in handler.end_callbacks:  # torch._dynamo.reset() clears them
             handler.register_end_callback(_end_of_compile)
-        _retrace_saved = _apply_settings()
+        _retrace_saved = _apply_settings(settings)
     log.info("ascend_compile: inputs %s have static sizes: tracing again with every step size symbolic", static)
     raise exc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import random
 
 import pytest
@@ -13,6 +14,8 @@ import torch
 from ascend_compile import cli
 from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
+from ascend_compile.integrations import vllm_context
+from ascend_compile.integrations.vllm_memory import graph_memory
 from tests import fake_torch_npu
 from tests import vllm_standin as v
 
@@ -23,10 +26,12 @@ MAX_LEN = 512
 class Pair:
     """The stand-in model compiled and an identical eager one, each with its own caches and config."""
 
-    def __init__(self, backend: str, block_size: int, runtime: str, artifacts: list, **options) -> None:
+    def __init__(self, backend: str, block_size: int, runtime: str, artifacts: list,
+                 attention_options: dict[int, dict] | None = None, **options) -> None:
         self.block_size, self.num_blocks = block_size, 96
         self.configs = v.VllmConfig(), v.VllmConfig()
-        self.models = [v.StandInModel(c, backend=backend, seed=3) for c in self.configs]
+        self.models = [v.StandInModel(c, backend=backend, seed=3, attention_options=attention_options)
+                       for c in self.configs]
         for model in self.models:
             v.bind_kv_cache(model, self.num_blocks, block_size)
         config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=BUCKETS, pa_max_batch=4, runtime=runtime, **options)
@@ -147,7 +152,7 @@ def test_binder_leaves_other_graphs_and_refuses_unknown_cache_layouts():
     binder = integration.ForwardContextBinder(v.get_forward_context)
     assert binder(gm) is None  # no vLLM attention: nothing to bind
     with pytest.raises(ValueError, match="a \\(key, value\\) pair or a \\[num_blocks, 2, block_size"):
-        integration._split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
+        vllm_context.split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
 
 
 def test_an_unsupported_vllm_release_is_refused(monkeypatch):
@@ -182,3 +187,128 @@ def test_opaque_layer_names_hoisted_to_graph_inputs():
     finally:
         torch._dynamo.reset()
         v.register("str")
+
+
+# ---------------------------------------------------------------- features the rewrite cannot honour: refused
+
+
+class FlashInferBackend(v.FlashAttentionBackend):
+    """A backend the rewrite does not know (vLLM's FlashInfer metadata has no seq_lens / block_table)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+
+FlashInferBackend.__module__ = "vllm.v1.attention.backends.flashinfer"
+
+LAYER_1 = "model.layers.1.self_attn.attn"
+REFUSED = {
+    "sliding window": ({"per_layer_sliding_window": 64}, "sliding window"),
+    "soft-cap": ({"logits_soft_cap": 30.0}, "logits soft-cap"),
+    "alibi": ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
+    "sinks": ({"sinks": torch.zeros(4)}, "attention sinks"),
+    "encoder": ({"attn_type": "encoder_only"}, "attention type 'encoder_only'"),
+}
+
+
+def _refused(pair: Pair, message: str, **step) -> None:
+    with pytest.raises(Exception, match=f"vLLM attention layer '{LAYER_1}': {message}") as err:
+        pair.run(pair.step(random.Random(0), 3, False), **step)
+    assert "is not supported by ascend_graph" in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+@pytest.mark.parametrize("feature", list(REFUSED))
+def test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time(feature, backend):
+    """Each would be computed as plain causal attention (wrong tokens); it is refused when dynamo
+    hands the graph over (vLLM's profile run), naming the layer and the feature. vLLM-Ascend's impl
+    keeps no soft-cap (its own kernels drop it too): nothing there to refuse."""
+    if feature == "soft-cap" and backend == "ASCEND":
+        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl does not keep logits_soft_cap")
+    options, message = REFUSED[feature]
+    artifacts = []
+    pair = Pair(backend, 16, "sim", artifacts, attention_options={1: options})
+    _refused(pair, message)
+    assert artifacts == []
+
+
+@pytest.mark.parametrize("where", ["layer", "impl"])
+def test_quantized_kv_cache_dtype_is_refused_at_compile_time(where):
+    pair = Pair("FLASH_ATTN", 16, "sim", [])
+    layer = pair.models[0].attention_layers()[LAYER_1]
+    setattr(layer if where == "layer" else layer.impl, "kv_cache_dtype", "fp8_e4m3")
+    _refused(pair, r"quantized KV cache \(kv_cache_dtype='fp8_e4m3'\)")
+
+
+def test_quantized_kv_cache_tensor_is_refused_at_compile_time():
+    pair = Pair("FLASH_ATTN", 16, "sim", [])
+    layer = pair.models[0].attention_layers()[LAYER_1]
+    layer.kv_cache = torch.zeros(layer.kv_cache.shape, dtype=torch.uint8)
+    _refused(pair, r"quantized KV cache \(cache dtype torch.uint8\)")
+
+
+def test_other_attention_backends_are_refused_by_name_at_compile_time():
+    pair = Pair("FLASH_ATTN", 16, "sim", [])
+    pair.models[0].attention_layers()[LAYER_1].attn_backend = FlashInferBackend
+    _refused(pair, r"attention backend vllm.v1.attention.backends.flashinfer.FlashInferBackend "
+                   r"\(get_name\(\) 'FLASHINFER'\)")
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+def test_non_causal_metadata_is_refused(backend, monkeypatch):
+    pair = Pair(backend, 16, "sim", [])
+    build = v.build_metadata
+
+    def non_causal(model, step, **kwargs):
+        metadata, slots = build(model, step, **kwargs)
+        for meta in metadata.values():
+            meta.causal = False
+        return metadata, slots
+
+    monkeypatch.setattr(v, "build_metadata", non_causal)
+    with pytest.raises(Exception, match=r"vLLM attention layer 'model.layers.0.self_attn.attn': non-causal"):
+        pair.run(pair.step(random.Random(0), 3, False))
+
+
+def test_kv_transfer_connector_is_refused_at_compile_time(monkeypatch):
+    """vLLM's `maybe_transfer_kv_layer` hooks run in Python around the attention op the rewrite replaces."""
+    monkeypatch.setattr(integration, "kv_transfer_configured", lambda: True)
+    pair = Pair("FLASH_ATTN", 16, "sim", [])
+    with pytest.raises(Exception, match=r"a KV-transfer connector"):
+        pair.run(pair.step(random.Random(0), 3, False))
+
+
+def test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_shape():
+    """vLLM's mode 1 calls `model.compile(fullgraph=True, backend=...)` with no `dynamic=`: the
+    profile run's static graph is traced again general inside dynamo's backend call, so one graph
+    serves every step, batch 1 included (on vLLM's own Llama: tests/test_vllm_real.py)."""
+    artifacts, calls = [], []
+    pair = Pair("FLASH_ATTN", 16, "sim", artifacts)
+    compile_fn = integration.backend(CompileConfig(max_model_len=MAX_LEN, capture_sizes=BUCKETS, runtime="sim"),
+                                     on_compiled=artifacts.append, get_forward_context=v.get_forward_context)
+    torch._dynamo.reset()
+    pair.compiled = torch.compile(pair.models[0], fullgraph=True,
+                                  backend=lambda gm, inputs: calls.append(1) or compile_fn(gm, inputs))
+    with torch.no_grad(), v.set_forward_context(None, pair.configs[0]):  # the profile run
+        pair.compiled(torch.zeros(16, dtype=torch.long), torch.arange(16))
+    rng = random.Random(5)
+    for batch, mixed in [(1, False), (3, False), (1, True), (2, True), (6, False)]:
+        got, expected = pair.run(pair.step(rng, batch, mixed))
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    assert len(calls) == 2 and len(artifacts) == 1 and artifacts[0].stats["replays"] == 5
+
+
+def test_graph_memory_outside_vllms_budget_is_reported_after_each_capture(caplog):
+    """vLLM sizes its KV cache before anything of ours is captured: the figure to reserve is logged."""
+    artifacts = []
+    pair = Pair("FLASH_ATTN", 16, "sim", artifacts)
+    rng = random.Random(3)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        for batch, mixed in [(3, False), (3, False), (6, False)]:
+            pair.run(pair.step(rng, batch, mixed))
+    lines = [r.getMessage() for r in caplog.records if "outside vLLM's KV-cache budget" in r.getMessage()]
+    assert len(lines) == 2 and "after 1 captures" in lines[0] and "after 2 captures" in lines[1]
+    parts = graph_memory(artifacts[0].memory_report())
+    assert parts["workspaces"] > 0 and parts["buffers"] > 0 and parts["pool"] > 0
+    assert f"{sum(parts.values()) / 2 ** 20:.1f} MiB" in lines[1]

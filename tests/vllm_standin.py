@@ -415,6 +415,7 @@ def _attention_impl_init(self, num_heads, head_size, scale, num_kv_heads, alibi_
     self.attn_type = attn_type
     self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
     self.num_queries_per_kv = num_heads // num_kv_heads
+    self.sinks = kwargs.get("sinks")
 
 
 def _attend(impl, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, output, num_tokens):
@@ -525,8 +526,9 @@ class AscendAttentionBackendImpl:
             self.key_cache, self.value_cache = kv_cache[0], kv_cache[1]
         if key is not None and value is not None:
             n = attn_metadata.num_actual_tokens
+            # torch_npu's _npu_reshape_and_cache takes vLLM-Ascend's int32 slots; the reference op takes int64
             torch.ops.ascend.reshape_and_cache(key[:n], value[:n], self.key_cache, self.value_cache,
-                                               attn_metadata.slot_mapping[:n])
+                                               attn_metadata.slot_mapping[:n].long())
         num_tokens = attn_metadata.actual_seq_lengths_q[-1]
         query_lens = [e - s for s, e in zip([0] + attn_metadata.actual_seq_lengths_q[:-1],
                                             attn_metadata.actual_seq_lengths_q)]
@@ -556,6 +558,9 @@ class AscendAttentionBackend(AttentionBackend):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
+# The backends' classes under vLLM's and vLLM-Ascend's module paths: the integration knows a backend by class.
+FlashAttentionBackend.__module__ = "vllm.v1.attention.backends.flash_attn"
+AscendAttentionBackend.__module__ = "vllm_ascend.attention.attention_v1"
 BACKENDS = {"FLASH_ATTN": FlashAttentionBackend, "ASCEND": AscendAttentionBackend}
 
 
@@ -617,13 +622,13 @@ class Attention(torch.nn.Module):
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, hidden, num_heads, num_kv_heads, head_size, prefix, vllm_config, backend):
+    def __init__(self, hidden, num_heads, num_kv_heads, head_size, prefix, vllm_config, backend, **attention_options):
         super().__init__()
         self.q_size, self.kv_size = num_heads * head_size, num_kv_heads * head_size
         self.qkv_proj = torch.nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = torch.nn.Linear(self.q_size, hidden, bias=False)
         self.attn = Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads, prefix=f"{prefix}.self_attn.attn",
-                              attn_backend=backend, vllm_config=vllm_config)
+                              attn_backend=backend, vllm_config=vllm_config, **attention_options)
 
     def forward(self, hidden_states):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -632,17 +637,19 @@ class DecoderLayer(torch.nn.Module):
 
 class StandInModel(torch.nn.Module):
     """A tiny decoder taking vLLM's model inputs (`input_ids`, `positions`); layers are named as vLLM's
-    (`model.layers.{i}.self_attn.attn`)."""
+    (`model.layers.{i}.self_attn.attn`). `attention_options`: extra `Attention` arguments per layer
+    index (a sliding window, a soft-cap, ...)."""
 
     def __init__(self, vllm_config: VllmConfig, backend="FLASH_ATTN", num_layers=2, vocab=64, hidden=32,
-                 num_heads=4, num_kv_heads=2, head_size=8, max_position=512, seed=0):
+                 num_heads=4, num_kv_heads=2, head_size=8, max_position=512, seed=0,
+                 attention_options: dict[int, dict] | None = None):
         super().__init__()
         torch.manual_seed(seed)
         self.embed_tokens = torch.nn.Embedding(vocab, hidden)
         self.embed_positions = torch.nn.Embedding(max_position, hidden)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(hidden, num_heads, num_kv_heads, head_size, f"model.layers.{i}", vllm_config,
-                         BACKENDS[backend])
+                         BACKENDS[backend], **(attention_options or {}).get(i, {}))
             for i in range(num_layers)
         )
         self.backend = backend
@@ -731,7 +738,7 @@ def build_metadata(model: StandInModel, step: Step, device="cpu", spare_reqs: in
         num_prefills=sum(q > 1 for q in step.query_lens), num_decodes=sum(q == 1 for q in step.query_lens),
         block_tables=block_table, query_start_loc=qsl.to(device), seq_lens=seq_lens, seq_lens_cpu=seq_lens,
         seq_lens_list=list(step.seq_lens), actual_seq_lengths_q=step.query_start_loc[1:],
-        max_query_len=max(step.query_lens), slot_mapping=slots,
+        max_query_len=max(step.query_lens), slot_mapping=slots.to(torch.int32),  # vLLM-Ascend's slots are int32
     )
     return {n: meta for n in names}, {}
 

@@ -17,7 +17,8 @@ top end, decode detection), issue 22's (`verify` comparing nothing; what an Asce
 that the fake torch_npu now checks: a cache write reading device data on the host, a skipped
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
 a replay running an op's Python body, PA sized for batches of one length only), the attention
-features' bugs (issue 25) and MLA's (issue 26).
+features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (a sliding window or another
+backend not refused, the first vLLM graph not traced general).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -191,7 +192,7 @@ MUTANTS = (
         (f"{AUDIT}::test_transformers_sequences_up_to_a_max_model_len_off_the_page_size_keep_their_last_page",),
     ),
     Mutant(
-        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm.py",
+        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm_context.py",
         "    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]\n",
         "    return metadata.query_start_loc\n",
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
@@ -330,6 +331,25 @@ MUTANTS = (
         "MLA cache write at slot -1", "ascend_compile/ops/mla.py",
         "    valid = slots >= 0\n", "    valid = slots >= -1\n",
         ("tests/test_mla.py::test_the_cache_write_skips_slot_minus_one",),
+    ),
+    # issue 23: vLLM attention features the rewrite would compute wrongly, refused at compile time
+    Mutant(
+        "sliding window ignored", "ascend_compile/integrations/vllm_layers.py",
+        "    if window is not None:\n        return f\"sliding window",
+        "    if False:\n        return f\"sliding window",
+        ("tests/test_vllm.py::test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time",),
+    ),
+    Mutant(
+        "other backend not refused", "ascend_compile/integrations/vllm_layers.py",
+        "    if path not in SUPPORTED_BACKENDS:\n",
+        "    if False:\n",
+        ("tests/test_vllm.py::test_other_attention_backends_are_refused_by_name_at_compile_time",),
+    ),
+    Mutant(
+        "vLLM graph not traced general", "ascend_compile/integrations/vllm.py",
+        "        retrace_general(gm, SHARED_TOKEN_SETTINGS)\n",
+        "",
+        ("tests/test_vllm.py::test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_shape",),
     ),
 )
 

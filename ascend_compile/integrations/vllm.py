@@ -12,7 +12,8 @@ host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
 
 Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
 qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
-"cudagraph_mode": "NONE"}`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
+"cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
+features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
 tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
 """
 from __future__ import annotations
@@ -25,11 +26,17 @@ import torch
 from torch import fx
 
 from ..backend import compile_graph
+from ..compile_once import SHARED_TOKEN_SETTINGS, retrace_general
 from ..config import CompileConfig
 from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
 from ..targets import TargetFactory, default_target
+from .vllm_context import (as_int64, attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
+                           metadata_of, query_start_loc, split_cache)
+from .vllm_deferred import DeferredCompile
+from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
+from .vllm_options import current_vllm_config, options_for
 
 log = logging.getLogger("ascend_compile")
 
@@ -92,22 +99,49 @@ class ForwardContextBinder:
                  example_inputs: Sequence[Any] = ()) -> None:
         self.get_forward_context = get_forward_context or _default_forward_context
         self.example_inputs = list(example_inputs)
+        self.group_layers: list[str] = []  # one layer per metadata group bound, set by the rewrite
 
     # -------------------------------------------------------------- what the forward context holds
 
-    def ready(self) -> bool:
-        """Whether the current forward context has the metadata and caches a compile binds to (vLLM's
-        profiling run has no metadata and no caches yet: such steps run eagerly, uncompiled)."""
+    def current_context(self) -> Any:
+        """The forward context, or None outside one (vLLM asserts there is one)."""
         try:
-            ctx = self.get_forward_context()
+            return self.get_forward_context()
         except AssertionError:
-            return False
+            return None
+
+    def not_ready(self, layers: Sequence[str]) -> str | None:
+        """Why the current step cannot be compiled against (None: it can): no forward context, no
+        metadata (vLLM's profiling run, before the KV caches exist), list-form metadata (DBO /
+        micro-batching), or one of the graph's `layers` without a KV cache bound."""
+        ctx = self.current_context()
+        if ctx is None:
+            return "no forward context"
         metadata = ctx.attn_metadata
-        if metadata is None or isinstance(metadata, list):
-            return False
-        layers = list(ctx.no_compile_layers.values())
-        return bool(layers) and all(_has_cache(getattr(layer, "kv_cache", None)) for layer in layers
-                                    if hasattr(layer, "impl"))
+        if metadata is None:
+            return "no attention metadata (vLLM's profiling run)"
+        if isinstance(metadata, list):
+            return "attn_metadata is a list (DBO / micro-batching), which ascend_graph does not support"
+        for name in layers:
+            layer = ctx.no_compile_layers.get(name)
+            if layer is None or not has_cache(getattr(layer, "kv_cache", None)):
+                return f"layer {name!r} has no KV cache bound (forward_context.no_compile_layers[{name!r}].kv_cache)"
+        return None
+
+    def longest_sequence(self) -> int | None:
+        """The longest KV length of the current step, from the host copies the metadata keeps
+        (FLASH_ATTN's `max_seq_len`, vLLM-Ascend's `seq_lens_list`), over every metadata group the
+        compile bound; None where no host copy exists (the runner then checks the device lengths)."""
+        ctx = self.get_forward_context()
+        longest = None
+        for layer in self.group_layers:
+            metadata = ctx.attn_metadata[layer]
+            value = getattr(metadata, "max_seq_len", None)
+            if value is None and getattr(metadata, "seq_lens_list", None):
+                value = max(metadata.seq_lens_list)
+            if value is not None:
+                longest = max(longest or 0, int(value))
+        return longest
 
     def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
         """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph
@@ -121,6 +155,21 @@ class ForwardContextBinder:
             raise TypeError(f"{node.name}.layer_name: expected a str or vLLM LayerName, got {type(arg).__name__}")
         return arg
 
+    def layer_names(self, gm: fx.GraphModule) -> list[str]:
+        """The layer names of the graph's vLLM attention nodes, in graph order."""
+        return [self.layer_name(gm, node) for node in vllm_graph_nodes(gm)[0]]
+
+    def refuse_unsupported(self, gm: fx.GraphModule, ctx: Any) -> None:
+        """Refuse, naming the layer and the feature, any of the graph's attention layers the rewrite
+        would compute wrongly (`vllm_layers.refusal`), and a configured KV-transfer connector."""
+        names = self.layer_names(gm)
+        refuse_unsupported({name: ctx.no_compile_layers[name] for name in names})
+        if kv_transfer_configured():
+            raise UnsupportedAttention(
+                names[0], "a KV-transfer connector (kv_transfer_config: its per-layer "
+                "wait_for_layer_load / save_kv_layer hooks run in Python around vLLM's attention op, which a "
+                "captured graph replaces)")
+
     # -------------------------------------------------------------- the rewrite
 
     def __call__(self, gm: fx.GraphModule) -> Provider | None:
@@ -128,6 +177,8 @@ class ForwardContextBinder:
         if not attention:
             return None
         ctx = self.get_forward_context()
+        self.refuse_unsupported(gm, ctx)
+        self.group_layers = []
         if ctx.attn_metadata is None or isinstance(ctx.attn_metadata, list):
             raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata at compile time "
                              "(a step with metadata), got "
@@ -145,8 +196,10 @@ class ForwardContextBinder:
 
         def metadata_inputs(layer: str, tokens: Any) -> dict[str, fx.Node]:
             metadata = ctx.attn_metadata[layer]
+            refuse_metadata(layer, metadata)
             key = id(metadata)
             if key not in groups:
+                self.group_layers.append(layer)
                 groups[key] = self._bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
             return groups[key]
 
@@ -216,22 +269,22 @@ class ForwardContextBinder:
         seqs = fresh_size(fake_mode, seq_lens.shape[0], f"seqs_{index}")
         table = getattr(metadata, table_field)
         inputs = {
-            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: _meta(ctx, layer).seq_lens,
+            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: metadata_of(ctx, layer).seq_lens,
                                 fake_like(fake_mode, seq_lens, (seqs,))),
             "query_start_loc": provide(
                 f"vllm_query_start_loc_{index}", f"{where}.query_start_loc[:num_reqs + 1]",
-                lambda ctx: _query_start_loc(_meta(ctx, layer)),
+                lambda ctx: query_start_loc(metadata_of(ctx, layer)),
                 fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
             "block_table": provide(
                 f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
-                lambda ctx: _block_table(_meta(ctx, layer), table_field),
+                lambda ctx: block_table(metadata_of(ctx, layer), table_field),
                 fake_like(fake_mode, table, (seqs, table.shape[1]))),
         }
         if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
             inputs["slot_mapping"] = provide(
                 f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: _attention_slots(_meta(ctx, layer)),
-                fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
+                lambda ctx: as_int64(attention_slots(metadata_of(ctx, layer))),
+                fake_like(fake_mode, as_int64(metadata.slot_mapping), (tokens,)))
         return inputs
 
     @staticmethod
@@ -240,7 +293,7 @@ class ForwardContextBinder:
         """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
         layer sharing the tensor)."""
         return provide(f"vllm_slot_mapping_{index}", f"forward_context.slot_mapping[{layer!r}]",
-                       lambda c: c.slot_mapping[layer], fake_like(fake_mode, real, (tokens,)))
+                       lambda c: as_int64(c.slot_mapping[layer]), fake_like(fake_mode, as_int64(real), (tokens,)))
 
     @staticmethod
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
@@ -248,79 +301,17 @@ class ForwardContextBinder:
         """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM's
         `[num_blocks, 2, ...]` cache unbound on dim 1, or vLLM-Ascend's `(key, value)` pair."""
         where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
-        key, value = _split_cache(attn_layer.kv_cache, where)
+        key, value = split_cache(attn_layer.kv_cache, where)
+        refuse_cache_dtype(layer, key)
         name = layer.replace(".", "_")
-        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: _cache(ctx, layer, where)[0],
+        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: cache_pair(ctx, layer, where)[0],
                         fake_like(fake_mode, key)),
-                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: _cache(ctx, layer, where)[1],
+                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: cache_pair(ctx, layer, where)[1],
                         fake_like(fake_mode, value)))
-
-
-def _has_cache(kv_cache: Any) -> bool:
-    if isinstance(kv_cache, (tuple, list)):
-        return len(kv_cache) >= 2 and all(isinstance(t, torch.Tensor) and t.numel() for t in kv_cache[:2])
-    return isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5
-
-
-def _split_cache(kv_cache: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) >= 2:
-        return kv_cache[0], kv_cache[1]
-    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
-        return kv_cache[:, 0], kv_cache[:, 1]
-    raise ValueError(f"{where}: expected a (key, value) pair or a [num_blocks, 2, block_size, kv_heads, head_dim] "
-                     f"tensor (FLASH_ATTN's layout), got "
-                     f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
-
-
-def _meta(ctx: Any, layer: str) -> Any:
-    metadata = ctx.attn_metadata
-    if not isinstance(metadata, dict):
-        raise ValueError("forward_context.attn_metadata: expected a dict of per-layer metadata, got "
-                         + ("None" if metadata is None else type(metadata).__name__))
-    return metadata[layer]
-
-
-def _query_start_loc(metadata: Any) -> torch.Tensor:
-    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]
-
-
-def _block_table(metadata: Any, field: str) -> torch.Tensor:
-    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]
-
-
-def _attention_slots(metadata: Any) -> torch.Tensor:
-    """vLLM-Ascend's slots of the real tokens (the attention op writes the cache itself)."""
-    return metadata.slot_mapping[: metadata.num_actual_tokens]
-
-
-def _cache(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _split_cache(ctx.no_compile_layers[layer].kv_cache, where)
 
 
 def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
     return [r.read(ctx) for r in readers]
-
-
-class DeferredCompile:
-    """What the backend returns for a vLLM graph: it runs the graph as traced (vLLM's own ops) until a
-    step's forward context has metadata and caches, then compiles once against it (vLLM compiles
-    during its profiling run, before the KV caches exist)."""
-
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
-                 binder: ForwardContextBinder, target: TargetFactory,
-                 on_compiled: Callable[[CompiledArtifact], None] | None) -> None:
-        self.gm, self.example_inputs, self.config = gm, list(example_inputs), config
-        self.binder, self.target, self.on_compiled = binder, target, on_compiled
-        self.compiled: Callable[..., Any] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.compiled is None:
-            if not self.binder.ready():
-                return self.gm(*args)
-            self.compiled = compile_graph(self.gm, self.example_inputs, self.config, self.target, bind=self.binder)
-            if self.on_compiled is not None and isinstance(self.compiled, CompiledArtifact):
-                self.on_compiled(self.compiled)
-        return self.compiled(*args)
 
 
 def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,
@@ -335,6 +326,7 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
         raise ValueError("backend: pass either a CompileConfig or options, not both")
     if get_forward_context is None:  # vLLM's own forward context: check the release it comes from
         _check_version()
+    deferred = dataclasses.replace(config, retrace_static=False)  # retraced at dynamo's call, if at all
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         attention, _ = vllm_graph_nodes(gm)
@@ -344,16 +336,30 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
                 on_compiled(compiled)
             return compiled
         binder = ForwardContextBinder(get_forward_context, example_inputs)
-        return DeferredCompile(gm, example_inputs, config, binder, target, on_compiled)
+        ctx = binder.current_context()
+        if ctx is not None:  # vLLM's profile run: the layers are known, refuse what we cannot serve now
+            binder.refuse_unsupported(gm, ctx)
+        # vLLM's model.compile passes no dynamic=: have dynamo trace this first call again with every
+        # step size symbolic (batch 1 included), so that one graph and one artifact serve every step.
+        # Here, inside dynamo's backend call, not at the deferred compile (outside dynamo).
+        retrace_general(gm, SHARED_TOKEN_SETTINGS)
+        return DeferredCompile(gm, example_inputs, deferred, binder, target, on_compiled)
 
     return compile_fn
 
 
-def vllm_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """The backend for vLLM's `compilation_config.backend` (a qualified name, so no arguments): options
-    from the environment variable `ASCEND_COMPILE_OPTIONS` (JSON), e.g. `{"max_model_len": 8192}`."""
-    import json
-    import os
+def configured_backend(vllm_config: Any) -> Callable[..., Any]:
+    """`backend(...)` with the options for `vllm_config` (`vllm_options.options_for`: vLLM's
+    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them)."""
+    return backend(**options_for(vllm_config))
 
-    options = json.loads(os.environ.get("ASCEND_COMPILE_OPTIONS", "{}"))
-    return backend(**options)(gm, example_inputs)
+
+def __getattr__(name: str) -> Any:
+    """`vllm_backend`: the backend for vLLM's `compilation_config.backend` (a qualified name, so no
+    arguments). vLLM's runner resolves that name (`init_backend`, `getattr` on this module) while
+    loading the model, under `set_current_vllm_config`, and calls the result later, when vLLM's
+    config is no longer current: this module attribute is made at that lookup, from the config
+    current then (`configured_backend`)."""
+    if name == "vllm_backend":
+        return configured_backend(current_vllm_config())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,16 +17,17 @@ from .kernel_call import arg_names, kernel_calls
 
 
 def contiguous_queries(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm`, or a copy whose kernels read a contiguous copy of each non-contiguous query."""
-    if all(example_value(c.arg("query")).is_contiguous() for c in kernel_calls(gm)):
+    """A copy of `gm` whose kernels read `query.contiguous()`: a copy where the step's query is not
+    contiguous, the query itself where it is. Every kernel gets the node, whatever the traced
+    strides say: a graph traced with every size symbolic may record a query's strides as contiguous
+    while a step's query is a strided view (vLLM's, of the fused QKV projection)."""
+    if not kernel_calls(gm):
         return gm
     gm = clone_graph_module(gm)
     graph = gm.graph
     for call in kernel_calls(gm):
         query = call.arg("query")
         value = example_value(query)
-        if value.is_contiguous():
-            continue
         out = call.arg("out")
         like_query = out.args[:1] == (query,)  # `empty_like(query)`, as select_kernels makes it
         with graph.inserting_before(out if like_query else call.node):

@@ -1,0 +1,72 @@
+"""What the backend returns for a vLLM graph: when it runs compiled, and when as traced.
+
+vLLM compiles during its profiling run, before the KV caches exist and with no attention metadata;
+the graph runs as traced (vLLM's own ops and kernels) until a step's forward context has metadata
+and every one of the graph's layers has its cache, then compiles once against it. After that, a
+step with a sequence longer than the `max_model_len` the workspaces were sized for runs as traced
+too (correct, uncompiled), instead of failing inside vLLM's `execute_model` and with it the engine.
+Each reason a step runs as traced is logged once: a model that stays uncompiled says why. After
+each new capture the graph memory outside vLLM's KV-cache budget is logged (`vllm_memory`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from torch import fx
+
+from ..backend import compile_graph
+from ..config import CompileConfig
+from ..lowering.runner import CompiledArtifact
+from ..targets import TargetFactory
+from .vllm_memory import log_graph_memory
+
+if TYPE_CHECKING:
+    from .vllm import ForwardContextBinder
+
+log = logging.getLogger("ascend_compile")
+
+#: Reasons expected on every vLLM start-up (logged at DEBUG; any other at WARNING).
+EXPECTED = ("no forward context", "no attention metadata (vLLM's profiling run)")
+
+
+class DeferredCompile:
+    """A vLLM graph: as traced until a step can be compiled against, then the compiled artifact."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
+                 binder: ForwardContextBinder, target: TargetFactory,
+                 on_compiled: Callable[[CompiledArtifact], None] | None) -> None:
+        self.gm, self.example_inputs, self.config = gm, list(example_inputs), config
+        self.binder, self.target, self.on_compiled = binder, target, on_compiled
+        self.layers = binder.layer_names(gm)
+        self.compiled: Callable[..., Any] | None = None
+        self.logged: set[str] = set()
+        self.captures = 0  # the artifact's captures last reported (`vllm_memory`)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            reason = self.binder.not_ready(self.layers)
+            if reason is not None:
+                return self.as_traced(args, reason)
+            self.compiled = compile_graph(self.gm, self.example_inputs, self.config, self.target, bind=self.binder)
+            if self.on_compiled is not None and isinstance(self.compiled, CompiledArtifact):
+                self.on_compiled(self.compiled)
+        longest = self.binder.longest_sequence()
+        if longest is not None and longest > self.config.max_model_len:
+            return self.as_traced(args, f"a sequence is longer than max_model_len="
+                                        f"{self.config.max_model_len}, the longest the graphs' workspaces were "
+                                        f"sized for (set max_model_len in ASCEND_COMPILE_OPTIONS or vLLM's config)")
+        result = self.compiled(*args)
+        if isinstance(self.compiled, CompiledArtifact) and self.compiled.stats["captures"] != self.captures:
+            self.captures = self.compiled.stats["captures"]
+            log_graph_memory(self.compiled)
+        return result
+
+    def as_traced(self, args: Sequence[Any], reason: str) -> Any:
+        """Run the graph as dynamo traced it (vLLM's ops), logging `reason` the first time."""
+        if reason not in self.logged:
+            self.logged.add(reason)
+            level = logging.DEBUG if reason in EXPECTED else logging.WARNING
+            log.log(level, "ascend_compile: vLLM graph (%d attention layers) runs uncompiled: %s (logged once)",
+                    len(self.layers), reason)
+        return self.gm(*args)

@@ -1,0 +1,49 @@
+"""The backend's options for a vLLM engine: vLLM's own config first, `ASCEND_COMPILE_OPTIONS` over it.
+
+vLLM knows the longest sequence it admits (`model_config.max_model_len`) and, where the user set
+them, the batch sizes worth capturing (`compilation_config.cudagraph_capture_sizes`); the workspaces
+sized for a different `max_model_len` than vLLM's would refuse requests vLLM admits. The block size
+needs no option: each layer's KV cache, bound by vLLM, carries it. Options given as JSON in the
+environment variable `ASCEND_COMPILE_OPTIONS` override what comes from vLLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+OPTIONS_ENV = "ASCEND_COMPILE_OPTIONS"
+
+
+def from_vllm_config(vllm_config: Any) -> dict[str, Any]:
+    """`max_model_len` and `capture_sizes` as vLLM's config has them (those it leaves unset are left out)."""
+    options: dict[str, Any] = {}
+    if vllm_config is None:
+        return options
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "max_model_len", None):
+        options["max_model_len"] = int(model.max_model_len)
+    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None)
+    if sizes:
+        options["capture_sizes"] = sorted(int(s) for s in sizes)
+    return options
+
+
+def from_environment() -> dict[str, Any]:
+    """The options in `ASCEND_COMPILE_OPTIONS` (JSON; empty when unset)."""
+    return json.loads(os.environ.get(OPTIONS_ENV) or "{}")
+
+
+def options_for(vllm_config: Any) -> dict[str, Any]:
+    """vLLM's config, then the environment's options over it."""
+    return {**from_vllm_config(vllm_config), **from_environment()}
+
+
+def current_vllm_config() -> Any:
+    """The config vLLM has set as current (`set_current_vllm_config`: model loading, where its
+    runner resolves `compilation_config.backend`), or None outside it or without vLLM."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    return get_current_vllm_config_or_none()

@@ -1,0 +1,264 @@
+"""The vLLM integration on vLLM 0.23.0's own code (`tests/vllm_real.py`): vLLM's Llama and Gemma 2,
+its `Attention` layer, `torch.ops.vllm.*`, `set_forward_context` and its mode-1 compile call
+(`init_backend` + `model.compile(fullgraph=True)`), on the CPU simulator. Skipped where vLLM does not
+import (the main venv); `.ci/run` runs this file in `.venv-vllm`, which has it."""
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm")
+
+from ascend_compile.integrations import vllm as integration  # noqa: E402
+from tests import vllm_real as real  # noqa: E402
+
+LAYER_0, LAYER_1 = real.LAYER.format(0), real.LAYER.format(1)
+# decode and mixed steps, batch 1 included, inside, between and above the buckets (4, 8)
+STEPS = [([5], [1]), ([9, 17, 4], [1, 1, 1]), ([12], [3]), ([30, 7], [2, 1]), ([6, 8, 10, 12, 14], [1] * 5),
+         ([40], [1]), ([50, 60, 70], [3, 2, 4]), ([20] * 8, [1] * 8), ([11, 13], [1, 1])]
+
+
+@pytest.fixture
+def compiled(monkeypatch, tmp_path):
+    """(artifacts, backend calls, make): `make(**kwargs)` builds vLLM's model twice, the first
+    compiled through vLLM's own mode-1 call with our backend by qualified name, the second eager."""
+    artifacts, calls = [], []
+    original = integration.backend
+
+    def counting(*args, **kwargs):
+        compile_fn = original(*args, on_compiled=artifacts.append, **kwargs)
+
+        def call(gm, example_inputs):
+            calls.append(len(example_inputs))
+            return compile_fn(gm, example_inputs)
+        return call
+
+    monkeypatch.setattr(integration, "backend", counting)
+    monkeypatch.delenv("ASCEND_COMPILE_OPTIONS", raising=False)
+    torch._dynamo.reset()
+
+    def make(hf_config=None, options=None, **config):
+        if options is not None:
+            monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps(options))
+        models = []
+        for mode in (1, 0):
+            where = tmp_path / f"mode{mode}"
+            where.mkdir(exist_ok=True)
+            models.append(real.build(real.vllm_config(where, compile_mode=mode, hf_config=hf_config, **config),
+                                     seed=3))
+        real.compile_as_vllm(models[0])
+        return models
+
+    yield artifacts, calls, make
+    torch._dynamo.reset()
+
+
+def _equal_to_eager(models, steps) -> None:
+    for seq_lens, query_lens in steps:
+        step = real.Step(seq_lens, query_lens)
+        got, expected = real.run(models[0], step), real.run(models[1], step)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    for got, expected in zip(models[0].caches(), models[1].caches()):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_vllms_llama_through_vllms_compile_call_equals_eager_with_one_artifact(compiled):
+    """The profile run (no metadata, T=16) is handed over static; it is traced again general, so one
+    dynamo graph and one artifact serve every step: decode and mixed, batch 1 included."""
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0], 16)
+    _equal_to_eager(models, STEPS)
+    assert len(calls) == 2  # the profile run's static trace, then its general retrace
+    assert len(artifacts) == 1
+    stats = artifacts[0].stats
+    assert stats["steps"] == len(STEPS)
+    # above the largest bucket (8 tokens): the 9-token mixed step runs eagerly; every other step replays
+    assert stats["replays"] == len(STEPS) - 1 and stats["eager_fallbacks"] == 1
+
+
+def test_max_model_len_and_capture_sizes_come_from_vllms_config(compiled):
+    artifacts, calls, make = compiled
+    models = make(max_model_len=128)
+    real.profile_run(models[0])
+    _equal_to_eager(models, STEPS[:2])
+    assert artifacts[0].config.max_model_len == 128  # vLLM's; no ASCEND_COMPILE_OPTIONS
+
+
+def test_our_options_override_vllms(compiled):
+    artifacts, calls, make = compiled
+    models = make(options={"max_model_len": 64, "capture_sizes": [2, 4]})
+    real.profile_run(models[0])
+    _equal_to_eager(models, STEPS[:1])
+    assert artifacts[0].config.max_model_len == 64 and artifacts[0].config.capture_sizes == (2, 4)
+
+
+def test_a_request_longer_than_our_max_model_len_runs_as_traced_not_failing_the_engine(compiled, caplog):
+    artifacts, calls, make = compiled
+    models = make(options={"max_model_len": 64, "capture_sizes": [4, 8]})
+    real.profile_run(models[0])
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _equal_to_eager(models, [([20, 30], [1, 1]), ([100, 30], [1, 1]), ([120], [1]), ([21, 31], [1, 1])])
+    assert artifacts[0].stats["replays"] == 2  # the two short steps
+    warnings = [r.getMessage() for r in caplog.records if "longer than max_model_len=64" in r.getMessage()]
+    assert len(warnings) == 1  # logged once
+
+
+def test_list_form_metadata_keeps_the_graph_uncompiled_and_says_why_once(compiled, caplog, monkeypatch):
+    """DBO's list-form metadata: the step runs as traced (vLLM's ops), with one warning naming why."""
+    artifacts, calls, make = compiled
+    models = make()
+    real.profile_run(models[0])
+    metadata = real.Step.metadata
+
+    def as_list(step, model):
+        attn_metadata, slots = metadata(step, model)
+        return ([attn_metadata] if model is models[0] else attn_metadata), slots
+
+    monkeypatch.setattr(real.Step, "metadata", as_list)
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        for seq_lens in ([5], [6], [7]):
+            real.run(models[0], real.Step(seq_lens, [1]))  # vLLM's own ops, as traced
+    assert artifacts == []
+    warnings = [r.getMessage() for r in caplog.records if "DBO / micro-batching" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+# ---------------------------------------------------------------- refused at compile time
+
+
+def _refused_at_the_profile_run(models, match: str) -> None:
+    with pytest.raises(Exception, match=match) as err:
+        real.profile_run(models[0])
+    assert "is not supported by ascend_graph" in str(err.value)
+
+
+def test_a_sliding_window_layer_is_refused_at_compile_time(compiled):
+    artifacts, calls, make = compiled
+    hf = dict(real.TINY_LLAMA, layer_types=["full_attention", "sliding_attention"], sliding_window=32)
+    models = make(hf_config=hf)
+    _refused_at_the_profile_run(models, f"vLLM attention layer '{LAYER_1}': sliding window")
+
+
+def test_a_soft_capped_layer_is_refused_at_compile_time(compiled):
+    artifacts, calls, make = compiled
+    models = make(hf_config=real.gemma2())
+    _refused_at_the_profile_run(models, rf"vLLM attention layer '{LAYER_0}': logits soft-cap "
+                                        rf"\(impl.logits_soft_cap=50.0\)")
+
+
+def test_a_quantized_kv_cache_is_refused_at_compile_time(compiled):
+    artifacts, calls, make = compiled
+    models = make(cache_dtype="fp8")
+    _refused_at_the_profile_run(models, rf"vLLM attention layer '{LAYER_0}': quantized KV cache "
+                                        rf"\(kv_cache_dtype='fp8'\)")
+
+
+def test_another_attention_backend_is_refused_by_name_at_compile_time(compiled, monkeypatch):
+    artifacts, calls, make = compiled
+    monkeypatch.setattr(real.CpuFlashAttnPlatform, "attention_backend",
+                        "vllm.v1.attention.backends.flex_attention.FlexAttentionBackend")
+    models = make()
+    _refused_at_the_profile_run(models, rf"'{LAYER_0}': attention backend "
+                                        rf"vllm.v1.attention.backends.flex_attention.FlexAttentionBackend "
+                                        rf"\(get_name\(\) 'FLEX_ATTENTION'\)")
+
+
+def test_a_kv_transfer_connector_is_refused_at_compile_time(compiled, monkeypatch):
+    """vLLM's `maybe_transfer_kv_layer` calls the connector around `unified_attention_with_output`."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    artifacts, calls, make = compiled
+    models = make()
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", object())
+    _refused_at_the_profile_run(models, "a KV-transfer connector")
+
+
+# ---------------------------------------------------------------- vLLM-Ascend: the plug-in
+
+
+class NPUModelRunner:
+    """A stand-in for vLLM-Ascend's `NPUModelRunner` as far as the plug-in touches it (its
+    `vllm_config`, `load_model` setting `self.model`): the real one does not import here (docs/vllm.md).
+    The model it loads is vLLM's own."""
+
+    def __init__(self, vllm_config, seed: int = 3) -> None:
+        self.vllm_config, self.seed = vllm_config, seed
+        self.model = None
+
+    def load_model(self) -> None:
+        self.loaded = real.build(self.vllm_config, seed=self.seed)
+        self.model = self.loaded.model
+
+
+@pytest.fixture
+def ascend_runner(monkeypatch):
+    """`vllm_ascend.worker.model_runner_v1` holding the stand-in runner class (a fresh class per test)."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm_ascend.worker.model_runner_v1")
+    module.NPUModelRunner = type("NPUModelRunner", (NPUModelRunner,), {})
+    for name in ("vllm_ascend", "vllm_ascend.worker"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module.NPUModelRunner
+
+
+def _plugin():
+    """Our `vllm.general_plugins` entry point, as vLLM's plugin loader finds it (package metadata)."""
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(group=DEFAULT_PLUGINS_GROUP)
+    assert "ascend_compile" in plugins, f"entry point not installed: {sorted(plugins)}"
+    return plugins["ascend_compile"]
+
+
+def test_the_plugin_compiles_the_model_after_load_model(compiled, ascend_runner, monkeypatch, tmp_path, caplog):
+    """Opted in, the entry point wraps `NPUModelRunner.load_model`, which then compiles vLLM's model
+    with our backend, although the config's compilation mode is NONE (what NPUPlatform resets it to):
+    the mode no longer decides. One artifact serves the steps, equal to eager."""
+    artifacts = compiled[0]
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"capture_sizes": [4, 8]}))
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _plugin()()
+        config = real.vllm_config(tmp_path, compile_mode=0)  # mode NONE, cudagraph_mode NONE
+        runner = ascend_runner(config)
+        runner.load_model()
+    assert any("ascend_graph in use for vLLM-Ascend's NPUModelRunner" in r.getMessage() for r in caplog.records)
+    (tmp_path / "eager").mkdir()
+    eager = real.build(real.vllm_config(tmp_path / "eager"), seed=3)
+    real.profile_run(runner.loaded)
+    _equal_to_eager([runner.loaded, eager], STEPS[:4])
+    assert len(artifacts) == 1 and artifacts[0].stats["replays"] == 4
+    assert artifacts[0].config.max_model_len == 256  # from the runner's vllm_config
+
+
+def test_the_plugin_says_why_it_is_not_in_use(ascend_runner, monkeypatch, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _plugin()()  # not opted in
+    assert "ASCEND_COMPILE_VLLM_ASCEND is not 1" in caplog.text
+    assert not hasattr(ascend_runner.load_model, "_ascend_compile_wrapped")
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    _plugin()()
+    config = real.vllm_config(tmp_path, compile_mode=0)
+    config.compilation_config.cudagraph_mode = type(config.compilation_config.cudagraph_mode).FULL
+    runner = ascend_runner(config)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        runner.load_model()
+    assert "vLLM-Ascend captures ACL graphs itself (compilation_config.cudagraph_mode=FULL)" in caplog.text
+    assert runner.model._compiled_call_impl is None  # not compiled (nn.Module.compile sets it)
+
+
+def test_the_plugin_without_vllm_ascend_says_so(monkeypatch, caplog):
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _plugin()()
+    assert "vllm_ascend.worker.model_runner_v1.NPUModelRunner does not import" in caplog.text

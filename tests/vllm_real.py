@@ -1,0 +1,256 @@
+"""vLLM 0.23.0's own model, attention layer, ops and forward context, run on the CPU.
+
+What stands in for the GPU (and nothing else): a platform forced through
+`vllm.platforms._current_platform` (auto-detection gives `UnspecifiedPlatform`, which has no
+attention backend) that names vLLM's FLASH_ATTN backend and dispatches vLLM's ops on the CPU, and
+pure-torch bodies for the two CUDA-only kernel calls of `FlashAttentionImpl` (`forward`: the
+`flash_attn_varlen_func` call, `do_kv_cache_update`: `reshape_and_cache_flash`). Everything else is
+vLLM's: `ModelConfig` from a tiny Llama `config.json` written here, `VllmConfig`,
+`LlamaForCausalLM`, `Attention`, `torch.ops.vllm.unified_*`, `set_forward_context`,
+`FlashAttentionMetadata`, world-size-1 gloo groups on a file store, `process_weights_after_loading`,
+and vLLM's compile call (`compilation_config.init_backend` + `model.compile(fullgraph=True)`, as
+`GPUModelRunner.load_model` does under mode 1).
+
+Importing this module needs vLLM (`tests/test_vllm_real.py` skips without it): `.ci/run` builds the
+venv it runs in (`.venv-vllm`: the CPU torch, then vLLM with `--no-deps` and the pure-Python
+packages its imports need).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import vllm.platforms
+from vllm.platforms.interface import DeviceCapability, Platform, PlatformEnum
+
+FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+BACKEND = "ascend_compile.integrations.vllm.vllm_backend"
+LAYER = "model.layers.{}.self_attn.attn"
+
+
+class CpuFlashAttnPlatform(Platform):
+    """A platform for vLLM's CUDA code paths on the CPU: FLASH_ATTN attention (or `attention_backend`,
+    a backend class's qualified name), ops on the CPU dispatch key."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    attention_backend = FLASH_ATTN
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+                             ) -> str:
+        return cls.attention_backend
+
+    @classmethod
+    def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+        return DeviceCapability(8, 0)
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        """As CUDA's: the model calls `torch.ops.vllm.unified_*` (not the Python functions)."""
+        return True
+
+
+vllm.platforms._current_platform = CpuFlashAttnPlatform()
+
+from vllm.config import (CacheConfig, CompilationConfig, ModelConfig, SchedulerConfig,  # noqa: E402
+                         VllmConfig, set_current_vllm_config)
+from vllm.distributed import parallel_state  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.model_loader.utils import get_model_architecture, process_weights_after_loading  # noqa: E402
+from vllm.v1.attention import selector  # noqa: E402
+from vllm.v1.attention.backends import flash_attn  # noqa: E402
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 128,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+}
+
+
+# ---------------------------------------------------------------- the two CUDA-only kernel calls
+
+
+def _kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """`reshape_and_cache_flash`: `slot_mapping`'s length is the number of real tokens; -1 is skipped."""
+    n = slot_mapping.shape[0]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    block_size = kv_cache.shape[2]
+    kv_cache[slots // block_size, 0, slots % block_size] = key[:n][valid]
+    kv_cache[slots // block_size, 1, slots % block_size] = value[:n][valid]
+
+
+def _forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
+             output_block_scale: Any = None) -> torch.Tensor:
+    """`flash_attn_varlen_func` over the paged cache, causal, for the first `num_actual_tokens` rows."""
+    if attn_metadata is None:  # vLLM's profiling run
+        return output.fill_(0)
+    key_cache, value_cache = kv_cache.unbind(1)
+    block_size = key_cache.shape[1]
+    loc = attn_metadata.query_start_loc.tolist()
+    for i, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
+        start, end = loc[i], loc[i + 1]
+        if end == start:
+            continue
+        blocks = attn_metadata.block_table[i, : -(-seq_len // block_size)].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(self.num_queries_per_kv, dim=1)
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(self.num_queries_per_kv, dim=1)
+        q = query[start:end]
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * self.scale
+        rows = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
+        scores.masked_fill_(torch.arange(seq_len).unsqueeze(0) > rows, float("-inf"))
+        output[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(output.dtype)
+    return output
+
+
+flash_attn.FlashAttentionImpl.forward = _forward
+flash_attn.FlashAttentionImpl.do_kv_cache_update = _kv_cache_update
+
+
+# ---------------------------------------------------------------- config, process groups, model
+
+
+def gemma2(**overrides: Any) -> dict[str, Any]:
+    """A tiny Gemma 2 `config.json` (attention logits soft-capped; `layer_types` chooses sliding layers)."""
+    return dict(TINY_LLAMA, architectures=["Gemma2ForCausalLM"], model_type="gemma2", query_pre_attn_scalar=16,
+                hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                sliding_window=32, layer_types=["full_attention", "full_attention"], tie_word_embeddings=True,
+                **overrides)
+
+
+def vllm_config(model_dir: Path, compile_mode: int = 0, max_model_len: int = 256, block_size: int = 16,
+                hf_config: dict[str, Any] | None = None, cache_dtype: str = "auto") -> VllmConfig:
+    """vLLM's config for a tiny model written to `model_dir` (`hf_config`, default `TINY_LLAMA`);
+    mode 1 (stock torch.compile) names our backend."""
+    (model_dir / "config.json").write_text(json.dumps(hf_config or TINY_LLAMA))
+    model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="float32",
+                        max_model_len=max_model_len)
+    compilation = CompilationConfig(mode=compile_mode, custom_ops=["none"], cudagraph_mode="NONE",
+                                    **({"backend": BACKEND} if compile_mode == 1 else {}))
+    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+                      scheduler_config=SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False),
+                      compilation_config=compilation)
+
+
+def init_process_groups(config: VllmConfig) -> None:
+    """vLLM's world-size-1 process groups (gloo, on a file store), once per process."""
+    if parallel_state._WORLD is not None:
+        return
+    store = Path(tempfile.mkdtemp(prefix="vllm_store_")) / "store"
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{store}",
+                                                    local_rank=0, backend="gloo")
+        parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+@dataclasses.dataclass
+class Model:
+    """A tiny `LlamaForCausalLM` built by vLLM under `config`, with its KV caches bound."""
+
+    config: VllmConfig
+    model: torch.nn.Module
+    num_blocks: int
+    block_size: int
+
+    @property
+    def layers(self) -> dict[str, Any]:
+        return self.config.compilation_config.static_forward_context
+
+    def caches(self) -> list[torch.Tensor]:
+        return [layer.kv_cache for layer in self.layers.values()]
+
+
+def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
+    """The config's model class from vLLM's registry (`get_model_architecture`), with seeded weights
+    (`process_weights_after_loading` run) and caches in FLASH_ATTN's layout, bound as vLLM's runner
+    binds them (`layer.kv_cache`)."""
+    init_process_groups(config)
+    selector._cached_get_attn_backend.cache_clear()  # the platform's `attention_backend` may have changed
+    with set_current_vllm_config(config):
+        torch.manual_seed(seed)
+        model_cls, _ = get_model_architecture(config.model_config)
+        model = model_cls(vllm_config=config, prefix="")
+        for param in model.parameters():
+            torch.nn.init.normal_(param, std=0.2)
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    block_size = config.cache_config.block_size
+    for name, layer in config.compilation_config.static_forward_context.items():
+        shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        layer.kv_cache = torch.zeros(shape, dtype=layer.kv_cache_torch_dtype)
+    return Model(config, model.eval(), num_blocks, block_size)
+
+
+def compile_as_vllm(model: Model) -> None:
+    """`GPUModelRunner.load_model`'s mode-1 compile: `init_backend`, then `model.compile(fullgraph=True)`."""
+    with set_current_vllm_config(model.config):
+        backend = model.config.compilation_config.init_backend(model.config)
+        model.model.compile(fullgraph=True, backend=backend)
+
+
+# ---------------------------------------------------------------- one step's metadata
+
+
+@dataclasses.dataclass
+class Step:
+    """One batch: per request its KV length after this step and its number of new tokens."""
+
+    seq_lens: list[int]
+    query_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def positions(self) -> torch.Tensor:
+        return torch.tensor([p for s, q in zip(self.seq_lens, self.query_lens) for p in range(s - q, s)])
+
+    def input_ids(self, vocab: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (self.num_tokens,), generator=torch.Generator().manual_seed(self.num_tokens))
+
+    def block_table(self, model: Model, width: int) -> torch.Tensor:
+        """Request i owns blocks [i * width, (i + 1) * width): distinct per request, stable across steps."""
+        return (torch.arange(len(self.seq_lens) * width, dtype=torch.int32).view(-1, width)) % model.num_blocks
+
+    def metadata(self, model: Model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(attn_metadata, slot_mapping) per layer, as vLLM's runner passes them to `set_forward_context`."""
+        width = model.config.model_config.max_model_len // model.block_size
+        table = self.block_table(model, width)
+        loc = [0]
+        for n in self.query_lens:
+            loc.append(loc[-1] + n)
+        slots = torch.tensor([int(table[b, p // model.block_size]) * model.block_size + p % model.block_size
+                              for b, (s, q) in enumerate(zip(self.seq_lens, self.query_lens))
+                              for p in range(s - q, s)], dtype=torch.int64)
+        meta = flash_attn.FlashAttentionMetadata(
+            num_actual_tokens=self.num_tokens, max_query_len=max(self.query_lens),
+            query_start_loc=torch.tensor(loc, dtype=torch.int32), max_seq_len=max(self.seq_lens),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32), block_table=table, slot_mapping=slots,
+            use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+            suffix_kv_lens=None)
+        return {name: meta for name in model.layers}, {name: slots for name in model.layers}
+
+
+def run(model: Model, step: Step, fn: Any = None) -> torch.Tensor:
+    """One forward of `step` under vLLM's forward context (`fn`: the model or its compiled self)."""
+    attn_metadata, slot_mapping = step.metadata(model)
+    fn = fn or model.model
+    vocab = model.config.model_config.get_vocab_size()
+    with torch.no_grad(), set_forward_context(attn_metadata, model.config, slot_mapping=slot_mapping):
+        return fn(step.input_ids(vocab), step.positions())
+
+
+def profile_run(model: Model, num_tokens: int = 8) -> torch.Tensor:
+    """vLLM's profiling run: a forward with no attention metadata (before the KV caches are sized)."""
+    with torch.no_grad(), set_forward_context(None, model.config, num_tokens=num_tokens):
+        return model.model(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens))
