@@ -285,3 +285,15 @@ def test_fia_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_gr
         assert cost.pa_queries == cost.pa_graphs * len(default_probe_lengths(max_model_len, SHAPE.block_size))
         # The slot covers FIA's every length up to max_model_len for the largest bucket.
         assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes
+
+
+@pytest.mark.parametrize("cfg_features, feature", [
+    (dict(layer_types=("full", "sliding"), sliding_window=64), "window"),
+    (dict(soft_cap=30.0), "soft_cap"),
+    (dict(sinks=True), "sinks"),
+])
+def test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer(fake_npu, cfg_features, feature):
+    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=128, **cfg_features)
+    fn, _ = compiled_model(build(cfg), runtime="npu", max_model_len=512, capture_sizes=(4,))
+    with torch.no_grad(), pytest.raises(Exception, match=rf"layer .*: {feature} is not supported on runtime 'npu'"):
+        fn(**PagedBatch(cfg, seed=0).step([10, 20, 30]))

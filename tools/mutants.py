@@ -351,6 +351,11 @@ MUTANTS = (
         "",
         ("tests/test_vllm.py::test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_shape",),
     ),
+    Mutant(
+        "NPU attention features not refused", "ascend_compile/passes/npu_checks.py",
+        "    _check_features(call)\n", "    pass\n",
+        ("tests/test_npu_device.py::test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer",),
+    ),
 )
 
 

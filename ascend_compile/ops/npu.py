@@ -175,10 +175,11 @@ class NpuKernels:
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        """`ascend.fused_infer_attention` as `torch_npu.npu_fused_infer_attention_score.out`; the
-        layers with features are refused at compile time (`passes/npu_checks.py`) until bound."""
+        """`ascend.fused_infer_attention` as `torch_npu.npu_fused_infer_attention_score.out`. The
+        attention features have no binding yet: layers with them are refused at compile time
+        (`passes/npu_checks.py: UNBOUND_FEATURES`), and a direct call with one is refused here."""
         if window is not None or soft_cap is not None or sinks is not None:
-            raise ValueError("window/soft_cap/sinks: not bound on runtime 'npu' (refused at compile time)")
+            raise ValueError("window/soft_cap/sinks: not supported by the torch_npu FIA binding (see passes/npu_checks.py)")
         library.check_fused_infer_attention(
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv,
             workspace, out, check_data=False,

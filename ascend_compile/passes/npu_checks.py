@@ -35,7 +35,26 @@ def _refuse(node: fx.Node, check: Callable[[], None]) -> None:
         raise ValueError(f"{layer_of(node)}: {err}") from None
 
 
+#: Why torch_npu 2.14's FIA binding does not take each attention feature (`ops/features.py`).
+UNBOUND_FEATURES = {
+    "soft_cap": "torch_npu 2.14's npu_fused_infer_attention_score has no logit soft-cap argument (its signature "
+                "in _op_plugin_docs.py), nor has npu_fused_infer_attention_score_v2",
+    "sinks": "attention sinks are npu_fused_infer_attention_score_v2's learnable_sink, and this binding calls "
+             "npu_fused_infer_attention_score (v1), which has none",
+    "window": "FIA's band mode (sparse_mode=4 with pre_tokens/next_tokens, _op_plugin_docs.py) is not bound yet: "
+              "whether pre_tokens counts the query's own key (vLLM-Ascend passes the window itself, "
+              "transformers' and vLLM's windows include it) is unverified without a device",
+}
+
+
+def _check_features(call: KernelCall) -> None:
+    """A layer with a feature the torch_npu binding does not take, refused naming the layer and the feature."""
+    for name in call.meta.features.names():
+        raise ValueError(f"{layer_of(call.node)}: {name} is not supported on runtime 'npu': {UNBOUND_FEATURES[name]}")
+
+
 def _check_kernel(call: KernelCall, keys: Sequence[GraphKey]) -> None:
+    _check_features(call)
     args = call.args()
     key_cache, value_cache = example_value(args["key_cache"]), example_value(args["value_cache"])
     block_size = call.meta.shape.block_size
