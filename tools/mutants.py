@@ -26,8 +26,10 @@ no longer applies (the code moved: update the mutant).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -381,10 +383,38 @@ def run_tests(tests: tuple[str, ...], root: Path) -> tuple[bool, str]:
     return proc.returncode != 0, (failed[0] if failed else f"pytest exit {proc.returncode}")
 
 
+def _scratch_copy(root: Path) -> None:
+    """What the mutants' tests need, copied under `root`."""
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, root / name)
+
+
+def _try(mutant: Mutant, roots: "queue.Queue[Path]") -> tuple[Mutant, bool, str, float]:
+    """Apply `mutant` in a free scratch copy, run its tests, restore the copy: (mutant, caught,
+    failing test, seconds). A mutant whose edit no longer applies raises `LookupError`."""
+    root = roots.get()
+    start = time.perf_counter()
+    try:
+        original = apply(mutant, root)
+        try:
+            failed, test = run_tests(mutant.tests, root)
+        finally:
+            (root / mutant.path).write_text(original)
+    finally:
+        roots.put(root)
+    return mutant, failed, test, time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only the mutants with these names")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="mutants tried at once, each in its own scratch copy (default: the CPU count)")
     args = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.list:
@@ -392,29 +422,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
         return 0
     caught = 0
+    jobs = max(1, min(args.jobs, len(mutants)))
     with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
-        root = Path(scratch)
-        for name in COPIED:
-            src = ROOT / name
-            if src.is_dir():
-                shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-            elif src.exists():
-                shutil.copy2(src, root / name)
+        roots: queue.Queue[Path] = queue.Queue()
+        for i in range(jobs):
+            (Path(scratch) / str(i)).mkdir()
+            _scratch_copy(Path(scratch) / str(i))
+            roots.put(Path(scratch) / str(i))
         print(f"{'mutant':36} {'result':9} {'s':>5}  failing test")
-        for mutant in mutants:
-            start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             try:
-                original = apply(mutant, root)
+                for mutant, failed, test, seconds in pool.map(lambda m: _try(m, roots), mutants):
+                    caught += failed
+                    result = "caught" if failed else "SURVIVED"
+                    print(f"{mutant.name:36} {result:9} {seconds:5.1f}  {test if failed else '-'}", flush=True)
             except LookupError as err:
                 print(err)
                 return 2
-            try:
-                failed, test = run_tests(mutant.tests, root)
-            finally:
-                (root / mutant.path).write_text(original)
-            caught += failed
-            result = "caught" if failed else "SURVIVED"
-            print(f"{mutant.name:36} {result:9} {time.perf_counter() - start:5.1f}  {test if failed else '-'}")
     print(f"{caught} caught, {len(mutants) - caught} survived")
     return 0 if caught == len(mutants) else 1
 
