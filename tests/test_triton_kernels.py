@@ -289,12 +289,14 @@ def test_triton_prefill_large_query_tiles(kernels, rows, group):
 
 
 def test_triton_launch_config_picks_large_tiles_for_prefill(kernels):
-    bf16 = kernels.launch_config
-    assert bf16(torch.bfloat16, 128, False, 512, 4) == (kernels.PREFILL_TILE_ROWS, kernels.NUM_STAGES)
-    assert bf16(torch.bfloat16, 128, False, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # one token each
-    assert bf16(torch.bfloat16, 128, True, 8, 8) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
-    assert bf16(torch.float32, 128, False, 512, 4) == (kernels.TILE_ROWS, kernels.NUM_STAGES)  # the fallback
-    assert bf16(torch.bfloat16, 256, False, 512, 4) == (kernels.TILE_ROWS, kernels.NUM_STAGES)
+    from ascend_compile.ops import cuda_launch as launch
+
+    bf16 = launch.launch_config
+    assert bf16(torch.bfloat16, 128, False, 512, 4) == (launch.PREFILL_TILE_ROWS, launch.NUM_STAGES)
+    assert bf16(torch.bfloat16, 128, False, 8, 8) == (launch.TILE_ROWS, launch.NUM_STAGES)  # one token each
+    assert bf16(torch.bfloat16, 128, True, 8, 8) == (launch.TILE_ROWS, launch.NUM_STAGES)
+    assert bf16(torch.float32, 128, False, 512, 4) == (launch.TILE_ROWS, launch.NUM_STAGES)  # the fallback
+    assert bf16(torch.bfloat16, 256, False, 512, 4) == (launch.TILE_ROWS, launch.NUM_STAGES)
     # bf16 on the default launch: a prefill chunk through 64-row tiles, against the reference op
     p = make_problem([80, 5], [70, 1], heads=4, kv_heads=2, dim=32, block_size=16, dtype=torch.bfloat16, seed=41)
     out = run_triton(kernels, p, 1, decode=False)
