@@ -122,9 +122,9 @@ MUTANTS = (
         ("tests/test_design_cases.py::test_clone_outputs_true_returns_copies_the_next_step_leaves_alone",),
     ),
     Mutant(
-        "capture consumes the generator", "ascend_compile/runtime/sim.py",
-        "            with generators_kept(), _HostReadGuard(), _CaptureMode(rt, self):\n",
-        "            with _HostReadGuard(), _CaptureMode(rt, self):\n",
+        "capture consumes the generator", "ascend_compile/runtime/sim/runtime.py",
+        "            with generators_kept(), mode.guard, mode:\n",
+        "            with mode.guard, mode:\n",
         (SEEDED, ONE_SEED, "tests/test_rng.py::test_capture_step_leaves_the_generator_where_a_replay_step_does"),
     ),
     Mutant(
@@ -133,7 +133,7 @@ MUTANTS = (
         ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step",),
     ),
     Mutant(
-        "replays reuse the capture's draws", "ascend_compile/runtime/sim.py",
+        "replays reuse the capture's draws", "ascend_compile/runtime/sim/runtime.py",
         "        saved = snapshot(self._static_inputs())\n",
         "        saved = snapshot(self._static_inputs())\n"
         "        self.__dict__.setdefault(\"_rng\", torch.random.get_rng_state())  # the state the capture left\n"
@@ -364,6 +364,8 @@ MUTANTS = (
 def apply(mutant: Mutant, root: Path) -> str:
     """Edit the copy under `root`; returns the original text, to restore."""
     path = root / mutant.path
+    if not path.exists():
+        raise LookupError(f"{mutant.name}: its edit does not apply: {mutant.path} does not exist (update the mutant)")
     text = path.read_text()
     if text.count(mutant.old) != 1:
         raise LookupError(f"{mutant.name}: its edit does not apply: {mutant.path} holds the text to replace "
