@@ -5,7 +5,6 @@ a check run on one branch only, a limit tested on one side, a cache keyed by par
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import sympy
@@ -13,7 +12,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ascend_compile.config import CompileConfig
 from ascend_compile.ops import tiling
 from ascend_compile.passes import roles
 from ascend_compile.passes.write_back import overlapping_writes
