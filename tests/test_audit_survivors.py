@@ -5,7 +5,6 @@ a check run on one branch only, a limit tested on one side, a cache keyed by par
 """
 from __future__ import annotations
 
-
 import pytest
 import sympy
 import torch
