@@ -45,15 +45,11 @@ def dense_attention(query, key_cache, value_cache, block_table, seq_lens, query_
     return out
 
 
-@dataclasses.dataclass
-class Problem:
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_table: torch.Tensor
+class PagedLengths:
+    """The length metadata of a random step (`seq_lens` and `query_lens` fields), as the ops take it."""
+
     seq_lens: list
     query_lens: list
-    scale: float
 
     @property
     def query_start_loc(self) -> list:
@@ -67,6 +63,17 @@ class Problem:
             torch.tensor(self.seq_lens, dtype=torch.int32),
             torch.tensor(self.query_start_loc, dtype=torch.int32),
         )
+
+
+@dataclasses.dataclass
+class Problem(PagedLengths):
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: list
+    query_lens: list
+    scale: float
 
     def dense(self, **features):
         return dense_attention(self.query, self.key_cache, self.value_cache, self.block_table,

@@ -7,10 +7,11 @@ import dataclasses
 import torch
 
 import ascend_compile.ops  # noqa: F401  (registers torch.ops.ascend)
+from tests.helpers import PagedLengths
 
 
 @dataclasses.dataclass
-class MlaProblem:
+class MlaProblem(PagedLengths):
     """A random MLA step over a paged latent cache, with the up-projections that define it."""
 
     q_full: torch.Tensor  # [T, H, qk_nope_dim]: the query before W_UK is absorbed
@@ -25,19 +26,9 @@ class MlaProblem:
     scale: float
 
     @property
-    def query_start_loc(self) -> list:
-        loc = [0]
-        for n in self.query_lens:
-            loc.append(loc[-1] + n)
-        return loc
-
-    @property
     def q_nope(self) -> torch.Tensor:
         """The absorbed query: W_UK folded into each head's query, `[T, H, kv_lora_rank]`."""
         return torch.einsum("thd,hld->thl", self.q_full, self.w_uk)
-
-    def tensors(self):
-        return (torch.tensor(self.seq_lens, dtype=torch.int32), torch.tensor(self.query_start_loc, dtype=torch.int32))
 
     def attend(self) -> torch.Tensor:
         """`ascend.mla_attention` on the problem, up-projected by W_UV: `[T, H, v_dim]`."""
