@@ -27,7 +27,7 @@ from torch import nn
 import ascend_compile
 import ascend_compile.ops  # noqa: F401  (registers torch.ops.ascend)
 from ascend_compile import cli
-from examples.llama import PagedBatch, RMSNorm, rotate
+from examples.llama import DecoderLayer, PagedBatch, RMSNorm, rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,21 +92,6 @@ class LatentAttention(nn.Module):
         return self.o(out.reshape(tokens, -1))
 
 
-class DeepSeekLayer(nn.Module):
-    def __init__(self, cfg: DeepSeekConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size)
-        self.attn = LatentAttention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
-        self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, block_table, seq_lens, query_start_loc, slot_mapping):
-        x = x + self.attn(self.attn_norm(x), cos, sin, block_table, seq_lens, query_start_loc, slot_mapping)
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(nn.functional.silu(gate) * up)
-
-
 class DeepSeekDecoder(nn.Module):
     """input_ids/positions/slot_mapping `[T]`, block_table `[B, W]`, seq_lens `[B]`,
     query_start_loc `[B+1]` -> logits `[T, vocab]` (the inputs of `examples.llama.LlamaDecoder`)."""
@@ -115,7 +100,7 @@ class DeepSeekDecoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepSeekLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention=LatentAttention(cfg)) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         rope = cfg.qk_rope_head_dim

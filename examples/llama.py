@@ -97,10 +97,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
+    """Pre-norm attention and a SwiGLU MLP; `attention` replaces this model's own (the MLA example's)."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int = 0, attention: nn.Module | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size)
-        self.attn = Attention(cfg, layer)
+        self.attn = attention if attention is not None else Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_size, bias=False)
         self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=False)
