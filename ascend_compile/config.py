@@ -40,9 +40,12 @@ class CompileConfig:
             int pins one length instead (the SEQ_LEN_WITH_MAX_PA_WORKSPACE way; may under-size).
         workspace_probe_lens: on "npu", whose kernels have no workspace formula, the lengths PA's
             workspace query is asked at, at compile time (the largest answer is kept; FIA's query
-            answers for every length and is asked once per graph). None: every block-count class at
-            both ends, every power of two, 6144 and max_model_len (see
-            `passes.probe.default_probe_lengths`). Each at most max_model_len.
+            answers for every length and is asked once per graph). None: once per graph, at the
+            length PA graphs are captured at (6144, or max_model_len if shorter), with
+            `pa_workspace_check` catching steps that need more. Each at most max_model_len.
+        pa_workspace_check: on "npu", ask PA's workspace query with each step's lengths before its
+            replay (one query per step and PA shape, as vLLM-Ascend asks at every update) and run a
+            step needing more than its slot eagerly; False trusts the compile-time answers.
         share_workspace: one workspace slot for all buckets (True) or one per bucket.
         runtime: "auto" (npu for graphs on an NPU when torch_npu imports and reports a device,
             the simulator for CPU graphs, cuda for CUDA graphs, eager elsewhere), "sim" (the CPU
@@ -86,6 +89,7 @@ class CompileConfig:
     auto_seq_len: int | None = None
     workspace_seq_len: int | None = None
     workspace_probe_lens: tuple[int, ...] | None = None
+    pa_workspace_check: bool = True
     share_workspace: bool = True
     runtime: str = "auto"
     inner_compiler: str = "eager"

@@ -23,7 +23,7 @@ from .ops.tiling import MLA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
 from .passes.kernel_call import StepGuard
-from .passes.npu_checks import check_npu_graph, fia_step_guard
+from .passes.npu_checks import check_npu_graph, npu_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
 from .runtime.base import Runtime
@@ -81,7 +81,7 @@ class Target:
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Refuse, at compile time, what this device cannot run in `gm` (a variant serving `keys`)."""
 
-    def step_guard(self, gm: fx.GraphModule) -> StepGuard | None:
+    def step_guard(self, gm: fx.GraphModule, config: CompileConfig) -> StepGuard | None:
         """Why a step may not run on a captured `gm` (it then runs eagerly), or None when every step may."""
         return None
 
@@ -128,9 +128,14 @@ class NpuTarget(Target):
         (`passes/npu_checks.py`), before torch_npu is asked anything."""
         check_npu_graph(gm, keys)
 
-    def step_guard(self, gm: fx.GraphModule) -> StepGuard | None:
-        """FIA's block count on each step's padded lengths (`passes/npu_checks.py`)."""
-        return fia_step_guard(gm)
+    def step_guard(self, gm: fx.GraphModule, config: CompileConfig) -> StepGuard | None:
+        """FIA's block count on each step's padded lengths and, with `pa_workspace_check`, PA's
+        workspace need at them (`passes/npu_checks.py`)."""
+        from .ops.npu_workspace import NpuWorkspaceQuery
+
+        kernels = self.runtime.kernels
+        return npu_step_guard(gm, (lambda dtype: NpuWorkspaceQuery(kernels, dtype)) if config.pa_workspace_check
+                              else None, config.max_model_len)
 
     def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
         """The variant, with each non-contiguous query copied contiguous before its kernel

@@ -1,5 +1,5 @@
 """Compile-time workspace sizing on the NPU target: device bytes and workspace queries, before and after
-issue 22 (FIA asked once per graph, probe caches of a few blocks).
+issue 22 (FIA and PA asked once per graph, probe caches of a few blocks).
 
     python benchmarks/npu_probe_memory.py [--max-model-len 8192 32768 131072] [--layers 32] [--json]
 
@@ -36,11 +36,20 @@ from ascend_compile.ops.features import PLAIN  # noqa: E402
 from ascend_compile.ops.kernel_policy import KernelPolicy  # noqa: E402
 from ascend_compile.passes.pipeline import bucket_choices  # noqa: E402
 from ascend_compile.passes.select_kernels import AttentionLayer  # noqa: E402
-from ascend_compile.passes.probe import default_probe_lengths  # noqa: E402
 from tests import fake_torch_npu  # noqa: E402
 from tests.npu_probe_cost import SHAPE, probe_cost  # noqa: E402
 
 BF16 = 2  # bytes per element
+
+
+def old_probe_lengths(max_model_len: int, block_size: int) -> list[int]:
+    """The lengths the af5a0cb probe asked PA and FIA at: every block-count class at both ends, every
+    power of two, 6144 and `max_model_len`, within [1, max_model_len]."""
+    lens = {1, max_model_len, 6144}
+    for n in range(1, -(-max_model_len // block_size) + 1):
+        lens.update(((n - 1) * block_size + 1, n * block_size))
+    lens.update(1 << p for p in range(max_model_len.bit_length()))
+    return sorted(n for n in lens if 1 <= n <= max_model_len)
 
 
 def old_probe_cost(max_model_len: int, layers: int) -> dict[str, int]:
@@ -53,7 +62,7 @@ def old_probe_cost(max_model_len: int, layers: int) -> dict[str, int]:
     asked: set[tuple] = set()
     queries = {tiling.PA: 0, tiling.FIA: 0}
     cache_blocks = peak = 0
-    lens = default_probe_lengths(max_model_len, bs)
+    lens = old_probe_lengths(max_model_len, bs)
     for key, chosen in choices.items():
         tokens, kernel = key.bucket, chosen[0].kernel  # every layer: this kernel and shape (answers cached)
         for n in lens:

@@ -308,8 +308,8 @@ def test_padding_sequences_are_sent_their_query_length_as_kv_length(monkeypatch)
             steps.append(list(sent))
     # a replayed decode (the first step has dynamo's static graph): 2 sequences in bucket 4 (PA)
     assert steps[2] == [("pa", [], [40, 50, 1, 1])]
-    # a replayed mixed step: 5 tokens in bucket 8, padded with 3 one-token and 3 empty sequences
-    assert steps[4] == [("fia", [2, 5, 6, 7, 8, 8, 8, 8], [20, 30, 1, 1, 1, 1, 1, 1])]
+    # a replayed mixed step: 5 tokens in bucket 8, its 3 padded tokens in one dummy sequence of KV 3
+    assert steps[4] == [("fia", [2, 5, 8], [20, 30, 3])]
     assert sum(a.stats["replays"] for a in artifacts) == 5
 
 

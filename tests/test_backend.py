@@ -91,8 +91,10 @@ def test_update_table_is_keyed_by_node_and_refreshed_from_inputs():
         "actual_seq_lengths": {"input": "l_query_start_loc_", "conversion": "ends"},
         "actual_seq_lengths_kv": {"input": "l_seq_lens_", "conversion": "list"},
     }
-    # Captured on an all-padding step whose sequences have KV length 1 (never 0: see the sim's fast-path rule).
-    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [1] * 8
+    # Captured on an all-padding step, its 8 tokens packed in one dummy sequence of KV length 8 (never 0:
+    # see the sim's fast-path rule), as a mixed step's padding is (`passes/padding.py`).
+    assert fia[0]["frozen_at_capture"]["actual_seq_lengths"] == [8]
+    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [8]
     pa = plan["b4.decode"]["update_table"]
     assert [e["kernel"] for e in pa] == [tiling.PA, tiling.PA] and all(e["event"] for e in pa)
     assert pa[0]["refresh"] == {"context_lens": {"input": "l_seq_lens_", "conversion": "list"}}

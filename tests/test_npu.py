@@ -15,7 +15,7 @@ from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery, fia_probe_lengths
 from ascend_compile.passes.fx_utils import is_op
-from ascend_compile.passes.probe import ProbedWorkspaceNeed, default_probe_lengths
+from ascend_compile.passes.probe import ProbedWorkspaceNeed
 from ascend_compile.passes.torchair import npugraph_ex_pre_pass
 from ascend_compile.passes.workspaces import KernelSite
 from ascend_compile.runtime import create_runtime, resolve_runtime
@@ -190,21 +190,42 @@ CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
 CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa")
 
 
-def test_workspace_is_probed_at_compile_time_to_the_interior_peak(fake_npu):
-    results, artifacts = run_model(CASE1_STEPS, CASE1_CFG, **CASE1_OPTIONS)
+def test_pa_is_asked_once_per_graph_and_each_step_needing_more_runs_eagerly(fake_npu):
+    # PA is asked once, at its capture length (min(6144, max_model_len)), as vLLM-Ascend asks it when
+    # capturing. Its need peaks at 3841 (16 splits) and falls above 4096, so the step at 3900 needs more
+    # than the slot: its own lengths, asked before the replay, send it to eager, right, never overrun.
+    results, artifacts = run_model(CASE1_STEPS, CASE1_CFG, sim_overflow="raise", **CASE1_OPTIONS)
     assert_all_close(results)
     plan = artifacts[-1].rewritten.plan
     slot = plan.slots["attn_workspace"]
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
-    exact = tiling.max_uniform_workspace(tiling.PA, shape, 3, 8192)  # dynamo keeps the 3 tokens static: bucket 3
-    # PA's need peaks at 3841 (16 splits) and falls above 4096: the probe set's block-count
-    # classes hit the first length of the peak, which the plan records as the arg-max. The probe asks
-    # batches of one length, so it finds the uniform maximum, not that of mixed batches.
-    assert (slot.nbytes, slot.argmax_len) == (exact.nbytes, 3841) == (exact.nbytes, exact.argmax_len)
-    assert all(n["argmax_len"] == 3841 for n in plan.to_json()["needs"]["b3.decode"])
+    # dynamo keeps the first step's 3 tokens static: bucket 3, every sequence at 6144; the slot is the
+    # mixed graph's FIA need, still less than the step at 3900 needs
+    pa = tiling.workspace_nbytes(tiling.PA, shape, [6144] * 3)
+    assert [(n["nbytes"], n["argmax_len"]) for n in plan.to_json()["needs"]["b3.decode"]] == [(pa, 6144)] * 2
+    assert pa <= slot.nbytes < tiling.workspace_nbytes(tiling.PA, shape, [3900, 3000, 2000])
+    stats = artifacts[-1].stats
+    assert stats["eager_fallbacks"] == 1 and stats["replays"] >= 1  # the step at 3900, and no other
 
 
-def test_no_workspace_query_at_replay(fake_npu):
+def test_a_mixed_batch_needing_more_than_every_uniform_one_is_caught_before_the_kernel(fake_npu):
+    # The slot covers every uniform batch of bucket 4 (probed at every length of PA's peak), but three
+    # long sequences with one of 3841 are tiled short: more than any uniform batch. Asked with the step's
+    # lengths, that step runs eagerly; without the check, it overruns the slot on the device.
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
+    steps = ([100, 200], [8000, 7990, 8100, 6000], [7937, 7937, 7937, 3841], [3841] * 4)
+    probe = dict(workspace_probe_lens=[3841, 8192], sim_overflow="raise", **CASE1_OPTIONS)
+    results, artifacts = run_model(steps, CASE1_CFG, **probe)
+    assert_all_close(results)
+    slot = artifacts[-1].rewritten.plan.slots["attn_workspace"]
+    assert slot.nbytes == tiling.max_uniform_workspace(tiling.PA, shape, 4, 8192).nbytes
+    assert tiling.workspace_nbytes(tiling.PA, shape, [7937, 7937, 7937, 3841]) > slot.nbytes
+    assert artifacts[-1].stats["eager_fallbacks"] == 1 and artifacts[-1].stats["replays"] >= 1
+    unchecked, _ = run_model(steps, CASE1_CFG, pa_workspace_check=False, **probe)
+    assert isinstance(unchecked[2][0], ReplayError) and "workspace too small" in str(unchecked[2][0])
+
+
+def test_replays_ask_pa_with_each_steps_lengths_and_fia_never(fake_npu):
     cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,))
@@ -215,18 +236,21 @@ def test_no_workspace_query_at_replay(fake_npu):
             inputs = batch.step(lengths(rng, n))
             fn(**inputs)
             reference(**inputs)  # keep the two KV caches identical
-        queries = fake_npu.count(*QUERIES)
-        assert queries > 0
+        asked = [fake_npu.count(q) for q in QUERIES]
+        assert all(asked)
         for n in (2, 4, 3):
             inputs = batch.step(lengths(rng, n))
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
-    assert fake_npu.count(*QUERIES) == queries and artifacts[-1].stats["replays"] == 4
+    # one PA question per replay (the two layers share a shape), none of FIA
+    assert [fake_npu.count(q) for q in QUERIES] == [asked[0] + 3, asked[1]]
+    assert artifacts[-1].stats["replays"] == 4
 
 
 def test_configured_probe_lengths_are_the_ones_asked(fake_npu):
-    # Probing only 1024, 2048 and 8192 misses PA's peak: the plan says so (arg-max 2048), and a step
-    # at the peak overruns the workspace on the device.
-    results, artifacts = run_model(CASE1_STEPS, CASE1_CFG, workspace_probe_lens=[8192, 1024, 2048], **CASE1_OPTIONS)
+    # Probing only 1024, 2048 and 8192 misses PA's peak: the plan says so (arg-max 2048), and, with the
+    # per-step check off, a step at the peak overruns the workspace on the device.
+    results, artifacts = run_model(CASE1_STEPS, CASE1_CFG, workspace_probe_lens=[8192, 1024, 2048],
+                                   pa_workspace_check=False, **CASE1_OPTIONS)
     slot = artifacts[-1].rewritten.plan.slots["attn_workspace"]
     assert slot.argmax_len == 2048
     assert isinstance(results[1][0], torch.Tensor) and isinstance(results[2][0], ReplayError)
@@ -253,19 +277,21 @@ def test_probing_without_a_device_finds_the_formula_maximum():
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
     device = FormulaQueries()
     need_fn = ProbedWorkspaceNeed(device)
-    for kernel in (tiling.PA, tiling.FIA):
-        need = need_fn(KernelSite("n", kernel, shape), 8, 5000, None)
-        exact = tiling.max_uniform_workspace(kernel, shape, 8, 5000)
-        assert need.nbytes == exact.nbytes
-    # PA at every probe length; FIA once (its answer covers every length: recorded as max_model_len).
-    assert need_fn.queries == {tiling.PA: len(default_probe_lengths(5000, 16)), tiling.FIA: 1}
+    fia = need_fn(KernelSite("n", tiling.FIA, shape), 8, 5000, None)
+    assert fia.nbytes == tiling.max_uniform_workspace(tiling.FIA, shape, 8, 5000).nbytes
+    pa = need_fn(KernelSite("n", tiling.PA, shape), 8, 5000, None)  # at its capture length, min(6144, 5000)
+    assert (pa.nbytes, pa.argmax_len) == (tiling.workspace_nbytes(tiling.PA, shape, [5000] * 8), 5000)
+    # Once each: PA at its capture length, FIA's answer covering every length (recorded as max_model_len).
+    assert need_fn.queries == {tiling.PA: 1, tiling.FIA: 1}
     assert need_fn(KernelSite("n", tiling.FIA, shape), 8, 5000, None).argmax_len == 5000
     assert {b for *_, b in device.asked} == {313}
     device.asked.clear()
     need_fn(KernelSite("other_layer", tiling.PA, shape), 8, 5000, None)
     need_fn(KernelSite("other_layer", tiling.FIA, shape), 8, 5000, 1000)
     assert not device.asked  # answers are cached: layers of one shape cost one probe set; FIA ignores a pin
-    assert default_probe_lengths(40, 16) == [1, 2, 4, 8, 16, 17, 32, 33, 40]
+    exact = tiling.max_uniform_workspace(tiling.PA, shape, 8, 5000)
+    scanned = ProbedWorkspaceNeed(device, [1, exact.argmax_len, 5000])(KernelSite("n", tiling.PA, shape), 8, 5000, None)
+    assert (scanned.nbytes, scanned.argmax_len) == (exact.nbytes, exact.argmax_len)
     pinned = ProbedWorkspaceNeed(device, [100, 3000])(KernelSite("n", tiling.PA, shape), 2, 5000, 1000)
     assert (pinned.argmax_len, pinned.exact_argmax_len) == (1000, 3000) and pinned.nbytes < pinned.exact_nbytes
     with pytest.raises(ValueError, match="workspace_probe_lens: lengths \\[6000\\] exceed max_model_len=5000"):

@@ -220,17 +220,18 @@ def test_the_fake_attention_kernels_refuse_non_contiguous_caches(fake_npu):
 
 def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compile(fake_npu):
     # FIA counts a block for each padding sequence against num_blocks ("blocknum不能小于..."): the
-    # all-padding capture of bucket 8 needs 8 blocks, the cache has 6.
-    cfg = LlamaConfig(num_layers=1, num_blocks=6, block_size=NPU_BLOCK)
+    # all-padding capture of bucket 512 packs its tokens into 4 dummies of 128, one block each, and
+    # the cache has 3.
+    cfg = LlamaConfig(num_layers=1, num_blocks=3, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
-    fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8,), kernel_policy="fia")
+    fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(512,), kernel_policy="fia")
     batch = PagedBatch(cfg)
     with torch.no_grad():
-        fn(**batch.step([10, 20, 30]))  # three tokens: dynamo traces them static, bucket 3 is captured
+        fn(**batch.step([10, 20]))  # two tokens: dynamo traces them static, bucket 2 is captured
         calls = fake_npu.count(*DEVICE_CALLS)
-        with pytest.raises(Exception, match="fused_infer_attention_default .*: key_cache: .* 8 blocks .* bucket 8 is "
-                                            "captured with 8 padding sequences"):
-            fn(**batch.step([10, 20, 30, 40]))  # every size dynamic: bucket 8
+        with pytest.raises(Exception, match="fused_infer_attention_default .*: key_cache: .* 4 blocks .* bucket 512 "
+                                            "is captured with 4 padding sequences"):
+            fn(**batch.step([10, 20, 30]))  # every size dynamic: bucket 512
     assert fake_npu.count(*DEVICE_CALLS) == calls
 
 
@@ -247,6 +248,30 @@ def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
     fallbacks, replays = (sum(a.stats[k] for a in artifacts) for k in ("eager_fallbacks", "replays"))
     assert (fallbacks, replays) == (1, 3)  # the third step's 15 blocks of real sequences and 4 of padding
+
+
+def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(fake_npu):
+    # vLLM-Ascend's full-graph path: FIA's batch is the step's requests plus one dummy holding the
+    # padded tokens, never an entry of no query tokens. Here: 3 sequences of 6 tokens in bucket 8 get
+    # one dummy of 2 tokens; 3 of 100 tokens in bucket 256, two dummies of 78 (at most 128 each), each
+    # its query length as KV length; the block table torch_npu is given has a row per entry (L8223).
+    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8, 256),
+                                   kernel_policy="fia")
+    batch = PagedBatch(cfg, seed=9)
+    sent = {}
+    with torch.no_grad():
+        for lens, qlens in (([10, 20, 30], None), ([10, 20, 30, 40], None), ([40, 300, 17], [3, 1, 2]),
+                            ([140, 300, 60], [40, 50, 10])):
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+            (call,) = [c for c in fake_npu.calls if c.name == "npu_fused_infer_attention_score.out"][-1:]
+            sent[sum(qlens or [0])] = (call.kwargs["actual_seq_lengths"], call.kwargs["actual_seq_lengths_kv"],
+                                       call.kwargs["block_table"].shape[0])
+    assert sent[6] == ([3, 4, 6, 8], [40, 300, 17, 2], 4)
+    assert sent[100] == ([40, 90, 100, 178, 256], [140, 300, 60, 78, 78], 5)
+    assert sum(a.stats["replays"] for a in artifacts) == 4
 
 
 def _strided_query(attend):
@@ -270,19 +295,18 @@ def test_a_non_contiguous_query_is_staged_contiguous_before_the_kernel(fake_npu,
 # ----------------------------------------------------------------------------- workspaces asked as the device answers
 
 
-def test_fia_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_with_max_model_len(fake_npu):
+def test_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_with_max_model_len(fake_npu):
     # The default buckets, KVH 8, D 128, bf16: the old probe kept a cache of bucket x max_model_len / 128
-    # blocks (4 GiB at 8k) and asked FIA at every probe length in two layouts. FIA's max-workspace query
-    # answers for any lengths up to the shapes it is given: once per graph; PA's answers for the lengths
-    # it is given, so PA still asks at every probe length, on a one-block cache.
-    from ascend_compile.passes.probe import default_probe_lengths
+    # blocks (4 GiB at 8k) and asked PA and FIA at every probe length. FIA's max-workspace query answers
+    # for any lengths up to the shapes it is given; PA is asked at its capture length, each step's own
+    # lengths being asked before its replay (`npu_checks.pa_workspace_guard`): once per graph each.
     from tests.npu_probe_cost import SHAPE, probe_cost
 
     for max_model_len in (8192, 32768):
         cost = probe_cost(fake_npu, max_model_len)
         assert cost.peak_bytes <= 64 << 20, (max_model_len, cost)
         assert cost.fia_queries == cost.fia_graphs == 35  # one shape, all layers: one query per graph
-        assert cost.pa_queries == cost.pa_graphs * len(default_probe_lengths(max_model_len, SHAPE.block_size))
+        assert cost.pa_queries == cost.pa_graphs == 5
         # The slot covers FIA's every length up to max_model_len for the largest bucket.
         assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes
 

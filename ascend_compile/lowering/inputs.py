@@ -5,7 +5,8 @@ A step is read once (`read_step`: the host copies of its lengths, its sizes) and
 is chosen, planned once (`plan_step`: every padded host list its kernels take), as FlashInfer splits
 `plan()` from `run()`: the update table and eager runs only consume the plan.
 
-Padding rules live here and nowhere else: `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
+Padding rules live here (and, for what padding sequences get in kernels' lists, in
+`passes/padding.py`): `seq_lens` 0, `slot_mapping` -1, `query_start_loc`
 extended so the padded tokens belong to padded (empty) sequences, block tables and batch data 0.
 The host lengths the kernels take give a padding sequence a KV length of its query length, at least
 1 (row 0 of the padded block table, block 0, is a valid block). torch_npu 2.14 documents any
@@ -13,20 +14,28 @@ non-negative `actual_seq_lengths_kv` up to KV_S (`_op_plugin_docs.py`, npu_fused
 and vLLM-Ascend sends 0 for padded decode requests (`model_runner_v1.py`, `seq_lens[num_reqs:].fill_(0)`),
 but no document says what a batch entry of length 0 outputs (only the kernels' zero-init path does,
 and FIA's tiling checks a prefix of the list for it); a length of at least the query's keeps every
-causal row attending a key, so no path of the kernel outside its documented contract is taken. A bucket graph is captured for `bucket` tokens and as
-many sequences (or, where dynamo traced a static sequence count, for exactly that many).
+causal row attending a key, so no path of the kernel outside its documented contract is taken.
+
+Mixed steps pack their padded tokens into dummy sequences of at most 128 tokens, each its query
+length as KV length, and a kernel's batch is its lists' length (`passes/padding.py` says why);
+decode steps give each padded token a padding sequence of its own. A bucket graph is captured for
+`bucket` tokens and as many sequences (or, where dynamo traced a static sequence count, for exactly
+that many).
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import functools
+import itertools
 import operator
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..passes.kernel_call import Conversion, HostSource
+from ..passes.padding import dummy_query_lens
+from ..passes.probe import VLLM_ASCEND_PINNED_LEN
 from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role
 from ..passes.size_symbols import evaluate
 
@@ -165,17 +174,26 @@ def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded
 
 
 #: The KV length of every sequence when a decode graph with PA is captured: vLLM-Ascend captures PA
-#: at SEQ_LEN_WITH_MAX_PA_WORKSPACE (`vllm_ascend/worker/model_runner_v1.py`, `_dummy_run`), never at 0.
-PA_CAPTURE_SEQ_LEN = 6144
+#: at SEQ_LEN_WITH_MAX_PA_WORKSPACE (`vllm_ascend/worker/model_runner_v1.py`, `_dummy_run`), never at 0;
+#: the NPU target asks PA's workspace there too (`passes/probe.py`).
+PA_CAPTURE_SEQ_LEN = VLLM_ASCEND_PINNED_LEN
 
 
-def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int | None) -> StepPlan:
+def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int | None, packed: bool = False
+                 ) -> StepPlan:
     """The plan a graph is captured with: no real tokens, and each `seq_lens` source holding
-    `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query)."""
+    `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query,
+    `packed` into dummies as a mixed step's padding is)."""
     lens = [seq_len] * geometry.seqs if seq_len is not None else []
     names = {src.source for src in sources}
-    step = Step((), {}, 0, 0, True, {name: list(lens) for name in names}, {name: [0] for name in names})
+    step = Step((), {}, 0, 0, not packed, {name: list(lens) for name in names}, {name: [0] for name in names})
     return plan_step(step, sources, geometry)
+
+
+def _dummies(step: Step, geometry: Geometry) -> tuple[int, ...]:
+    """The query lengths of a mixed step's dummy sequences in a graph of this geometry."""
+    loc = next(iter(step.query_start_loc.values()), [0])
+    return dummy_query_lens(geometry.tokens - loc[-1], geometry.seqs - (len(loc) - 1))
 
 
 def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: int) -> tuple[int, ...]:
@@ -197,7 +215,16 @@ def _padding_query_lens(count: int, length: int, last: int, tokens: int, padded_
 
 
 def host_value(step: Step, source: HostSource, geometry: Geometry) -> list[int]:
-    """The padded host list a kernel argument takes in a graph of this geometry."""
+    """The padded host list a kernel argument takes in a graph of this geometry: for a mixed step,
+    the real sequences then the dummies (each its query length as KV length); for a decode step, a
+    padding sequence per padded token up to the graph's sequence count (PA's layout: a mixed step
+    never runs on a graph with PA, `passes/pipeline.py: bucket_choices`)."""
+    if not step.decode:
+        dummies = _dummies(step, geometry)
+        if source.conversion is Conversion.LIST:
+            return [*step.seq_lens[source.source], *dummies]
+        loc = step.query_start_loc[source.source]
+        return list(loc[1:]) + list(itertools.accumulate(dummies, initial=loc[-1]))[1:]
     if source.conversion is Conversion.LIST:
         lens = step.seq_lens[source.source]
         return [*lens, *_padding_kv_lens(step, geometry.seqs - len(lens), geometry.tokens, geometry.seqs)]

@@ -30,6 +30,7 @@ from ..errors import AscendCompileError, CaptureError
 from ..gc_pause import gc_paused
 from ..passes import dump
 from ..passes.kernel_call import HostSource, StepGuard, host_sources, kernel_calls
+from ..passes.padding import packs_padding
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
@@ -93,7 +94,7 @@ class GraphEntry:
         the in-place inputs in `checked` must keep their addresses for the graph to serve a step."""
         start = time.perf_counter()
         self.staging.fill_padding()
-        plan = capture_plan(self.sources, self.staging.geometry, seq_len)
+        plan = capture_plan(self.sources, self.staging.geometry, seq_len, packs_padding(self.gm))
         graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
         with gc_paused():
@@ -277,7 +278,7 @@ class CompiledArtifact:
         padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, symbols)
         staging = Staging(self.signature, self.rewritten.write_back, self.runtime, gm, padded)
         entry = GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
-        entry.step_guard = self.target.step_guard(gm)
+        entry.step_guard = self.target.step_guard(gm, self.config)
         return entry
 
     def _entry(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> GraphEntry | None:

@@ -126,8 +126,10 @@ def fused_infer_attention(
     sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """FIA: TND attention (cumulative query ends, per-sequence KV lengths, host-side) into `out`,
-    with a left window, a logit soft-cap and per-head sinks (`features.py`)."""
+    with a left window, a logit soft-cap and per-head sinks (`features.py`). Its batch is its lists'
+    length; `block_table` may hold more rows, of which it reads the first."""
     features = check_features(query, window, soft_cap, sinks)
+    block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))
     query_lens = check_fused_infer_attention(
         query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, workspace, out,
         features=features,

@@ -71,7 +71,9 @@ def mla_fused_infer_attention(
     workspace: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """The MLA kernel: absorbed latent attention, TND, host-side lengths, into `out`."""
+    """The MLA kernel: absorbed latent attention, TND, host-side lengths, into `out`. Its batch is
+    its lists' length; `block_table` may hold more rows, of which it reads the first."""
+    block_table = validate.sequence_rows(block_table, len(actual_seq_kvlen))
     query_lens = check_mla_kernel(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, actual_seq_qlen,
                                   actual_seq_kvlen, workspace, out)
     reference.mla_fused_infer_attention(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, actual_seq_qlen,

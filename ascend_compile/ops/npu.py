@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import library, tiling
+from . import library, tiling, validate
 from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
@@ -180,6 +180,9 @@ class NpuKernels:
         (`passes/npu_checks.py: UNBOUND_FEATURES`), and a direct call with one is refused here."""
         if window is not None or soft_cap is not None or sinks is not None:
             raise ValueError("window/soft_cap/sinks: not supported by the torch_npu FIA binding (see passes/npu_checks.py)")
+        # FIA's batch is the lists' length and its block table has exactly that many rows
+        # ("block_table...第一维长度需等于B", L8223); a mixed graph's lists change length per step.
+        block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))
         library.check_fused_infer_attention(
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv,
             workspace, out, check_data=False,

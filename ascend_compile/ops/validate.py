@@ -46,6 +46,15 @@ def check_attention_tensors(
             _fail(name, f"device {query.device} (the query's)", t.device)
 
 
+def sequence_rows(block_table: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """The first `num_seqs` rows of `block_table`, the ones a kernel taking its batch from its host
+    lists reads: a graph's static table holds a row per sequence it can serve, a step's lists one
+    entry per sequence it has (`lowering/inputs.py`: mixed graphs pack their padding)."""
+    if block_table.dim() != 2 or block_table.shape[0] < num_seqs:
+        _fail("block_table", f"a [>= {num_seqs}, max_blocks] tensor (a row per sequence)", f"shape {tuple(block_table.shape)}")
+    return block_table[:num_seqs]
+
+
 def check_int32_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
     """A 1-D int32 tensor of the given length on the given device."""
     if t.dtype != torch.int32:

@@ -2,10 +2,11 @@
 
 At compile time (`check_npu_graph`) every kernel node and KV-cache write of a rewritten graph is held
 to `ops/npu_rules.py`: PA's and FIA's block sizes, contiguous caches, and enough cache blocks for FIA
-to count one per sequence of each bucket's all-padding capture. A violation is refused before
+to count one per sequence of each bucket's all-padding capture (`padding.capture_kv_lens`). A violation is refused before
 torch_npu is called, naming the layer, the kernel and the rule: on a device it would fail at the first
 capture, or worse, run with a copy of the whole cache per call. Each step (`fia_step_guard`), FIA's
-block count is checked on the padded lengths the step would send; a step over it runs eagerly.
+block count is checked on the padded lengths the step would send, and PA's workspace need at them
+against its slot (`pa_workspace_guard`); a step over either runs eagerly.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from torch import fx
 from ..ops import npu_rules, tiling
 from .fx_utils import example_value, is_op
 from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
-from .workspaces import GraphKey
+from .padding import capture_kv_lens, packs_padding
+from .probe import WorkspaceQueries
+from .workspaces import WORKSPACE_BYTES_KEY, GraphKey
 
 
 def layer_of(node: fx.Node) -> str:
@@ -53,7 +56,7 @@ def _check_features(call: KernelCall) -> None:
         raise ValueError(f"{layer_of(call.node)}: {name} is not supported on runtime 'npu': {UNBOUND_FEATURES[name]}")
 
 
-def _check_kernel(call: KernelCall, keys: Sequence[GraphKey]) -> None:
+def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], packed: bool) -> None:
     _check_features(call)
     args = call.args()
     key_cache, value_cache = example_value(args["key_cache"]), example_value(args["value_cache"])
@@ -66,23 +69,25 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey]) -> None:
         _refuse(call.node, lambda: npu_rules.check_fia_block_size(block_size))
     _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
     if call.meta.kernel == tiling.FIA and isinstance(key_cache.shape[0], int):
-        for key in keys:  # captured with every one of the bucket's sequences padding, of KV length 1
-            _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, block_size))
+        for key in keys:  # captured all padding (`padding.capture_kv_lens`)
+            _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, block_size, packed))
 
 
-def _check_capture_blocks(num_blocks: int, bucket: int, block_size: int) -> None:
+def _check_capture_blocks(num_blocks: int, bucket: int, block_size: int, packed: bool) -> None:
+    lens = capture_kv_lens(bucket, packed)
     try:
-        npu_rules.check_fia_num_blocks(num_blocks, [1] * bucket, block_size)
+        npu_rules.check_fia_num_blocks(num_blocks, lens, block_size)
     except ValueError as err:
-        raise ValueError(f"{err}; bucket {bucket} is captured with {bucket} padding sequences: lower "
+        raise ValueError(f"{err}; bucket {bucket} is captured with {len(lens)} padding sequences: lower "
                          f"capture_sizes or allocate more blocks") from None
 
 
 def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
     """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys`."""
+    packed = packs_padding(gm)
     for node in gm.graph.nodes:
         if is_kernel(node):
-            _check_kernel(KernelCall.of(node), keys)
+            _check_kernel(KernelCall.of(node), keys, packed)
         elif is_op(node, torch.ops.ascend.reshape_and_cache):
             key_cache, value_cache = (example_value(n) for n in node.args[2:4])
             _refuse(node, lambda: npu_rules.check_contiguous(
@@ -107,6 +112,49 @@ def fia_step_guard(gm: fx.GraphModule) -> StepGuard | None:
             if npu_rules.fia_block_count(host[source], block_size) > num_blocks:
                 return (f"{name}: the step's sequences, padding included, need more than the cache's {num_blocks} "
                         f"blocks, which FIA refuses ('blocknum不能小于...的block数量之和')")
+        return None
+
+    return guard
+
+
+def npu_step_guard(gm: fx.GraphModule, pa_queries: Callable[[torch.dtype], WorkspaceQueries] | None,
+                   max_model_len: int) -> StepGuard | None:
+    """FIA's block count (`fia_step_guard`) and, given `pa_queries` (the device's workspace queries
+    on probe tensors of a dtype), PA's workspace need (`pa_workspace_guard`) at each step's lengths."""
+    guards = [fia_step_guard(gm), pa_workspace_guard(gm, pa_queries, max_model_len) if pa_queries else None]
+    guards = [g for g in guards if g is not None]
+    if len(guards) <= 1:
+        return guards[0] if guards else None
+    return lambda host: next((why for why in (g(host) for g in guards) if why), None)
+
+
+def pa_workspace_guard(gm: fx.GraphModule, pa_queries: Callable[[torch.dtype], WorkspaceQueries],
+                       max_model_len: int) -> StepGuard | None:
+    """A check of PA's workspace need at each step's padded lengths against the slot its graph gives
+    PA, for a graph with PA kernels; None without. ATB does not check a workspace it is given against
+    its need, and that need depends on the mix of a batch's lengths, which no compile-time question
+    covers (`probe.py`): so each step's lengths are asked of `_npu_paged_attention_get_workspace`, as
+    vLLM-Ascend asks at every update (`vllm_ascend/attention/utils.py`), one question per PA shape
+    of the graph (with block tables as wide as the compile-time question's, `max_model_len` long),
+    and a step needing more than the slot runs eagerly instead of overrunning it."""
+    sites: dict[tuple, tuple[int, str]] = {}
+    for call in kernel_calls(gm):
+        if call.meta.kernel == tiling.PA:
+            slot = min(call.workspace.meta[WORKSPACE_BYTES_KEY].values())
+            source = next(a.source for a in call.meta.host_args if a.kernel_arg == "context_lens")
+            max_blocks = -(-max_model_len // call.meta.shape.block_size)
+            dtype = example_value(call.arg("query")).dtype
+            sites.setdefault((call.meta.shape, source, max_blocks, dtype), (slot, call.node.name))
+    if not sites:
+        return None
+    queries = {dtype: pa_queries(dtype) for *_, dtype in sites}
+
+    def guard(host: Mapping[HostSource, list[int]]) -> str | None:
+        for (shape, source, max_blocks, dtype), (slot, name) in sites.items():
+            if queries[dtype].paged_attention(shape, host[source], max_blocks) > slot:
+                return (f"{name}: PA needs more workspace at the step's lengths than the {slot} bytes of its slot "
+                        f"(sized at one length: `_npu_paged_attention_get_workspace` answers for the lengths it "
+                        f"is given); pass workspace_probe_lens to size it at more lengths")
         return None
 
     return guard

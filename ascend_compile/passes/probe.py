@@ -8,11 +8,14 @@ query, and the two kernels' queries answer different questions (`ops/npu_workspa
   Its answer covers every length, so a pinned `workspace_seq_len` does not shrink it, and the plan
   records `max_model_len` as its length.
 - PA's `get_workspace` answers for the lengths given, and that need is not assumed monotonic in
-  length (vLLM-Ascend's worry: "smaller seq_lens might encounter a bigger workspace"). A workspace slot
-  must cover every length a step may bring, so PA is asked at every probe length, every sequence of
-  the bucket decoding at it: every block-count class at both ends, not only the largest length. The
-  largest answer sizes the slot and its length is the plan's arg-max. (PA batches of mixed lengths are
-  not asked: issue 22, item 4.)
+  length (vLLM-Ascend's worry: "smaller seq_lens might encounter a bigger workspace"), nor in the
+  mix of lengths of a batch. No set of questions asked at compile time covers every step, so PA is
+  asked once per graph, as vLLM-Ascend asks it when capturing: every sequence of the bucket decoding
+  at the length PA graphs are captured at (its SEQ_LEN_WITH_MAX_PA_WORKSPACE, 6144, or max_model_len
+  if shorter), and each step's own lengths are asked again before the replay (vLLM-Ascend at HEAD
+  asks at every update, `vllm_ascend/attention/utils.py`): a step needing more than the slot runs
+  eagerly (`npu_checks.pa_workspace_guard`, option `pa_workspace_check`). `workspace_probe_lens`
+  asks PA at every length given instead, keeping the largest answer.
 
 `ProbedWorkspaceNeed` is the `NeedFn` (see `workspaces.py`) doing this; answers are cached per
 (kernel, shape, tokens, length, table width), so the layers of one shape cost one question each.
@@ -26,7 +29,8 @@ from typing import Callable, Protocol, Sequence
 from ..ops import tiling
 from .workspaces import KernelSite, NodeNeed
 
-#: The length vLLM-Ascend pinned PA's workspace to (SEQ_LEN_WITH_MAX_PA_WORKSPACE).
+#: The length vLLM-Ascend pinned PA's workspace to (SEQ_LEN_WITH_MAX_PA_WORKSPACE), and PA graphs
+#: are captured at (`lowering/inputs.py: PA_CAPTURE_SEQ_LEN`).
 VLLM_ASCEND_PINNED_LEN = 6144
 
 
@@ -40,25 +44,11 @@ class WorkspaceQueries(Protocol):
         """FIA's largest need for `tokens` query tokens in as many sequences, at any lengths."""
 
 
-def default_probe_lengths(max_model_len: int, block_size: int) -> list[int]:
-    """Every block-count class at both ends (`(n-1)*block_size + 1` and `n*block_size`: the first
-    and last length with `n` blocks), every power of two, vLLM-Ascend's 6144 and `max_model_len`;
-    ascending, within [1, max_model_len]."""
-    lens = {1, max_model_len, VLLM_ASCEND_PINNED_LEN}
-    for n in range(1, -(-max_model_len // block_size) + 1):
-        lens.update(((n - 1) * block_size + 1, n * block_size))
-    power = 1
-    while power <= max_model_len:
-        lens.add(power)
-        power *= 2
-    return sorted(n for n in lens if 1 <= n <= max_model_len)
-
-
 class ProbedWorkspaceNeed:
     """A `NeedFn` sizing each kernel node from the device's workspace queries (see the module docstring).
 
-    `probe_lens`: the lengths PA is asked at; None for `default_probe_lengths`. `queries` counts the
-    questions asked, per kernel.
+    `probe_lens`: the lengths PA is asked at; None for PA's capture length only (see the module
+    docstring). `queries` counts the questions asked, per kernel.
     """
 
     def __init__(self, queries: WorkspaceQueries, probe_lens: Sequence[int] | None = None) -> None:
@@ -71,10 +61,10 @@ class ProbedWorkspaceNeed:
         self.queries: collections.Counter[str] = collections.Counter()
         self._answers: dict[tuple, int] = {}
 
-    def lengths(self, max_model_len: int, block_size: int) -> list[int]:
+    def lengths(self, max_model_len: int) -> list[int]:
         """The lengths PA is asked at for graphs bounded by `max_model_len`."""
         if self.probe_lens is None:
-            return default_probe_lengths(max_model_len, block_size)
+            return [min(VLLM_ASCEND_PINNED_LEN, max_model_len)]
         too_long = [n for n in self.probe_lens if n > max_model_len]
         if too_long:
             raise ValueError(f"workspace_probe_lens: lengths {too_long} exceed max_model_len={max_model_len}")
@@ -86,7 +76,7 @@ class ProbedWorkspaceNeed:
             nbytes = self._ask((tiling.FIA, site.shape, tokens, max_blocks), lambda: self.device_queries.fused_infer_attention_max(
                 site.shape, tokens, max_blocks))
             return NodeNeed(site.node, site.kernel, nbytes, max_model_len, nbytes, max_model_len)
-        lens = self.lengths(max_model_len, site.shape.block_size)
+        lens = self.lengths(max_model_len)
         needs = [self.pa_need(site.shape, tokens, n, max_blocks) for n in lens]
         top = max(needs)
         exact, exact_len = top, lens[needs.index(top)]  # the shortest length with the largest need

@@ -22,6 +22,7 @@ from .kernel_call import kernel_calls
 
 #: fx.Node.meta key of a workspace node: the slot serving each graph key the node's graph serves.
 WORKSPACE_META_KEY = "ascend_workspace"
+WORKSPACE_BYTES_KEY = "ascend_workspace_bytes"  # the bytes of each of those slots, by graph key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +207,7 @@ def insert_workspaces(gm: fx.GraphModule, keys: Sequence[GraphKey], plan: Worksp
     with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
         workspace = graph.call_function(torch.ops.ascend.workspace.default, (largest.nbytes, old[0].args[1]))
     workspace.meta[WORKSPACE_META_KEY] = {key: slot.name for key, slot in slots.items()}
+    workspace.meta[WORKSPACE_BYTES_KEY] = {key: slot.nbytes for key, slot in slots.items()}
     for call, previous in zip(calls, old):
         call.set_workspace(workspace)
         if not previous.users:

@@ -1,0 +1,49 @@
+"""What the padding sequences of a step get in a kernel's host lists: the one rule the runner pads
+by (`lowering/inputs.py`) and the NPU target checks a capture by (`npu_checks.py`).
+
+Decode steps give each padded token a padding sequence of its own (one query token, KV length 1):
+PA's layout, one query row per sequence, as vLLM-Ascend pads uniform decode batches. Mixed steps
+pack their padded tokens into dummy sequences of at most `PADDING_CHUNK` tokens, each with its query
+length as KV length, as vLLM-Ascend's full-graph mode adds one dummy request for them and gives FIA
+the step's own batch size at each task update (`vllm_ascend/worker/model_runner_v1.py`,
+`_pad_query_start_loc_for_fia`; `attention_v1.py` pads `seq_lens_list` and the block table to that
+batch). So FIA never gets an entry of no query tokens, and its cost stays linear in the padded
+tokens (a dummy's rows attend at most 128 keys). vLLM-Ascend gives its dummy KV length 1, which
+leaves rows attending no key, whose output no document defines; a dummy here stays inside the
+kernels' documented contract. A graph without PA serves mixed steps (`pipeline.bucket_choices`), so
+it is captured with its padding packed.
+"""
+from __future__ import annotations
+
+import functools
+
+from torch import fx
+
+from ..ops import tiling
+from .kernel_call import kernel_calls
+
+#: The most query tokens a dummy sequence holds: FIA's smallest block size for query lengths above 1
+#: (torch_npu 2.14 `_op_plugin_docs.py`, npu_fused_infer_attention_score's block_size), so a dummy's
+#: keys fit one block.
+PADDING_CHUNK = 128
+
+
+@functools.lru_cache(maxsize=4096)
+def dummy_query_lens(pad: int, room: int) -> tuple[int, ...]:
+    """The query lengths of the dummy sequences holding `pad` padded tokens in at most `room`
+    sequences: `ceil(pad / PADDING_CHUNK)` of them (fewer where room is short), of balanced sizes."""
+    count = min(-(-pad // PADDING_CHUNK), room)
+    if count <= 0:
+        return ()
+    base, extra = divmod(pad, count)
+    return tuple(base + (i < extra) for i in range(count))
+
+
+def packs_padding(gm: fx.GraphModule) -> bool:
+    """Whether `gm` is captured with its padding packed: a graph without PA, which serves mixed steps."""
+    return all(call.meta.kernel != tiling.PA for call in kernel_calls(gm))
+
+
+def capture_kv_lens(bucket: int, packed: bool) -> tuple[int, ...]:
+    """The KV lengths a kernel of an all-padding capture of `bucket` tokens is given."""
+    return dummy_query_lens(bucket, bucket) if packed else (1,) * bucket
