@@ -16,7 +16,8 @@ collectives in flight, per-sequence outputs, empty queries on the device path, t
 top end, decode detection), issue 22's (`verify` comparing nothing; what an Ascend device requires
 that the fake torch_npu now checks: a cache write reading device data on the host, a skipped
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
-a replay running an op's Python body, PA sized for batches of one length only), the attention
+a replay running an op's Python body, PA sized for batches of one length only; mixed steps padded a
+sequence per token, PA's workspace not asked at each step's lengths), the attention
 features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (a sliding window or another
 backend not refused, the first vLLM graph not traced general).
 
@@ -318,6 +319,20 @@ MUTANTS = (
         "PA sized for uniform batches only", "ascend_compile/ops/tiling.py",
         "    mixed = one_short + (tokens - 1) * any_short\n", "    mixed = tokens * one_short\n",
         ("tests/test_design_cases.py::test_case1_steps_mixing_long_and_short_sequences_are_served_by_the_exact_maximum",),
+    ),
+    Mutant(
+        "mixed steps padded one sequence per token", "ascend_compile/lowering/inputs.py",
+        "    if not step.decode:\n        dummies = _dummies(step, geometry)\n",
+        "    if False:\n        dummies = _dummies(step, geometry)\n",
+        ("tests/test_npu_device.py::test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens",
+         f"{AUDIT}::test_padding_sequences_are_sent_their_query_length_as_kv_length"),
+    ),
+    Mutant(
+        "PA workspace not checked at the step's lengths", "ascend_compile/passes/npu_checks.py",
+        "            if queries[dtype].paged_attention(shape, host[source], max_blocks) > slot:",
+        "            if queries[dtype].paged_attention(shape, host[source], max_blocks) > slot + (1 << 40):",
+        ("tests/test_npu.py::test_a_mixed_batch_needing_more_than_every_uniform_one_is_caught_before_the_kernel",
+         "tests/test_npu.py::test_pa_is_asked_once_per_graph_and_each_step_needing_more_runs_eagerly"),
     ),
     Mutant(
         "MLA rope part dropped from the score", "ascend_compile/ops/reference.py",
