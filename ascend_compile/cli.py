@@ -42,6 +42,8 @@ def render(path: str, plan: dict[str, Any]) -> str:
         out.append("\ninputs the runtime provides each step (read outside the graph)")
         out.append(_table(["input", "read from"], [(p["name"], p["source"]) for p in provided]))
     out.append(f"padding: {plan['padding']}")
+    if "padding_sequences" in plan:
+        out.append(f"padding sequences: {plan['padding_sequences']}")
     out.append("sizes: " + ", ".join(f"{sym} {kind}" for sym, kind in plan["symbols"].items()))
     writes = plan["input_writes"]
     if writes:

@@ -394,6 +394,8 @@ def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys)
     assert cli.main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "workspace slots" in text and "attn_workspace" in text and "PA: bucket 4 <= pa_max_batch 4" in text
+    assert "padding sequences: decode steps: one padding sequence per padded token" in text
+    assert "dummy sequences of at most 128 tokens" in plan["padding_sequences"]
     assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[graph_dir.name]["buckets"] == [1, 4, 16]
 

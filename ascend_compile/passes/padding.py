@@ -28,6 +28,12 @@ from .kernel_call import kernel_calls
 PADDING_CHUNK = 128
 
 
+#: What padding sequences get, as `plan.json` and `inspect` say it.
+PADDING_SEQUENCES = (f"decode steps: one padding sequence per padded token (1 query token, KV length 1); mixed "
+                     f"steps: the padded tokens in dummy sequences of at most {PADDING_CHUNK} tokens, each its "
+                     f"query length as KV length, the kernels' batch being the step's sequences plus the dummies")
+
+
 @functools.lru_cache(maxsize=4096)
 def dummy_query_lens(pad: int, room: int) -> tuple[int, ...]:
     """The query lengths of the dummy sequences holding `pad` padded tokens in at most `room`

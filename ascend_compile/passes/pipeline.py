@@ -26,6 +26,7 @@ from .fx_utils import clone_graph_module, example_value
 from .hoist_metadata import Prologue, hoist_metadata
 from .kernel_call import KernelCall, kernel_calls
 from .mutations import MutationFacts, analyse_mutations
+from .padding import PADDING_SEQUENCES
 from .providers import Binder
 from .roles import GraphSignature, assign_roles
 from .select_kernels import attention_layers, choose_kernels, select_kernels
@@ -105,6 +106,7 @@ class RewrittenGraphs:
             "static_shapes": self.signature.is_static,
             "tokens": str(self.signature.tokens),
             "padding": self.signature.pad_reason or "padded to the bucket",
+            "padding_sequences": PADDING_SEQUENCES,
             "symbols": {str(sym): kind.value for sym, kind in self.signature.symbol_kinds.items()},
             "input_writes": [{"input": self.signature.inputs[w.input].name, "node": w.node,
                               "padding_safe": w.padding_safe} for w in self.mutations.writes],
