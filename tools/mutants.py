@@ -364,6 +364,11 @@ MUTANTS = (
         "    _check_features(call)\n", "    pass\n",
         ("tests/test_npu_device.py::test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer",),
     ),
+    Mutant(
+        "latent attention not refused under transformers", "ascend_compile/integrations/transformers.py",
+        "    _refuse_latent_attention(model)\n", "",
+        ("tests/test_transformers_cb.py::test_deepseek_v3s_latent_attention_is_refused_naming_the_layer_and_head_dims",),
+    ),
     # issue 26: vLLM's MLA ops (`integrations/vllm_mla.py`), on vLLM's own DeepSeek-V2 (in the vLLM venv)
     Mutant(
         "MLA prefill context dropped", "ascend_compile/integrations/vllm_mla.py",
