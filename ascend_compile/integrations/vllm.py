@@ -13,7 +13,9 @@ host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
 Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
 qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
 "cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
-features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
+features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). MLA
+layers' ops (`unified_mla_*`) are rewritten onto `ascend.mla_attention` / `ascend.mla_cache_write` by
+`vllm_mla.py`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
 tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
 """
 from __future__ import annotations
