@@ -48,6 +48,12 @@ def tiny(family: str):
                 if hasattr(module, "sinks"):
                     module.sinks.normal_()  # zeros at init: make the sinks matter
         return model
+    if family == "deepseek_v3":  # multi-head latent attention; both layers dense (first_k_dense_replace)
+        config = transformers.DeepseekV3Config(**dict(common, num_key_value_heads=4), moe_intermediate_size=32,
+                                               kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                                               qk_nope_head_dim=32, v_head_dim=16, n_routed_experts=4,
+                                               num_experts_per_tok=2, first_k_dense_replace=2, n_group=1, topk_group=1)
+        return transformers.DeepseekV3ForCausalLM(config).eval()
     raise ValueError(family)
 
 
@@ -155,6 +161,27 @@ def test_layer_types_the_integration_cannot_serve_are_refused():
     model.config.layer_types = ["chunked_attention"]
     with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\] are not supported"):
         ac_hf.continuous_batching(model, cb_config(), capture_sizes=CAPTURE_SIZES)
+
+
+def test_deepseek_v3s_latent_attention_is_refused_naming_the_layer_and_head_dims():
+    """DeepSeek-V3's attention has a query/key head dim (nope + rope) unlike its value head dim, which
+    `ascend.attention` does not take; and transformers caches its compressed latent, which the paged
+    cache does not hold (its own continuous batching fails on it, below). Refused before anything runs."""
+    model = tiny("deepseek_v3")
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn: multi-head latent attention \(query/key head dim "
+                                         r"48 = qk_nope 32 \+ rope 16, value head dim 16, kv_lora_rank 32\)") as err:
+        ac_hf.continuous_batching(model, cb_config(), capture_sizes=CAPTURE_SIZES)
+    assert "integrations.vllm" in str(err.value)  # what to do instead
+    assert model.config._attn_implementation != ac_hf.ATTENTION  # the model is left as it was
+
+
+def test_transformers_own_continuous_batching_does_not_hold_deepseek_v3s_latent():
+    """Why the refusal above names the cache: transformers 5.24 pages hold `num_key_value_heads x head_dim`
+    (the rope dim) per token, the model writes `[1, kv_lora_rank]` latents; every request fails."""
+    model = tiny("deepseek_v3")
+    with torch.no_grad():
+        outputs = model.generate_batch(prompts()[:2], generation_config=greedy(), continuous_batching_config=cb_config())
+    assert [o.generated_tokens for o in in_order(outputs)] == [[], []]
 
 
 def test_an_unsupported_transformers_version_is_refused(monkeypatch):

@@ -53,6 +53,11 @@ class CpuFlashAttnPlatform(Platform):
         return DeviceCapability(8, 0)
 
     @classmethod
+    def num_compute_units(cls, device_id: int = 0) -> int:
+        """One unit (TRITON_MLA's impl reads it to size its decode splits)."""
+        return 1
+
+    @classmethod
     def opaque_attention_op(cls) -> bool:
         """As CUDA's: the model calls `torch.ops.vllm.unified_*` (not the Python functions)."""
         return True
@@ -173,8 +178,9 @@ class Model:
 
 def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
     """The config's model class from vLLM's registry (`get_model_architecture`), with seeded weights
-    (`process_weights_after_loading` run) and caches in FLASH_ATTN's layout, bound as vLLM's runner
-    binds them (`layer.kv_cache`)."""
+    (`process_weights_after_loading` run) and caches in the layout of each layer's backend
+    (`get_kv_cache_shape`) and the dtype of its `get_kv_cache_spec`, bound as vLLM's runner binds
+    them (`layer.kv_cache`)."""
     init_process_groups(config)
     selector._cached_get_attn_backend.cache_clear()  # the platform's `attention_backend` may have changed
     with set_current_vllm_config(config):
@@ -187,7 +193,7 @@ def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
     block_size = config.cache_config.block_size
     for name, layer in config.compilation_config.static_forward_context.items():
         shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-        layer.kv_cache = torch.zeros(shape, dtype=layer.kv_cache_torch_dtype)
+        layer.kv_cache = torch.zeros(shape, dtype=layer.get_kv_cache_spec(config).dtype)
     return Model(config, model.eval(), num_blocks, block_size)
 
 

@@ -17,8 +17,9 @@ top end, decode detection), issue 22's (`verify` comparing nothing; what an Asce
 that the fake torch_npu now checks: a cache write reading device data on the host, a skipped
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
 a replay running an op's Python body, PA sized for batches of one length only; mixed steps padded a
-sequence per token, PA's workspace not asked at each step's lengths), the attention
-features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (a sliding window or another
+sequence per token, PA's workspace not asked at each step's lengths), the attention features' bugs
+(issue 25), MLA's (issue 26: the kernels', and the vLLM binding's, whose tests run vLLM's own code
+in the vLLM venv, `VLLM_PYTHON`) and issue 23's vLLM ones (a sliding window or another
 backend not refused, the first vLLM graph not traced general).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
@@ -39,6 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The interpreter of the venv with vLLM (`.ci/vllm-venv` builds `.venv-vllm`), for mutants whose
+#: tests run vLLM's own code; `ASCEND_COMPILE_VLLM_PYTHON` names another.
+VLLM_PYTHON = Path(os.environ.get("ASCEND_COMPILE_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 #: What the scratch copy needs to import the package and run its tests.
 COPIED = ("ascend_compile", "tests", "examples", "pyproject.toml", "setup.py")
 
@@ -52,6 +56,7 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]
+    vllm: bool = False  # the tests run vLLM's own code: in the vLLM venv (`VLLM_PYTHON`)
 
 
 CASE2 = "tests/test_design_cases.py::test_case2_updates_refresh_lengths_every_step"
@@ -63,6 +68,7 @@ SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_r
 ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
 TRITON = "tests/test_triton_kernels.py"
 DEVICE = "tests/test_npu_device.py"
+MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 
 MUTANTS = (
     Mutant(
@@ -373,6 +379,36 @@ MUTANTS = (
         "    _check_features(call)\n", "    pass\n",
         ("tests/test_npu_device.py::test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer",),
     ),
+    Mutant(
+        "latent attention not refused under transformers", "ascend_compile/integrations/transformers.py",
+        "    _refuse_latent_attention(model)\n", "",
+        ("tests/test_transformers_cb.py::test_deepseek_v3s_latent_attention_is_refused_naming_the_layer_and_head_dims",),
+    ),
+    # issue 26: vLLM's MLA ops (`integrations/vllm_mla.py`), on vLLM's own DeepSeek-V2 (in the vLLM venv)
+    Mutant(
+        "MLA prefill context dropped", "ascend_compile/integrations/vllm_mla.py",
+        "            lens = lens + chunked.seq_lens.sum(dim=0)[:n].to(lens.device, non_blocking=True)\n",
+        "            pass\n",
+        (MLA_REAL,), vllm=True,
+    ),
+    Mutant(
+        "MLA decodes' block table rows only", "ascend_compile/integrations/vllm_mla.py",
+        "        parts.append(metadata.prefill.block_table[: metadata.num_prefills])\n",
+        "        parts.append(metadata.prefill.block_table[:0] if parts else metadata.prefill.block_table)\n",
+        (MLA_REAL,), vllm=True,
+    ),
+    Mutant(
+        "sparse MLA not refused", "ascend_compile/integrations/vllm_mla.py",
+        "    if getattr(layer, \"use_sparse\", False) or getattr(layer, \"indexer\", None) is not None:\n",
+        "    if False:\n",
+        ("tests/test_vllm_mla_real.py::test_a_sparse_mla_layer_is_refused_at_compile_time",), vllm=True,
+    ),
+    Mutant(
+        "other MLA backend not refused", "ascend_compile/integrations/vllm_mla.py",
+        "    if path not in SUPPORTED_MLA_BACKENDS:\n",
+        "    if False:\n",
+        ("tests/test_vllm_mla_real.py::test_another_mla_backend_is_refused_by_name",), vllm=True,
+    ),
 )
 
 
@@ -389,14 +425,15 @@ def apply(mutant: Mutant, root: Path) -> str:
     return text
 
 
-def run_tests(tests: tuple[str, ...], root: Path) -> tuple[bool, str]:
-    """(whether the tests failed, the first failing test) in the copy under `root`."""
+def run_tests(tests: tuple[str, ...], root: Path, python: str = sys.executable) -> tuple[bool, str]:
+    """(whether the tests failed, the first failing test) in the copy under `root`, run by `python`."""
     env = dict(os.environ, PYTHONPATH=str(root))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
+        [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
         cwd=root, env=env, capture_output=True, text=True,
     )
-    failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    failed = [line.split()[1] for line in proc.stdout.splitlines()
+              if line.startswith(("FAILED tests/", "ERROR tests/"))]  # not a log line ("ERROR 12-01 ...")
     return proc.returncode != 0, (failed[0] if failed else f"pytest exit {proc.returncode}")
 
 
@@ -413,12 +450,18 @@ def _scratch_copy(root: Path) -> None:
 def _try(mutant: Mutant, roots: "queue.Queue[Path]") -> tuple[Mutant, bool, str, float]:
     """Apply `mutant` in a free scratch copy, run its tests, restore the copy: (mutant, caught,
     failing test, seconds). A mutant whose edit no longer applies raises `LookupError`."""
+    python = sys.executable
+    if mutant.vllm:
+        if not VLLM_PYTHON.exists():
+            raise LookupError(f"{mutant.name}: its tests run vLLM's code, and there is no vLLM venv at {VLLM_PYTHON} "
+                              f"(build it with .ci/vllm-venv .venv-vllm, or set ASCEND_COMPILE_VLLM_PYTHON)")
+        python = str(VLLM_PYTHON)
     root = roots.get()
     start = time.perf_counter()
     try:
         original = apply(mutant, root)
         try:
-            failed, test = run_tests(mutant.tests, root)
+            failed, test = run_tests(mutant.tests, root, python)
         finally:
             (root / mutant.path).write_text(original)
     finally:

@@ -61,7 +61,29 @@ def _check_version() -> None:
         )
 
 
+def _refuse_latent_attention(model: torch.nn.Module) -> None:
+    """Refuse multi-head latent attention (DeepSeek-V2/V3 and their kin: a layer with a `kv_b_proj`
+    and a `kv_lora_rank`), naming the first such layer and its head dims. transformers 5.24's layer
+    (`DeepseekV3Attention.forward`) writes its compressed latent into the cache (`[kv_lora_rank]`
+    keys, `[rope]` values per token, where the paged cache's pages hold `num_key_value_heads x
+    head_dim`: continuous batching fails on it without this backend too) and attends with per-head
+    keys of `qk_nope + rope` dims and values of `v_head_dim`; `ascend.attention` takes one head dim
+    for query, key and value (`ops/validate.py: check_attention_tensors`)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_lora_rank"):
+            nope, rope = module.qk_nope_head_dim, module.qk_rope_head_dim
+            raise ValueError(
+                f"{name}: multi-head latent attention (query/key head dim {nope + rope} = qk_nope {nope} + rope "
+                f"{rope}, value head dim {module.v_head_dim}, kv_lora_rank {module.kv_lora_rank}) is not supported "
+                f"by the ascend_graph continuous batching integration: ascend.attention takes one head dim for "
+                f"query, key and value, and continuous batching's paged cache does not hold the layer's latent "
+                f"(transformers {installed_version()}); serve DeepSeek models through vLLM "
+                f"(ascend_compile.integrations.vllm binds its MLA layers to ascend.mla_attention)"
+            )
+
+
 def _check_model(model: torch.nn.Module) -> None:
+    _refuse_latent_attention(model)
     config = model.config
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))

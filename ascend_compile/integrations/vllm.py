@@ -13,12 +13,15 @@ host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
 Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
 qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
 "cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
-features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
+features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). MLA
+layers' ops (`unified_mla_*`) are rewritten onto `ascend.mla_attention` / `ascend.mla_cache_write` by
+`vllm_mla.py`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
 tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -36,6 +39,7 @@ from .vllm_context import (as_int64, attention_slots, block_table, cache_pair, h
                            metadata_of, query_start_loc, split_cache)
 from .vllm_deferred import DeferredCompile
 from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
+from .vllm_mla import MLA_CACHE_UPDATE_OP, MlaRewrite, has_latent_cache, mla_graph_nodes, refuse_unsupported as refuse_unsupported_mla
 from .vllm_options import current_vllm_config, options_for
 
 log = logging.getLogger("ascend_compile")
@@ -124,7 +128,8 @@ class ForwardContextBinder:
             return "attn_metadata is a list (DBO / micro-batching), which ascend_graph does not support"
         for name in layers:
             layer = ctx.no_compile_layers.get(name)
-            if layer is None or not has_cache(getattr(layer, "kv_cache", None)):
+            if layer is None or not (has_cache(getattr(layer, "kv_cache", None))
+                                     or has_latent_cache(getattr(layer, "kv_cache", None))):
                 return f"layer {name!r} has no KV cache bound (forward_context.no_compile_layers[{name!r}].kv_cache)"
         return None
 
@@ -146,7 +151,8 @@ class ForwardContextBinder:
     def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
         """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph
         input (torch >= 2.11), whose example input holds it."""
-        arg = node_arg(node, 2 if is_op(node, _vllm_op(CACHE_UPDATE_OP)) else 4, "layer_name")
+        update = any(is_op(node, _vllm_op(op)) for op in (CACHE_UPDATE_OP, MLA_CACHE_UPDATE_OP))
+        arg = node_arg(node, 2 if update else 4, "layer_name")
         if isinstance(arg, fx.Node):
             index = placeholders(gm).index(arg)
             value = self.example_inputs[index] if index < len(self.example_inputs) else example_value(arg)
@@ -156,14 +162,16 @@ class ForwardContextBinder:
         return arg
 
     def layer_names(self, gm: fx.GraphModule) -> list[str]:
-        """The layer names of the graph's vLLM attention nodes, in graph order."""
-        return [self.layer_name(gm, node) for node in vllm_graph_nodes(gm)[0]]
+        """The layer names of the graph's vLLM attention nodes (MLA's after the others), in graph order."""
+        return [self.layer_name(gm, node) for node in vllm_graph_nodes(gm)[0] + mla_graph_nodes(gm)[0]]
 
     def refuse_unsupported(self, gm: fx.GraphModule, ctx: Any) -> None:
         """Refuse, naming the layer and the feature, any of the graph's attention layers the rewrite
         would compute wrongly (`vllm_layers.refusal`), and a configured KV-transfer connector."""
         names = self.layer_names(gm)
-        refuse_unsupported({name: ctx.no_compile_layers[name] for name in names})
+        mla = {self.layer_name(gm, node) for node in mla_graph_nodes(gm)[0]}
+        refuse_unsupported({name: ctx.no_compile_layers[name] for name in names if name not in mla})
+        refuse_unsupported_mla({name: ctx.no_compile_layers[name] for name in names if name in mla})
         if kv_transfer_configured():
             raise UnsupportedAttention(
                 names[0], "a KV-transfer connector (kv_transfer_config: its per-layer "
@@ -174,7 +182,8 @@ class ForwardContextBinder:
 
     def __call__(self, gm: fx.GraphModule) -> Provider | None:
         attention, updates = vllm_graph_nodes(gm)
-        if not attention:
+        mla_attention, mla_updates = mla_graph_nodes(gm)
+        if not attention and not mla_attention:
             return None
         ctx = self.get_forward_context()
         self.refuse_unsupported(gm, ctx)
@@ -209,14 +218,17 @@ class ForwardContextBinder:
             return caches[layer]
 
         slots: dict[int, fx.Node] = {}
+
+        def slot_input(layer: str, tokens: Any) -> fx.Node:
+            real = ctx.slot_mapping[layer]
+            if id(real) not in slots:
+                slots[id(real)] = self._bind_slot_mapping(len(slots), layer, real, tokens, fake_mode, provide)
+            return slots[id(real)]
+
         for node in updates:
             layer = self.layer_name(gm, node)
             key, value = node.args[0], node.args[1]
-            real = ctx.slot_mapping[layer]
-            if id(real) not in slots:
-                slots[id(real)] = self._bind_slot_mapping(len(slots), layer, real, example_value(key).shape[0],
-                                                          fake_mode, provide)
-            slot_mapping = slots[id(real)]
+            slot_mapping = slot_input(layer, example_value(key).shape[0])
             key_cache, value_cache = cache_inputs(layer)
             with graph.inserting_before(node):
                 graph.call_function(torch.ops.ascend.reshape_and_cache.default,
@@ -227,6 +239,8 @@ class ForwardContextBinder:
             graph.erase_node(node)
         for node in attention:
             self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs)
+        self.group_layers += MlaRewrite(gm, ctx, fake_mode, provide, functools.partial(self.layer_name, gm),
+                                        slot_input).rewrite(mla_attention, mla_updates)
         for node in reversed(list(graph.nodes)):
             if node.op == "call_function" and node.target is torch.ops.aten.empty.memory_format and not node.users:
                 graph.erase_node(node)
@@ -329,8 +343,7 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
     deferred = dataclasses.replace(config, retrace_static=False)  # retraced at dynamo's call, if at all
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        attention, _ = vllm_graph_nodes(gm)
-        if not attention:
+        if not vllm_graph_nodes(gm)[0] and not mla_graph_nodes(gm)[0]:
             compiled = compile_graph(gm, example_inputs, config, target)
             if on_compiled is not None and isinstance(compiled, CompiledArtifact):
                 on_compiled(compiled)
