@@ -169,12 +169,23 @@ def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded
 PA_CAPTURE_SEQ_LEN = 6144
 
 
-def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int | None) -> StepPlan:
-    """The plan a graph is captured with: no real tokens, and each `seq_lens` source holding
-    `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query)."""
+#: The query tokens of the first sequence a mixed graph is captured with.
+MIXED_CAPTURE_QUERY_LEN = 2
+
+
+def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int | None,
+                 decode: bool = True) -> StepPlan:
+    """The plan a graph is captured with: each `seq_lens` source holding `geometry.seqs` sequences of
+    `seq_len` (None: all padding, each sequence as long as its query). A decode graph's sequences have
+    one query token each; a mixed graph's first has two (where the graph has two tokens), so that the
+    captured call is a mixed one: FIA v2's MLA form takes another sparse mode for it (`ops/npu_mla.py`),
+    and a task update re-issues the captured call with new lengths."""
     lens = [seq_len] * geometry.seqs if seq_len is not None else []
     names = {src.source for src in sources}
-    step = Step((), {}, 0, 0, True, {name: list(lens) for name in names}, {name: [0] for name in names})
+    tokens = 0 if decode else min(MIXED_CAPTURE_QUERY_LEN, geometry.tokens)
+    loc = [0, tokens] if tokens else [0]
+    step = Step((), {}, tokens, len(loc) - 1, decode, {name: list(lens) for name in names},
+                {name: list(loc) for name in names})
     return plan_step(step, sources, geometry)
 
 

@@ -93,7 +93,7 @@ class GraphEntry:
         the in-place inputs in `checked` must keep their addresses for the graph to serve a step."""
         start = time.perf_counter()
         self.staging.fill_padding()
-        plan = capture_plan(self.sources, self.staging.geometry, seq_len)
+        plan = capture_plan(self.sources, self.staging.geometry, seq_len, self.key.decode)
         graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
         with gc_paused():
@@ -277,7 +277,7 @@ class CompiledArtifact:
         padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, symbols)
         staging = Staging(self.signature, self.rewritten.write_back, self.runtime, gm, padded)
         entry = GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
-        entry.step_guard = self.target.step_guard(gm)
+        entry.step_guard = self.target.step_guard(gm, key)
         return entry
 
     def _entry(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> GraphEntry | None:
