@@ -22,11 +22,13 @@ import bisect
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch import fx
 
-from ..passes.kernel_call import Conversion, HostSource
+from ..ops.tiling import PA
+from ..passes.kernel_call import Conversion, HostSource, kernel_calls
 from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role
 from ..passes.size_symbols import evaluate
 
@@ -167,6 +169,19 @@ def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded
 #: The KV length of every sequence when a decode graph with PA is captured: vLLM-Ascend captures PA
 #: at SEQ_LEN_WITH_MAX_PA_WORKSPACE (`vllm_ascend/worker/model_runner_v1.py`, `_dummy_run`), never at 0.
 PA_CAPTURE_SEQ_LEN = 6144
+
+
+def capture_seq_len(gm: fx.GraphModule, key: Any, signature: GraphSignature, buffers: Mapping[int, torch.Tensor],
+                    max_model_len: int | None) -> int | None:
+    """The KV length a decode graph with PA is captured at, within what its block table holds
+    (never 0: a kernel's zero-length fast path would record another task than its updates
+    issue); None (padding lengths) for other graphs. `key` is the graph's `GraphKey`."""
+    pa = [c for c in kernel_calls(gm) if c.meta.kernel == PA]
+    if not key.decode or not pa:
+        return None
+    widths = [buffers[s.index].shape[-1] for s in signature.by_role(Role.BLOCK_TABLE) if s.index in buffers]
+    capacity = min(widths, default=PA_CAPTURE_SEQ_LEN) * pa[0].meta.shape.block_size
+    return min(PA_CAPTURE_SEQ_LEN, capacity, max_model_len or PA_CAPTURE_SEQ_LEN)
 
 
 #: The query tokens of the first sequence a mixed graph is captured with.
