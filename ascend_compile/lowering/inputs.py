@@ -192,12 +192,13 @@ def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int
                  decode: bool = True) -> StepPlan:
     """The plan a graph is captured with: each `seq_lens` source holding `geometry.seqs` sequences of
     `seq_len` (None: all padding, each sequence as long as its query). A decode graph's sequences have
-    one query token each; a mixed graph's first has two (where the graph has two tokens), so that the
+    one query token each; a mixed graph's first has two (where the graph has room), so that the
     captured call is a mixed one: FIA v2's MLA form takes another sparse mode for it (`ops/npu_mla.py`),
     and a task update re-issues the captured call with new lengths."""
     lens = [seq_len] * geometry.seqs if seq_len is not None else []
     names = {src.source for src in sources}
-    tokens = 0 if decode else min(MIXED_CAPTURE_QUERY_LEN, geometry.tokens)
+    # A graph of one sequence pads every token into it (already a mixed call where it has several).
+    tokens = 0 if decode or geometry.seqs < 2 else min(MIXED_CAPTURE_QUERY_LEN, geometry.tokens)
     loc = [0, tokens] if tokens else [0]
     step = Step((), {}, tokens, len(loc) - 1, decode, {name: list(lens) for name in names},
                 {name: list(loc) for name in names})
