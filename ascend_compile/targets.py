@@ -19,7 +19,7 @@ from .config import CompileConfig
 from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
-from .ops.tiling import MLA
+from .ops.tiling import MLA, PA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
 from .passes.kernel_call import StepGuard
@@ -38,6 +38,9 @@ class Target:
     formulas, kernels timed as torch ops on the device, graphs captured as their variant."""
 
     runtime: Runtime
+    #: The kernels whose decode graph cannot serve mixed steps: a bucket with one of them gets a mixed
+    #: graph of its own (PA is decode-only).
+    mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA})
     #: Whether kernels take host lengths, which the runner then reads from each step (one host copy
     #: of each length input); False where they read them on the device, so no step waits for it.
     host_lengths: ClassVar[bool] = True
@@ -81,8 +84,9 @@ class Target:
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Refuse, at compile time, what this device cannot run in `gm` (a variant serving `keys`)."""
 
-    def step_guard(self, gm: fx.GraphModule, config: CompileConfig) -> StepGuard | None:
-        """Why a step may not run on a captured `gm` (it then runs eagerly), or None when every step may."""
+    def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
+        """Why a step may not run on `gm` captured as `key`'s graph (it then runs eagerly), or None when
+        every step may."""
         return None
 
 
@@ -90,24 +94,12 @@ class Target:
 class NpuTarget(Target):
     """Ascend through torch_npu: workspaces from torch_npu's own queries, asked at compile time
     (no formula), "auto" timing the torch_npu kernels the runtime binds, and the kernels' documented
-    constraints refused at compile time (and FIA's block count at each step)."""
+    constraints refused at compile time (and FIA's and MLA's length rules at each step)."""
 
-    def check_kernel(self, kernel: str, layer: str) -> None:
-        """MLA is not bound to torch_npu yet, so it is refused here rather than run as anything else.
-
-        Its binding is `npu_fused_infer_attention_score_v2(.out)` with `query_rope` / `key_rope`: in
-        torch_npu 2.14's `_op_plugin_docs.py` ("query_rope和key_rope输入时即为MLA场景"), with a query d
-        of 512 it takes rope d 64, key n 1, 1-16 query tokens per sequence, query heads
-        1/2/4/.../128, paged KV of block_size 16 or 128, TND with `actual_seq_qlen` cumulative and
-        `actual_seq_kvlen` per sequence, sparse_mode 0 without a mask for one query token and 3 with
-        one above; its workspace from `_npu_fused_infer_attention_score_v2_get_max_workspace`.
-        """
-        if kernel == MLA:
-            raise ValueError(
-                f"{layer}: runtime 'npu' does not serve latent attention (ascend.mla_attention) yet: its kernel, "
-                f"torch_npu.npu_fused_infer_attention_score_v2 with query_rope/key_rope, is not bound in this "
-                f"version; compile with runtime='sim' or 'eager'"
-            )
+    #: MLA runs as FIA v2's MLA form, whose sparse mode a call's query lengths decide ("Q_S等于1时只支持
+    #: sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask", torch_npu 2.14 `_op_plugin_docs.py` L8697): an
+    #: MLA bucket's decode steps and mixed steps are captured in two graphs, each keeping its mode.
+    mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA, MLA})
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
         from .ops import npu as npu_ops
@@ -126,15 +118,15 @@ class NpuTarget(Target):
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Every kernel and cache write held to the torch_npu kernels' documented constraints
         (`passes/npu_checks.py`), before torch_npu is asked anything."""
-        check_npu_graph(gm, keys)
+        check_npu_graph(gm, keys, self.mixed_graph_kernels)
 
-    def step_guard(self, gm: fx.GraphModule, config: CompileConfig) -> StepGuard | None:
-        """FIA's block count on each step's padded lengths and, with `pa_workspace_check`, PA's
-        workspace need at them (`passes/npu_checks.py`)."""
+    def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
+        """FIA's and MLA's block count, MLA's query lengths and sparse mode and, with
+        `pa_workspace_check`, PA's workspace need, on each step's padded lengths (`passes/npu_checks.py`)."""
         from .ops.npu_workspace import NpuWorkspaceQuery
 
         kernels = self.runtime.kernels
-        return npu_step_guard(gm, (lambda dtype: NpuWorkspaceQuery(kernels, dtype)) if config.pa_workspace_check
+        return npu_step_guard(gm, key, (lambda dtype: NpuWorkspaceQuery(kernels, dtype)) if config.pa_workspace_check
                               else None, config.max_model_len)
 
     def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:

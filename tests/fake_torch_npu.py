@@ -5,7 +5,7 @@ ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_
 `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
 `stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state`, `empty_cache`,
 `host_empty_cache`, `get/set_stream_limit`, ...), `torch_npu._C._weak_ref_tensor`, the attention kernels
-with their workspace queries, and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
+with their workspace queries (FIA v2's MLA form in `tests/fake_torch_npu_mla.py`), and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
 with a wrong argument name, order or kind fails here as it does on the device, and the simulator
 records each call as one task: the ops of torch_npu's namespaces are the device's kernels
@@ -338,14 +338,17 @@ def _define_ops() -> None:
     for text in sections["schema atb"]:
         atb.define(text)
     for text in sections["schema npu"]:
-        if not text.startswith("npu_fused_infer_attention_score("):  # ours calls .out and the query only
-            npu.define(text)
+        if not text.startswith(("npu_fused_infer_attention_score(", "npu_fused_infer_attention_score_v2(")):
+            npu.define(text)  # ours calls .out and the queries only
     atb.impl("_npu_paged_attention", _pa, "CPU")
     atb.impl("_npu_paged_attention_get_workspace", _pa_workspace, "CPU")
     npu.impl("npu_fused_infer_attention_score.out", _fia_out, "CPU")
     npu.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
     npu.impl("_npu_fused_infer_attention_score_get_max_workspace", _fia_max_workspace, "CPU")
     npu.impl("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache, "CPU")
+    from tests import fake_torch_npu_mla
+
+    fake_torch_npu_mla.register(npu)
 
 
 class HostReads:
@@ -442,6 +445,7 @@ class FakeNpu:
         pa, fia = torch.ops.atb._npu_paged_attention, torch.ops.npu.npu_fused_infer_attention_score
         self.sim.zero_length_fast_path(pa, "context_lens")
         self.sim.zero_length_fast_path(fia, "actual_seq_lengths_kv")
+        self.sim.zero_length_fast_path(torch.ops.npu.npu_fused_infer_attention_score_v2, "actual_seq_kvlen")
         self.sim.copies_host_inputs(pa, "context_lens")
         self.calls: list[Call] = []
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution
@@ -793,6 +797,13 @@ def install(
     torch_npu._npu_fused_infer_attention_score_get_max_workspace = _logged(
         "_npu_fused_infer_attention_score_get_max_workspace",
         torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace,
+    )
+    torch_npu.npu_fused_infer_attention_score_v2 = _Packet(
+        "npu_fused_infer_attention_score_v2", torch.ops.npu.npu_fused_infer_attention_score_v2, ("out",)
+    )
+    torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace = _logged(
+        "_npu_fused_infer_attention_score_v2_get_max_workspace",
+        torch.ops.npu._npu_fused_infer_attention_score_v2_get_max_workspace,
     )
     torch_npu.npu_scatter_pa_kv_cache = _logged("npu_scatter_pa_kv_cache", torch.ops.npu.npu_scatter_pa_kv_cache)
     for name, module in (("torch_npu", torch_npu), ("torch_npu.npu", npu), ("torch_npu._C", c)):

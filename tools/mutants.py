@@ -18,8 +18,9 @@ that the fake torch_npu now checks: a cache write reading device data on the hos
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
 a replay running an op's Python body, PA sized for batches of one length only; mixed steps padded a
 sequence per token, PA's workspace not asked at each step's lengths), the attention features' bugs
-(issue 25), MLA's (issue 26: the kernels', and the vLLM binding's, whose tests run vLLM's own code
-in the vLLM venv, `VLLM_PYTHON`) and issue 23's vLLM ones (a sliding window or another
+(issue 25), MLA's (issue 26: the kernels', the vLLM binding's, whose tests run vLLM's own code in the
+vLLM venv, `VLLM_PYTHON`, and on runtime "npu": its lengths, workspace, sparse modes, mixed capture,
+the 16-token rule and a compile-time rule) and issue 23's vLLM ones (a sliding window or another
 backend not refused, the first vLLM graph not traced general).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
@@ -69,6 +70,7 @@ ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eag
 TRITON = "tests/test_triton_kernels.py"
 DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
+NPU_MLA = "tests/test_mla_npu.py"
 
 MUTANTS = (
     Mutant(
@@ -354,6 +356,39 @@ MUTANTS = (
         "MLA cache write at slot -1", "ascend_compile/ops/mla.py",
         "    valid = slots >= 0\n", "    valid = slots >= -1\n",
         ("tests/test_mla.py::test_the_cache_write_skips_slot_minus_one",),
+    ),
+    # issue 26 on runtime "npu": MLA through FIA v2's query_rope/key_rope form
+    Mutant(
+        "FIA v2 MLA lengths not refreshed", "ascend_compile/runtime/npu.py",
+        "            return self.kernels.mla_fused_infer_attention\n",
+        "            return lambda *a: None if self._update is not None else self.kernels.mla_fused_infer_attention(*a)\n",
+        (f"{NPU_MLA}::test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals_eager",),
+    ),
+    Mutant(
+        "MLA v2 workspace not passed", "ascend_compile/ops/npu_mla.py",
+        "workspace=workspace, out=[out, softmax_lse])", "workspace=None, out=[out, softmax_lse])",
+        (f"{NPU_MLA}::test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals_eager",),
+    ),
+    Mutant(
+        "MLA decode calls in sparse_mode 3", "ascend_compile/ops/npu_rules.py",
+        "    return 3 if max(query_lens, default=0) > 1 else 0\n", "    return 3\n",
+        (f"{NPU_MLA}::test_fia_v2_mla_equals_the_reference_with_the_wheels_schemas",),
+    ),
+    Mutant(
+        "mixed MLA graph captured as a decode step", "ascend_compile/passes/padding.py",
+        "    return not key.decode or all(", "    return False and all(",
+        (f"{NPU_MLA}::test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals_eager",),
+    ),
+    Mutant(
+        "MLA query lengths over 16 served by a graph", "ascend_compile/passes/npu_checks.py",
+        "            if refusal:\n                return f\"{name}: {refusal}\"\n",
+        "            if False:\n                return f\"{name}: {refusal}\"\n",
+        (f"{NPU_MLA}::test_a_step_of_more_than_16_query_tokens_per_sequence_runs_eagerly_saying_why",),
+    ),
+    Mutant(
+        "MLA head-count rule removed", "ascend_compile/ops/npu_rules.py",
+        "num_heads in MLA_QUERY_HEADS,", "True,",
+        (f"{NPU_MLA}::test_each_documented_constraint_is_refused_at_compile_naming_the_layer",),
     ),
     # issue 23: vLLM attention features the rewrite would compute wrongly, refused at compile time
     Mutant(

@@ -29,12 +29,14 @@ import dataclasses
 import functools
 import itertools
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch import fx
 
-from ..passes.kernel_call import Conversion, HostSource
-from ..passes.padding import dummy_query_lens
+from ..ops.tiling import PA
+from ..passes.kernel_call import Conversion, HostSource, kernel_calls
+from ..passes.padding import PADDING_CHUNK, dummy_query_lens
 from ..passes.probe import VLLM_ASCEND_PINNED_LEN
 from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role
 from ..passes.size_symbols import evaluate
@@ -55,10 +57,12 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """The padded size of a captured graph: its token and sequence counts."""
+    """The padded size of a captured graph: its token and sequence counts, and the most query tokens
+    a dummy sequence of its mixed steps holds (`passes/padding.py`)."""
 
     tokens: int
     seqs: int
+    dummy_limit: int = PADDING_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,11 +183,26 @@ def padded_start_loc(loc: Sequence[int], tokens: int, padded_tokens: int, padded
 PA_CAPTURE_SEQ_LEN = VLLM_ASCEND_PINNED_LEN
 
 
+def capture_seq_len(gm: fx.GraphModule, key: Any, signature: GraphSignature, buffers: Mapping[int, torch.Tensor],
+                    max_model_len: int | None) -> int | None:
+    """The KV length a decode graph with PA is captured at, within what its block table holds
+    (never 0: a kernel's zero-length fast path would record another task than its updates
+    issue); None (padding lengths) for other graphs. `key` is the graph's `GraphKey`."""
+    pa = [c for c in kernel_calls(gm) if c.meta.kernel == PA]
+    if not key.decode or not pa:
+        return None
+    widths = [buffers[s.index].shape[-1] for s in signature.by_role(Role.BLOCK_TABLE) if s.index in buffers]
+    capacity = min(widths, default=PA_CAPTURE_SEQ_LEN) * pa[0].meta.shape.block_size
+    return min(PA_CAPTURE_SEQ_LEN, capacity, max_model_len or PA_CAPTURE_SEQ_LEN)
+
+
 def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int | None, packed: bool = False
                  ) -> StepPlan:
     """The plan a graph is captured with: no real tokens, and each `seq_lens` source holding
     `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query,
-    `packed` into dummies as a mixed step's padding is)."""
+    `packed` into dummies as a mixed step's padding is: a graph serving mixed steps is captured with a
+    mixed call, as FIA v2's MLA form needs, whose sparse mode follows the call's query lengths,
+    `ops/npu_mla.py`)."""
     lens = [seq_len] * geometry.seqs if seq_len is not None else []
     names = {src.source for src in sources}
     step = Step((), {}, 0, 0, not packed, {name: list(lens) for name in names}, {name: [0] for name in names})
@@ -193,7 +212,7 @@ def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int
 def _dummies(step: Step, geometry: Geometry) -> tuple[int, ...]:
     """The query lengths of a mixed step's dummy sequences in a graph of this geometry."""
     loc = next(iter(step.query_start_loc.values()), [0])
-    return dummy_query_lens(geometry.tokens - loc[-1], geometry.seqs - (len(loc) - 1))
+    return dummy_query_lens(geometry.tokens - loc[-1], geometry.seqs - (len(loc) - 1), geometry.dummy_limit)
 
 
 def _padding_kv_lens(step: Step, count: int, padded_tokens: int, padded_seqs: int) -> tuple[int, ...]:

@@ -29,15 +29,14 @@ from ..config import CompileConfig
 from ..errors import AscendCompileError, CaptureError
 from ..gc_pause import gc_paused
 from ..passes import dump
-from ..passes.kernel_call import HostSource, StepGuard, host_sources, kernel_calls
-from ..passes.padding import packs_padding
+from ..passes.kernel_call import HostSource, StepGuard, host_sources
+from ..passes.padding import packed_capture
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime, TaskUpdateRuntime
-from ..ops.tiling import PA
 from . import capture as capture_mod, report, served
-from .inputs import PA_CAPTURE_SEQ_LEN, Step, StepPlan, capture_plan, choose_bucket, overlapping_inputs, plan_step, \
+from .inputs import Step, StepPlan, capture_plan, capture_seq_len, choose_bucket, overlapping_inputs, plan_step, \
     read_step
 from .input_checks import CapturedInputs, change_summary
 from .outputs import narrowed_outputs, returned_outputs
@@ -74,6 +73,7 @@ class GraphEntry:
         self.verified: dict[str, Any] | None = None  # the first replay's check against eager (`verify.py`)
         self.captured_inputs: CapturedInputs | None = None
         self.step_guard: StepGuard | None = None  # why a step may not run on this graph (`Target.step_guard`)
+        self.packed = False  # captured with its padding packed, serving mixed steps (`passes/padding.py`)
         self._output_views: dict[tuple, list] = {}
         self.capture_seconds = 0.0
 
@@ -94,7 +94,11 @@ class GraphEntry:
         the in-place inputs in `checked` must keep their addresses for the graph to serve a step."""
         start = time.perf_counter()
         self.staging.fill_padding()
-        plan = capture_plan(self.sources, self.staging.geometry, seq_len, packs_padding(self.gm))
+        plan = capture_plan(self.sources, self.staging.geometry, seq_len, self.packed)
+        refusal = self.step_guard(plan.host) if self.step_guard is not None else None
+        if refusal:  # the target refuses the very step it would be captured with: it serves no step
+            self.eager_reason = f"{self.name}: not captured, its capture step is refused ({refusal})"
+            return
         graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
         with gc_paused():
@@ -278,7 +282,8 @@ class CompiledArtifact:
         padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, symbols)
         staging = Staging(self.signature, self.rewritten.write_back, self.runtime, gm, padded)
         entry = GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
-        entry.step_guard = self.target.step_guard(gm, self.config)
+        entry.step_guard = self.target.step_guard(gm, key, self.config)
+        entry.packed = packed_capture(gm, key, self.target.mixed_graph_kernels)
         return entry
 
     def _entry(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> GraphEntry | None:
@@ -307,7 +312,7 @@ class CompiledArtifact:
                 self._log_change(entry, moved, args)
                 self.stats["recaptures"] += 1
                 entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
-        if entry.graph is None:
+        if entry.graph is None and entry.eager_reason is None:
             if self.config.capture_all and self.stats["captures"] == 0:
                 self.capture_all(args, symbols)
             else:
@@ -352,16 +357,7 @@ class CompiledArtifact:
                  len(entry.table.entries))
 
     def _capture_seq_len(self, entry: GraphEntry) -> int | None:
-        """The KV length a decode graph with PA is captured at, within what its block table holds
-        (never 0: a kernel's zero-length fast path would record another task than its updates
-        issue); None (padding lengths) for other graphs."""
-        pa = [c for c in kernel_calls(entry.gm) if c.meta.kernel == PA]
-        if not entry.key.decode or not pa:
-            return None
-        buffers = entry.staging.buffers
-        widths = [buffers[s.index].shape[-1] for s in self.signature.by_role(Role.BLOCK_TABLE) if s.index in buffers]
-        capacity = min(widths, default=PA_CAPTURE_SEQ_LEN) * pa[0].meta.shape.block_size
-        return min(PA_CAPTURE_SEQ_LEN, capacity, self.config.max_model_len or PA_CAPTURE_SEQ_LEN)
+        return capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
 
     def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
         """Capture every bucket's decode graph now, largest first so that smaller graphs fit in the

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import fx
 
+from ..passes.padding import dummy_limit
 from ..passes.roles import PAD_VALUE, GraphSignature, Role
 from ..passes.size_symbols import SymbolKind, evaluate
 from ..passes.write_back import WriteBack, copy_written, overlapping_writes
@@ -57,7 +58,8 @@ class Staging:
         self.signature = signature
         self.write_back = write_back
         self.padded = dict(padded)
-        self.geometry = Geometry(evaluate(signature.tokens, self.padded), evaluate(signature.sequences, self.padded))
+        self.geometry = Geometry(evaluate(signature.tokens, self.padded), evaluate(signature.sequences, self.padded),
+                                 dummy_limit(gm))
         dtypes = [n.meta["example_value"].dtype if isinstance(n.meta.get("example_value"), torch.Tensor) else None
                   for n in gm.graph.find_nodes(op="placeholder")]
         self.copied = [spec for spec in signature.inputs if spec.copied]

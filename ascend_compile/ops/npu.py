@@ -14,7 +14,8 @@ and order of the schemas in the torch_npu 2.14 wheel (`tests/fixtures/torch_npu_
   requires, `workspace=`, and `out=[attention_out, softmax_lse]` (the registered overload takes `out`
   as a list).
 
-The KV-cache write runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`.
+The KV-cache write runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`. MLA's kernel
+and cache write are bound in `ops/npu_mla.py` (FIA v2's `query_rope` / `key_rope` form).
 
 Ascend gives no formula for the workspace these kernels need, only queries
 (`_npu_paged_attention_get_workspace` for given lengths, `_npu_fused_infer_attention_score_get_max_workspace`
@@ -32,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import library, tiling, validate
+from . import library, npu_mla, tiling, validate
 from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
@@ -226,6 +227,21 @@ class NpuKernels:
         self.torch_npu.npu_scatter_pa_kv_cache(
             key.contiguous(), value.contiguous(), key_cache, value_cache, slot_mapping.contiguous(), cache_mode="Norm"
         )
+
+    def mla_fused_infer_attention(self, *args: Any) -> None:
+        """`ascend.mla_fused_infer_attention` (its arguments) as FIA v2's MLA form (`npu_mla.mla_attention`)."""
+        npu_mla.mla_attention(self.torch_npu, self.atten_mask, self.softmax_lse, *args)
+
+    def mla_cache_write(self, *args: Any) -> None:
+        """`ascend.mla_cache_write` (its arguments) as `npu_scatter_pa_kv_cache` (`npu_mla.mla_cache_write`)."""
+        npu_mla.mla_cache_write(self.torch_npu, *args)
+
+    def mla_workspace_nbytes(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,
+                             k_pe_cache: torch.Tensor, block_table: torch.Tensor, query_ends: Sequence[int],
+                             kv_lens: Sequence[int], scale: float) -> int:
+        """Bytes the MLA kernel needs at most for these shapes, from FIA v2's max-workspace query."""
+        return _nbytes(npu_mla.mla_workspace(self.torch_npu, self.atten_mask, q_nope, q_pe, kv_c_cache, k_pe_cache,
+                                             block_table, query_ends, kv_lens, scale))
 
     def workspace_nbytes(
         self,

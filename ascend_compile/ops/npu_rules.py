@@ -9,12 +9,13 @@ torch_npu enforces the same lines when called. Each rule cites where it is writt
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 PA_KERNEL = "torch_npu._npu_paged_attention (ATB PagedAttention)"
 FIA_KERNEL = "torch_npu.npu_fused_infer_attention_score"
+MLA_KERNEL = "torch_npu.npu_fused_infer_attention_score_v2 (MLA: query_rope/key_rope)"
 CACHE_WRITE_KERNEL = "torch_npu.npu_scatter_pa_kv_cache"
 
 #: ATB paged attention's block sizes: "因硬件限制，block_size %16 == 0，推荐 block_size = 128。因硬件限制，
@@ -37,6 +38,8 @@ CONTIGUITY_SOURCES = {
     FIA_KERNEL: "_op_plugin_docs.py: query, key and value '不支持非连续的Tensor' (non-contiguous tensors are "
                 "not supported)",
     CACHE_WRITE_KERNEL: "_op_plugin_docs.py: '输入参数不支持非连续' (inputs may not be non-contiguous)",
+    MLA_KERNEL: "_op_plugin_docs.py, npu_fused_infer_attention_score_v2: key and key_rope '不支持非连续的Tensor' "
+                "(L8590, L8598)",
     PA_KERNEL: "no PA doc line; torch_npu's ATB plugin (lib/libop_plugin_atb.so) holds the error 'at_tensor is "
                "not contiguous', and a contiguous copy of a cache would copy all of it per call",
 }
@@ -79,15 +82,87 @@ def fia_block_count(kv_lens: Iterable[int], block_size: int) -> int:
     return sum((n + block_size - 1) // block_size for n in kv_lens)
 
 
-def check_fia_num_blocks(num_blocks: int, kv_lens: Iterable[int], block_size: int) -> None:
+def check_fia_num_blocks(num_blocks: int, kv_lens: Iterable[int], block_size: int, kernel: str = FIA_KERNEL,
+                         cache: str = "key_cache") -> None:
     """Refuse a paged FIA call whose sequences need more blocks than the cache has: "blocknum不能小于根据
     actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和" (`_op_plugin_docs.py`,
-    npu_fused_infer_attention_score, page attention). Padding sequences count too (one block each at
-    their KV length of at least 1), whatever block their table row names."""
+    npu_fused_infer_attention_score, page attention; FIA v2 alike, L8777). Padding sequences count too
+    (one block each at their KV length of at least 1), whatever block their table row names."""
     needed = fia_block_count(kv_lens, block_size)
     if num_blocks < needed:
         raise ValueError(
-            f"key_cache: {FIA_KERNEL} needs at least as many cache blocks as its sequences' KV lengths take "
+            f"{cache}: {kernel} needs at least as many cache blocks as its sequences' KV lengths take "
             f"('blocknum不能小于根据actual_seq_lengths_kv和blockSize计算的每个batch的block数量之和', _op_plugin_docs.py): "
             f"{needed} blocks of {block_size}, padding sequences included, but the cache has {num_blocks}"
         )
+
+
+# FIA v2's MLA form. Line numbers are of torch_npu 2.14.0's `_op_plugin_docs.py`, whose section
+# "query_rope和key_rope输入时即为MLA场景" (L8690) and TND rules for a query d of 512 (L8718-8738) these are.
+
+#: "query的d只支持512、128" (L8695); the d=128 form takes no page attention ("不支持...page attention", L8712),
+#: and the latent cache is paged, so 512 it is. KV heads: "key、value的n为1" (L8725), which the op's one
+#: latent head is by its shape.
+MLA_LATENT_DIM = 512
+#: "query_rope和keyRope的d为64" (L8726; L8699-8700 alike).
+MLA_ROPE_DIM = 64
+#: "要求query的n为1/2/4/8/16/32/64/128" (L8725, L8699).
+MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: "必须开启PageAttention，此时block_size支持16、128" (L8703). The paged rule for query lengths above 1
+#: outside MLA asks for multiples of 128 (L8776); the MLA section is the one for this call, and
+#: vLLM-Ascend runs its MLA caches at 128.
+MLA_BLOCK_SIZES = (16, 128)
+#: "支持query每个batch的s为1-16" (L8724; "query的s为1-16", L8699).
+MLA_MAX_QUERY_LEN = 16
+#: "actual_seq_qlen和actual_seq_kvlen的元素个数不大于4096" (L8738): a graph has as many sequences as its bucket.
+MLA_MAX_SEQUENCES = 4096
+#: query_rope / key_rope: "数据类型支持float16、bfloat16" (L8597-8598), "与query一致" (L8691-8692).
+MLA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_mla_shape(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype: torch.dtype) -> None:
+    """Refuse an MLA layer FIA v2's MLA form does not take (the constants above)."""
+    rules = (
+        ("q_nope", latent_dim == MLA_LATENT_DIM, f"kv_lora_rank (the query's d) {MLA_LATENT_DIM} with paged "
+                                                 f"caches ('query的d只支持512、128', L8695; d 128 has no page attention, "
+                                                 f"L8712)", latent_dim),
+        ("q_pe", rope_dim == MLA_ROPE_DIM, f"rope d {MLA_ROPE_DIM} ('query_rope和keyRope的d为64', L8726)", rope_dim),
+        ("q_nope", num_heads in MLA_QUERY_HEADS, f"query heads {list(MLA_QUERY_HEADS)} ('要求query的n为"
+                                                 f"1/2/4/8/16/32/64/128', L8725)", num_heads),
+        ("block_size", block_size in MLA_BLOCK_SIZES, f"KV-cache blocks of {list(MLA_BLOCK_SIZES)} tokens "
+                                                      f"('block_size支持16、128', L8703)", block_size),
+        ("q_nope", dtype in MLA_DTYPES, "float16 or bfloat16 queries and caches ('数据类型支持float16、bfloat16', "
+                                        "L8597-8598)", dtype),
+    )
+    for arg, ok, expected, got in rules:
+        if not ok:
+            raise ValueError(f"{arg}: {MLA_KERNEL} takes {expected}, got {got}")
+
+
+def check_mla_sequences(count: int) -> None:
+    """Refuse a graph of more sequences than FIA v2's length lists may hold (`MLA_MAX_SEQUENCES`)."""
+    if count > MLA_MAX_SEQUENCES:
+        raise ValueError(f"capture_sizes: {MLA_KERNEL} takes at most {MLA_MAX_SEQUENCES} sequences per call "
+                         f"('actual_seq_qlen和actual_seq_kvlen的元素个数不大于4096', L8738), and a bucket of {count} "
+                         f"tokens is captured with {count}; use smaller capture sizes")
+
+
+def mla_sparse_mode(query_lens: Iterable[int]) -> int:
+    """FIA v2's MLA sparse mode for these query lengths: "Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持
+    sparse=3且传入mask" (L8697): 0 (no mask) when no sequence has more than one query token, else 3
+    (rightDownCausal, with the 2048x2048 mask)."""
+    return 3 if max(query_lens, default=0) > 1 else 0
+
+
+def mla_step_refusal(query_lens: Sequence[int], sparse_mode: int) -> str | None:
+    """Why a call of these (padded) query lengths cannot be issued to a task captured with
+    `sparse_mode`, or None: more than 16 query tokens in a sequence (`MLA_MAX_QUERY_LEN`), or lengths
+    needing the other sparse mode (a task update re-issues the captured call's kernel)."""
+    longest = max(query_lens, default=0)
+    if longest > MLA_MAX_QUERY_LEN:
+        return (f"{MLA_KERNEL} takes 1-{MLA_MAX_QUERY_LEN} query tokens per sequence ('支持query每个batch的s为1-16', "
+                f"L8724), and a sequence of the step has {longest}")
+    if mla_sparse_mode(query_lens) != sparse_mode:
+        return (f"the step's longest sequence has {longest} query tokens, which takes sparse_mode "
+                f"{mla_sparse_mode(query_lens)} (L8697), and the graph's kernels were captured with {sparse_mode}")
+    return None

@@ -19,6 +19,12 @@ into as few sequences as the table allows, the rest empty: "blocknum不能小于
 met by `ceil(tokens / block_size)` blocks), so the probe cache is a few blocks, not
 `bucket * max_model_len / block_size`.
 
+**MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
+"获取最大workspace size" (L8961) for FIA v2 (`ops/npu_mla.py`), whose MLA form takes 1-16 query tokens per
+sequence and a sparse mode set by them (L8697, L8724): the probe's sequences hold at most as many query
+tokens as the graph's may (1 in a decode graph, so its question is asked in the decode graph's mode),
+packed the same way.
+
 **PA: asked at each length it will be sized for.** ATB's `_npu_paged_attention_get_workspace` answers
 for the `context_lens` it is given: vLLM-Ascend captures PA at a pinned length because it "only returns
 max workspace with specific seq_lens" (`vllm_ascend/worker/model_runner_v1.py`), so `passes/probe.py`
@@ -32,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from . import tiling
+from . import npu_rules, tiling
 from .npu import NpuKernels
 from .tiling import AttentionShape
 
@@ -69,17 +75,39 @@ class NpuWorkspaceQuery:
         """Bytes FIA needs at most, for any lengths, in a graph of `tokens` query tokens and as many
         sequences with block tables of `max_blocks` columns."""
         query_lens, kv_lens = fia_probe_lengths(tokens, max_blocks * shape.block_size)
-        table = torch.zeros(tokens, max_blocks, dtype=torch.int32, device=self.kernels.device)
-        used = 0
-        for row, n in enumerate(kv_lens):
-            blocks = -(-n // shape.block_size)
-            table[row, :blocks] = torch.arange(used, used + blocks, dtype=torch.int32)
-            used += blocks
+        table, used = self._probe_table(tokens, max_blocks, kv_lens, shape.block_size)
         ends = torch.tensor(query_lens).cumsum(0).tolist()
         query = self._query(tokens, shape)
         cache = self._cache(shape, max(used, 1))
         return self.kernels.workspace_nbytes(tiling.FIA, query, cache, cache, table, ends, kv_lens,
                                              shape.head_dim**-0.5, query)  # FIA's query takes no `out`
+
+    def mla_max(self, shape: AttentionShape, tokens: int, max_blocks: int, max_query_len: int) -> int:
+        """Bytes the MLA kernel needs at most, for any lengths, in a graph of `tokens` query tokens in as
+        many sequences of at most `max_query_len` each (FIA v2 takes at most 16), tables of `max_blocks`."""
+        query_len = min(max_query_len, npu_rules.MLA_MAX_QUERY_LEN, max_blocks * shape.block_size)
+        query_lens, kv_lens = fia_probe_lengths(tokens, query_len)
+        table, used = self._probe_table(tokens, max_blocks, kv_lens, shape.block_size)
+        device = self.kernels.device
+        q_nope = self._query(tokens, shape)
+        q_pe = torch.empty(tokens, shape.num_heads, shape.rope_dim, dtype=self.dtype, device=device)
+        blocks = (max(used, 1), shape.block_size)
+        kv_c_cache = torch.empty(*blocks, shape.head_dim, dtype=self.dtype, device=device)
+        k_pe_cache = torch.empty(*blocks, shape.rope_dim, dtype=self.dtype, device=device)
+        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        return self.kernels.mla_workspace_nbytes(q_nope, q_pe, kv_c_cache, k_pe_cache, table, ends, kv_lens,
+                                                 (shape.head_dim + shape.rope_dim)**-0.5)
+
+    def _probe_table(self, rows: int, max_blocks: int, kv_lens: Sequence[int], block_size: int
+                     ) -> tuple[torch.Tensor, int]:
+        """A block table giving each sequence blocks of its own for its KV length; and the blocks used."""
+        table = torch.zeros(rows, max_blocks, dtype=torch.int32, device=self.kernels.device)
+        used = 0
+        for row, n in enumerate(kv_lens):
+            blocks = -(-n // block_size)
+            table[row, :blocks] = torch.arange(used, used + blocks, dtype=torch.int32)
+            used += blocks
+        return table, used
 
     def _query(self, tokens: int, shape: AttentionShape) -> torch.Tensor:
         return torch.empty(tokens, shape.num_heads, shape.head_dim, dtype=self.dtype, device=self.kernels.device)

@@ -15,6 +15,10 @@ from torch import fx
 from .fx_utils import clone_graph_module, example_value
 from .kernel_call import arg_names, kernel_calls
 
+#: The query arguments of the kernels: PA's and FIA's query, MLA's absorbed query and its rope part
+#: (FIA v2: query and query_rope "不支持非连续的Tensor", `_op_plugin_docs.py` L8589, L8597).
+QUERY_ARGS = ("query", "q_nope", "q_pe")
+
 
 def contiguous_queries(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` whose kernels read `query.contiguous()`: a copy where the step's query is not
@@ -26,16 +30,18 @@ def contiguous_queries(gm: fx.GraphModule) -> fx.GraphModule:
     gm = clone_graph_module(gm)
     graph = gm.graph
     for call in kernel_calls(gm):
-        query = call.arg("query")
-        value = example_value(query)
         out = call.arg("out")
-        like_query = out.args[:1] == (query,)  # `empty_like(query)`, as select_kernels makes it
-        with graph.inserting_before(out if like_query else call.node):
-            staged = graph.call_method("contiguous", (query,))
-        staged.meta["example_value"] = value.contiguous()
-        call.node.update_arg(arg_names(call.op).index("query"), staged)
-        if like_query:
-            out.update_arg(0, staged)
+        for name in QUERY_ARGS:
+            if name not in arg_names(call.op):
+                continue
+            query = call.arg(name)
+            like_query = out.args[:1] == (query,)  # `empty_like(query)`, as select_kernels makes it
+            with graph.inserting_before(out if like_query else call.node):
+                staged = graph.call_method("contiguous", (query,))
+            staged.meta["example_value"] = example_value(query).contiguous()
+            call.node.update_arg(arg_names(call.op).index(name), staged)
+            if like_query:
+                out.update_arg(0, staged)
     graph.lint()
     gm.recompile()
     return gm

@@ -1,12 +1,18 @@
 """The NPU target's checks of a graph against the torch_npu kernels' documented constraints.
 
 At compile time (`check_npu_graph`) every kernel node and KV-cache write of a rewritten graph is held
-to `ops/npu_rules.py`: PA's and FIA's block sizes, contiguous caches, and enough cache blocks for FIA
-to count one per sequence of each bucket's all-padding capture (`padding.capture_kv_lens`). A violation is refused before
-torch_npu is called, naming the layer, the kernel and the rule: on a device it would fail at the first
-capture, or worse, run with a copy of the whole cache per call. Each step (`fia_step_guard`), FIA's
-block count is checked on the padded lengths the step would send, and PA's workspace need at them
-against its slot (`pa_workspace_guard`); a step over either runs eagerly.
+to `ops/npu_rules.py`: PA's and FIA's block sizes, MLA's shape rules (FIA v2's MLA form: d 512, rope
+64, power-of-two query heads up to 128, blocks of 16 or 128, half precision, at most 4096 sequences),
+contiguous caches, and enough cache blocks for FIA and MLA to count one per sequence of each bucket's
+all-padding capture (`padding.capture_kv_lens`). A violation is refused before torch_npu is called, naming the layer, the kernel
+and the rule: on a device it would fail at the first capture, or worse, run with a copy of the whole
+cache per call. Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
+lengths the step would send, and MLA's query lengths (1-16 per sequence, and the sparse mode the
+graph was captured with: 0 in a decode graph, 3 in a mixed one), and PA's workspace need at those
+lengths against its slot (`pa_workspace_guard`); a step failing any runs eagerly.
+A mixed step with a sequence of more than 16 query tokens (a prefill chunk) is such a step: refusing
+it at compile time would refuse every model that prefills, and vLLM-Ascend runs those steps outside
+its graphs too (FULL_DECODE_ONLY).
 """
 from __future__ import annotations
 
@@ -18,9 +24,12 @@ from torch import fx
 from ..ops import npu_rules, tiling
 from .fx_utils import example_value, is_op
 from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
-from .padding import capture_kv_lens, packs_padding
+from .padding import capture_kv_lens, dummy_limit, packed_capture
 from .probe import WorkspaceQueries
 from .workspaces import WORKSPACE_BYTES_KEY, GraphKey
+
+#: The KV lengths of the all-padding capture of a key's graph.
+CaptureLens = Callable[[GraphKey], Sequence[int]]
 
 
 def layer_of(node: fx.Node) -> str:
@@ -56,8 +65,29 @@ def _check_features(call: KernelCall) -> None:
         raise ValueError(f"{layer_of(call.node)}: {name} is not supported on runtime 'npu': {UNBOUND_FEATURES[name]}")
 
 
-def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], packed: bool) -> None:
+def _check_mla(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens) -> None:
+    """FIA v2's MLA form: the layer's shape and dtype, contiguous caches, the sequences and blocks of each
+    bucket's capture."""
+    args = call.args()
+    shape = call.meta.shape
+    dtype = example_value(args["q_nope"]).dtype
+    caches = {name: example_value(args[name]) for name in ("kv_c_cache", "k_pe_cache")}
+    _refuse(call.node, lambda: npu_rules.check_mla_shape(shape.num_heads, shape.head_dim, shape.rope_dim,
+                                                          shape.block_size, dtype))
+    _refuse(call.node, lambda: npu_rules.check_contiguous(npu_rules.MLA_KERNEL, caches))
+    num_blocks = caches["kv_c_cache"].shape[0]
+    for key in keys:
+        _refuse(call.node, lambda: npu_rules.check_mla_sequences(key.bucket))
+        if isinstance(num_blocks, int):
+            _refuse(call.node, lambda: _check_capture_blocks(num_blocks, key.bucket, capture_lens(key),
+                                                             shape.block_size, npu_rules.MLA_KERNEL, "kv_c_cache"))
+
+
+def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens) -> None:
     _check_features(call)
+    if call.meta.kernel == tiling.MLA:
+        _check_mla(call, keys, capture_lens)
+        return
     args = call.args()
     key_cache, value_cache = example_value(args["key_cache"]), example_value(args["value_cache"])
     block_size = call.meta.shape.block_size
@@ -70,62 +100,91 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], packed: bool) -> N
     _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
     if call.meta.kernel == tiling.FIA and isinstance(key_cache.shape[0], int):
         for key in keys:  # captured all padding (`padding.capture_kv_lens`)
-            _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, block_size, packed))
+            _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, capture_lens(key),
+                                                             block_size))
 
 
-def _check_capture_blocks(num_blocks: int, bucket: int, block_size: int, packed: bool) -> None:
-    lens = capture_kv_lens(bucket, packed)
+def _check_capture_blocks(num_blocks: int, bucket: int, lens: Sequence[int], block_size: int,
+                          kernel: str = npu_rules.FIA_KERNEL, cache: str = "key_cache") -> None:
     try:
-        npu_rules.check_fia_num_blocks(num_blocks, lens, block_size)
+        npu_rules.check_fia_num_blocks(num_blocks, lens, block_size, kernel, cache)
     except ValueError as err:
         raise ValueError(f"{err}; bucket {bucket} is captured with {len(lens)} padding sequences: lower "
                          f"capture_sizes or allocate more blocks") from None
 
 
-def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
-    """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys`."""
-    packed = packs_padding(gm)
+#: The cache writes bound to `npu_scatter_pa_kv_cache`, and the names of their caches (arguments 2 and 3).
+CACHE_WRITES = {torch.ops.ascend.reshape_and_cache: ("key_cache", "value_cache"),
+                torch.ops.ascend.mla_cache_write: ("kv_c_cache", "k_pe_cache")}
+
+
+def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_kernels: frozenset[str]) -> None:
+    """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys` (a key of
+    a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`)."""
+    limit = dummy_limit(gm)
+
+    def capture_lens(key: GraphKey) -> Sequence[int]:
+        return capture_kv_lens(key.bucket, packed_capture(gm, key, mixed_graph_kernels), limit)
+
     for node in gm.graph.nodes:
         if is_kernel(node):
-            _check_kernel(KernelCall.of(node), keys, packed)
-        elif is_op(node, torch.ops.ascend.reshape_and_cache):
-            key_cache, value_cache = (example_value(n) for n in node.args[2:4])
-            _refuse(node, lambda: npu_rules.check_contiguous(
-                npu_rules.CACHE_WRITE_KERNEL, {"key_cache": key_cache, "value_cache": value_cache}))
+            _check_kernel(KernelCall.of(node), keys, capture_lens)
+        else:
+            for op, names in CACHE_WRITES.items():
+                if is_op(node, op):
+                    caches = dict(zip(names, (example_value(n) for n in node.args[2:4])))
+                    _refuse(node, lambda: npu_rules.check_contiguous(npu_rules.CACHE_WRITE_KERNEL, caches))
 
 
-def fia_step_guard(gm: fx.GraphModule) -> StepGuard | None:
-    """A check of each step's padded KV lengths against FIA's block count ("blocknum不能小于..."), for a
-    graph with FIA kernels; None without. Real sequences hold their own blocks, and each padding
-    sequence counts one more: a step near a full cache would exceed it, and runs eagerly instead."""
-    limits = {}
+#: The KV-length argument and cache of each kernel FIA's block count applies to.
+_BLOCK_COUNTED = {tiling.FIA: ("actual_seq_lengths_kv", "key_cache"), tiling.MLA: ("actual_seq_kvlen", "kv_c_cache")}
+
+
+def npu_step_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[torch.dtype], WorkspaceQueries] | None,
+                   max_model_len: int) -> StepGuard | None:
+    """The length checks of each step (`length_guard`) and, given `pa_queries` (the device's workspace
+    queries on probe tensors of a dtype), PA's workspace need at the step's lengths (`pa_workspace_guard`)."""
+    guards = [length_guard(gm, key), pa_workspace_guard(gm, pa_queries, max_model_len) if pa_queries else None]
+    guards = [g for g in guards if g is not None]
+    if len(guards) <= 1:
+        return guards[0] if guards else None
+    return lambda host: next((why for why in (g(host) for g in guards) if why), None)
+
+
+def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:
+    """A check of each step's padded lengths for `gm`, captured as `key`'s graph, or None where no
+    kernel needs one: FIA's and MLA's block count ("blocknum不能小于...": real sequences hold their own
+    blocks and each padding sequence counts one more, so a step near a full cache exceeds it), and
+    MLA's query lengths (`npu_rules.mla_step_refusal`: at most 16 per sequence, and the sparse mode of
+    the graph's capture, 0 for a decode graph and 3 for a mixed one). A refused step runs eagerly."""
+    limits, queries = {}, {}
     for call in kernel_calls(gm):
-        num_blocks = example_value(call.arg("key_cache")).shape[0]
-        if call.meta.kernel == tiling.FIA and isinstance(num_blocks, int):
-            source = next(a.source for a in call.meta.host_args if a.kernel_arg == "actual_seq_lengths_kv")
+        if call.meta.kernel not in _BLOCK_COUNTED:
+            continue
+        kv_arg, cache = _BLOCK_COUNTED[call.meta.kernel]
+        num_blocks = example_value(call.arg(cache)).shape[0]
+        if isinstance(num_blocks, int):
+            source = next(a.source for a in call.meta.host_args if a.kernel_arg == kv_arg)
             limits[(source, call.meta.shape.block_size, num_blocks)] = call.node.name
-    if not limits:
+        if call.meta.kernel == tiling.MLA:
+            queries[next(a.source for a in call.meta.host_args if a.kernel_arg == "actual_seq_qlen")] = call.node.name
+    if not limits and not queries:
         return None
+    sparse_mode = 0 if key.decode else 3
 
     def guard(host: Mapping[HostSource, list[int]]) -> str | None:
         for (source, block_size, num_blocks), name in limits.items():
             if npu_rules.fia_block_count(host[source], block_size) > num_blocks:
                 return (f"{name}: the step's sequences, padding included, need more than the cache's {num_blocks} "
-                        f"blocks, which FIA refuses ('blocknum不能小于...的block数量之和')")
+                        f"blocks, which FIA and MLA refuse ('blocknum不能小于...的block数量之和')")
+        for source, name in queries.items():
+            ends = host[source]
+            refusal = npu_rules.mla_step_refusal([b - a for a, b in zip([0, *ends[:-1]], ends)], sparse_mode)
+            if refusal:
+                return f"{name}: {refusal}"
         return None
 
     return guard
-
-
-def npu_step_guard(gm: fx.GraphModule, pa_queries: Callable[[torch.dtype], WorkspaceQueries] | None,
-                   max_model_len: int) -> StepGuard | None:
-    """FIA's block count (`fia_step_guard`) and, given `pa_queries` (the device's workspace queries
-    on probe tensors of a dtype), PA's workspace need (`pa_workspace_guard`) at each step's lengths."""
-    guards = [fia_step_guard(gm), pa_workspace_guard(gm, pa_queries, max_model_len) if pa_queries else None]
-    guards = [g for g in guards if g is not None]
-    if len(guards) <= 1:
-        return guards[0] if guards else None
-    return lambda host: next((why for why in (g(host) for g in guards) if why), None)
 
 
 def pa_workspace_guard(gm: fx.GraphModule, pa_queries: Callable[[torch.dtype], WorkspaceQueries],

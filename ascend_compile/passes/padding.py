@@ -10,8 +10,9 @@ the step's own batch size at each task update (`vllm_ascend/worker/model_runner_
 batch). So FIA never gets an entry of no query tokens, and its cost stays linear in the padded
 tokens (a dummy's rows attend at most 128 keys). vLLM-Ascend gives its dummy KV length 1, which
 leaves rows attending no key, whose output no document defines; a dummy here stays inside the
-kernels' documented contract. A graph without PA serves mixed steps (`pipeline.bucket_choices`), so
-it is captured with its padding packed.
+kernels' documented contract. A graph with MLA packs into dummies of at most 16 tokens, FIA v2's
+limit. A graph serving mixed steps is captured with its padding packed (a mixed call, which FIA v2's
+MLA form needs for its mixed sparse mode).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import fx
 
 from ..ops import tiling
 from .kernel_call import kernel_calls
+from .workspaces import GraphKey
 
 #: The most query tokens a dummy sequence holds: FIA's smallest block size for query lengths above 1
 #: (torch_npu 2.14 `_op_plugin_docs.py`, npu_fused_infer_attention_score's block_size), so a dummy's
@@ -35,21 +37,33 @@ PADDING_SEQUENCES = (f"decode steps: one padding sequence per padded token (1 qu
 
 
 @functools.lru_cache(maxsize=4096)
-def dummy_query_lens(pad: int, room: int) -> tuple[int, ...]:
+def dummy_query_lens(pad: int, room: int, limit: int = PADDING_CHUNK) -> tuple[int, ...]:
     """The query lengths of the dummy sequences holding `pad` padded tokens in at most `room`
-    sequences: `ceil(pad / PADDING_CHUNK)` of them (fewer where room is short), of balanced sizes."""
-    count = min(-(-pad // PADDING_CHUNK), room)
+    sequences: `ceil(pad / limit)` of them (fewer where room is short), of balanced sizes."""
+    count = min(-(-pad // limit), room)
     if count <= 0:
         return ()
     base, extra = divmod(pad, count)
     return tuple(base + (i < extra) for i in range(count))
 
 
-def packs_padding(gm: fx.GraphModule) -> bool:
-    """Whether `gm` is captured with its padding packed: a graph without PA, which serves mixed steps."""
-    return all(call.meta.kernel != tiling.PA for call in kernel_calls(gm))
+#: The most query tokens per sequence of FIA v2's MLA form ("Q_S...1~16", torch_npu 2.14
+#: `_op_plugin_docs.py` L8724): a graph with MLA packs its padding into dummies of at most this many.
+MLA_PADDING_CHUNK = 16
 
 
-def capture_kv_lens(bucket: int, packed: bool) -> tuple[int, ...]:
+def dummy_limit(gm: fx.GraphModule) -> int:
+    """The most query tokens a dummy sequence of `gm`'s mixed steps holds."""
+    return MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA for call in kernel_calls(gm)) else PADDING_CHUNK
+
+
+def packed_capture(gm: fx.GraphModule, key: GraphKey, mixed_graph_kernels: frozenset[str]) -> bool:
+    """Whether `gm`, captured as `key`'s graph, is captured with its padding packed: a graph that
+    serves mixed steps (a mixed graph, or a decode graph with none of the kernels that get a mixed graph
+    of their own, `pipeline.bucket_choices`)."""
+    return not key.decode or all(call.meta.kernel not in mixed_graph_kernels for call in kernel_calls(gm))
+
+
+def capture_kv_lens(bucket: int, packed: bool, limit: int = PADDING_CHUNK) -> tuple[int, ...]:
     """The KV lengths a kernel of an all-padding capture of `bucket` tokens is given."""
-    return dummy_query_lens(bucket, bucket) if packed else (1,) * bucket
+    return dummy_query_lens(bucket, bucket, limit) if packed else (1,) * bucket

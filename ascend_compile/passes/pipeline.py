@@ -48,6 +48,9 @@ class PassTarget(Protocol):
     def check_graph(self, gm: fx.GraphModule, keys: list[GraphKey]) -> None: ...
     def check_kernel(self, kernel: str, layer: str) -> None: ...
 
+    #: the kernels whose decode graph cannot serve mixed steps (`targets.Target.mixed_graph_kernels`)
+    mixed_graph_kernels: frozenset[str]
+
 
 @dataclasses.dataclass
 class Variant:
@@ -135,17 +138,18 @@ def _buckets(signature: GraphSignature, config: CompileConfig) -> tuple[int, ...
     return config.capture_sizes
 
 
-def bucket_choices(layers: list, buckets: tuple[int, ...], policy: KernelPolicy
-                   ) -> dict[GraphKey, tuple[KernelChoice, ...]]:
+def bucket_choices(layers: list, buckets: tuple[int, ...], policy: KernelPolicy,
+                   mixed_graph_kernels: frozenset[str] = frozenset({PA})) -> dict[GraphKey, tuple[KernelChoice, ...]]:
     """Each graph key's kernels: every bucket's decode steps, and the mixed steps of a bucket whose
-    decode kernels include PA (PA is decode-only; FIA decode graphs serve mixed steps too)."""
+    decode kernels include one of `mixed_graph_kernels` (PA is decode-only; on NPU, MLA's decode calls
+    take another sparse mode than its mixed ones); FIA decode graphs serve mixed steps too."""
     choices = {}
     for bucket in buckets:
         decode = choose_kernels(layers, bucket, policy, decode=True)
         choices[GraphKey(bucket, True)] = decode
         log.debug("ascend_compile: bucket %d decode steps: %s", bucket,
                   "; ".join(sorted({c.reason for c in decode})))
-        if any(c.kernel == PA for c in decode):
+        if any(c.kernel in mixed_graph_kernels for c in decode):
             choices[GraphKey(bucket, False)] = choose_kernels(layers, bucket, policy, decode=False)
     return choices
 
@@ -200,7 +204,8 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
         dump.dump_graph(prologue.graph, graph_dir, "original", "prologue")
 
     buckets = _buckets(signature, config)
-    choices = bucket_choices(attention_layers(gm), buckets, target.kernel_policy(config, dtype))
+    choices = bucket_choices(attention_layers(gm), buckets, target.kernel_policy(config, dtype),
+                             target.mixed_graph_kernels)
     for node, kernel in dict.fromkeys((n, c.kernel) for chosen in choices.values() for n, c in zip(attention, chosen)):
         target.check_kernel(kernel, layer_name(node))
     variants: dict[str, Variant] = {}

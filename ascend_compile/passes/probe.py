@@ -7,6 +7,9 @@ query, and the two kernels' queries answer different questions (`ops/npu_workspa
   once per graph (per bucket and shape), like torch_npu's own ACL-graph capture and vLLM-Ascend ask it.
   Its answer covers every length, so a pinned `workspace_seq_len` does not shrink it, and the plan
   records `max_model_len` as its length.
+- MLA's (FIA v2's) `get_max_workspace` is FIA's question for the MLA form, asked once per graph the
+  same way, with the most query tokens a sequence of that graph may have (a decode graph's calls and
+  a mixed graph's take different sparse modes, `ops/npu_mla.py`).
 - PA's `get_workspace` answers for the lengths given, and that need is not assumed monotonic in
   length (vLLM-Ascend's worry: "smaller seq_lens might encounter a bigger workspace"), nor in the
   mix of lengths of a batch. No set of questions asked at compile time covers every step, so PA is
@@ -43,6 +46,9 @@ class WorkspaceQueries(Protocol):
     def fused_infer_attention_max(self, shape: tiling.AttentionShape, tokens: int, max_blocks: int) -> int:
         """FIA's largest need for `tokens` query tokens in as many sequences, at any lengths."""
 
+    def mla_max(self, shape: tiling.AttentionShape, tokens: int, max_blocks: int, max_query_len: int) -> int:
+        """MLA's largest need for `tokens` query tokens in as many sequences of at most `max_query_len`."""
+
 
 class ProbedWorkspaceNeed:
     """A `NeedFn` sizing each kernel node from the device's workspace queries (see the module docstring).
@@ -75,6 +81,11 @@ class ProbedWorkspaceNeed:
         if site.kernel == tiling.FIA:
             nbytes = self._ask((tiling.FIA, site.shape, tokens, max_blocks), lambda: self.device_queries.fused_infer_attention_max(
                 site.shape, tokens, max_blocks))
+            return NodeNeed(site.node, site.kernel, nbytes, max_model_len, nbytes, max_model_len)
+        if site.kernel == tiling.MLA:
+            query_len = site.max_query_len or tokens
+            nbytes = self._ask((tiling.MLA, site.shape, tokens, max_blocks, query_len), lambda: self.device_queries.mla_max(
+                site.shape, tokens, max_blocks, query_len))
             return NodeNeed(site.node, site.kernel, nbytes, max_model_len, nbytes, max_model_len)
         lens = self.lengths(max_model_len)
         needs = [self.pa_need(site.shape, tokens, n, max_blocks) for n in lens]

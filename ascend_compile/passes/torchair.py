@@ -112,11 +112,14 @@ def _refuse_fia(calls: list[KernelCall], choices: tuple[KernelChoice, ...]) -> N
 
 
 def _refuse_mla(attention: list[fx.Node]) -> None:
-    """Latent attention has no torch_npu binding here (`targets.NpuTarget.check_kernel`)."""
+    """Latent attention's kernel takes host lengths, as FIA's does, which npugraph_ex would freeze (see
+    `_refuse_fia`); backend 'ascend_graph' refreshes them by task updates (`ops/npu_mla.py`)."""
     for node in attention:
         if is_op(node, torch.ops.ascend.mla_attention):
-            raise ValueError(f"{layer_name(node)}: npugraph_ex does not serve latent attention (ascend.mla_attention) "
-                             f"yet: its torch_npu kernel (npu_fused_infer_attention_score_v2) is not bound")
+            raise ValueError(f"{layer_name(node)}: npugraph_ex does not serve latent attention (ascend.mla_attention): "
+                             f"its kernel, npu_fused_infer_attention_score_v2, takes actual_seq_qlen/actual_seq_kvlen "
+                             f"as host lists, which npugraph_ex refreshes only from SymInt graph inputs, so they would "
+                             f"stay frozen at capture; compile the model with backend 'ascend_graph'")
 
 
 def _lower_to_torch_npu(gm: fx.GraphModule) -> None:

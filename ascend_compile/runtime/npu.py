@@ -286,7 +286,7 @@ class NpuRuntime(TaskUpdateRuntime):
         self.kernels.take_host_tensors()
 
     def kernel(self, op: Any) -> Callable[..., Any]:
-        """The torch_npu binding of an ascend op (PA, FIA, the KV-cache write); any other op runs as itself."""
+        """The torch_npu binding of an ascend op (PA, FIA, MLA, the KV-cache writes); any other op runs as itself."""
         packet = getattr(op, "overloadpacket", op)
         if packet is torch.ops.ascend.paged_attention:
             return self.kernels.paged_attention
@@ -294,6 +294,10 @@ class NpuRuntime(TaskUpdateRuntime):
             return self.kernels.fused_infer_attention
         if packet is torch.ops.ascend.reshape_and_cache:
             return self.kernels.reshape_and_cache
+        if packet is torch.ops.ascend.mla_fused_infer_attention:
+            return self.kernels.mla_fused_infer_attention
+        if packet is torch.ops.ascend.mla_cache_write:
+            return self.kernels.mla_cache_write
         return op
 
     def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
