@@ -132,10 +132,11 @@ def test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals
         assert [e["kernel"] for e in table] == [tiling.MLA] * CFG.num_layers
         assert table[0]["refresh"] == {"actual_seq_qlen": {"input": "l_query_start_loc_", "conversion": "ends"},
                                        "actual_seq_kvlen": {"input": "l_seq_lens_", "conversion": "list"}}
-    # A decode graph is captured with one query token per sequence (sparse_mode 0), a mixed one with two
-    # in its first (sparse_mode 3): each keeps the mode its updates issue.
+    # A decode graph is captured with one query token per sequence (sparse_mode 0), a mixed one with its
+    # padding packed, one dummy of its 4 tokens (sparse_mode 3): each keeps the mode its updates issue.
     assert graphs["b8.decode"]["update_table"][0]["frozen_at_capture"]["actual_seq_qlen"] == list(range(1, 9))
-    assert graphs["b4.mixed"]["update_table"][0]["frozen_at_capture"]["actual_seq_qlen"] == [2, 3, 4, 4]
+    assert graphs["b4.mixed"]["update_table"][0]["frozen_at_capture"]["actual_seq_qlen"] == [4]
+    assert graphs["b4.mixed"]["update_table"][0]["frozen_at_capture"]["actual_seq_kvlen"] == [4]
     # One question per graph (its layers share the answer), the static artifacts' graphs included; a
     # one-token bucket's mixed graph asks what its decode graph asks (one query token per sequence).
     asked = {(id(a), k.bucket, 1 if k.decode else k.bucket) for a in artifacts for k in a.rewritten.choices}

@@ -173,7 +173,7 @@ def rewrite_for_npugraph_ex(
     choices = choose_kernels(attention_layers(gm), key.bucket, _policy(config), key.decode)
     calls = select_kernels(gm, [c.kernel for c in choices])
     _refuse_fia(calls, choices)
-    check_npu_graph(gm, [key])
+    check_npu_graph(gm, [key], frozenset({tiling.PA}))  # PA decode graphs only (FIA and MLA are refused above)
     plan = plan_workspaces([(key, kernel_sites(gm))], config.max_model_len, config.workspace_seq_len, True, need_fn)
     insert_workspaces(gm, [key], plan)
     _lower_to_torch_npu(gm)
