@@ -821,6 +821,23 @@ class StubGraphRuntime(GraphRuntime):
         return StubGraph()
 
 
+@contextlib.contextmanager
+def counted_host_reads(monkeypatch):
+    """Counts, by name, the calls of the tensor methods that read device data on the host
+    (`tolist`, `item`, `cpu`) within the block."""
+    calls = collections.Counter()
+    with monkeypatch.context() as patch:
+        for name in ("tolist", "item", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _name=name, _original=original, **kwargs):
+                calls[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, counted)
+        yield calls
+
+
 def test_cuda_steps_make_no_device_to_host_syncs(monkeypatch):
     cfg = LlamaConfig(num_layers=2, num_blocks=600)
     runtime = StubGraphRuntime()
@@ -835,18 +852,10 @@ def test_cuda_steps_make_no_device_to_host_syncs(monkeypatch):
     with torch.no_grad():
         for inputs in (steps + [mixed]) * 2:  # the compiles and captures (dynamo compiles more than one graph)
             fn(**inputs)
-        calls = collections.Counter()
-        for name in ("tolist", "item", "cpu"):
-            original = getattr(torch.Tensor, name)
-
-            def counted(self, *args, _name=name, _original=original, **kwargs):
-                calls[_name] += 1
-                return _original(self, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
         before = runtime.synchronized
-        for inputs in steps + [mixed]:
-            fn(**inputs)
+        with counted_host_reads(monkeypatch) as calls:
+            for inputs in steps + [mixed]:
+                fn(**inputs)
     art = artifacts[-1]
     assert art.stats["replays"] >= 6 and art.stats["eager_fallbacks"] == 0 and art.stats["host_conversions"] == 0
     assert calls == {} and runtime.synchronized == before
