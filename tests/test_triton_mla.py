@@ -274,3 +274,21 @@ def test_triton_mla_kernels_compile_for_hopper_without_spills():
         assert int(shared) <= HOPPER_SHARED, stdout
         if kernel == "split":
             assert int(depth) >= MLA_NUM_STAGES - 1 >= 1, stdout
+
+
+def test_the_kernel_benchmark_s_mla_case_calls_the_mla_kernel():
+    """`benchmarks/gpu_kernels.py`'s MLA case on the CPU (the reference kernel behind the same op):
+    the op it times computes MLA on its inputs, and its byte count is the latent cache read once."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import gpu_kernels
+    finally:
+        sys.path.pop(0)
+    m = gpu_kernels.LatentPaged([300, 70], [1, 3], torch.device("cpu"))
+    m.call(2)()
+    expected = ops.mla_attention(m.q_nope, m.q_pe, m.kv_c_cache, m.k_pe_cache, m.block_table, m.seq_lens,
+                                 m.query_start_loc, gpu_kernels.MLA_SCALE)
+    torch.testing.assert_close(m.out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    assert m.bytes == (370 * (512 + 64) + 4 * 16 * (2 * 512 + 64)) * 2
