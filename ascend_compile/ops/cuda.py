@@ -23,7 +23,8 @@ Their default kernels (CPU and any other device) are the reference split-K kerne
 count, reading the lengths on the host. For CUDA tensors this module registers Triton kernels
 (`ops/cuda_triton.py`, imported on first use, so the package imports without triton) for these
 two ops, for `ascend.reshape_and_cache` and for the unified `ascend.attention`; none of them
-synchronises with the host, so each can be captured in a CUDA graph.
+synchronises with the host, so each can be captured in a CUDA graph. MLA's device-length op and
+CUDA kernels are `ops/cuda_mla.py`'s; its split rule (`gpu_splits`) and tiles (`mla_tile`) are here.
 """
 from __future__ import annotations
 

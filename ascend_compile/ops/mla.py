@@ -21,7 +21,8 @@ and the kernel the passes rewrite it into.
   caller-provided `workspace` (uint8, sized by `tiling.workspace_nbytes(tiling.MLA, ...)`) and `out`.
 
 The reference kernel (`reference.mla_fused_infer_attention`) is split-K attention with a real
-workspace, like PA's and FIA's.
+workspace, like PA's and FIA's. On CUDA the kernel runs in its device-length form, Triton kernels
+reading the lengths on the device (`ops/cuda_mla.py`, `ops/cuda_triton_mla.py`).
 """
 from __future__ import annotations
 
