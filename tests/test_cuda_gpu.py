@@ -304,3 +304,16 @@ def test_the_deepseek_example_compiled_on_cuda_equals_eager(inner):
     plan = max(artifacts, key=lambda a: len(a.rewritten.buckets)).describe()
     kernels = [k for g in plan["graphs"].values() for k in g["kernels"]]
     assert kernels and all(k["kernel"] == tiling.MLA and k["lengths"] == "device" for k in kernels)
+
+
+@pytest.mark.parametrize("kv_lora_rank, rope_dim", [(512, 64), (1024, 64)])
+def test_mla_attention_on_cuda_matches_the_cpu(kv_lora_rank, rope_dim):
+    """The model-facing op on CUDA: the Triton kernel, or past the tiles checked for sm_90 (1024)
+    the reference kernel, equal to the CPU's either way."""
+    from tests.mla_helpers import make_mla_problem
+
+    p = make_mla_problem([3, 200, 0, 90], [2, 5, 1, 1], heads=16, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    seq_lens, loc = p.tensors()
+    args = (p.q_nope, p.q_pe, p.kv_c_cache, p.k_pe_cache, p.block_table, seq_lens, loc)
+    got = ops.mla_attention(*cuda_copy(*args), p.scale).cpu()
+    torch.testing.assert_close(got, ops.mla_attention(*args, p.scale), atol=5e-5, rtol=5e-5)

@@ -13,7 +13,7 @@ lengths on the host. On CUDA tensors it is the Triton kernel (`ops/cuda_triton_m
 decides the splits each sequence uses on the device; neither synchronises with the host there, and
 on CUDA `query_start_loc[B]` must be T and lengths must fit the block table (checking them would
 need the host). This module also registers CUDA kernels for `ascend.mla_attention` (the Triton
-kernel, split for the block table's capacity) and `ascend.mla_cache_write` (a device op: slot -1,
+kernel, split for the block table's capacity; the reference past the checked dims) and `ascend.mla_cache_write` (a device op: slot -1,
 and any slot outside the cache, skipped without reading the slots on the host).
 
 The Triton kernels' tiles are checked for sm_90 up to DeepSeek's dims, `MLA_MAX_LATENT` +
@@ -34,9 +34,14 @@ MLA_MAX_LATENT = 512
 MLA_MAX_ROPE = 64
 
 
+def fits_triton_tiles(shape: tiling.AttentionShape) -> bool:
+    """Whether an MLA shape's dims are within those the Triton kernels' tiles were checked for on sm_90."""
+    return shape.head_dim <= MLA_MAX_LATENT and shape.rope_dim <= MLA_MAX_ROPE
+
+
 def check_mla_tiles(shape: tiling.AttentionShape) -> None:
     """Refuse MLA dims above those the Triton kernels' tiles were checked for on sm_90."""
-    if shape.head_dim > MLA_MAX_LATENT or shape.rope_dim > MLA_MAX_ROPE:
+    if not fits_triton_tiles(shape):
         raise ValueError(
             f"runtime 'cuda' serves latent attention of kv_lora_rank <= {MLA_MAX_LATENT} and rope_dim <= "
             f"{MLA_MAX_ROPE} (the Triton MLA kernels' tiles, checked for sm_90's shared memory and registers), "
@@ -107,10 +112,13 @@ def _(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, query_start_loc, seq_le
 def _mla_attention_cuda(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor, k_pe_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                         scale: float) -> torch.Tensor:
-    """MLA's op on CUDA: the Triton kernel, split for the block table's capacity, no host sync."""
+    """MLA's op on CUDA: the Triton kernel, split for the block table's capacity, no host sync; for
+    dims past the checked tiles (`fits_triton_tiles`), the reference kernel, lengths read on the host."""
     mla.check_mla_metadata(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, seq_lens, query_start_loc)
     shape = tiling.AttentionShape.of_mla(q_nope, q_pe, kv_c_cache)
-    check_mla_tiles(shape)
+    if not fits_triton_tiles(shape):
+        return mla.attend_with_host_lengths(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, seq_lens,
+                                            query_start_loc, scale)
     splits = cuda.choose_num_splits(
         max(1, seq_lens.shape[0] * cuda.mla_head_groups(shape.num_heads)),
         max(1, block_table.shape[1] * shape.block_size), shape.block_size, cuda.device_sm_count(q_nope.device),
