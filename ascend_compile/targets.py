@@ -18,11 +18,13 @@ from torch import fx
 from .config import CompileConfig
 from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
+from .ops.cuda_mla import check_mla_tiles
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
 from .ops.tiling import MLA, PA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
-from .passes.kernel_call import StepGuard
+from .passes.kernel_call import StepGuard, kernel_calls
+from .passes.find_attention import layer_name
 from .passes.npu_checks import check_npu_graph, npu_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
@@ -149,14 +151,23 @@ class CudaTarget(Target):
         """Every option holds on CUDA, the inner compiler included."""
 
     def check_kernel(self, kernel: str, layer: str) -> None:
-        """A kernel without a device-length form (MLA: no Triton kernel yet) cannot be captured in a
-        CUDA graph, whose kernels read their lengths on the device."""
+        """A kernel without a device-length form cannot be captured in a CUDA graph, whose kernels
+        read their lengths on the device (PA, FIA and MLA have one: `kernel_call.DEVICE_LENGTH_OPS`)."""
         if kernel not in DEVICE_LENGTH_OPS:
             raise ValueError(
                 f"{layer}: runtime 'cuda' has no {kernel} kernel reading its lengths on the device (CUDA graphs "
-                f"cannot refresh host lengths); latent attention (ascend.mla_attention) is served on the simulator "
-                f"and in eager only for now: compile with runtime='eager' (or 'sim' on CPU tensors)"
+                f"cannot refresh host lengths): compile with runtime='eager' (or 'sim' on CPU tensors)"
             )
+
+    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
+        """Latent-attention layers of dims the Triton MLA kernels' tiles were not checked for on
+        sm_90 (`ops/cuda_mla.py: check_mla_tiles`), refused naming the layer."""
+        for call in kernel_calls(gm):
+            if call.meta.kernel == MLA:
+                try:
+                    check_mla_tiles(call.meta.shape)
+                except ValueError as err:
+                    raise ValueError(f"{layer_name(call.node)}: {err}") from None
 
     def kernel_policy(self, config: CompileConfig, dtype: torch.dtype) -> KernelPolicy:
         """The decode kernel (PA) for every decode-only bucket under the default policy: its device

@@ -3,10 +3,11 @@
 # installed, no internet). Three phases, each cut at its time budget (the script then goes on), each
 # printing and writing its rows to $OUT as it measures them, so even a cut run returns figures:
 #
-#   1. GPU tests       tests/test_cuda_gpu.py and the Triton kernel tests of tests/test_triton_kernels.py,
-#                      two pytest processes side by side; a row per test in gpu_tests.json as it ends
-#   2. kernels         benchmarks/gpu_kernels.py: a device-to-device copy (the roofline), then the PA
-#                      and FIA kernels' bandwidth and the prefill tiles vs FlashAttention (kernels.json)
+#   1. GPU tests       tests/test_cuda_gpu.py and the Triton kernel tests of tests/test_triton_kernels.py
+#                      and tests/test_triton_mla.py, two pytest processes side by side; a row per test in
+#                      gpu_tests.json as it ends
+#   2. kernels         benchmarks/gpu_kernels.py: a device-to-device copy (the roofline), then the PA,
+#                      FIA and MLA kernels' bandwidth and the prefill tiles vs FlashAttention (kernels.json)
 #   3. decode table    benchmarks/decode.py --preset h200: one decode step, every compile mode, the
 #                      target comparisons first (decode.json)
 #
@@ -23,15 +24,17 @@
 # these kernels in ~1-2 s on one core; inductor compiles a 4-layer model in ~20-30 s with its
 # worker pool; a timed step or kernel call takes milliseconds.
 #   setup     ~15 s   pip install -e (no deps), torch import, device line              budget 30 s
-#   phase 1  ~120 s   test_cuda_gpu.py: 9 kernel-vs-reference cases (~6 compiles each) ~70 s, two
-#                     small compiled models (dynamo + inductor) ~40 s, graph replays; in parallel the
-#                     ~30 Triton kernel tests (~40 compiles) ~80 s                       budget 150 s
-#   phase 2   ~45 s   ~15 compiles, ~12 timed cases of 20 calls, 1 GiB copy             budget 75 s
+#   phase 1  ~150 s   test_cuda_gpu.py: 9 kernel-vs-reference cases (~6 compiles each) ~70 s, two
+#                     small compiled models (dynamo + inductor) ~40 s, graph replays; MLA: 4 kernel
+#                     cases against the CPU reference (~4 compiles each, the reference on the CPU)
+#                     and two DeepSeek-style models ~40 s; in parallel the ~70 Triton kernel tests
+#                     (~60 compiles) ~110 s                                              budget 180 s
+#   phase 2   ~50 s   ~18 compiles, ~16 timed cases of 20 calls, 1 GiB copy             budget 75 s
 #   phase 3  ~200 s   two 4-layer models; eager modes ~10 s; ascend_graph+inductor (3 bucket graphs)
 #                     ~50 s; reduce-overhead on each variant ~50 s each (batch 1 compiles apart); the
 #                     modes after these start only within the first 130 s                budget 220 s
 #   summary    ~1 s
-#   total    ~6.5 min expected; at most 30 + 150 + 75 + 220 + ~5 = ~8 min when every phase is cut.
+#   total    ~7 min expected; at most 30 + 180 + 75 + 220 + ~5 = ~8.5 min when every phase is cut.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +46,7 @@ OUT="${OUT:-benchmarks/results}"
 PY="${PYTHON:-python3}"
 PHASES="${PHASES:-1 2 3}"
 SETUP_S=30
-P1_S="${P1_S:-150}"
+P1_S="${P1_S:-180}"
 P2_S="${P2_S:-75}"
 P3_S="${P3_S:-220}"
 # Soft budgets inside the phases: no new benchmark case / mode once spent, so a phase ends by itself
@@ -54,7 +57,7 @@ P3_SOFT=$((P3_S - 90))
 PYTEST="$PY -m pytest -q -rfE -p no:cacheprovider -p pytest_rows"
 P1A="$PYTEST tests/test_cuda_gpu.py"
 # the kernel tests run compiled on the GPU; the model-level ones are CPU checks (CI runs them)
-P1B="$PYTEST tests/test_triton_kernels.py -k 'not (model or inductor or backend)'"
+P1B="$PYTEST tests/test_triton_kernels.py tests/test_triton_mla.py -k 'not (model or inductor or backend)'"
 P2="$PY benchmarks/gpu_kernels.py --json $OUT/kernels.json --budget-s $P2_SOFT"
 P3="$PY benchmarks/decode.py --preset h200 --json $OUT/decode.json --budget-s $P3_SOFT"
 SUMMARY="$PY benchmarks/verdicts.py $OUT"
@@ -62,16 +65,16 @@ SUMMARY="$PY benchmarks/verdicts.py $OUT"
 if [ "$DRY_RUN" = 1 ]; then
     echo "GPU check (dry run): phases [$PHASES], results in $OUT"
     echo "setup:   budget ${SETUP_S}s, estimate ~15s: pip install -e . --no-deps; torch/triton/device line"
-    echo "phase 1: GPU tests, budget ${P1_S}s, estimate ~120s (two processes side by side)"
+    echo "phase 1: GPU tests, budget ${P1_S}s, estimate ~150s (two processes side by side)"
     echo "    $P1A"
     echo "    $P1B"
-    echo "phase 2: kernel bandwidth, budget ${P2_S}s (no new case after ${P2_SOFT}s), estimate ~45s"
+    echo "phase 2: kernel bandwidth, budget ${P2_S}s (no new case after ${P2_SOFT}s), estimate ~50s"
     echo "    $P2"
     echo "phase 3: decode table, budget ${P3_S}s (no new mode after ${P3_SOFT}s), estimate ~200s"
     echo "    $P3"
     echo "summary: estimate ~1s"
     echo "    $SUMMARY"
-    echo "total: estimate ~6.5 min, at most $((SETUP_S + P1_S + P2_S + P3_S + 5))s with every phase cut"
+    echo "total: estimate ~7 min, at most $((SETUP_S + P1_S + P2_S + P3_S + 5))s with every phase cut"
     exit 0
 fi
 
@@ -121,7 +124,7 @@ if [[ " $PHASES " == *" 1 "* ]]; then
         [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && echo "phase 1: a pytest process was cut at its budget of ${P1_S}s"
         [ "$rc" -eq 0 ] || status=1
     done
-    stamp "phase 1: exit $rc_a (test_cuda_gpu) $rc_b (test_triton_kernels)"
+    stamp "phase 1: exit $rc_a (test_cuda_gpu) $rc_b (test_triton_kernels, test_triton_mla)"
 fi
 [[ " $PHASES " == *" 2 "* ]] && run_phase "phase 2: kernels" "$P2_S" "$P2"
 [[ " $PHASES " == *" 3 "* ]] && run_phase "phase 3: decode table" "$P3_S" "$P3"

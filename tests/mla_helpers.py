@@ -27,15 +27,19 @@ class MlaProblem(PagedLengths):
 
     @property
     def q_nope(self) -> torch.Tensor:
-        """The absorbed query: W_UK folded into each head's query, `[T, H, kv_lora_rank]`."""
-        return torch.einsum("thd,hld->thl", self.q_full, self.w_uk)
+        """The absorbed query: W_UK folded into each head's query, `[T, H, kv_lora_rank]` (the caches' dtype)."""
+        return torch.einsum("thd,hld->thl", self.q_full, self.w_uk).to(self.kv_c_cache.dtype)
 
     def attend(self) -> torch.Tensor:
         """`ascend.mla_attention` on the problem, up-projected by W_UV: `[T, H, v_dim]`."""
         seq_lens, query_start_loc = self.tensors()
         latent = torch.ops.ascend.mla_attention(self.q_nope, self.q_pe, self.kv_c_cache, self.k_pe_cache,
                                                 self.block_table, seq_lens, query_start_loc, self.scale)
-        return torch.einsum("thl,hlv->thv", latent, self.w_uv)
+        return self.up_project(latent)
+
+    def up_project(self, latent: torch.Tensor) -> torch.Tensor:
+        """A latent attention output `[T, H, kv_lora_rank]` up-projected by W_UV: `[T, H, v_dim]`."""
+        return torch.einsum("thl,hlv->thv", latent.float(), self.w_uv.float())
 
     def dense(self) -> torch.Tensor:
         """The oracle: per sequence, decompress the latent into per-head K and V and attend causally."""
@@ -62,9 +66,10 @@ class MlaProblem(PagedLengths):
 
 
 def make_mla_problem(seq_lens, query_lens=None, heads=4, kv_lora_rank=32, rope_dim=8, qk_nope_dim=16, v_dim=16,
-                     block_size=16, seed=0) -> MlaProblem:
+                     block_size=16, seed=0, dtype=torch.float32) -> MlaProblem:
     """Random queries, latent caches and up-projections; each sequence gets its own shuffled blocks
-    (a padding sequence has length 0 and no query tokens)."""
+    (a padding sequence has length 0 and no query tokens). `q_pe` and the caches are of `dtype`;
+    the unabsorbed query and the up-projections stay float32 (the oracle's)."""
     gen = torch.Generator().manual_seed(seed)
     query_lens = list(query_lens) if query_lens is not None else [1 if n else 0 for n in seq_lens]
     max_blocks = max(1, max((n + block_size - 1) // block_size for n in seq_lens))
@@ -74,9 +79,9 @@ def make_mla_problem(seq_lens, query_lens=None, heads=4, kv_lora_rank=32, rope_d
     tokens = sum(query_lens)
     return MlaProblem(
         q_full=torch.randn(tokens, heads, qk_nope_dim, generator=gen),
-        q_pe=torch.randn(tokens, heads, rope_dim, generator=gen),
-        kv_c_cache=torch.randn(num_blocks, block_size, kv_lora_rank, generator=gen),
-        k_pe_cache=torch.randn(num_blocks, block_size, rope_dim, generator=gen),
+        q_pe=torch.randn(tokens, heads, rope_dim, generator=gen).to(dtype),
+        kv_c_cache=torch.randn(num_blocks, block_size, kv_lora_rank, generator=gen).to(dtype),
+        k_pe_cache=torch.randn(num_blocks, block_size, rope_dim, generator=gen).to(dtype),
         w_uk=torch.randn(heads, kv_lora_rank, qk_nope_dim, generator=gen) / kv_lora_rank**0.5,
         w_uv=torch.randn(heads, kv_lora_rank, v_dim, generator=gen) / kv_lora_rank**0.5,
         block_table=block_table, seq_lens=list(seq_lens), query_lens=query_lens,

@@ -209,3 +209,111 @@ def test_fia_prefill_chunks_with_large_query_tiles_on_cuda():
                      dtype=torch.bfloat16)
     for splits in (1, 2):
         torch.testing.assert_close(dev_call(p, splits, False, GPU).float(), p.dense(), atol=3e-2, rtol=3e-2)
+
+
+# ---------------------------------------------------------------- MLA (ops/cuda_triton_mla.py)
+
+
+def mla_dev_call(p, splits, device):
+    """The device-length MLA op for problem `p` on `device` (CPU: reference kernel; CUDA: Triton)."""
+    seq_lens, loc = p.tensors()
+    shape = tiling.AttentionShape.of_mla(p.q_nope, p.q_pe, p.kv_c_cache)
+    ws = torch.full((cuda.dev_workspace_nbytes(p.q_nope.shape[0], shape, splits),), 0xFF, dtype=torch.uint8)
+    out = torch.full_like(p.q_nope, float("nan"))
+    args = [t.to(device) for t in (p.q_nope, p.q_pe, p.kv_c_cache, p.k_pe_cache, p.block_table, loc, seq_lens)]
+    ws, out = ws.to(device), out.to(device)
+    ops.mla_fused_infer_attention_dev(*args, p.scale, ws, out, splits)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, block", [(16, 64), (128, 16)])
+def test_triton_mla_matches_the_reference_kernel_at_deepseek_dims(dtype, heads, block):
+    """kv_lora_rank 512 + rope 64, 16 heads (one head group) and 128 (eight), decode and mixed."""
+    from tests.mla_helpers import make_mla_problem
+
+    lens = [0, 1, block - 1, block, block + 1, 700, MAX_LEN]
+    tol = dict(atol=KERNEL_TOLERANCE[dtype], rtol=KERNEL_TOLERANCE[dtype])
+    for qlens in ([1] * len(lens), [1, 1, 3, 16, 2, 100, 37]):
+        p = make_mla_problem(lens, qlens, heads=heads, kv_lora_rank=512, rope_dim=64, qk_nope_dim=128, v_dim=128,
+                             block_size=block, dtype=dtype)
+        for splits in (1, 4):
+            torch.testing.assert_close(mla_dev_call(p, splits, GPU).float(), mla_dev_call(p, splits, "cpu").float(),
+                                       **tol)
+
+
+def test_a_captured_mla_kernel_reads_lengths_on_every_replay():
+    from tests.mla_helpers import make_mla_problem
+
+    p = make_mla_problem([MAX_LEN] * 4, [2] * 4, heads=16, kv_lora_rank=512, rope_dim=64, block_size=64,
+                         dtype=torch.bfloat16)
+    shape = tiling.AttentionShape.of_mla(p.q_nope, p.q_pe, p.kv_c_cache)
+    args = cuda_copy(p.q_nope, p.q_pe, p.kv_c_cache, p.k_pe_cache, p.block_table)
+    seq_lens = torch.full((4,), 2, dtype=torch.int32, device=GPU)
+    loc = torch.tensor(p.query_start_loc, dtype=torch.int32, device=GPU)
+    ws = torch.empty(cuda.dev_workspace_nbytes(8, shape, 6), dtype=torch.uint8, device=GPU)
+    out = torch.empty_like(args[0])
+    call = lambda: ops.mla_fused_infer_attention_dev(*args, loc, seq_lens, p.scale, ws, out, 6)  # noqa: E731
+    call()  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    rng = random.Random(0)
+    for _ in range(4):
+        lens = [rng.randint(2, MAX_LEN) for _ in range(4)]
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        p.seq_lens = lens
+        torch.testing.assert_close(p.up_project(out.cpu()), p.dense(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_mla_cache_write_on_cuda_matches_the_cpu(slot_dtype):
+    kv_c, k_pe = torch.randn(6, 512), torch.randn(6, 64)
+    slots = torch.tensor([5, -1, 17, 255, -1, 0], dtype=slot_dtype)
+    kv_c_cache, k_pe_cache = torch.randn(16, 16, 512), torch.randn(16, 16, 64)
+    on_gpu = cuda_copy(kv_c_cache, k_pe_cache)
+    ops.mla_cache_write(*cuda_copy(kv_c, k_pe), *on_gpu, slots.to(GPU))
+    ops.mla_cache_write(kv_c, k_pe, kv_c_cache, k_pe_cache, slots)
+    assert torch.equal(on_gpu[0].cpu(), kv_c_cache) and torch.equal(on_gpu[1].cpu(), k_pe_cache)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_the_deepseek_example_compiled_on_cuda_equals_eager(inner):
+    """DeepSeek's latent dims (512 + 64, 16 heads) over decode and mixed steps across buckets, every
+    step replayed from a captured graph, against eager on the GPU and the reference kernels on the CPU."""
+    from examples.deepseek import DeepSeekConfig
+    from examples.deepseek import build as build_deepseek
+
+    cfg = DeepSeekConfig(num_layers=2, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                         v_head_dim=64, hidden_size=256, num_blocks=512, block_size=64)
+    model, reference, cpu_reference = build_deepseek(cfg).to(GPU), build_deepseek(cfg).to(GPU), build_deepseek(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(2, 4, 8), inner_compiler=inner)
+    batch = PagedBatch(cfg, seed=26)
+    rng = random.Random(26)
+    tol = dict(atol=1e-4, rtol=1e-3)
+    with torch.no_grad():
+        for size, qlens in ((3, None), (2, [3, 1]), (7, None), (8, None), (4, [1, 2, 1, 4]), (1, None)):
+            lens = [rng.randint(8, MAX_LEN) for _ in range(size)]
+            inputs = batch.step(lens, qlens)
+            got = fn(**to_gpu(inputs))
+            torch.testing.assert_close(got, reference(**to_gpu(inputs)), **tol)
+            torch.testing.assert_close(got.cpu(), cpu_reference(**inputs), **tol)
+    stats = sum((a.stats for a in artifacts), start=collections.Counter())
+    assert stats["replays"] >= 4 and stats["eager_fallbacks"] == 0
+    plan = max(artifacts, key=lambda a: len(a.rewritten.buckets)).describe()
+    kernels = [k for g in plan["graphs"].values() for k in g["kernels"]]
+    assert kernels and all(k["kernel"] == tiling.MLA and k["lengths"] == "device" for k in kernels)
+
+
+@pytest.mark.parametrize("kv_lora_rank, rope_dim", [(512, 64), (1024, 64)])
+def test_mla_attention_on_cuda_matches_the_cpu(kv_lora_rank, rope_dim):
+    """The model-facing op on CUDA: the Triton kernel, or past the tiles checked for sm_90 (1024)
+    the reference kernel, equal to the CPU's either way."""
+    from tests.mla_helpers import make_mla_problem
+
+    p = make_mla_problem([3, 200, 0, 90], [2, 5, 1, 1], heads=16, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    seq_lens, loc = p.tensors()
+    args = (p.q_nope, p.q_pe, p.kv_c_cache, p.k_pe_cache, p.block_table, seq_lens, loc)
+    got = ops.mla_attention(*cuda_copy(*args), p.scale).cpu()
+    torch.testing.assert_close(got, ops.mla_attention(*args, p.scale), atol=5e-5, rtol=5e-5)

@@ -1,7 +1,8 @@
 """Multi-head latent attention (`ops/mla.py`): the kernel against the dense oracle (the latent
 decompressed into per-head K/V), the cache write, the real and exactly planned workspace, the
 DeepSeek-style example compiled and replayed across buckets, and the refusals where MLA is not served
-(CUDA, npugraph_ex; runtime "npu" serves it: `tests/test_mla_npu.py`)."""
+(npugraph_ex; runtime "npu" serves it: `tests/test_mla_npu.py`; its CUDA path: tests/test_triton_mla.py
+and tests/test_mla_cuda.py)."""
 from __future__ import annotations
 
 import json
@@ -204,19 +205,18 @@ def test_a_model_mixing_latent_and_plain_attention_takes_the_kernel_per_layer():
 # ----------------------------------------------------------------------------- where MLA is not served
 
 
-def test_mla_is_refused_on_cuda_at_compile_time_naming_the_layer():
-    from ascend_compile import backend
-    from ascend_compile.config import CompileConfig
+def test_mla_layers_of_dims_the_triton_tiles_were_not_checked_for_are_refused_on_cuda():
     from ascend_compile.runtime.eager import EagerRuntime
     from ascend_compile.targets import CudaTarget
 
-    torch._dynamo.reset()
-    config = CompileConfig(max_model_len=256, capture_sizes=(4,))
-    fn = torch.compile(build(CFG), backend=backend(config, target=lambda d, c: CudaTarget(EagerRuntime(d))))
-    with pytest.raises(Exception, match=r"layer L\['self'\].layers.0.attn \(node \w+\): runtime 'cuda' has no "
-                                        r"mla_fused_infer_attention kernel"):
+    cfg = DeepSeekConfig(num_layers=1, kv_lora_rank=1024, num_blocks=64)
+    fn, _ = compiled_model(build(cfg), target=lambda d, c: CudaTarget(EagerRuntime(d)), max_model_len=256,
+                           capture_sizes=(4,))
+    with pytest.raises(Exception, match=r"layer L\['self'\].layers.0.attn \(node \w+\): runtime 'cuda' serves "
+                                        r"latent attention of kv_lora_rank <= 512 and rope_dim <= 64 .* got "
+                                        r"kv_lora_rank 1024"):
         with torch.no_grad():
-            fn(**PagedBatch(CFG).step([5, 6]))
+            fn(**PagedBatch(cfg).step([5, 6]))
 
 
 def test_mla_is_refused_by_the_npugraph_ex_pass_naming_the_layer():

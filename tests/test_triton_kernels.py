@@ -42,6 +42,7 @@ from ascend_compile.runtime.sim import SimRuntime
 from ascend_compile.targets import CudaTarget, Target
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests.helpers import TOLERANCE, make_problem
+from tests.sm90 import HOPPER_SHARED, compile_rows
 
 ops = torch.ops.ascend
 backend_mod = importlib.import_module("ascend_compile.backend")  # the module, not the function it exports
@@ -417,40 +418,12 @@ def test_triton_window_schedule_and_splits_follow_the_span(kernels):
         assert used.tolist() == [n > 1 and s < n for s in range(splits)], token
 
 
-#: Compiles the kernels for sm_90 in a process without TRITON_INTERPRET (Triton's own ptxas works
-#: without a GPU), with the options `attention_dev` launches them with; prints, per variant, the
-#: registers and spilled bytes (cuobjdump's REG and STACK, -1 without cuobjdump), the shared memory
-#: and how many K/V tiles the key loop keeps in flight (its shared buffers' depth, 0 for kernels
-#: without a key loop). The featured variants (window, soft-cap, sinks: `ops/features.py`) are
-#: compiled beside the plain ones.
+#: Compiles the kernels for sm_90 (`tests/sm90.py`) with the options `attention_dev` launches them
+#: with; prints, per variant, the registers and spilled bytes, the shared memory and how many K/V
+#: tiles the key loop keeps in flight (0 for kernels without a key loop). The featured variants
+#: (window, soft-cap, sinks: `ops/features.py`) are compiled beside the plain ones.
 COMPILE_SCRIPT = r"""
-import os, re, subprocess, tempfile
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from ascend_compile.ops import cuda_triton as ct
-
-def build(fn, types, constexprs, stages):
-    names = fn.arg_names
-    constexprs = dict(constexprs, **{n: 1 for n in names if n.startswith("stride") and n.endswith("d")})
-    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n not in constexprs and (sig[n].startswith("*") or n.startswith("stride"))}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages})
-    depth = [int(d) for d in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x128x", kernel.asm["ttgir"])]
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return -1, -1, kernel.metadata.shared, min(depth, default=0)
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    regs, stack = (int(re.search(name + r":(\d+)", usage).group(1)) for name in ("REG", "STACK"))
-    return regs, stack, kernel.metadata.shared, min(depth, default=0)
-
-def report(*name, result):
-    print(*name, *result, flush=True)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 for dt in ("bf16", "fp32"):
@@ -498,8 +471,6 @@ for dt in ("bf16", "fp32"):
            {"key": "*" + dt, "value": "*" + dt, "key_cache": "*" + dt, "value_cache": "*" + dt,
             "slot_mapping": "*i64"}, dict(HEAD_DIM=128, BLOCK=1024, NUM_ELEMENTS=1024), 1))
 """
-#: Shared memory one Hopper program may use (227 KB).
-HOPPER_SHARED = 232448
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled and run for real")
@@ -508,19 +479,13 @@ def test_triton_kernels_compile_for_hopper_without_spills():
     the key loops keep K/V two tiles in flight (one with the fp32 fallback's 16-row tiles)."""
     pytest.importorskip("triton", reason="needs triton")
     pytest.importorskip("triton.compiler", reason="needs triton's compiler API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines()]
-    assert len(rows) == 27, result.stdout
+    rows, stdout = compile_rows(COMPILE_SCRIPT)
+    assert len(rows) == 27, stdout
     for kernel, dt, variant, block, regs, stack, shared, depth in rows:
-        assert int(stack) <= 0, result.stdout  # no stack: nothing spilled
-        assert int(shared) <= HOPPER_SHARED, result.stdout
+        assert int(stack) <= 0, stdout  # no stack: nothing spilled
+        assert int(shared) <= HOPPER_SHARED, stdout
         if kernel.startswith("split"):
-            assert int(depth) >= 2, result.stdout
+            assert int(depth) >= 2, stdout
 
 
 # ---------------------------------------------------------------- device-length ops (reference kernels)
@@ -856,6 +821,23 @@ class StubGraphRuntime(GraphRuntime):
         return StubGraph()
 
 
+@contextlib.contextmanager
+def counted_host_reads(monkeypatch):
+    """Counts, by name, the calls of the tensor methods that read device data on the host
+    (`tolist`, `item`, `cpu`) within the block."""
+    calls = collections.Counter()
+    with monkeypatch.context() as patch:
+        for name in ("tolist", "item", "cpu"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self, *args, _name=name, _original=original, **kwargs):
+                calls[_name] += 1
+                return _original(self, *args, **kwargs)
+
+            patch.setattr(torch.Tensor, name, counted)
+        yield calls
+
+
 def test_cuda_steps_make_no_device_to_host_syncs(monkeypatch):
     cfg = LlamaConfig(num_layers=2, num_blocks=600)
     runtime = StubGraphRuntime()
@@ -870,18 +852,10 @@ def test_cuda_steps_make_no_device_to_host_syncs(monkeypatch):
     with torch.no_grad():
         for inputs in (steps + [mixed]) * 2:  # the compiles and captures (dynamo compiles more than one graph)
             fn(**inputs)
-        calls = collections.Counter()
-        for name in ("tolist", "item", "cpu"):
-            original = getattr(torch.Tensor, name)
-
-            def counted(self, *args, _name=name, _original=original, **kwargs):
-                calls[_name] += 1
-                return _original(self, *args, **kwargs)
-
-            monkeypatch.setattr(torch.Tensor, name, counted)
         before = runtime.synchronized
-        for inputs in steps + [mixed]:
-            fn(**inputs)
+        with counted_host_reads(monkeypatch) as calls:
+            for inputs in steps + [mixed]:
+                fn(**inputs)
     art = artifacts[-1]
     assert art.stats["replays"] >= 6 and art.stats["eager_fallbacks"] == 0 and art.stats["host_conversions"] == 0
     assert calls == {} and runtime.synchronized == before

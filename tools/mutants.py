@@ -18,10 +18,10 @@ that the fake torch_npu now checks: a cache write reading device data on the hos
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
 a replay running an op's Python body, PA sized for batches of one length only; mixed steps padded a
 sequence per token, PA's workspace not asked at each step's lengths), the attention features' bugs
-(issue 25), MLA's (issue 26: the kernels', the vLLM binding's, whose tests run vLLM's own code in the
-vLLM venv, `VLLM_PYTHON`, and on runtime "npu": its lengths, workspace, sparse modes, mixed capture,
-the 16-token rule and a compile-time rule) and issue 23's vLLM ones (a sliding window or another
-backend not refused, the first vLLM graph not traced general).
+(issue 25), MLA's (issue 26: the kernels', its Triton kernels' included, the vLLM binding's, whose
+tests run vLLM's own code in the vLLM venv, `VLLM_PYTHON`, and on runtime "npu": its lengths,
+workspace, sparse modes, mixed capture, the 16-token rule and a compile-time rule) and issue 23's vLLM
+ones (a sliding window or another backend not refused, the first vLLM graph not traced general).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -68,6 +68,7 @@ AUDIT = "tests/test_audit_survivors.py"
 SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_replay_steps"
 ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
 TRITON = "tests/test_triton_kernels.py"
+TRITON_MLA = "tests/test_triton_mla.py"
 DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
@@ -389,6 +390,34 @@ MUTANTS = (
         "MLA head-count rule removed", "ascend_compile/ops/npu_rules.py",
         "num_heads in MLA_QUERY_HEADS,", "True,",
         (f"{NPU_MLA}::test_each_documented_constraint_is_refused_at_compile_naming_the_layer",),
+    ),
+    # issue 26: MLA's Triton kernels (the CUDA path), against the dense oracle in the interpreter
+    Mutant(
+        "Triton MLA rope part dropped", "ascend_compile/ops/cuda_triton_mla.py",
+        "        scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=PRECISION) * scale_log2\n",
+        "        scores = scores * scale_log2\n",
+        (f"{TRITON_MLA}::test_triton_mla_equals_the_dense_oracle",),
+    ),
+    Mutant(
+        "Triton MLA causal mask off by one", "ascend_compile/ops/cuda_triton_mla.py",
+        "(key_pos[None, :] <= position[:, None])", "(key_pos[None, :] <= position[:, None] + 1)",
+        (f"{TRITON_MLA}::test_triton_mla_equals_the_dense_oracle",),
+    ),
+    Mutant(
+        "Triton MLA head groups ignored", "ascend_compile/ops/cuda_triton_mla.py",
+        "            head = head_group * HEAD_ROWS + rows % HEAD_ROWS\n", "            head = rows % HEAD_ROWS\n",
+        (f"{TRITON_MLA}::test_triton_mla_head_groups",),
+    ),
+    Mutant(
+        "Triton MLA split records overlap", "ascend_compile/ops/cuda_triton_mla.py",
+        "record = (token.to(tl.int64) * num_splits + split) * NUM_HEADS + head",
+        "record = (token.to(tl.int64) + split) * NUM_HEADS + head",
+        (f"{TRITON_MLA}::test_triton_mla_workspace_holds_the_split_records",),
+    ),
+    Mutant(
+        "MLA dims past Triton tiles allowed", "ascend_compile/targets.py",
+        "            if call.meta.kernel == MLA:\n", "            if False:\n",
+        ("tests/test_mla.py::test_mla_layers_of_dims_the_triton_tiles_were_not_checked_for_are_refused_on_cuda",),
     ),
     # issue 23: vLLM attention features the rewrite would compute wrongly, refused at compile time
     Mutant(

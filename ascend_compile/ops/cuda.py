@@ -23,11 +23,13 @@ Their default kernels (CPU and any other device) are the reference split-K kerne
 count, reading the lengths on the host. For CUDA tensors this module registers Triton kernels
 (`ops/cuda_triton.py`, imported on first use, so the package imports without triton) for these
 two ops, for `ascend.reshape_and_cache` and for the unified `ascend.attention`; none of them
-synchronises with the host, so each can be captured in a CUDA graph.
+synchronises with the host, so each can be captured in a CUDA graph. MLA's device-length op and
+CUDA kernels are `ops/cuda_mla.py`'s; its split rule (`gpu_splits`) and tiles (`mla_tile`) are here.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from types import ModuleType
 from typing import Callable, Optional
@@ -48,8 +50,24 @@ PROGRAMS_PER_SM = 2
 #: (a uniform batch then still runs one split per sequence). Costs `B * 2 * H * (D + 1) * 4` bytes.
 PA_MIN_SPLITS = 2
 
+#: Rows (query heads x tokens) of one program of the MLA kernels (`ops/cuda_triton_mla.py`): the
+#: smallest `tl.dot` operand; more would spill their 512-wide accumulator.
+MLA_TILE_ROWS = 16
+
 #: The split count of a kernel node in a bucket graph: (kernel, shape, bucket tokens) -> splits.
 SplitsFn = Callable[[str, tiling.AttentionShape, int], int]
+
+
+def mla_tile(num_heads: int, rows: int = MLA_TILE_ROWS) -> tuple[int, int]:
+    """(heads per program, query tokens per tile) of the MLA kernels: every head when they fit in
+    `rows` (then as many query tokens of a sequence as fill the rows), else `rows` heads of one token."""
+    heads = min(num_heads, rows)
+    return heads, max(1, rows // heads)
+
+
+def mla_head_groups(num_heads: int, rows: int = MLA_TILE_ROWS) -> int:
+    """Programs of the MLA kernels per query tile and split: head groups, each reading the keys once."""
+    return -(-num_heads // mla_tile(num_heads, rows)[0])
 
 
 def dev_workspace_nbytes(num_tokens: int, shape: tiling.AttentionShape, num_splits: int) -> int:
@@ -83,12 +101,14 @@ def choose_num_splits(
 
 def gpu_splits(num_sms: int, max_model_len: int) -> SplitsFn:
     """The split rule of bucket graphs on a GPU with `num_sms` SMs: one program per sequence and
-    KV head per split, a bucket of `bucket` tokens serving as many sequences; PA graphs get at
-    least `PA_MIN_SPLITS` (spare capacity for the device schedule to rebalance)."""
+    KV head (MLA: head group, `mla_head_groups`) per split, a bucket of `bucket` tokens serving as
+    many sequences; PA graphs get at least `PA_MIN_SPLITS` (spare capacity for the device schedule
+    to rebalance)."""
 
     def splits(kernel: str, shape: tiling.AttentionShape, bucket: int) -> int:
         least = PA_MIN_SPLITS if kernel == tiling.PA else 1
-        return choose_num_splits(bucket * shape.num_kv_heads, max_model_len, shape.block_size, num_sms, least)
+        per_split = mla_head_groups(shape.num_heads) if shape.latent else shape.num_kv_heads
+        return choose_num_splits(bucket * per_split, max_model_len, shape.block_size, num_sms, least)
 
     return splits
 
@@ -99,15 +119,16 @@ def device_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _triton() -> ModuleType:
+def triton_kernels(module: str = "cuda_triton") -> ModuleType:
+    """A Triton kernel module of this package (`cuda_triton`, `cuda_triton_mla`), imported on first
+    use so the package imports without triton."""
     try:
-        from . import cuda_triton
+        return importlib.import_module(f"{__package__}.{module}")
     except ImportError as err:
         raise RuntimeError(
             f"ascend CUDA kernels need triton, which could not be imported ({err}); install it with the "
             f"version matching your torch"
         ) from err
-    return cuda_triton
 
 
 def check_dev_attention(
@@ -172,7 +193,7 @@ def _(query, key_cache, value_cache, block_table, seq_lens, scale, workspace, ou
 @paged_attention_dev.register_kernel("cuda")
 def _(query, key_cache, value_cache, block_table, seq_lens, scale, workspace, out, num_splits) -> None:
     check_dev_attention(tiling.PA, query, key_cache, value_cache, block_table, seq_lens, None, workspace, out, num_splits)
-    _triton().attention_dev(
+    triton_kernels().attention_dev(
         query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(), None,
         scale, workspace, out, num_splits,
     )
@@ -224,7 +245,7 @@ def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, sca
         tiling.FIA, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, workspace, out, num_splits
     )
     library.check_features(query, window, soft_cap, sinks)
-    _triton().attention_dev(
+    triton_kernels().attention_dev(
         query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(),
         query_start_loc.contiguous(), scale, workspace, out, num_splits,
         window=window, soft_cap=soft_cap, sinks=sinks,
@@ -255,7 +276,7 @@ def _attention_cuda(
     )
     workspace = torch.empty(dev_workspace_nbytes(query.shape[0], shape, splits), dtype=torch.uint8, device=query.device)
     out = torch.empty_like(query)
-    _triton().attention_dev(
+    triton_kernels().attention_dev(
         query, key_cache, value_cache, block_table.contiguous(), seq_lens.contiguous(),
         query_start_loc.contiguous(), scale, workspace, out, splits, window=window, soft_cap=soft_cap, sinks=sinks,
     )
@@ -269,4 +290,4 @@ def _reshape_and_cache_cuda(
     """`reshape_and_cache` on CUDA without a host sync: slot -1 is skipped, and so is any slot
     outside the cache (the reference raises for those, which needs the slots on the host)."""
     library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
-    _triton().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
+    triton_kernels().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())

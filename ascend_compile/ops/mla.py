@@ -21,7 +21,8 @@ and the kernel the passes rewrite it into.
   caller-provided `workspace` (uint8, sized by `tiling.workspace_nbytes(tiling.MLA, ...)`) and `out`.
 
 The reference kernel (`reference.mla_fused_infer_attention`) is split-K attention with a real
-workspace, like PA's and FIA's.
+workspace, like PA's and FIA's. On CUDA the kernel runs in its device-length form, Triton kernels
+reading the lengths on the device (`ops/cuda_mla.py`, `ops/cuda_triton_mla.py`).
 """
 from __future__ import annotations
 
@@ -101,6 +102,14 @@ def mla_attention(
 ) -> torch.Tensor:
     """The MLA op a model calls (see the module docstring); runs the MLA kernel with its own workspace."""
     check_mla_metadata(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, seq_lens, query_start_loc)
+    return attend_with_host_lengths(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, seq_lens, query_start_loc,
+                                    scale)
+
+
+def attend_with_host_lengths(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,
+                             k_pe_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                             query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """`mla_attention` through the host-length kernel (its reference), its lengths read on the host."""
     lens, starts = seq_lens.tolist(), query_start_loc.tolist()
     query_lens = validate.query_lens_from_start_loc(starts, q_nope.shape[0])
     shape = tiling.AttentionShape.of_mla(q_nope, q_pe, kv_c_cache)

@@ -241,12 +241,15 @@ def mla_fused_infer_attention(
     scale: float,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    num_splits: int | None = None,
 ) -> None:
     """MLA (absorbed form): TND like FIA, one latent KV head; the scores are
-    `q_nope . kv_c + q_pe . k_pe`, the values `kv_c` (see `ops/mla.py`)."""
+    `q_nope . kv_c + q_pe . k_pe`, the values `kv_c` (see `ops/mla.py`). `num_splits`: every
+    sequence split that many times (the device-length op, `ops/cuda_mla.py`), else MLA's tiling."""
     starts = [end - n for end, n in zip(query_ends, query_lens)]
     latent = kv_c_cache.unsqueeze(2)  # [NB, BS, 1, kv_lora_rank]: one KV head, keys and values alike
     split_k_attention(
         tiling.MLA, q_nope, latent, latent, block_table,
-        starts, query_lens, kv_lens, scale, workspace, out, rope=(q_pe, k_pe_cache.unsqueeze(2)),
+        starts, query_lens, kv_lens, scale, workspace, out, num_splits=num_splits,
+        rope=(q_pe, k_pe_cache.unsqueeze(2)),
     )

@@ -25,12 +25,14 @@ HOST_LENGTH_OPS = {tiling.PA: torch.ops.ascend.paged_attention.default,
                    tiling.FIA: torch.ops.ascend.fused_infer_attention.default,
                    tiling.MLA: torch.ops.ascend.mla_fused_infer_attention.default}
 DEVICE_LENGTH_OPS = {tiling.PA: torch.ops.ascend.paged_attention_dev.default,
-                     tiling.FIA: torch.ops.ascend.fused_infer_attention_dev.default}
+                     tiling.FIA: torch.ops.ascend.fused_infer_attention_dev.default,
+                     tiling.MLA: torch.ops.ascend.mla_fused_infer_attention_dev.default}
 KERNEL_PACKETS = tuple(op.overloadpacket for op in (*HOST_LENGTH_OPS.values(), *DEVICE_LENGTH_OPS.values()))
 
 #: The device input each host-length argument reads on CUDA.
 DEVICE_LENGTH_ARGS = {"context_lens": "seq_lens", "actual_seq_lengths": "query_start_loc",
-                      "actual_seq_lengths_kv": "seq_lens"}
+                      "actual_seq_lengths_kv": "seq_lens", "actual_seq_qlen": "query_start_loc",
+                      "actual_seq_kvlen": "seq_lens"}
 
 META_KEY = "ascend_call"  # fx.Node.meta key of a kernel node's `KernelMeta`
 HOST_META_KEY = "ascend_host"  # fx.Node.meta key of a host-list placeholder's `HostSource`
