@@ -39,9 +39,9 @@ class Pair:
         compile_fn = integration.backend(config, on_compiled=artifacts.append, get_forward_context=v.get_forward_context)
         self.compiled = torch.compile(self.models[0], backend=compile_fn, dynamic=True)
 
-    def step(self, rng: random.Random, batch: int, mixed: bool) -> v.Step:
+    def step(self, rng: random.Random, batch: int, mixed: bool, shortest: int = 4) -> v.Step:
         width = MAX_LEN // self.block_size
-        seq_lens = [rng.randint(4, MAX_LEN - 4) for _ in range(batch)]
+        seq_lens = [rng.randint(shortest, MAX_LEN - 4) for _ in range(batch)]
         query_lens = [rng.randint(1, 3) if mixed else 1 for _ in range(batch)]
         blocks = torch.randperm(self.num_blocks)[: batch * width] if batch * width <= self.num_blocks else \
             torch.randint(0, self.num_blocks, (batch * width,))
@@ -189,7 +189,67 @@ def test_opaque_layer_names_hoisted_to_graph_inputs():
         v.register("str")
 
 
-# ---------------------------------------------------------------- features the rewrite cannot honour: refused
+# ---------------------------------------------------------------- attention features: served, or refused
+
+
+LAYER_1 = "model.layers.1.self_attn.attn"
+WINDOW = 24
+#: Features `ascend.attention` computes: (the stand-in `Attention`'s arguments, the features the plan records).
+SERVED = {
+    "sliding window": ({"per_layer_sliding_window": WINDOW}, {"window": WINDOW, "soft_cap": None, "sinks": False}),
+    "soft-cap": ({"logits_soft_cap": 0.5}, {"window": None, "soft_cap": 0.5, "sinks": False}),
+    "sinks": ({"sinks": torch.tensor([3.0, 6.0, 4.0, 5.0])}, {"window": None, "soft_cap": None, "sinks": True}),
+}
+
+
+def _without_features(impl) -> dict:
+    """Switch an impl's features off (window, soft-cap, sinks); returns what to put back."""
+    kept = {name: getattr(impl, name) for name in ("sliding_window", "logits_soft_cap", "sinks") if hasattr(impl, name)}
+    impl.sliding_window = (-1, -1) if isinstance(impl.sliding_window, tuple) else None
+    if hasattr(impl, "logits_soft_cap"):
+        impl.logits_soft_cap = 0
+    impl.sinks = None
+    return kept
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+@pytest.mark.parametrize("feature", list(SERVED))
+def test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager(feature, backend):
+    """A layer's sliding window, soft-cap or sinks reach `ascend.attention`: steps with sequences
+    longer than the window, decode and mixed, equal eager (whose kernel applies the feature), and the
+    feature matters: the eager model without it gives other outputs for the same step."""
+    if feature == "soft-cap" and backend == "ASCEND":
+        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl keeps no logits_soft_cap (its kernels apply none)")
+    options, described = SERVED[feature]
+    artifacts = []
+    pair = Pair(backend, 16, "sim", artifacts, attention_options={1: options})
+    rng = random.Random(f"{feature}{backend}")
+    for batch, mixed in [(3, False), (2, True), (4, False), (3, True)]:
+        step = pair.step(rng, batch, mixed, shortest=WINDOW + 4)  # every sequence longer than the window
+        got, expected = pair.run(step)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        pair.assert_caches_close()
+    assert sum(a.stats["replays"] for a in artifacts) == 4
+    impl = pair.models[1].attention_layers()[LAYER_1].impl
+    kept = _without_features(impl)
+    _, plain = pair.run(step)  # the last step again (its cache writes are the same)
+    vars(impl).update(kept)
+    assert (plain - expected).abs().max() > 1e-3
+    for graph in artifacts[0].describe()["graphs"].values():  # layer 0 plain, layer 1 with its feature
+        assert [kernel.get("features") for kernel in graph["kernels"]] == [None, described]
+
+
+@pytest.mark.parametrize("feature", list(SERVED))
+def test_layer_features_are_refused_on_npu_naming_the_layer_and_the_feature(feature, monkeypatch):
+    """torch_npu's FIA binding takes none of them (`passes/npu_checks.py: UNBOUND_FEATURES`)."""
+    if feature == "soft-cap":
+        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl keeps no logits_soft_cap")
+    fake = fake_torch_npu.install(monkeypatch)
+    pair = Pair("ASCEND", 128, "npu", [], attention_options={1: SERVED[feature][0]})
+    name = {"sliding window": "window", "sinks": "sinks"}[feature]
+    with pytest.raises(Exception, match=rf"layer '{LAYER_1}'\)\): {name} is not supported on runtime 'npu'"):
+        pair.run(pair.step(random.Random(0), 3, False))
+    assert not fake.executed
 
 
 class FlashInferBackend(v.FlashAttentionBackend):
@@ -202,12 +262,8 @@ class FlashInferBackend(v.FlashAttentionBackend):
 
 FlashInferBackend.__module__ = "vllm.v1.attention.backends.flashinfer"
 
-LAYER_1 = "model.layers.1.self_attn.attn"
 REFUSED = {
-    "sliding window": ({"per_layer_sliding_window": 64}, "sliding window"),
-    "soft-cap": ({"logits_soft_cap": 30.0}, "logits soft-cap"),
     "alibi": ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
-    "sinks": ({"sinks": torch.zeros(4)}, "attention sinks"),
     "encoder": ({"attn_type": "encoder_only"}, "attention type 'encoder_only'"),
 }
 
@@ -221,16 +277,25 @@ def _refused(pair: Pair, message: str, **step) -> None:
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
 @pytest.mark.parametrize("feature", list(REFUSED))
 def test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time(feature, backend):
-    """Each would be computed as plain causal attention (wrong tokens); it is refused when dynamo
-    hands the graph over (vLLM's profile run), naming the layer and the feature. vLLM-Ascend's impl
-    keeps no soft-cap (its own kernels drop it too): nothing there to refuse."""
-    if feature == "soft-cap" and backend == "ASCEND":
-        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl does not keep logits_soft_cap")
+    """Each would be computed wrongly; it is refused when dynamo hands the graph over (vLLM's profile
+    run), naming the layer and the feature."""
     options, message = REFUSED[feature]
     artifacts = []
     pair = Pair(backend, 16, "sim", artifacts, attention_options={1: options})
     _refused(pair, message)
     assert artifacts == []
+
+
+@pytest.mark.parametrize("window, message", [
+    ((7, 7), r"sliding window impl.sliding_window=\(7, 7\) \(only causal windows"),
+    ((15, 0), r"sliding window layer.sliding_window=24 that the impl does not apply as such"),
+])
+def test_windows_the_op_cannot_express_are_refused(window, message):
+    """A window reaching right of the query (FlashAttention's encoder windows), or one the impl and
+    the layer disagree on, is refused rather than guessed."""
+    pair = Pair("FLASH_ATTN", 16, "sim", [], attention_options={1: {"per_layer_sliding_window": WINDOW}})
+    pair.models[0].attention_layers()[LAYER_1].impl.sliding_window = window
+    _refused(pair, message)
 
 
 @pytest.mark.parametrize("where", ["layer", "impl"])

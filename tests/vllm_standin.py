@@ -419,14 +419,23 @@ def _attention_impl_init(self, num_heads, head_size, scale, num_kv_heads, alibi_
 
 
 def _attend(impl, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, output, num_tokens):
-    """Paged attention of the first `num_tokens` query rows into `output[:num_tokens]` (the reference op)."""
+    """Paged attention of the first `num_tokens` query rows into `output[:num_tokens]` (the reference op),
+    with the impl's window (FlashAttention's `window_size=(left, 0)` attends `left + 1` keys), soft-cap
+    (0: none) and sinks, as `flash_attn_varlen_func` takes them."""
+    left, right = impl.sliding_window
+    assert right in (0, -1), "causal windows only"
     out = torch.ops.ascend.attention(query[:num_tokens], key_cache, value_cache, block_table, seq_lens,
-                                     query_start_loc, impl.scale)
+                                     query_start_loc, impl.scale, window=left + 1 if left >= 0 else None,
+                                     soft_cap=impl.logits_soft_cap or None, sinks=impl.sinks)
     output[:num_tokens] = out.to(output.dtype)
 
 
 class FlashAttentionImpl:
-    __init__ = _attention_impl_init
+    def __init__(self, *args, **kwargs):
+        """As vLLM's: the window kept as `window_size` `(W - 1, 0)` ((-1, -1): none), the soft-cap as 0 for none."""
+        _attention_impl_init(self, *args, **kwargs)
+        self.sliding_window = (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+        self.logits_soft_cap = self.logits_soft_cap or 0
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # reshape_and_cache_flash: slot_mapping's length is the number of real tokens (key may be padded);
@@ -539,7 +548,8 @@ class AscendAttentionBackendImpl:
         out = torch.empty_like(q)
         torch.ops.ascend.fused_infer_attention(q, self.key_cache, self.value_cache, attn_metadata.block_tables,
                                                attn_metadata.actual_seq_lengths_q, attn_metadata.seq_lens_list,
-                                               self.scale, workspace, out)
+                                               self.scale, workspace, out, window=self.sliding_window,
+                                               sinks=self.sinks)
         output[:num_tokens] = out
         return output
 

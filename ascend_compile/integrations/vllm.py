@@ -6,15 +6,17 @@ vLLM's model graphs call `vllm::unified_attention_with_output(query, key, value,
 the layer and its KV cache come from `get_forward_context()` (`attn_metadata[layer_name]`,
 `no_compile_layers[layer_name].kv_cache`, `slot_mapping[layer_name]`). `ForwardContextBinder` is the
 binder (`passes/providers.py`) that rewrites both ops onto `ascend.reshape_and_cache` /
-`ascend.attention` and makes every value they read a provided input, read from the forward context
-once per step: the runner stages it by role like any input, and the update table refreshes PA/FIA
-host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
+`ascend.attention` (with the layer's sliding window, soft-cap and sinks, `vllm_layers.layer_features`)
+and makes every value they read a provided input, read from the forward context once per step: the
+runner stages it by role like any input, and the update table refreshes PA/FIA host lengths from it
+— what vLLM-Ascend's `update_graph_params` does by hand.
 
 Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
 qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
 "cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
-features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
-tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
+features the rewrite cannot compute are refused when dynamo hands the graph over (`vllm_layers.py`).
+Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`); tests run on vLLM's own code
+(`tests/vllm_real.py`) and a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from ..targets import TargetFactory, default_target
 from .vllm_context import (as_int64, attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
                            metadata_of, query_start_loc, split_cache)
 from .vllm_deferred import DeferredCompile
-from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
+from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
+                          refuse_unsupported)
 from .vllm_options import current_vllm_config, options_for
 
 log = logging.getLogger("ascend_compile")
@@ -208,6 +211,11 @@ class ForwardContextBinder:
                 caches[layer] = self._bind_cache(len(caches), layer, ctx.no_compile_layers[layer], fake_mode, provide)
             return caches[layer]
 
+        def sinks_input(layer: str, attn_layer: Any) -> fx.Node:
+            where = f"forward_context.no_compile_layers[{layer!r}].impl.sinks"
+            return provide(f"vllm_sinks_{layer.replace('.', '_')}", where,
+                           lambda c: c.no_compile_layers[layer].impl.sinks, fake_like(fake_mode, attn_layer.impl.sinks))
+
         slots: dict[int, fx.Node] = {}
         for node in updates:
             layer = self.layer_name(gm, node)
@@ -226,7 +234,7 @@ class ForwardContextBinder:
             node.replace_all_uses_with(dummy)
             graph.erase_node(node)
         for node in attention:
-            self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs)
+            self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs, sinks_input)
         for node in reversed(list(graph.nodes)):
             if node.op == "call_function" and node.target is torch.ops.aten.empty.memory_format and not node.users:
                 graph.erase_node(node)
@@ -237,7 +245,7 @@ class ForwardContextBinder:
         return Provider(tuple(r.provided for r in readers), lambda args: _read_all(get(), readers))
 
     def _rewrite_attention(self, gm: fx.GraphModule, node: fx.Node, ctx: Any, metadata_inputs: Callable,
-                           cache_inputs: Callable) -> None:
+                           cache_inputs: Callable, sinks_input: Callable) -> None:
         layer_name = self.layer_name(gm, node)
         query, key, value, output = node.args[:4]
         for position, name in ((5, "output_scale"), (6, "output_block_scale")):
@@ -247,6 +255,8 @@ class ForwardContextBinder:
         tokens = example_value(query).shape[0]
         metadata = metadata_inputs(layer_name, tokens)
         key_cache, value_cache = cache_inputs(layer_name)
+        features = layer_features(layer_name, layer)
+        sinks = sinks_input(layer_name, layer) if features.sinks else None
         graph = gm.graph
         with graph.inserting_before(node):
             if getattr(layer.attn_backend, "forward_includes_kv_cache_update", True) and key is not None:
@@ -254,7 +264,8 @@ class ForwardContextBinder:
                                     (key, value, key_cache, value_cache, metadata["slot_mapping"]))
             result = graph.call_function(torch.ops.ascend.attention.default, (
                 query, key_cache, value_cache, metadata["block_table"], metadata["seq_lens"],
-                metadata["query_start_loc"], float(layer.impl.scale)))
+                metadata["query_start_loc"], float(layer.impl.scale)),
+                {"window": features.window, "soft_cap": features.soft_cap, "sinks": sinks})
             graph.call_method("copy_", (output, result))
         result.meta["ascend_adapted_from"] = f"vllm.{ATTENTION_OP} ({node.name}, layer {layer_name!r})"
         graph.erase_node(node)
