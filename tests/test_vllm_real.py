@@ -188,6 +188,24 @@ def test_gemma2s_soft_capped_layers_are_served_equal_to_eager(compiled):
     _feature_matters(models, real.Step(*LONG_STEPS[-1]), [LAYER_0, LAYER_1], logits_soft_cap=0)
 
 
+def test_a_layer_with_sinks_is_served_equal_to_eager(compiled):
+    """gpt-oss passes `Attention(sinks=...)`, which FlashAttentionImpl keeps as `impl.sinks` and the
+    layer as `has_sink`. gpt-oss itself builds here but its FusedMoE forward needs a kernel backend
+    (`UnquantizedFusedMoEMethod` gets no `moe_kernel` on this platform), so vLLM's Llama gets the
+    sinks gpt-oss's constructor would give its layer 1."""
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    for model in models:
+        layer = model.layers[LAYER_1]
+        layer.impl.sinks, layer.has_sink = torch.tensor([3.0, 6.0, 4.0, 5.0]), True
+    real.profile_run(models[0])
+    _equal_to_eager(models, LONG_STEPS)
+    assert len(artifacts) == 1 and artifacts[0].stats["replays"] == len(LONG_STEPS)
+    sinks = {"window": None, "soft_cap": None, "sinks": True}
+    assert all(kernels == [None, sinks] for kernels in _kernel_features(artifacts[0]))
+    _feature_matters(models, real.Step(*LONG_STEPS[-1]), [LAYER_1], sinks=None)
+
+
 # ---------------------------------------------------------------- refused at compile time
 
 

@@ -182,10 +182,16 @@ class Model:
 
     @property
     def layers(self) -> dict[str, Any]:
-        return self.config.compilation_config.static_forward_context
+        """The attention layers (vLLM's static forward context also holds MoE layers)."""
+        return attention_layers(self.config)
 
     def caches(self) -> list[torch.Tensor]:
         return [layer.kv_cache for layer in self.layers.values()]
+
+
+def attention_layers(config: VllmConfig) -> dict[str, Any]:
+    return {name: layer for name, layer in config.compilation_config.static_forward_context.items()
+            if hasattr(layer, "attn_backend")}
 
 
 def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
@@ -202,7 +208,7 @@ def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
             torch.nn.init.normal_(param, std=0.2)
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     block_size = config.cache_config.block_size
-    for name, layer in config.compilation_config.static_forward_context.items():
+    for layer in attention_layers(config).values():
         shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
         layer.kv_cache = torch.zeros(shape, dtype=layer.kv_cache_torch_dtype)
     return Model(config, model.eval(), num_blocks, block_size)
