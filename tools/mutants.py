@@ -17,8 +17,9 @@ top end, decode detection), issue 22's (`verify` comparing nothing; what an Asce
 that the fake torch_npu now checks: a cache write reading device data on the host, a skipped
 contiguity check, the PA block-size check removed; the simulator's rules: a host read inside an op,
 a replay running an op's Python body, PA sized for batches of one length only), the attention
-features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (a sliding window or another
-backend not refused, the first vLLM graph not traced general).
+features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (another backend not refused,
+the first vLLM graph not traced general, a window, soft-cap or sinks not passed to the op,
+FlashAttention's window off by one).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -62,6 +63,7 @@ SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_r
 ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
 TRITON = "tests/test_triton_kernels.py"
 DEVICE = "tests/test_npu_device.py"
+VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 
 MUTANTS = (
     Mutant(
@@ -334,12 +336,26 @@ MUTANTS = (
         "    valid = slots >= 0\n", "    valid = slots >= -1\n",
         ("tests/test_mla.py::test_the_cache_write_skips_slot_minus_one",),
     ),
-    # issue 23: vLLM attention features the rewrite would compute wrongly, refused at compile time
+    # issue 23: vLLM attention features passed to the op (or refused at compile time where it cannot)
     Mutant(
-        "sliding window ignored", "ascend_compile/integrations/vllm_layers.py",
-        "    if window is not None:\n        return f\"sliding window",
-        "    if False:\n        return f\"sliding window",
-        ("tests/test_vllm.py::test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time",),
+        "sliding window ignored", "ascend_compile/integrations/vllm.py",
+        '{"window": features.window,', '{"window": None,',
+        (VLLM_FEATURES + "[sliding window-FLASH_ATTN]",),
+    ),
+    Mutant(
+        "soft-cap dropped in vLLM", "ascend_compile/integrations/vllm.py",
+        '"soft_cap": features.soft_cap,', '"soft_cap": None,',
+        (VLLM_FEATURES + "[soft-cap-FLASH_ATTN]",),
+    ),
+    Mutant(
+        "sinks dropped in vLLM", "ascend_compile/integrations/vllm.py",
+        '"sinks": sinks})', '"sinks": None})',
+        (VLLM_FEATURES + "[sinks-ASCEND]",),
+    ),
+    Mutant(
+        "FlashAttention window taken as its left bound", "ascend_compile/integrations/vllm_layers.py",
+        "return int(window[0]) + 1", "return int(window[0])",
+        (VLLM_FEATURES + "[sliding window-FLASH_ATTN]",),
     ),
     Mutant(
         "other backend not refused", "ascend_compile/integrations/vllm_layers.py",
