@@ -114,6 +114,31 @@ def test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences(backend):
     assert sum(a.stats["replays"] for a in artifacts) == 4
 
 
+def test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted():
+    """`ascend.reshape_and_cache` takes int32 slots (torch_npu's `npu_scatter_pa_kv_cache` does): each
+    step's provided input is a view of the metadata's slots (no int64 copy per step), and the graph's
+    cache writes take that input itself."""
+    artifacts = []
+    pair = Pair("ASCEND", 16, "sim", artifacts)
+    rng = random.Random(4)
+    provider = None
+    for batch, mixed in [(3, False), (2, True), (3, False)]:
+        step = pair.step(rng, batch, mixed)
+        got, expected = pair.run(step)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        provider = artifacts[0].rewritten.prologue.provider
+        metadata, _ = v.build_metadata(pair.models[0], step)
+        with v.set_forward_context(metadata, pair.configs[0]):
+            provided = dict(zip((i.name for i in provider.inputs), provider.read(())))
+        slots = provided["vllm_slot_mapping_0"]
+        assert slots.dtype == torch.int32 and slots.data_ptr() == metadata[LAYER_1].slot_mapping.data_ptr()
+    assert artifacts[0].stats["replays"] == 3
+    for variant in artifacts[0].rewritten.variants.values():
+        writes = [n for n in variant.gm.graph.nodes if n.target is torch.ops.ascend.reshape_and_cache.default]
+        assert len(writes) == 2 and all(n.args[4].op == "placeholder" for n in writes)
+        assert {n.args[4].meta["example_value"].dtype for n in writes} == {torch.int32}
+
+
 def test_update_table_names_the_forward_context_fields(tmp_path, capsys):
     artifacts = []
     pair = Pair("FLASH_ATTN", 16, "sim", artifacts, dump_dir=str(tmp_path))

@@ -535,9 +535,9 @@ class AscendAttentionBackendImpl:
             self.key_cache, self.value_cache = kv_cache[0], kv_cache[1]
         if key is not None and value is not None:
             n = attn_metadata.num_actual_tokens
-            # torch_npu's _npu_reshape_and_cache takes vLLM-Ascend's int32 slots; the reference op takes int64
+            # vLLM-Ascend's int32 slots, as torch_npu's cache write (and the reference op) takes them
             torch.ops.ascend.reshape_and_cache(key[:n], value[:n], self.key_cache, self.value_cache,
-                                               attn_metadata.slot_mapping[:n].long())
+                                               attn_metadata.slot_mapping[:n])
         num_tokens = attn_metadata.actual_seq_lengths_q[-1]
         query_lens = [e - s for s, e in zip([0] + attn_metadata.actual_seq_lengths_q[:-1],
                                             attn_metadata.actual_seq_lengths_q)]

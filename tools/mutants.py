@@ -19,7 +19,7 @@ contiguity check, the PA block-size check removed; the simulator's rules: a host
 a replay running an op's Python body, PA sized for batches of one length only), the attention
 features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (another backend not refused,
 the first vLLM graph not traced general, a window, soft-cap or sinks not passed to the op,
-FlashAttention's window off by one).
+FlashAttention's window off by one, vLLM-Ascend's int32 slots copied to int64 each step).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -351,6 +351,11 @@ MUTANTS = (
         "sinks dropped in vLLM", "ascend_compile/integrations/vllm.py",
         '"sinks": sinks})', '"sinks": None})',
         (VLLM_FEATURES + "[sinks-ASCEND]",),
+    ),
+    Mutant(
+        "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm.py",
+        "lambda ctx: attention_slots(metadata_of(ctx, layer)),", "lambda ctx: attention_slots(metadata_of(ctx, layer)).long(),",
+        ("tests/test_vllm.py::test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted",),
     ),
     Mutant(
         "FlashAttention window taken as its left bound", "ascend_compile/integrations/vllm_layers.py",

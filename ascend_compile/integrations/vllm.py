@@ -34,7 +34,7 @@ from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
 from ..targets import TargetFactory, default_target
-from .vllm_context import (as_int64, attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
+from .vllm_context import (attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
                            metadata_of, query_start_loc, split_cache)
 from .vllm_deferred import DeferredCompile
 from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
@@ -294,8 +294,8 @@ class ForwardContextBinder:
         if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
             inputs["slot_mapping"] = provide(
                 f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: as_int64(attention_slots(metadata_of(ctx, layer))),
-                fake_like(fake_mode, as_int64(metadata.slot_mapping), (tokens,)))
+                lambda ctx: attention_slots(metadata_of(ctx, layer)),
+                fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
         return inputs
 
     @staticmethod
@@ -304,7 +304,7 @@ class ForwardContextBinder:
         """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
         layer sharing the tensor)."""
         return provide(f"vllm_slot_mapping_{index}", f"forward_context.slot_mapping[{layer!r}]",
-                       lambda c: as_int64(c.slot_mapping[layer]), fake_like(fake_mode, as_int64(real), (tokens,)))
+                       lambda c: c.slot_mapping[layer], fake_like(fake_mode, real, (tokens,)))
 
     @staticmethod
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
