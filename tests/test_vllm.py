@@ -139,6 +139,87 @@ def test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted():
         assert {n.args[4].meta["example_value"].dtype for n in writes} == {torch.int32}
 
 
+# ---------------------------------------------------------------- vLLM-Ascend's host copies of the lengths
+
+_DEVICE_READS: list[str] = []
+#: What reads a tensor's data on the host (a device-to-host sync for a device tensor).
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__int__,
+               torch.Tensor.__index__, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__iter__}
+
+
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor standing for one in device memory: every host read of its data (or of a view's
+    or an op's result of it) is recorded in `_DEVICE_READS`."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            _DEVICE_READS.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _on_device(metadata: dict, fields: tuple[str, ...]) -> dict:
+    """The per-layer metadata with `fields` as `DeviceTensor`s (one object shared by every layer, as built)."""
+    meta = next(iter(metadata.values()))
+    for field in fields:
+        setattr(meta, field, getattr(meta, field).as_subclass(DeviceTensor))
+    return {name: meta for name in metadata}
+
+
+def _device_reads_per_step(pair: Pair, fields: tuple[str, ...], corrupt=None) -> list[int]:
+    """Run steps on vLLM-Ascend metadata whose `fields` are device tensors (the compiled model's; the
+    eager one gets the step's metadata as built), equal to eager; the device reads of each step after the first."""
+    rng = random.Random(11)
+    reads = []
+    for batch, mixed in [(3, False), (2, True), (3, False), (2, True), (4, False)]:  # each fits a bucket
+        step = pair.step(rng, batch, mixed)
+        ids, positions = torch.randint(0, 64, (step.num_tokens,)), torch.tensor(step.positions())
+        outs = []
+        for model, config, fn in zip(pair.models, pair.configs, (pair.compiled, pair.models[1])):
+            metadata, _ = v.build_metadata(model, step)
+            if fn is pair.compiled:
+                metadata = _on_device(metadata, fields)
+                if corrupt is not None:
+                    corrupt(next(iter(metadata.values())))
+            del _DEVICE_READS[:]
+            with torch.no_grad(), v.set_forward_context(metadata, config):
+                outs.append(fn(ids, positions))
+            if fn is pair.compiled:
+                reads.append(len(_DEVICE_READS))
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+    return reads[1:]
+
+
+@pytest.mark.parametrize("fields", [("query_start_loc", "block_tables", "slot_mapping"),
+                                    ("query_start_loc", "block_tables", "slot_mapping", "seq_lens")],
+                         ids=["host seq_lens", "device seq_lens"])
+def test_vllm_ascend_steps_read_no_length_from_the_device(fields):
+    """vLLM-Ascend's metadata keeps host copies of its lengths (`seq_lens_list`, `actual_seq_lengths_q`):
+    the runner takes them, so a step reads nothing from the device (its `query_start_loc` is a device
+    tensor; `seq_lens` is a host one unless vLLM-Ascend built it from the device's, as for cross-attention)."""
+    artifacts = []
+    pair = Pair("ASCEND", 16, "sim", artifacts)
+    assert _device_reads_per_step(pair, fields) == [0, 0, 0, 0]
+    stats = artifacts[0].stats
+    assert stats["host_conversions"] == 0 and stats["host_copies"] == 2 * stats["steps"] == 10
+    assert stats["replays"] == 5
+
+
+def test_stale_vllm_ascend_host_lengths_are_not_used(caplog):
+    """Host copies failing a check (ends short of the step's tokens: a previous step's list) are not
+    taken: the step reads the device tensors, with one warning, and stays equal to eager."""
+    def stale(meta):
+        meta.actual_seq_lengths_q = [end - 1 for end in meta.actual_seq_lengths_q]
+
+    artifacts = []
+    pair = Pair("ASCEND", 16, "sim", artifacts)
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        assert _device_reads_per_step(pair, ("query_start_loc",), corrupt=stale) == [1, 1, 1, 1]
+    warnings = [r.getMessage() for r in caplog.records if "reading seq_lens and query_start_loc" in r.getMessage()]
+    assert len(warnings) == 1 and "(stale)" in warnings[0]
+    assert artifacts[0].stats["host_copies"] == 0
+
+
 def test_update_table_names_the_forward_context_fields(tmp_path, capsys):
     artifacts = []
     pair = Pair("FLASH_ATTN", 16, "sim", artifacts, dump_dir=str(tmp_path))

@@ -19,7 +19,8 @@ contiguity check, the PA block-size check removed; the simulator's rules: a host
 a replay running an op's Python body, PA sized for batches of one length only), the attention
 features' bugs (issue 25), MLA's (issue 26) and issue 23's vLLM ones (another backend not refused,
 the first vLLM graph not traced general, a window, soft-cap or sinks not passed to the op,
-FlashAttention's window off by one, vLLM-Ascend's int32 slots copied to int64 each step).
+FlashAttention's window off by one, vLLM-Ascend's int32 slots copied to int64 each step, its host copies of the lengths not taken
+or taken unchecked).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -356,6 +357,21 @@ MUTANTS = (
         "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm.py",
         "lambda ctx: attention_slots(metadata_of(ctx, layer)),", "lambda ctx: attention_slots(metadata_of(ctx, layer)).long(),",
         ("tests/test_vllm.py::test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted",),
+    ),
+    Mutant(
+        "vLLM-Ascend host lengths not taken", "ascend_compile/integrations/vllm_metadata.py",
+        "        return all(hasattr(metadata, field) for field in cls.FIELDS)", "        return False",
+        ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
+    ),
+    Mutant(
+        "vLLM-Ascend host lengths taken unchecked", "ascend_compile/integrations/vllm_metadata.py",
+        "        if problem is None:\n", "        if True:\n",
+        ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
+    ),
+    Mutant(
+        "host copies ignored by the runner", "ascend_compile/lowering/inputs.py",
+        "        copy = host_copies.get(spec.name)\n", "        copy = None\n",
+        ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
     ),
     Mutant(
         "FlashAttention window taken as its left bound", "ascend_compile/integrations/vllm_layers.py",

@@ -32,11 +32,11 @@ from ..compile_once import SHARED_TOKEN_SETTINGS, retrace_general
 from ..config import CompileConfig
 from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
-from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
+from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
 from ..targets import TargetFactory, default_target
-from .vllm_context import (attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
-                           metadata_of, query_start_loc, split_cache)
+from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache
 from .vllm_deferred import DeferredCompile
+from .vllm_metadata import bind_metadata
 from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
                           refuse_unsupported)
 from .vllm_options import current_vllm_config, options_for
@@ -192,9 +192,14 @@ class ForwardContextBinder:
         caches: dict[str, tuple[fx.Node, fx.Node]] = {}
         graph = gm.graph
 
-        def provide(name: str, source: str, read: Callable[[Any], torch.Tensor], fake: torch.Tensor) -> fx.Node:
+        hosts: list[Callable[[Any], dict[str, list[int]]]] = []
+
+        def provide(name: str, source: str, read: Callable[[Any], torch.Tensor], fake: torch.Tensor,
+                    host: Callable[[Any], dict[str, list[int]]] | None = None) -> fx.Node:
             reader = _Reader(ProvidedInput(name, source), read)
             readers.append(reader)
+            if host is not None:
+                hosts.append(host)
             return add_provided_input(gm, reader.provided, fake)
 
         def metadata_inputs(layer: str, tokens: Any) -> dict[str, fx.Node]:
@@ -203,7 +208,7 @@ class ForwardContextBinder:
             key = id(metadata)
             if key not in groups:
                 self.group_layers.append(layer)
-                groups[key] = self._bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
+                groups[key] = bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
             return groups[key]
 
         def cache_inputs(layer: str) -> tuple[fx.Node, fx.Node]:
@@ -242,7 +247,8 @@ class ForwardContextBinder:
         graph.lint()
         gm.recompile()
         get = self.get_forward_context
-        return Provider(tuple(r.provided for r in readers), lambda args: _read_all(get(), readers))
+        return Provider(tuple(r.provided for r in readers), lambda args: _read_all(get(), readers),
+                        (lambda args: _host_all(get(), hosts)) if hosts else None)
 
     def _rewrite_attention(self, gm: fx.GraphModule, node: fx.Node, ctx: Any, metadata_inputs: Callable,
                            cache_inputs: Callable, sinks_input: Callable) -> None:
@@ -271,34 +277,6 @@ class ForwardContextBinder:
         graph.erase_node(node)
 
     @staticmethod
-    def _bind_metadata(index: int, layer: str, metadata: Any, tokens: Any, fake_mode: Any,
-                       provide: Callable) -> dict[str, fx.Node]:
-        """The metadata inputs of one metadata object (a KV-cache group: every layer sharing it)."""
-        table_field = "block_table" if hasattr(metadata, "block_table") else "block_tables"
-        where = f"forward_context.attn_metadata[{layer!r}]"
-        seq_lens = metadata.seq_lens
-        seqs = fresh_size(fake_mode, seq_lens.shape[0], f"seqs_{index}")
-        table = getattr(metadata, table_field)
-        inputs = {
-            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: metadata_of(ctx, layer).seq_lens,
-                                fake_like(fake_mode, seq_lens, (seqs,))),
-            "query_start_loc": provide(
-                f"vllm_query_start_loc_{index}", f"{where}.query_start_loc[:num_reqs + 1]",
-                lambda ctx: query_start_loc(metadata_of(ctx, layer)),
-                fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
-            "block_table": provide(
-                f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
-                lambda ctx: block_table(metadata_of(ctx, layer), table_field),
-                fake_like(fake_mode, table, (seqs, table.shape[1]))),
-        }
-        if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
-            inputs["slot_mapping"] = provide(
-                f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: attention_slots(metadata_of(ctx, layer)),
-                fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
-        return inputs
-
-    @staticmethod
     def _bind_slot_mapping(index: int, layer: str, real: torch.Tensor, tokens: Any, fake_mode: Any,
                            provide: Callable) -> fx.Node:
         """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
@@ -323,6 +301,13 @@ class ForwardContextBinder:
 
 def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
     return [r.read(ctx) for r in readers]
+
+
+def _host_all(ctx: Any, hosts: Sequence[Callable[[Any], dict[str, list[int]]]]) -> dict[str, list[int]]:
+    copies: dict[str, list[int]] = {}
+    for host in hosts:
+        copies.update(host(ctx))
+    return copies
 
 
 def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,
