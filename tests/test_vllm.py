@@ -203,6 +203,8 @@ def test_vllm_ascend_steps_read_no_length_from_the_device(fields):
     stats = artifacts[0].stats
     assert stats["host_conversions"] == 0 and stats["host_copies"] == 2 * stats["steps"] == 10
     assert stats["replays"] == 5
+    sources = {i["name"]: i["source"] for i in artifacts[0].describe()["provided_inputs"]}
+    assert sources["vllm_query_start_loc_0"].endswith("(on the host: [0] + .actual_seq_lengths_q)")
 
 
 def test_stale_vllm_ascend_host_lengths_are_not_used(caplog):

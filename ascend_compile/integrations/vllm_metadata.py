@@ -43,11 +43,14 @@ def bind_metadata(index: int, layer: str, metadata: Any, tokens: Any, fake_mode:
     table = getattr(metadata, table_field)
     names = f"vllm_seq_lens_{index}", f"vllm_query_start_loc_{index}"
     host = HostLengths(layer, *names) if HostLengths.kept_by(metadata) else None
+    lens_copy, loc_copy = (" (on the host: .seq_lens_list)", " (on the host: [0] + .actual_seq_lengths_q)") \
+        if host is not None else ("", "")
     inputs = {
-        "seq_lens": provide(names[0], f"{where}.seq_lens", lambda ctx: metadata_of(ctx, layer).seq_lens,
+        "seq_lens": provide(names[0], f"{where}.seq_lens{lens_copy}", lambda ctx: metadata_of(ctx, layer).seq_lens,
                             fake_like(fake_mode, seq_lens, (seqs,)), host),
         "query_start_loc": provide(
-            names[1], f"{where}.query_start_loc[:num_reqs + 1]", lambda ctx: query_start_loc(metadata_of(ctx, layer)),
+            names[1], f"{where}.query_start_loc[:num_reqs + 1]{loc_copy}",
+            lambda ctx: query_start_loc(metadata_of(ctx, layer)),
             fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
         "block_table": provide(
             f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
@@ -57,7 +60,8 @@ def bind_metadata(index: int, layer: str, metadata: Any, tokens: Any, fake_mode:
     if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
         inputs["slot_mapping"] = provide(
             f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-            lambda ctx: attention_slots(metadata_of(ctx, layer)), fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
+            lambda ctx: attention_slots(metadata_of(ctx, layer)),
+            fake_like(fake_mode, metadata.slot_mapping, (tokens,)))
     return inputs
 
 
