@@ -354,7 +354,7 @@ MUTANTS = (
         (VLLM_FEATURES + "[sinks-ASCEND]",),
     ),
     Mutant(
-        "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm.py",
+        "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm_metadata.py",
         "lambda ctx: attention_slots(metadata_of(ctx, layer)),", "lambda ctx: attention_slots(metadata_of(ctx, layer)).long(),",
         ("tests/test_vllm.py::test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted",),
     ),
