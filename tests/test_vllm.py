@@ -39,9 +39,9 @@ class Pair:
         compile_fn = integration.backend(config, on_compiled=artifacts.append, get_forward_context=v.get_forward_context)
         self.compiled = torch.compile(self.models[0], backend=compile_fn, dynamic=True)
 
-    def step(self, rng: random.Random, batch: int, mixed: bool) -> v.Step:
+    def step(self, rng: random.Random, batch: int, mixed: bool, shortest: int = 4) -> v.Step:
         width = MAX_LEN // self.block_size
-        seq_lens = [rng.randint(4, MAX_LEN - 4) for _ in range(batch)]
+        seq_lens = [rng.randint(shortest, MAX_LEN - 4) for _ in range(batch)]
         query_lens = [rng.randint(1, 3) if mixed else 1 for _ in range(batch)]
         blocks = torch.randperm(self.num_blocks)[: batch * width] if batch * width <= self.num_blocks else \
             torch.randint(0, self.num_blocks, (batch * width,))
@@ -112,6 +112,114 @@ def test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences(backend):
         got, expected = pair.run(pair.step(rng, batch, mixed), spare_reqs=5)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
     assert sum(a.stats["replays"] for a in artifacts) == 4
+
+
+def test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted():
+    """`ascend.reshape_and_cache` takes int32 slots (torch_npu's `npu_scatter_pa_kv_cache` does): each
+    step's provided input is a view of the metadata's slots (no int64 copy per step), and the graph's
+    cache writes take that input itself."""
+    artifacts = []
+    pair = Pair("ASCEND", 16, "sim", artifacts)
+    rng = random.Random(4)
+    provider = None
+    for batch, mixed in [(3, False), (2, True), (3, False)]:
+        step = pair.step(rng, batch, mixed)
+        got, expected = pair.run(step)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        provider = artifacts[0].rewritten.prologue.provider
+        metadata, _ = v.build_metadata(pair.models[0], step)
+        with v.set_forward_context(metadata, pair.configs[0]):
+            provided = dict(zip((i.name for i in provider.inputs), provider.read(())))
+        slots = provided["vllm_slot_mapping_0"]
+        assert slots.dtype == torch.int32 and slots.data_ptr() == metadata[LAYER_1].slot_mapping.data_ptr()
+    assert artifacts[0].stats["replays"] == 3
+    for variant in artifacts[0].rewritten.variants.values():
+        writes = [n for n in variant.gm.graph.nodes if n.target is torch.ops.ascend.reshape_and_cache.default]
+        assert len(writes) == 2 and all(n.args[4].op == "placeholder" for n in writes)
+        assert {n.args[4].meta["example_value"].dtype for n in writes} == {torch.int32}
+
+
+# ---------------------------------------------------------------- vLLM-Ascend's host copies of the lengths
+
+_DEVICE_READS: list[str] = []
+#: What reads a tensor's data on the host (a device-to-host sync for a device tensor).
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__int__,
+               torch.Tensor.__index__, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__iter__}
+
+
+class DeviceTensor(torch.Tensor):
+    """A CPU tensor standing for one in device memory: every host read of its data (or of a view's
+    or an op's result of it) is recorded in `_DEVICE_READS`."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _HOST_READS:
+            _DEVICE_READS.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _on_device(metadata: dict, fields: tuple[str, ...]) -> dict:
+    """The per-layer metadata with `fields` as `DeviceTensor`s (one object shared by every layer, as built)."""
+    meta = next(iter(metadata.values()))
+    for field in fields:
+        setattr(meta, field, getattr(meta, field).as_subclass(DeviceTensor))
+    return {name: meta for name in metadata}
+
+
+def _device_reads_per_step(pair: Pair, fields: tuple[str, ...], corrupt=None) -> list[int]:
+    """Run steps on vLLM-Ascend metadata whose `fields` are device tensors (the compiled model's; the
+    eager one gets the step's metadata as built), equal to eager; the device reads of each step after the first."""
+    rng = random.Random(11)
+    reads = []
+    for batch, mixed in [(3, False), (2, True), (3, False), (2, True), (4, False)]:  # each fits a bucket
+        step = pair.step(rng, batch, mixed)
+        ids, positions = torch.randint(0, 64, (step.num_tokens,)), torch.tensor(step.positions())
+        outs = []
+        for model, config, fn in zip(pair.models, pair.configs, (pair.compiled, pair.models[1])):
+            metadata, _ = v.build_metadata(model, step)
+            if fn is pair.compiled:
+                metadata = _on_device(metadata, fields)
+                if corrupt is not None:
+                    corrupt(next(iter(metadata.values())))
+            del _DEVICE_READS[:]
+            with torch.no_grad(), v.set_forward_context(metadata, config):
+                outs.append(fn(ids, positions))
+            if fn is pair.compiled:
+                reads.append(len(_DEVICE_READS))
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+    return reads[1:]
+
+
+@pytest.mark.parametrize("fields", [("query_start_loc", "block_tables", "slot_mapping"),
+                                    ("query_start_loc", "block_tables", "slot_mapping", "seq_lens")],
+                         ids=["host seq_lens", "device seq_lens"])
+def test_vllm_ascend_steps_read_no_length_from_the_device(fields):
+    """vLLM-Ascend's metadata keeps host copies of its lengths (`seq_lens_list`, `actual_seq_lengths_q`):
+    the runner takes them, so a step reads nothing from the device (its `query_start_loc` is a device
+    tensor; `seq_lens` is a host one unless vLLM-Ascend built it from the device's, as for cross-attention)."""
+    artifacts = []
+    pair = Pair("ASCEND", 16, "sim", artifacts)
+    assert _device_reads_per_step(pair, fields) == [0, 0, 0, 0]
+    stats = artifacts[0].stats
+    assert stats["host_conversions"] == 0 and stats["host_copies"] == 2 * stats["steps"] == 10
+    assert stats["replays"] == 5
+    sources = {i["name"]: i["source"] for i in artifacts[0].describe()["provided_inputs"]}
+    assert sources["vllm_query_start_loc_0"].endswith("(on the host: [0] + .actual_seq_lengths_q)")
+
+
+def test_stale_vllm_ascend_host_lengths_are_not_used(caplog):
+    """Host copies failing a check (ends short of the step's tokens: a previous step's list) are not
+    taken: the step reads the device tensors, with one warning, and stays equal to eager."""
+    def stale(meta):
+        meta.actual_seq_lengths_q = [end - 1 for end in meta.actual_seq_lengths_q]
+
+    artifacts = []
+    pair = Pair("ASCEND", 16, "sim", artifacts)
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        assert _device_reads_per_step(pair, ("query_start_loc",), corrupt=stale) == [1, 1, 1, 1]
+    warnings = [r.getMessage() for r in caplog.records if "reading seq_lens and query_start_loc" in r.getMessage()]
+    assert len(warnings) == 1 and "(stale)" in warnings[0]
+    assert artifacts[0].stats["host_copies"] == 0
 
 
 def test_update_table_names_the_forward_context_fields(tmp_path, capsys):
@@ -189,7 +297,67 @@ def test_opaque_layer_names_hoisted_to_graph_inputs():
         v.register("str")
 
 
-# ---------------------------------------------------------------- features the rewrite cannot honour: refused
+# ---------------------------------------------------------------- attention features: served, or refused
+
+
+LAYER_1 = "model.layers.1.self_attn.attn"
+WINDOW = 24
+#: Features `ascend.attention` computes: (the stand-in `Attention`'s arguments, the features the plan records).
+SERVED = {
+    "sliding window": ({"per_layer_sliding_window": WINDOW}, {"window": WINDOW, "soft_cap": None, "sinks": False}),
+    "soft-cap": ({"logits_soft_cap": 0.5}, {"window": None, "soft_cap": 0.5, "sinks": False}),
+    "sinks": ({"sinks": torch.tensor([3.0, 6.0, 4.0, 5.0])}, {"window": None, "soft_cap": None, "sinks": True}),
+}
+
+
+def _without_features(impl) -> dict:
+    """Switch an impl's features off (window, soft-cap, sinks); returns what to put back."""
+    kept = {name: getattr(impl, name) for name in ("sliding_window", "logits_soft_cap", "sinks") if hasattr(impl, name)}
+    impl.sliding_window = (-1, -1) if isinstance(impl.sliding_window, tuple) else None
+    if hasattr(impl, "logits_soft_cap"):
+        impl.logits_soft_cap = 0
+    impl.sinks = None
+    return kept
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+@pytest.mark.parametrize("feature", list(SERVED))
+def test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager(feature, backend):
+    """A layer's sliding window, soft-cap or sinks reach `ascend.attention`: steps with sequences
+    longer than the window, decode and mixed, equal eager (whose kernel applies the feature), and the
+    feature matters: the eager model without it gives other outputs for the same step."""
+    if feature == "soft-cap" and backend == "ASCEND":
+        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl keeps no logits_soft_cap (its kernels apply none)")
+    options, described = SERVED[feature]
+    artifacts = []
+    pair = Pair(backend, 16, "sim", artifacts, attention_options={1: options})
+    rng = random.Random(f"{feature}{backend}")
+    for batch, mixed in [(3, False), (2, True), (4, False), (3, True)]:
+        step = pair.step(rng, batch, mixed, shortest=WINDOW + 4)  # every sequence longer than the window
+        got, expected = pair.run(step)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        pair.assert_caches_close()
+    assert sum(a.stats["replays"] for a in artifacts) == 4
+    impl = pair.models[1].attention_layers()[LAYER_1].impl
+    kept = _without_features(impl)
+    _, plain = pair.run(step)  # the last step again (its cache writes are the same)
+    vars(impl).update(kept)
+    assert (plain - expected).abs().max() > 1e-3
+    for graph in artifacts[0].describe()["graphs"].values():  # layer 0 plain, layer 1 with its feature
+        assert [kernel.get("features") for kernel in graph["kernels"]] == [None, described]
+
+
+@pytest.mark.parametrize("feature", list(SERVED))
+def test_layer_features_are_refused_on_npu_naming_the_layer_and_the_feature(feature, monkeypatch):
+    """torch_npu's FIA binding takes none of them (`passes/npu_checks.py: UNBOUND_FEATURES`)."""
+    if feature == "soft-cap":
+        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl keeps no logits_soft_cap")
+    fake = fake_torch_npu.install(monkeypatch)
+    pair = Pair("ASCEND", 128, "npu", [], attention_options={1: SERVED[feature][0]})
+    name = {"sliding window": "window", "sinks": "sinks"}[feature]
+    with pytest.raises(Exception, match=rf"layer '{LAYER_1}'\)\): {name} is not supported on runtime 'npu'"):
+        pair.run(pair.step(random.Random(0), 3, False))
+    assert not fake.executed
 
 
 class FlashInferBackend(v.FlashAttentionBackend):
@@ -202,12 +370,8 @@ class FlashInferBackend(v.FlashAttentionBackend):
 
 FlashInferBackend.__module__ = "vllm.v1.attention.backends.flashinfer"
 
-LAYER_1 = "model.layers.1.self_attn.attn"
 REFUSED = {
-    "sliding window": ({"per_layer_sliding_window": 64}, "sliding window"),
-    "soft-cap": ({"logits_soft_cap": 30.0}, "logits soft-cap"),
     "alibi": ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
-    "sinks": ({"sinks": torch.zeros(4)}, "attention sinks"),
     "encoder": ({"attn_type": "encoder_only"}, "attention type 'encoder_only'"),
 }
 
@@ -221,16 +385,25 @@ def _refused(pair: Pair, message: str, **step) -> None:
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
 @pytest.mark.parametrize("feature", list(REFUSED))
 def test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time(feature, backend):
-    """Each would be computed as plain causal attention (wrong tokens); it is refused when dynamo
-    hands the graph over (vLLM's profile run), naming the layer and the feature. vLLM-Ascend's impl
-    keeps no soft-cap (its own kernels drop it too): nothing there to refuse."""
-    if feature == "soft-cap" and backend == "ASCEND":
-        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl does not keep logits_soft_cap")
+    """Each would be computed wrongly; it is refused when dynamo hands the graph over (vLLM's profile
+    run), naming the layer and the feature."""
     options, message = REFUSED[feature]
     artifacts = []
     pair = Pair(backend, 16, "sim", artifacts, attention_options={1: options})
     _refused(pair, message)
     assert artifacts == []
+
+
+@pytest.mark.parametrize("window, message", [
+    ((7, 7), r"sliding window impl.sliding_window=\(7, 7\) \(only causal windows"),
+    ((15, 0), r"sliding window layer.sliding_window=24 that the impl does not apply as such"),
+])
+def test_windows_the_op_cannot_express_are_refused(window, message):
+    """A window reaching right of the query (FlashAttention's encoder windows), or one the impl and
+    the layer disagree on, is refused rather than guessed."""
+    pair = Pair("FLASH_ATTN", 16, "sim", [], attention_options={1: {"per_layer_sliding_window": WINDOW}})
+    pair.models[0].attention_layers()[LAYER_1].impl.sliding_window = window
+    _refused(pair, message)
 
 
 @pytest.mark.parametrize("where", ["layer", "impl"])

@@ -98,11 +98,18 @@ def _kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tens
 def _forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
              output_block_scale: Any = None) -> torch.Tensor:
-    """`flash_attn_varlen_func` over the paged cache, causal, for the first `num_actual_tokens` rows."""
+    """`flash_attn_varlen_func` over the paged cache, causal, for the first `num_actual_tokens` rows,
+    with what FlashAttentionImpl passes it: `window_size=self.sliding_window` (`(left, right)`: the
+    query at position p attends keys in [p - left, p + right], -1 unbounded, causal keeping right at
+    0), `softcap=
+    self.logits_soft_cap` (0: none; `softcap * tanh(s / softcap)` of the scaled logits) and
+    `s_aux=self.sinks` (one logit per query head in the softmax denominator)."""
     if attn_metadata is None:  # vLLM's profiling run
         return output.fill_(0)
     key_cache, value_cache = kv_cache.unbind(1)
     block_size = key_cache.shape[1]
+    assert attn_metadata.causal and self.sliding_window[1] in (0, -1), "causal attention only"
+    left = self.sliding_window[0]
     loc = attn_metadata.query_start_loc.tolist()
     for i, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
         start, end = loc[i], loc[i + 1]
@@ -113,9 +120,19 @@ def _forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, valu
         v = value_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(self.num_queries_per_kv, dim=1)
         q = query[start:end]
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * self.scale
-        rows = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
-        scores.masked_fill_(torch.arange(seq_len).unsqueeze(0) > rows, float("-inf"))
-        output[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(output.dtype)
+        if self.logits_soft_cap:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        rows, cols = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1), torch.arange(seq_len).unsqueeze(0)
+        masked = cols > rows  # causal (FlashAttentionImpl passes `causal=attn_metadata.causal`, True here)
+        if left >= 0:
+            masked |= cols < rows - left
+        scores.masked_fill_(masked, float("-inf"))
+        if self.sinks is not None:  # a value-less column per head
+            sink = self.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        output[start:end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(output.dtype)
     return output
 
 
@@ -128,10 +145,10 @@ flash_attn.FlashAttentionImpl.do_kv_cache_update = _kv_cache_update
 
 def gemma2(**overrides: Any) -> dict[str, Any]:
     """A tiny Gemma 2 `config.json` (attention logits soft-capped; `layer_types` chooses sliding layers)."""
-    return dict(TINY_LLAMA, architectures=["Gemma2ForCausalLM"], model_type="gemma2", query_pre_attn_scalar=16,
-                hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                sliding_window=32, layer_types=["full_attention", "full_attention"], tie_word_embeddings=True,
-                **overrides)
+    return {**TINY_LLAMA, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "query_pre_attn_scalar": 16,
+            "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+            "sliding_window": 32, "layer_types": ["full_attention", "full_attention"], "tie_word_embeddings": True,
+            **overrides}
 
 
 def vllm_config(model_dir: Path, compile_mode: int = 0, max_model_len: int = 256, block_size: int = 16,
@@ -170,10 +187,16 @@ class Model:
 
     @property
     def layers(self) -> dict[str, Any]:
-        return self.config.compilation_config.static_forward_context
+        """The attention layers (vLLM's static forward context also holds MoE layers)."""
+        return attention_layers(self.config)
 
     def caches(self) -> list[torch.Tensor]:
         return [layer.kv_cache for layer in self.layers.values()]
+
+
+def attention_layers(config: VllmConfig) -> dict[str, Any]:
+    return {name: layer for name, layer in config.compilation_config.static_forward_context.items()
+            if hasattr(layer, "attn_backend")}
 
 
 def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
@@ -191,7 +214,7 @@ def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
             torch.nn.init.normal_(param, std=0.2)
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     block_size = config.cache_config.block_size
-    for name, layer in config.compilation_config.static_forward_context.items():
+    for layer in attention_layers(config).values():
         shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
         layer.kv_cache = torch.zeros(shape, dtype=layer.get_kv_cache_spec(config).dtype)
     return Model(config, model.eval(), num_blocks, block_size)

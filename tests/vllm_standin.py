@@ -419,14 +419,23 @@ def _attention_impl_init(self, num_heads, head_size, scale, num_kv_heads, alibi_
 
 
 def _attend(impl, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, output, num_tokens):
-    """Paged attention of the first `num_tokens` query rows into `output[:num_tokens]` (the reference op)."""
+    """Paged attention of the first `num_tokens` query rows into `output[:num_tokens]` (the reference op),
+    with the impl's window (FlashAttention's `window_size=(left, 0)` attends `left + 1` keys), soft-cap
+    (0: none) and sinks, as `flash_attn_varlen_func` takes them."""
+    left, right = impl.sliding_window
+    assert right in (0, -1), "causal windows only"
     out = torch.ops.ascend.attention(query[:num_tokens], key_cache, value_cache, block_table, seq_lens,
-                                     query_start_loc, impl.scale)
+                                     query_start_loc, impl.scale, window=left + 1 if left >= 0 else None,
+                                     soft_cap=impl.logits_soft_cap or None, sinks=impl.sinks)
     output[:num_tokens] = out.to(output.dtype)
 
 
 class FlashAttentionImpl:
-    __init__ = _attention_impl_init
+    def __init__(self, *args, **kwargs):
+        """As vLLM's: the window kept as `window_size` `(W - 1, 0)` ((-1, -1): none), the soft-cap as 0 for none."""
+        _attention_impl_init(self, *args, **kwargs)
+        self.sliding_window = (-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0)
+        self.logits_soft_cap = self.logits_soft_cap or 0
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         # reshape_and_cache_flash: slot_mapping's length is the number of real tokens (key may be padded);
@@ -526,9 +535,9 @@ class AscendAttentionBackendImpl:
             self.key_cache, self.value_cache = kv_cache[0], kv_cache[1]
         if key is not None and value is not None:
             n = attn_metadata.num_actual_tokens
-            # torch_npu's _npu_reshape_and_cache takes vLLM-Ascend's int32 slots; the reference op takes int64
+            # vLLM-Ascend's int32 slots, as torch_npu's cache write (and the reference op) takes them
             torch.ops.ascend.reshape_and_cache(key[:n], value[:n], self.key_cache, self.value_cache,
-                                               attn_metadata.slot_mapping[:n].long())
+                                               attn_metadata.slot_mapping[:n])
         num_tokens = attn_metadata.actual_seq_lengths_q[-1]
         query_lens = [e - s for s, e in zip([0] + attn_metadata.actual_seq_lengths_q[:-1],
                                             attn_metadata.actual_seq_lengths_q)]
@@ -539,7 +548,8 @@ class AscendAttentionBackendImpl:
         out = torch.empty_like(q)
         torch.ops.ascend.fused_infer_attention(q, self.key_cache, self.value_cache, attn_metadata.block_tables,
                                                attn_metadata.actual_seq_lengths_q, attn_metadata.seq_lens_list,
-                                               self.scale, workspace, out)
+                                               self.scale, workspace, out, window=self.sliding_window,
+                                               sinks=self.sinks)
         output[:num_tokens] = out
         return output
 

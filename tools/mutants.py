@@ -21,7 +21,9 @@ sequence per token, PA's workspace not asked at each step's lengths), the attent
 (issue 25), MLA's (issue 26: the kernels', its Triton kernels' included, the vLLM binding's, whose
 tests run vLLM's own code in the vLLM venv, `VLLM_PYTHON`, and on runtime "npu": its lengths,
 workspace, sparse modes, mixed capture, the 16-token rule and a compile-time rule) and issue 23's vLLM
-ones (a sliding window or another backend not refused, the first vLLM graph not traced general).
+ones (another backend not refused, the first vLLM graph not traced general, a window, soft-cap or
+sinks not passed to the op, FlashAttention's window off by one, vLLM-Ascend's int32 slots copied to
+int64 each step, its host copies of the lengths not taken or taken unchecked).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -72,6 +74,7 @@ TRITON_MLA = "tests/test_triton_mla.py"
 DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
+VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 
 MUTANTS = (
     Mutant(
@@ -419,12 +422,46 @@ MUTANTS = (
         "            if call.meta.kernel == MLA:\n", "            if False:\n",
         ("tests/test_mla.py::test_mla_layers_of_dims_the_triton_tiles_were_not_checked_for_are_refused_on_cuda",),
     ),
-    # issue 23: vLLM attention features the rewrite would compute wrongly, refused at compile time
+    # issue 23: vLLM attention features passed to the op (or refused at compile time where it cannot)
     Mutant(
-        "sliding window ignored", "ascend_compile/integrations/vllm_layers.py",
-        "    if window is not None:\n        return f\"sliding window",
-        "    if False:\n        return f\"sliding window",
-        ("tests/test_vllm.py::test_layer_features_the_rewrite_would_drop_are_refused_at_compile_time",),
+        "sliding window ignored", "ascend_compile/integrations/vllm.py",
+        '{"window": features.window,', '{"window": None,',
+        (VLLM_FEATURES + "[sliding window-FLASH_ATTN]",),
+    ),
+    Mutant(
+        "soft-cap dropped in vLLM", "ascend_compile/integrations/vllm.py",
+        '"soft_cap": features.soft_cap,', '"soft_cap": None,',
+        (VLLM_FEATURES + "[soft-cap-FLASH_ATTN]",),
+    ),
+    Mutant(
+        "sinks dropped in vLLM", "ascend_compile/integrations/vllm.py",
+        '"sinks": sinks})', '"sinks": None})',
+        (VLLM_FEATURES + "[sinks-ASCEND]",),
+    ),
+    Mutant(
+        "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm_metadata.py",
+        "lambda ctx: attention_slots(metadata_of(ctx, layer)),", "lambda ctx: attention_slots(metadata_of(ctx, layer)).long(),",
+        ("tests/test_vllm.py::test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted",),
+    ),
+    Mutant(
+        "vLLM-Ascend host lengths not taken", "ascend_compile/integrations/vllm_metadata.py",
+        "        return all(hasattr(metadata, field) for field in cls.FIELDS)", "        return False",
+        ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
+    ),
+    Mutant(
+        "vLLM-Ascend host lengths taken unchecked", "ascend_compile/integrations/vllm_metadata.py",
+        "        if problem is None:\n", "        if True:\n",
+        ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
+    ),
+    Mutant(
+        "host copies ignored by the runner", "ascend_compile/lowering/inputs.py",
+        "        copy = host_copies.get(spec.name)\n", "        copy = None\n",
+        ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
+    ),
+    Mutant(
+        "FlashAttention window taken as its left bound", "ascend_compile/integrations/vllm_layers.py",
+        "return int(window[0]) + 1", "return int(window[0])",
+        (VLLM_FEATURES + "[sliding window-FLASH_ATTN]",),
     ),
     Mutant(
         "other backend not refused", "ascend_compile/integrations/vllm_layers.py",

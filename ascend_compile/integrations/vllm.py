@@ -6,17 +6,19 @@ vLLM's model graphs call `vllm::unified_attention_with_output(query, key, value,
 the layer and its KV cache come from `get_forward_context()` (`attn_metadata[layer_name]`,
 `no_compile_layers[layer_name].kv_cache`, `slot_mapping[layer_name]`). `ForwardContextBinder` is the
 binder (`passes/providers.py`) that rewrites both ops onto `ascend.reshape_and_cache` /
-`ascend.attention` and makes every value they read a provided input, read from the forward context
-once per step: the runner stages it by role like any input, and the update table refreshes PA/FIA
-host lengths from it — what vLLM-Ascend's `update_graph_params` does by hand.
+`ascend.attention` (with the layer's sliding window, soft-cap and sinks, `vllm_layers.layer_features`)
+and makes every value they read a provided input, read from the forward context once per step: the
+runner stages it by role like any input, and the update table refreshes PA/FIA host lengths from it
+— what vLLM-Ascend's `update_graph_params` does by hand.
 
 Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
 qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
 "cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
-features the rewrite would drop are refused when dynamo hands the graph over (`vllm_layers.py`). MLA
+features the rewrite cannot compute are refused when dynamo hands the graph over (`vllm_layers.py`). MLA
 layers' ops (`unified_mla_*`) are rewritten onto `ascend.mla_attention` / `ascend.mla_cache_write` by
-`vllm_mla.py`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`);
-tests run a stand-in with the pinned source's schemas and names (`tests/vllm_standin.py`).
+`vllm_mla.py`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`); tests run on
+vLLM's own code (`tests/vllm_real.py`, `tests/vllm_mla_real.py`) and a stand-in with the pinned
+source's schemas and names (`tests/vllm_standin.py`).
 """
 from __future__ import annotations
 
@@ -33,12 +35,13 @@ from ..compile_once import SHARED_TOKEN_SETTINGS, retrace_general
 from ..config import CompileConfig
 from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
-from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of, fresh_size
+from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
 from ..targets import TargetFactory, default_target
-from .vllm_context import (as_int64, attention_slots, block_table, cache_pair, has_cache, kv_transfer_configured,
-                           metadata_of, query_start_loc, split_cache)
+from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache
 from .vllm_deferred import DeferredCompile
-from .vllm_layers import UnsupportedAttention, refuse_cache_dtype, refuse_metadata, refuse_unsupported
+from .vllm_metadata import bind_metadata
+from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
+                          refuse_unsupported)
 from .vllm_mla import MLA_CACHE_UPDATE_OP, MlaRewrite, has_latent_cache, mla_graph_nodes, refuse_unsupported as refuse_unsupported_mla
 from .vllm_options import current_vllm_config, options_for
 
@@ -198,9 +201,14 @@ class ForwardContextBinder:
         caches: dict[str, tuple[fx.Node, fx.Node]] = {}
         graph = gm.graph
 
-        def provide(name: str, source: str, read: Callable[[Any], torch.Tensor], fake: torch.Tensor) -> fx.Node:
+        hosts: list[Callable[[Any], dict[str, list[int]]]] = []
+
+        def provide(name: str, source: str, read: Callable[[Any], torch.Tensor], fake: torch.Tensor,
+                    host: Callable[[Any], dict[str, list[int]]] | None = None) -> fx.Node:
             reader = _Reader(ProvidedInput(name, source), read)
             readers.append(reader)
+            if host is not None:
+                hosts.append(host)
             return add_provided_input(gm, reader.provided, fake)
 
         def metadata_inputs(layer: str, tokens: Any) -> dict[str, fx.Node]:
@@ -209,13 +217,18 @@ class ForwardContextBinder:
             key = id(metadata)
             if key not in groups:
                 self.group_layers.append(layer)
-                groups[key] = self._bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
+                groups[key] = bind_metadata(len(groups), layer, metadata, tokens, fake_mode, provide)
             return groups[key]
 
         def cache_inputs(layer: str) -> tuple[fx.Node, fx.Node]:
             if layer not in caches:
                 caches[layer] = self._bind_cache(len(caches), layer, ctx.no_compile_layers[layer], fake_mode, provide)
             return caches[layer]
+
+        def sinks_input(layer: str, attn_layer: Any) -> fx.Node:
+            where = f"forward_context.no_compile_layers[{layer!r}].impl.sinks"
+            return provide(f"vllm_sinks_{layer.replace('.', '_')}", where,
+                           lambda c: c.no_compile_layers[layer].impl.sinks, fake_like(fake_mode, attn_layer.impl.sinks))
 
         slots: dict[int, fx.Node] = {}
 
@@ -238,7 +251,7 @@ class ForwardContextBinder:
             node.replace_all_uses_with(dummy)
             graph.erase_node(node)
         for node in attention:
-            self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs)
+            self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs, sinks_input)
         self.group_layers += MlaRewrite(gm, ctx, fake_mode, provide, functools.partial(self.layer_name, gm),
                                         slot_input).rewrite(mla_attention, mla_updates)
         for node in reversed(list(graph.nodes)):
@@ -248,10 +261,11 @@ class ForwardContextBinder:
         graph.lint()
         gm.recompile()
         get = self.get_forward_context
-        return Provider(tuple(r.provided for r in readers), lambda args: _read_all(get(), readers))
+        return Provider(tuple(r.provided for r in readers), lambda args: _read_all(get(), readers),
+                        (lambda args: _host_all(get(), hosts)) if hosts else None)
 
     def _rewrite_attention(self, gm: fx.GraphModule, node: fx.Node, ctx: Any, metadata_inputs: Callable,
-                           cache_inputs: Callable) -> None:
+                           cache_inputs: Callable, sinks_input: Callable) -> None:
         layer_name = self.layer_name(gm, node)
         query, key, value, output = node.args[:4]
         for position, name in ((5, "output_scale"), (6, "output_block_scale")):
@@ -261,6 +275,8 @@ class ForwardContextBinder:
         tokens = example_value(query).shape[0]
         metadata = metadata_inputs(layer_name, tokens)
         key_cache, value_cache = cache_inputs(layer_name)
+        features = layer_features(layer_name, layer)
+        sinks = sinks_input(layer_name, layer) if features.sinks else None
         graph = gm.graph
         with graph.inserting_before(node):
             if getattr(layer.attn_backend, "forward_includes_kv_cache_update", True) and key is not None:
@@ -268,38 +284,11 @@ class ForwardContextBinder:
                                     (key, value, key_cache, value_cache, metadata["slot_mapping"]))
             result = graph.call_function(torch.ops.ascend.attention.default, (
                 query, key_cache, value_cache, metadata["block_table"], metadata["seq_lens"],
-                metadata["query_start_loc"], float(layer.impl.scale)))
+                metadata["query_start_loc"], float(layer.impl.scale)),
+                {"window": features.window, "soft_cap": features.soft_cap, "sinks": sinks})
             graph.call_method("copy_", (output, result))
         result.meta["ascend_adapted_from"] = f"vllm.{ATTENTION_OP} ({node.name}, layer {layer_name!r})"
         graph.erase_node(node)
-
-    @staticmethod
-    def _bind_metadata(index: int, layer: str, metadata: Any, tokens: Any, fake_mode: Any,
-                       provide: Callable) -> dict[str, fx.Node]:
-        """The metadata inputs of one metadata object (a KV-cache group: every layer sharing it)."""
-        table_field = "block_table" if hasattr(metadata, "block_table") else "block_tables"
-        where = f"forward_context.attn_metadata[{layer!r}]"
-        seq_lens = metadata.seq_lens
-        seqs = fresh_size(fake_mode, seq_lens.shape[0], f"seqs_{index}")
-        table = getattr(metadata, table_field)
-        inputs = {
-            "seq_lens": provide(f"vllm_seq_lens_{index}", f"{where}.seq_lens", lambda ctx: metadata_of(ctx, layer).seq_lens,
-                                fake_like(fake_mode, seq_lens, (seqs,))),
-            "query_start_loc": provide(
-                f"vllm_query_start_loc_{index}", f"{where}.query_start_loc[:num_reqs + 1]",
-                lambda ctx: query_start_loc(metadata_of(ctx, layer)),
-                fake_like(fake_mode, metadata.query_start_loc, (seqs + 1,))),
-            "block_table": provide(
-                f"vllm_block_table_{index}", f"{where}.{table_field}[:num_reqs]",
-                lambda ctx: block_table(metadata_of(ctx, layer), table_field),
-                fake_like(fake_mode, table, (seqs, table.shape[1]))),
-        }
-        if hasattr(metadata, "slot_mapping") and hasattr(metadata, "block_tables"):  # vLLM-Ascend: the op writes
-            inputs["slot_mapping"] = provide(
-                f"vllm_slot_mapping_{index}", f"{where}.slot_mapping[:num_actual_tokens]",
-                lambda ctx: as_int64(attention_slots(metadata_of(ctx, layer))),
-                fake_like(fake_mode, as_int64(metadata.slot_mapping), (tokens,)))
-        return inputs
 
     @staticmethod
     def _bind_slot_mapping(index: int, layer: str, real: torch.Tensor, tokens: Any, fake_mode: Any,
@@ -307,7 +296,7 @@ class ForwardContextBinder:
         """FLASH_ATTN's cache-write slots, `forward_context.slot_mapping[layer]` (one input for every
         layer sharing the tensor)."""
         return provide(f"vllm_slot_mapping_{index}", f"forward_context.slot_mapping[{layer!r}]",
-                       lambda c: as_int64(c.slot_mapping[layer]), fake_like(fake_mode, as_int64(real), (tokens,)))
+                       lambda c: c.slot_mapping[layer], fake_like(fake_mode, real, (tokens,)))
 
     @staticmethod
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
@@ -326,6 +315,13 @@ class ForwardContextBinder:
 
 def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
     return [r.read(ctx) for r in readers]
+
+
+def _host_all(ctx: Any, hosts: Sequence[Callable[[Any], dict[str, list[int]]]]) -> dict[str, list[int]]:
+    copies: dict[str, list[int]] = {}
+    for host in hosts:
+        copies.update(host(ctx))
+    return copies
 
 
 def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,

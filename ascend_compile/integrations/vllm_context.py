@@ -44,15 +44,9 @@ def block_table(metadata: Any, field: str) -> torch.Tensor:
 
 
 def attention_slots(metadata: Any) -> torch.Tensor:
-    """vLLM-Ascend's slots of the real tokens (the attention op writes the cache itself)."""
+    """vLLM-Ascend's slots of the real tokens (the attention op writes the cache itself), int32 as
+    vLLM-Ascend keeps them: `ascend.reshape_and_cache` takes them as they are (`ops/library.py: SLOT_DTYPES`)."""
     return metadata.slot_mapping[: metadata.num_actual_tokens]
-
-
-def as_int64(slots: torch.Tensor) -> torch.Tensor:
-    """Slots as `ascend.reshape_and_cache` takes them today: int64. vLLM-Ascend's are int32; the op is
-    to accept int32 itself (ops/library.py), after which this conversion (one small cast per step and
-    metadata group, no host sync) is to go."""
-    return slots if slots.dtype == torch.int64 else slots.to(torch.int64)
 
 
 def kv_transfer_configured() -> bool:

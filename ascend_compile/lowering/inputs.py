@@ -53,6 +53,12 @@ class Step:
     decode: bool
     seq_lens: dict[str, list[int]]  # host copies, per seq_lens input
     query_start_loc: dict[str, list[int]]  # host copies, per query_start_loc input
+    reads: int = 0  # length inputs read from their tensors (`tolist()`): not given as host copies
+
+    @property
+    def copies(self) -> int:
+        """Length inputs taken from a provider's host copies (no read of their tensors)."""
+        return len(self.seq_lens) + len(self.query_start_loc) - self.reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +84,33 @@ def plan_step(step: Step, sources: Sequence[HostSource], geometry: Geometry) -> 
     return StepPlan(step, {src: host_value(step, src, geometry) for src in sources})
 
 
-def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int, host_lengths: bool = True) -> Step:
+def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int, host_lengths: bool = True,
+              host_copies: Mapping[str, list[int]] | None = None) -> Step:
     """Host conversions of one step (one `tolist()` per length input) and its checks.
 
-    Without `host_lengths` (a target whose kernels read lengths on the device) nothing is converted,
-    so the host never waits for the device: decode steps are those with as many tokens as sequences,
-    and the checks (`max_model_len`, at least one query token per sequence) run on the device."""
+    `host_copies` (a provider's, `Provider.host`) are taken for the inputs they name instead of
+    their tensors' data: no device-to-host read for those. Without `host_lengths` (a target whose
+    kernels read lengths on the device) nothing is converted, so the host never waits for the
+    device: decode steps are those with as many tokens as sequences, and the checks
+    (`max_model_len`, at least one query token per sequence) run on the device."""
     symbols = signature.actual_symbols(args)
     tokens, seqs = evaluate(signature.tokens, symbols), evaluate(signature.sequences, symbols)
     if not host_lengths:
         _check_on_device(signature, args, max_model_len)
         return Step(args, symbols, tokens, seqs, tokens == seqs, {}, {})
-    seq_lens, starts = {}, {}
+    host_copies = host_copies or {}
+    seq_lens, starts, reads = {}, {}, 0
+
+    def host_list(spec: InputSpec) -> list[int]:
+        nonlocal reads
+        copy = host_copies.get(spec.name)
+        if copy is None:
+            reads += 1
+            return args[spec.index].tolist()
+        return copy
+
     for spec in signature.by_role(Role.SEQ_LENS):
-        lens = args[spec.index].tolist()
+        lens = host_list(spec)
         longest = max(lens, default=0)
         if longest > max_model_len:
             raise ValueError(
@@ -101,10 +120,10 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
         seq_lens[spec.name] = lens
     decode = True
     for spec in signature.by_role(Role.QUERY_START_LOC):
-        loc = args[spec.index].tolist()
+        loc = host_list(spec)
         starts[spec.name] = loc
         decode = decode and loc == _decode_start_loc(len(loc))
-    return Step(args, symbols, tokens, seqs, decode, seq_lens, starts)
+    return Step(args, symbols, tokens, seqs, decode, seq_lens, starts, reads)
 
 
 @functools.lru_cache(maxsize=None)

@@ -212,12 +212,12 @@ class CompiledArtifact:
             return result
 
     def _count(self, step: Step, sign: int) -> None:
-        self.stats["steps"] += sign
-        self.stats["host_conversions"] += sign * (len(step.seq_lens) + len(step.query_start_loc))
+        self.stats.update(steps=sign, host_conversions=sign * step.reads, host_copies=sign * step.copies)
 
     def _step(self, args: Sequence[Any], caller_args: Sequence[Any], direct: bool) -> Any:
         """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata)."""
-        step = read_step(self.signature, args, self.config.max_model_len, self.target.host_lengths)
+        step = read_step(self.signature, args, self.config.max_model_len, self.target.host_lengths,
+                         self.rewritten.prologue.host_copies(caller_args))
         self._count(step, 1)
         bucket = choose_bucket(self.rewritten.buckets, step.tokens, step.seqs)
         if bucket is None:

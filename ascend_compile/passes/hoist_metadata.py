@@ -12,7 +12,7 @@ layers are hoisted once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -46,6 +46,12 @@ class Prologue:
         if self.graph is None:
             return tuple(args)
         return (*args, *self.graph(*args))
+
+    def host_copies(self, args: Sequence[Any]) -> Mapping[str, list[int]]:
+        """The provider's host copies of length inputs for this step (`Provider.host`), by input name."""
+        if self.provider is None or self.provider.host is None:
+            return {}
+        return self.provider.host(args)
 
 
 def _closure(value: fx.Node, what: str) -> list[fx.Node]:

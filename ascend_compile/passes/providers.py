@@ -11,7 +11,7 @@ buffers, padding), the update table refreshes host lengths from them, and dumps 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -29,10 +29,17 @@ class ProvidedInput:
 @dataclasses.dataclass
 class Provider:
     """Reads the provided inputs of one step (in `inputs` order), from the step's own arguments and
-    whatever the runtime keeps outside the graph; called once per step, before anything else."""
+    whatever the runtime keeps outside the graph; called once per step, before anything else.
+
+    `host`, where the runtime keeps host copies of length inputs (vLLM-Ascend's `seq_lens_list` and
+    `actual_seq_lengths_q` beside its device tensors), gives them for the step, by input name, as
+    the runner's `tolist()` of that input would (`query_start_loc` with its leading 0): the runner
+    takes them instead of reading the input's data, a device-to-host sync. The provider vouches that
+    they are the step's lengths; an input it has no trustworthy copy of is left out."""
 
     inputs: tuple[ProvidedInput, ...]
     read: Callable[[Sequence[Any]], Sequence[Any]]
+    host: Callable[[Sequence[Any]], Mapping[str, list[int]]] | None = None
 
     def describe(self) -> list[dict[str, str]]:
         return [dataclasses.asdict(i) for i in self.inputs]
