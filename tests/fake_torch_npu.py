@@ -187,7 +187,8 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens).
 
     The device's rules, from torch_npu 2.14's `_op_plugin_docs.py` (npu_fused_infer_attention_score):
-    TND needs both length lists (L8082-8083); paged attention needs `block_table` (L8222) and a
+    TND needs both length lists (L8082-8083); paged attention needs `block_table` (L8222), two-dimensional
+    with a row per batch entry (L8223), and a
     block size that is a multiple of 128 in [128, 512] (L8219), and `num_blocks` at least the sum of
     the blocks each sequence's KV length needs (L8220); sparse_mode 3 takes the (2048, 2048) lower-
     triangular mask (L8121, L8214). KV lengths are non-negative and at most KV_S (L8211, L8275),
@@ -201,6 +202,9 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _fail("block_table", "a [B, max_blocks] int32 tensor (paged KV)", None)
     if kw["actual_seq_lengths"] is None or kw["actual_seq_lengths_kv"] is None:
         _fail("actual_seq_lengths", "both actual_seq_lengths and actual_seq_lengths_kv (TND requires them)", None)
+    if kw["block_table"].dim() != 2 or kw["block_table"].shape[0] != len(kw["actual_seq_lengths_kv"]):
+        _fail("block_table", f"a row per batch entry, {len(kw['actual_seq_lengths_kv'])} ('page attention场景下, "
+              f"block_table必须为二维, 第一维长度需等于B', L8223)", tuple(kw["block_table"].shape))
     if key.dim() != 3 or value.shape != key.shape:
         _fail("key", "a [num_blocks, block_size, KVH*D] cache (and value alike)", tuple(key.shape))
     _contiguous("npu_fused_infer_attention_score: '不支持非连续的Tensor'", query=query, key=key, value=value)

@@ -274,6 +274,23 @@ def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(
     assert sum(a.stats["replays"] for a in artifacts) == 4
 
 
+def test_the_fake_fia_takes_a_block_table_row_per_batch_entry(fake_npu):
+    # "block_table必须为二维, 第一维长度需等于B" (L8223): a mixed step's batch is its own, so the binding
+    # passes the first rows of the graph's static table; the whole table is refused.
+    torch_npu = npu_ops.load_torch_npu()
+    kernels = npu_ops.NpuKernels(torch_npu, CPU)
+    query, cache = torch.randn(6, 4, 16), torch.zeros(8, NPU_BLOCK, 2, 16)
+    table = torch.zeros(8, 2, dtype=torch.int32)
+    lists = ([3, 4, 6], [10, 20, 3])
+    workspace, out = torch.empty(1 << 16, dtype=torch.uint8), torch.empty_like(query)
+    args, kwargs = npu_ops.fused_infer_attention_args(query, cache, cache, table, *lists, 0.25, kernels.atten_mask)
+    with pytest.raises(ValueError, match=r"block_table: expected a row per batch entry, 3 .*L8223.*got \(8, 2\)"):
+        torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace,
+                                                      out=[out, kernels.softmax_lse])
+    kernels.fused_infer_attention(query, cache, cache, table, *lists, 0.25, workspace, out)  # narrowed to 3 rows
+    assert fake_npu.calls[-1].kwargs["block_table"].shape[0] == 3
+
+
 def _strided_query(attend):
     """A layer's `attend` whose query reaches attention as a non-contiguous (dense) tensor, as vLLM's
     query, a view of the fused QKV projection, does."""
