@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+from types import ModuleType
 
+import pytest
 import torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -94,3 +98,14 @@ def make_problem(seq_lens, query_lens=None, heads=4, kv_heads=2, dim=16, block_s
     value_cache = torch.randn(shape, generator=gen).to(dtype)
     query = torch.randn(sum(query_lens), heads, dim, generator=gen).to(dtype)
     return Problem(query, key_cache, value_cache, block_table, list(seq_lens), query_lens, dim**-0.5)
+
+
+def triton_kernels(module: str, device: torch.device) -> ModuleType:
+    """`ascend_compile.ops.<module>`, Triton kernels, for a test module's fixture: interpreted on the CPU
+    (tests/conftest.py), compiled with CUDA; the test is skipped where neither can run."""
+    if device.type == "cpu":
+        pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+    pytest.importorskip("triton", reason="the Triton kernel tests need triton")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not 1, and there is no GPU to run the Triton kernels on")
+    return importlib.import_module(f"ascend_compile.ops.{module}")

@@ -41,7 +41,7 @@ from ascend_compile.runtime.eager import EagerRuntime
 from ascend_compile.runtime.sim import SimRuntime
 from ascend_compile.targets import CudaTarget, Target
 from examples.llama import LlamaConfig, PagedBatch, build
-from tests.helpers import TOLERANCE, make_problem
+from tests.helpers import TOLERANCE, make_problem, triton_kernels
 from tests.sm90 import HOPPER_SHARED, compile_rows
 
 ops = torch.ops.ascend
@@ -53,14 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
     """`ops/cuda_triton.py`: interpreted on the CPU (tests/conftest.py), compiled with CUDA."""
-    if DEVICE.type == "cpu":
-        pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    pytest.importorskip("triton", reason="the Triton kernel tests need triton")
-    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET is not 1, and there is no GPU to run the Triton kernels on")
-    from ascend_compile.ops import cuda_triton
-
-    return cuda_triton
+    return triton_kernels("cuda_triton", DEVICE)
 
 
 def on_device(*tensors):

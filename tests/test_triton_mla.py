@@ -18,6 +18,7 @@ import torch
 import ascend_compile.ops  # noqa: F401
 from ascend_compile.errors import WorkspaceTooSmall
 from ascend_compile.ops import cuda, tiling
+from tests.helpers import triton_kernels
 from tests.mla_helpers import make_mla_problem
 from tests.sm90 import HOPPER_SHARED, compile_rows
 
@@ -34,14 +35,7 @@ MIXED = [1, 3, 16, 2, 5, 1, 7]
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
     """`ops/cuda_triton_mla.py`: interpreted on the CPU (tests/conftest.py), compiled with CUDA."""
-    if DEVICE.type == "cpu":
-        pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    pytest.importorskip("triton", reason="the Triton kernel tests need triton")
-    if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET is not 1, and there is no GPU to run the Triton kernels on")
-    from ascend_compile.ops import cuda_triton_mla
-
-    return cuda_triton_mla
+    return triton_kernels("cuda_triton_mla", DEVICE)
 
 
 def shape_of(p) -> tiling.AttentionShape:

@@ -7,7 +7,6 @@ import (the main venv)."""
 from __future__ import annotations
 
 import collections
-import json
 
 import pytest
 import torch
@@ -38,16 +37,7 @@ def compiled(monkeypatch, tmp_path):
     torch._dynamo.reset()
 
     def make(hf_config=None, options=None, **config):
-        if options is not None:
-            monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps(options))
-        models = []
-        for mode in (1, 0):
-            where = tmp_path / f"mode{mode}"
-            where.mkdir(exist_ok=True)
-            models.append(mla.build(real.vllm_config(where, compile_mode=mode, hf_config=hf_config or mla.TINY_DEEPSEEK_V2,
-                                                     **config), seed=3))
-        real.compile_as_vllm(models[0])
-        return models
+        return real.compiled_and_eager(monkeypatch, tmp_path, mla.build, hf_config or mla.TINY_DEEPSEEK_V2, options, **config)
 
     yield artifacts, make
     torch._dynamo.reset()

@@ -44,16 +44,7 @@ def compiled(monkeypatch, tmp_path):
     torch._dynamo.reset()
 
     def make(hf_config=None, options=None, **config):
-        if options is not None:
-            monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps(options))
-        models = []
-        for mode in (1, 0):
-            where = tmp_path / f"mode{mode}"
-            where.mkdir(exist_ok=True)
-            models.append(real.build(real.vllm_config(where, compile_mode=mode, hf_config=hf_config, **config),
-                                     seed=3))
-        real.compile_as_vllm(models[0])
-        return models
+        return real.compiled_and_eager(monkeypatch, tmp_path, real.build, hf_config, options, **config)
 
     yield artifacts, calls, make
     torch._dynamo.reset()

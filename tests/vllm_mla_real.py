@@ -180,14 +180,7 @@ class Step(real.Step):
 
     def metadata(self, model: real.Model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """(attn_metadata, slot_mapping) per layer, the metadata built by vLLM's `TritonMLAMetadataBuilder`."""
-        width = model.config.model_config.max_model_len // model.block_size
-        table = self.block_table(model, width)
-        loc = [0]
-        for n in self.query_lens:
-            loc.append(loc[-1] + n)
-        slots = torch.tensor([int(table[b, p // model.block_size]) * model.block_size + p % model.block_size
-                              for b, (s, q) in enumerate(zip(self.seq_lens, self.query_lens))
-                              for p in range(s - q, s)], dtype=torch.int64)
+        table, loc, slots = self.layout(model)
         seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32)
         common = CommonAttentionMetadata(
             query_start_loc=torch.tensor(loc, dtype=torch.int32), query_start_loc_cpu=torch.tensor(loc, dtype=torch.int32),

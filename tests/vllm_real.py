@@ -21,7 +21,7 @@ import dataclasses
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -251,8 +251,8 @@ class Step:
         """Request i owns blocks [i * width, (i + 1) * width): distinct per request, stable across steps."""
         return (torch.arange(len(self.seq_lens) * width, dtype=torch.int32).view(-1, width)) % model.num_blocks
 
-    def metadata(self, model: Model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """(attn_metadata, slot_mapping) per layer, as vLLM's runner passes them to `set_forward_context`."""
+    def layout(self, model: Model) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """The batch's block table (as wide as max_model_len), query_start_loc and new tokens' cache slots."""
         width = model.config.model_config.max_model_len // model.block_size
         table = self.block_table(model, width)
         loc = [0]
@@ -261,6 +261,11 @@ class Step:
         slots = torch.tensor([int(table[b, p // model.block_size]) * model.block_size + p % model.block_size
                               for b, (s, q) in enumerate(zip(self.seq_lens, self.query_lens))
                               for p in range(s - q, s)], dtype=torch.int64)
+        return table, loc, slots
+
+    def metadata(self, model: Model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(attn_metadata, slot_mapping) per layer, as vLLM's runner passes them to `set_forward_context`."""
+        table, loc, slots = self.layout(model)
         meta = flash_attn.FlashAttentionMetadata(
             num_actual_tokens=self.num_tokens, max_query_len=max(self.query_lens),
             query_start_loc=torch.tensor(loc, dtype=torch.int32), max_seq_len=max(self.seq_lens),
@@ -268,6 +273,21 @@ class Step:
             use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
             suffix_kv_lens=None)
         return {name: meta for name in model.layers}, {name: slots for name in model.layers}
+
+
+def compiled_and_eager(monkeypatch: Any, where: Any, build_fn: Callable[..., Model], hf_config: Any = None,
+                       options: dict | None = None, **config: Any) -> list[Model]:
+    """vLLM's model built twice by `build_fn` (seed 3) under `where`: the first compiled through vLLM's
+    own mode-1 call, the second eager; `options` go to ASCEND_COMPILE_OPTIONS."""
+    if options is not None:
+        monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps(options))
+    models = []
+    for mode in (1, 0):
+        path = where / f"mode{mode}"
+        path.mkdir(exist_ok=True)
+        models.append(build_fn(vllm_config(path, compile_mode=mode, hf_config=hf_config, **config), seed=3))
+    compile_as_vllm(models[0])
+    return models
 
 
 def run(model: Model, step: Step, fn: Any = None) -> torch.Tensor:

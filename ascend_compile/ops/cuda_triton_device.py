@@ -135,6 +135,21 @@ def _sink_share(m, total, sink):
 
 
 @triton.jit
+def _online_softmax_step(scores, allowed, m_i, l_i, acc, values, PRECISION: tl.constexpr):
+    """One key tile of the online softmax: `scores` (base-2 logits) masked to `allowed`, folded into
+    the rows' running max `m_i`, sum `l_i` and unnormalised output `acc` with the tile's `values`
+    (a row with no key allowed yet keeps max -inf and contributes nothing)."""
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend(
     q, key_cache, value_cache, block_table, seq, kv_head, kv_start, kv_len, first_tile, end_tile,
     position, row_ok, scale_log2, window, cap_log2,
@@ -196,14 +211,7 @@ def _attend(
                 allowed = allowed & (key_pos[None, :] > (position - window)[:, None])
         else:  # decode: every row sees every key of the span, `[kv_start, kv_len)`
             allowed = row_ok[:, None] & kv_ok[None, :]
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(scores, allowed, m_i, l_i, acc, v, PRECISION)
     return acc, m_i, l_i
 
 

@@ -43,7 +43,7 @@ import triton.language as tl
 from .cuda import MLA_TILE_ROWS, mla_head_groups, mla_tile
 from .cuda_launch import REDUCE_SPLITS
 from .cuda_triton import _reduce_kernel
-from .cuda_triton_device import LOG2E, _fia_num_splits, _sequence_of_tile, _tile_blocks
+from .cuda_triton_device import LOG2E, _fia_num_splits, _online_softmax_step, _sequence_of_tile, _tile_blocks
 
 #: Keys per step of the key loop (a 32 x 576 tile in shared memory per stage).
 MLA_KEY_TILE = 32
@@ -101,14 +101,7 @@ def _mla_attend(
         scores = tl.dot(q, tl.trans(kv), input_precision=PRECISION)
         scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision=PRECISION) * scale_log2
         allowed = row_ok[:, None] & kv_ok[None, :] & (key_pos[None, :] <= position[:, None])
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(scores, allowed, m_i, l_i, acc, kv, PRECISION)
     return acc, m_i, l_i
 
 
