@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import random
 import tempfile
 
 import torch
@@ -27,7 +26,8 @@ from torch import nn
 import ascend_compile
 import ascend_compile.ops  # noqa: F401  (registers torch.ops.ascend)
 from ascend_compile import cli
-from examples.llama import DecoderLayer, PagedBatch, RMSNorm, rotate
+from examples.demo import run_and_compare
+from examples.llama import DecoderLayer, LlamaDecoder, PagedBatch, RMSNorm, rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,30 +92,13 @@ class LatentAttention(nn.Module):
         return self.o(out.reshape(tokens, -1))
 
 
-class DeepSeekDecoder(nn.Module):
-    """input_ids/positions/slot_mapping `[T]`, block_table `[B, W]`, seq_lens `[B]`,
-    query_start_loc `[B+1]` -> logits `[T, vocab]` (the inputs of `examples.llama.LlamaDecoder`)."""
+class DeepSeekDecoder(LlamaDecoder):
+    """`examples.llama.LlamaDecoder`'s inputs and outputs: its decoder layers with latent attention,
+    rope over each head's rope part."""
 
     def __init__(self, cfg: DeepSeekConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention=LatentAttention(cfg)) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        rope = cfg.qk_rope_head_dim
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, rope, 2).float() / rope),
-                             persistent=False)
-        self.to(cfg.dtype)
-
-    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping):
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        cos = freqs.cos().unsqueeze(1).to(self.cfg.dtype)
-        sin = freqs.sin().unsqueeze(1).to(self.cfg.dtype)
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, block_table, seq_lens, query_start_loc, slot_mapping)
-        return self.lm_head(self.norm(x))
+        super().__init__(cfg, make_layer=lambda: DecoderLayer(cfg, attention=LatentAttention(cfg)),
+                         rope_dim=cfg.qk_rope_head_dim)
 
 
 def build(cfg: DeepSeekConfig | None = None, seed: int = 0) -> DeepSeekDecoder:
@@ -143,21 +126,8 @@ def main() -> None:
     options = {"max_model_len": max_model_len, "capture_sizes": [1, 2, 4, 8, 16, 32], "runtime": args.runtime,
                "dump_dir": dump_dir}
     compiled = ascend_compile.compile(model, options)
-    batch = PagedBatch(cfg, table_width=max_model_len // cfg.block_size)
-    rng = random.Random(0)
-    with torch.no_grad():
-        for step in range(args.steps):
-            size = rng.choice([1, 3, 4, 6, 13, 32])
-            lens = [rng.randint(4, max_model_len) for _ in range(size)]
-            mixed = step % 3 == 2  # chunked prefill: several new tokens per sequence
-            query_lens = [rng.randint(1, 4) for _ in lens] if mixed else None
-            inputs = batch.step(lens, query_lens)
-            out = compiled(**inputs)
-            diff = (out - reference(**inputs)).abs().max().item()
-            kind = f"{inputs['input_ids'].shape[0]:3d} tokens (mixed)" if mixed else "decode"
-            print(f"step {step}: batch {size:3d}, {kind}, longest sequence {max(lens):5d}, "
-                  f"max |compiled - eager| = {diff:.2e}")
-    print()
+    run_and_compare(compiled, reference, PagedBatch(cfg, table_width=max_model_len // cfg.block_size),
+                    max_model_len, args.steps, (1, 3, 4, 6, 13, 32))
     cli.main(["inspect", dump_dir])
 
 

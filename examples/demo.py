@@ -10,12 +10,33 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+from typing import Callable, Sequence
 
 import torch
 
 import ascend_compile
 from ascend_compile import cli
 from examples.llama import LlamaConfig, PagedBatch, build
+
+
+def run_and_compare(compiled: Callable[..., torch.Tensor], reference: torch.nn.Module, batch: PagedBatch,
+                    max_model_len: int, steps: int, sizes: Sequence[int]) -> None:
+    """`steps` steps of batch sizes drawn from `sizes` (every third a chunked-prefill step of 1-4 new
+    tokens per sequence), each compared with the uncompiled `reference`, one line per step."""
+    rng = random.Random(0)
+    with torch.no_grad():
+        for step in range(steps):
+            size = rng.choice(sizes)
+            lens = [rng.randint(4, max_model_len) for _ in range(size)]
+            mixed = step % 3 == 2  # chunked prefill: several new tokens per sequence
+            query_lens = [rng.randint(1, 4) for _ in lens] if mixed else None
+            inputs = batch.step(lens, query_lens)
+            out = compiled(**inputs)
+            diff = (out - reference(**inputs)).abs().max().item()
+            kind = f"{inputs['input_ids'].shape[0]:3d} tokens (mixed)" if mixed else "decode"
+            print(f"step {step}: batch {size:3d}, {kind}, longest sequence {max(lens):5d}, "
+                  f"max |compiled - eager| = {diff:.2e}")
+    print()
 
 
 def main() -> None:
@@ -38,21 +59,8 @@ def main() -> None:
     }
     # torch.compile(model, backend="ascend_graph", options=options), traced once for every step shape
     compiled = ascend_compile.compile(model, options)
-    batch = PagedBatch(cfg, table_width=max_model_len // cfg.block_size)
-    rng = random.Random(0)
-    with torch.no_grad():
-        for step in range(args.steps):
-            size = rng.choice([1, 3, 4, 6, 13, 32, 40])
-            lens = [rng.randint(4, max_model_len) for _ in range(size)]
-            mixed = step % 3 == 2  # chunked prefill: several new tokens per sequence
-            query_lens = [rng.randint(1, 4) for _ in lens] if mixed else None
-            inputs = batch.step(lens, query_lens)
-            out = compiled(**inputs)
-            diff = (out - reference(**inputs)).abs().max().item()
-            kind = f"{inputs['input_ids'].shape[0]:3d} tokens (mixed)" if mixed else "decode"
-            print(f"step {step}: batch {size:3d}, {kind}, longest sequence {max(lens):5d}, "
-                  f"max |compiled - eager| = {diff:.2e}")
-    print()
+    run_and_compare(compiled, reference, PagedBatch(cfg, table_width=max_model_len // cfg.block_size),
+                    max_model_len, args.steps, (1, 3, 4, 6, 13, 32, 40))
     cli.main(["inspect", dump_dir])
 
 

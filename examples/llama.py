@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +38,10 @@ class LlamaConfig:
     layer_types: tuple[str, ...] = ()
     soft_cap: float | None = None
     sinks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types: expected one per layer ({self.num_layers}), got {len(self.layer_types)}")
 
     def window_of(self, layer: int) -> int | None:
         """The window of layer `layer`: `sliding_window` for a "sliding" layer, else None."""
@@ -117,17 +121,20 @@ class LlamaDecoder(nn.Module):
     """input_ids/positions/slot_mapping `[T]`, block_table `[B, W]`, seq_lens `[B]`,
     query_start_loc `[B+1]` -> logits `[T, vocab]`."""
 
-    def __init__(self, cfg: LlamaConfig, make_layer: Callable[[], nn.Module] | None = None) -> None:
+    def __init__(self, cfg: Any, make_layer: Callable[[], nn.Module] | None = None, rope_dim: int | None = None
+                 ) -> None:
+        """`cfg`: a `LlamaConfig`, or any config of its vocab, hidden and layer sizes, dtype and rope
+        theta (`examples.deepseek`); `make_layer`: each layer (else `DecoderLayer`); `rope_dim`: the
+        rotated dims of a head (else `cfg.head_dim`)."""
         super().__init__()
-        if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
-            raise ValueError(f"layer_types: expected one per layer ({cfg.num_layers}), got {len(cfg.layer_types)}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layers = (make_layer() if make_layer else DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
+        rope_dim = rope_dim or cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, rope_dim, 2).float() / rope_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.to(cfg.dtype)
 

@@ -109,3 +109,16 @@ def triton_kernels(module: str, device: torch.device) -> ModuleType:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET is not 1, and there is no GPU to run the Triton kernels on")
     return importlib.import_module(f"ascend_compile.ops.{module}")
+
+
+def write_flash_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """vLLM's `reshape_and_cache_flash` into a `[num_blocks, 2, block_size, ...]` cache, in pure torch:
+    `slot_mapping`'s length is the number of real tokens (key may be padded); negative slots are
+    skipped. vLLM splits the cache with `kv_cache.unbind(1)`; indexing the cache writes the same rows."""
+    n = slot_mapping.shape[0]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    block_size = kv_cache.shape[2]
+    kv_cache[slots // block_size, 0, slots % block_size] = key[:n][valid]
+    kv_cache[slots // block_size, 1, slots % block_size] = value[:n][valid]

@@ -73,6 +73,8 @@ from vllm.model_executor.model_loader.utils import get_model_architecture, proce
 from vllm.v1.attention import selector  # noqa: E402
 from vllm.v1.attention.backends import flash_attn  # noqa: E402
 
+from tests.helpers import write_flash_kv_cache  # noqa: E402
+
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 128,
@@ -87,12 +89,7 @@ TINY_LLAMA = {
 def _kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
     """`reshape_and_cache_flash`: `slot_mapping`'s length is the number of real tokens; -1 is skipped."""
-    n = slot_mapping.shape[0]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    block_size = kv_cache.shape[2]
-    kv_cache[slots // block_size, 0, slots % block_size] = key[:n][valid]
-    kv_cache[slots // block_size, 1, slots % block_size] = value[:n][valid]
+    write_flash_kv_cache(key, value, kv_cache, slot_mapping)
 
 
 def _forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -37,6 +37,7 @@ import torch
 
 import ascend_compile.ops  # noqa: F401  (registers torch.ops.ascend)
 from ascend_compile.ops import tiling
+from tests.helpers import write_flash_kv_cache
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm_0_23_0.json"
 VLLM_VERSION = "0.23.0"
@@ -438,15 +439,7 @@ class FlashAttentionImpl:
         self.logits_soft_cap = self.logits_soft_cap or 0
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        # reshape_and_cache_flash: slot_mapping's length is the number of real tokens (key may be padded);
-        # negative slots are skipped.
-        # vLLM splits with kv_cache.unbind(1); indexing the cache itself writes the same rows.
-        n = slot_mapping.shape[0]
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
-        block_size = kv_cache.shape[2]
-        kv_cache[slots // block_size, 0, slots % block_size] = key[:n][valid]
-        kv_cache[slots // block_size, 1, slots % block_size] = value[:n][valid]
+        write_flash_kv_cache(key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                 output_block_scale=None):

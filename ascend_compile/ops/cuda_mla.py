@@ -53,12 +53,7 @@ def check_dev_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Te
                   block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                   workspace: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
     """The checks of the device-length MLA op that read no device data (so they cost no host sync)."""
-    if seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens: expected a 1-D [B] torch.int32 tensor, got shape {tuple(seq_lens.shape)}")
-    num_seqs = seq_lens.shape[0]
-    validate.check_int32_vector("seq_lens", seq_lens, num_seqs, q_nope.device)
-    validate.check_int32_vector("query_start_loc", query_start_loc, num_seqs + 1, q_nope.device)
-    validate.check_mla_tensors(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, num_seqs)
+    mla.check_mla_metadata(q_nope, q_pe, kv_c_cache, k_pe_cache, block_table, seq_lens, query_start_loc)
     _check_out(q_nope, workspace, out)
     shape = tiling.AttentionShape.of_mla(q_nope, q_pe, kv_c_cache)
     needed = cuda.dev_workspace_nbytes(q_nope.shape[0], shape, num_splits)
