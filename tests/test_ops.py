@@ -113,6 +113,16 @@ def test_padding_rows_are_zero():
     assert out[1].abs().max() > 0
 
 
+def test_a_step_with_no_query_tokens_attends_nothing():
+    """Sequences with cached keys but no query token this step (a step of zero tokens) give an empty
+    output, as every kernel's loop over tokens would; found by tests/test_differential.py."""
+    p = make_problem([4, 30], [0, 0], heads=4, kv_heads=2, dim=16)
+    assert p.query.shape[0] == 0
+    assert run_fia(p).shape == (0, 4, 16)
+    seq_lens, loc = p.tensors()
+    assert ops.attention(p.query, p.key_cache, p.value_cache, p.block_table, seq_lens, loc, p.scale).shape == (0, 4, 16)
+
+
 def test_workspace_one_byte_short_fails_clearly():
     p = make_problem([600, 900], heads=4, kv_heads=2, dim=64)
     need = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(p.query, p.key_cache), p.seq_lens)

@@ -59,7 +59,7 @@ class Staging:
         self.write_back = write_back
         self.padded = dict(padded)
         self.geometry = Geometry(evaluate(signature.tokens, self.padded), evaluate(signature.sequences, self.padded),
-                                 dummy_limit(gm))
+                                 dummy_limit(gm, self.padded))
         dtypes = [n.meta["example_value"].dtype if isinstance(n.meta.get("example_value"), torch.Tensor) else None
                   for n in gm.graph.find_nodes(op="placeholder")]
         self.copied = [spec for spec in signature.inputs if spec.copied]

@@ -80,8 +80,8 @@ def split_k_attention(
     out.zero_()
     device = query.device
     num_seqs = len(kv_lens)
-    if num_seqs == 0 or max(kv_lens) == 0:
-        return
+    if num_seqs == 0 or max(kv_lens) == 0 or query.shape[0] == 0:
+        return  # nothing attends (a step of sequences without query tokens attends nothing)
     heads, dim = shape.num_heads, shape.head_dim
     kv_heads = shape.num_kv_heads
     group = heads // kv_heads

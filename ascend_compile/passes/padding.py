@@ -17,11 +17,14 @@ MLA form needs for its mixed sparse mode).
 from __future__ import annotations
 
 import functools
+from typing import Any, Mapping
 
 from torch import fx
 
 from ..ops import tiling
 from .kernel_call import kernel_calls
+from .fx_utils import example_value, size_expr
+from .size_symbols import evaluate
 from .workspaces import GraphKey
 
 #: The most query tokens a dummy sequence holds: FIA's smallest block size for query lengths above 1
@@ -52,9 +55,18 @@ def dummy_query_lens(pad: int, room: int, limit: int = PADDING_CHUNK) -> tuple[i
 MLA_PADDING_CHUNK = 16
 
 
-def dummy_limit(gm: fx.GraphModule) -> int:
-    """The most query tokens a dummy sequence of `gm`'s mixed steps holds."""
-    return MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA for call in kernel_calls(gm)) else PADDING_CHUNK
+def dummy_limit(gm: fx.GraphModule, padded: Mapping[Any, int] | None = None) -> int:
+    """The most query tokens a dummy sequence of `gm`'s mixed steps holds: the kernels' limit and, given
+    the padded sizes `padded` of a captured graph, what one row of its block tables holds (its width
+    times the block size: a dummy's KV length is its query length, and its keys are in the blocks its
+    row names; a `max_model_len` below the limit makes that row shorter)."""
+    calls = kernel_calls(gm)
+    limit = MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA for call in calls) else PADDING_CHUNK
+    for call in calls if padded is not None else ():
+        table = example_value(call.arg("block_table"))
+        cache = example_value(call.arg("kv_c_cache" if call.meta.kernel == tiling.MLA else "key_cache"))
+        limit = min(limit, evaluate(size_expr(table.shape[1]), padded) * int(cache.shape[1]))
+    return limit
 
 
 def packed_capture(gm: fx.GraphModule, key: GraphKey, mixed_graph_kernels: frozenset[str]) -> bool:
