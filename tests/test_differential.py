@@ -7,6 +7,9 @@ latent attention), backend options drawn from the options table, a dispatch mode
 simulator, or runtime "npu" on the fake torch_npu) — then runs random rules against the compiled model
 and an eager twin built from the same seed:
 
+The setup also draws how the user reaches the backend: `ascend_compile.compile` (dispatch "dynamo" or
+"direct"), or `torch.compile(backend="ascend_graph")` with or without `dynamic=True`.
+
 - decode steps (one query token a sequence) of any batch, below, between and above the buckets;
 - mixed steps: several query tokens for some sequences, none for others, a prefill chunk beside
   decodes, token counts above the largest bucket;
@@ -55,6 +58,9 @@ SEED = 20261201
 
 KERNEL_POLICIES = ("pa_max_batch", "pa_batch_sizes", "auto", "pa", "fia")
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: How a user reaches the backend: the one-compile helper, or torch.compile itself (static first trace,
+#: then whatever dynamo decides), or torch.compile with every size dynamic.
+ENTRIES = ("compile", "compile", "torch.compile", "torch.compile(dynamic=True)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +69,8 @@ class Setup:
 
     model: str  # "dense" or "mla"
     runtime: str  # "sim" or "npu" (the fake torch_npu)
-    dispatch: str
+    entry: str  # "compile" (ascend_compile.compile), "torch.compile", "torch.compile(dynamic=True)"
+    dispatch: str  # "dynamo" or "direct" (ascend_compile.compile only)
     num_layers: int
     num_kv_heads: int
     block_size: int
@@ -107,8 +114,10 @@ def setups(draw) -> Setup:
         options["pa_max_batch"] = draw(st.integers(1, 8))
     if policy == "pa_batch_sizes":
         options["pa_batch_sizes"] = tuple(draw(st.sets(st.sampled_from(capture_sizes), min_size=1)))
+    entry = draw(st.sampled_from(ENTRIES))
     return Setup(
-        model=model, runtime=runtime, dispatch=draw(st.sampled_from(("dynamo", "direct"))), num_layers=num_layers,
+        model=model, runtime=runtime, entry=entry,
+        dispatch=draw(st.sampled_from(("dynamo", "direct"))) if entry == "compile" else "dynamo", num_layers=num_layers,
         num_kv_heads=draw(st.sampled_from((4, 2, 1))), block_size=block_size, max_model_len=max_model_len,
         layer_types=layer_types, sliding_window=draw(st.integers(1, 40)) if sliding else None,
         soft_cap=draw(st.sampled_from((None, 5.0))) if features else None,
@@ -164,7 +173,11 @@ class Differential(RuleBasedStateMachine):
             fake_torch_npu.install(self.monkeypatch)
         torch._dynamo.reset()
         self.model, self.twin, self.cfg = build_pair(setup)
-        self.fn = ascend_compile.compile(self.model, dict(setup.options), dispatch=setup.dispatch)
+        if setup.entry == "compile":
+            self.fn = ascend_compile.compile(self.model, dict(setup.options), dispatch=setup.dispatch)
+        else:
+            self.fn = torch.compile(self.model, backend="ascend_graph", options=dict(setup.options),
+                                    dynamic=True if setup.entry.endswith("(dynamic=True)") else None)
         self.batch = PagedBatch(self.cfg, seed=seed)
         self.rng = random.Random(seed)
 
@@ -299,7 +312,7 @@ def run_steps(setup: Setup, steps) -> None:
 def plain_setup(**options) -> Setup:
     base = dict(capture_sizes=(1, 16), max_model_len=4, runtime="sim", kernel_policy="pa_max_batch", pa_max_batch=1)
     base.update(options)
-    return Setup(model="dense", runtime=base["runtime"], dispatch="dynamo", num_layers=1, num_kv_heads=4,
+    return Setup(model="dense", runtime=base["runtime"], entry="compile", dispatch="dynamo", num_layers=1, num_kv_heads=4,
                  block_size=8, max_model_len=base["max_model_len"], layer_types=("sliding",), sliding_window=1,
                  soft_cap=None, sinks=False, options=tuple(base.items()))
 

@@ -76,7 +76,24 @@ MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_co
 NPU_MLA = "tests/test_mla_npu.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 
+DIFFERENTIAL = "tests/test_differential.py"
+
 MUTANTS = (
+    # issue 36: what the differential tester found (tests/test_differential.py)
+    Mutant(
+        "reference-fia-zero-query-tokens",
+        "ascend_compile/ops/reference.py",
+        "if num_seqs == 0 or max(kv_lens) == 0 or query.shape[0] == 0:",
+        "if num_seqs == 0 or max(kv_lens) == 0:",
+        ("tests/test_ops.py::test_a_step_with_no_query_tokens_attends_nothing",),
+    ),
+    Mutant(
+        "dummy-longer-than-a-table-row",
+        "ascend_compile/passes/padding.py",
+        "        limit = min(limit, evaluate(size_expr(table.shape[1]), padded) * int(cache.shape[1]))",
+        "        limit = min(limit, PADDING_CHUNK + 0 * evaluate(size_expr(table.shape[1]), padded))",
+        (f"{DIFFERENTIAL}::test_dummy_sequences_fit_the_block_table_when_max_model_len_is_below_the_padding_chunk",),
+    ),
     Mutant(
         "event recorded before the update", "ascend_compile/lowering/capture.py",
         "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n"
