@@ -33,6 +33,7 @@ from ..passes.kernel_call import HostSource, StepGuard, host_sources
 from ..passes.padding import packed_capture
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
+from ..passes.size_symbols import SymbolKind
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime, TaskUpdateRuntime
 from . import capture as capture_mod, report, served
@@ -179,6 +180,9 @@ class CompiledArtifact:
         #: the in-place inputs whose addresses a captured graph holds, checked every step
         self.checked = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
                         and not (config.frozen_parameters and spec.parameter)]
+        #: whether steps are padded to the buckets' token counts: else each step size gets a capture of its
+        #: own (a static graph, or `GraphSignature.pad_reason`), and a bucket's key says nothing of its sizes
+        self.pads_tokens = SymbolKind.TOKENS in self.signature.symbol_kinds.values()
         #: first replays checked against eager (`verify.py`): by default where the runtime asks for it
         self.verify = config.verify if config.verify is not None else self.runtime.verify_first_replays
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
@@ -313,9 +317,9 @@ class CompiledArtifact:
                 self.stats["recaptures"] += 1
                 entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
         if entry.graph is None and entry.eager_reason is None:
-            if self.config.capture_all and self.stats["captures"] == 0:
+            if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:
                 self.capture_all(args, symbols)
-            else:
+            if entry.graph is None and entry.eager_reason is None:  # a mixed step's graph, or no capture_all
                 self._capture(entry, args)
             self.write_plan()
         return self.graphs[(key, specialization)]
@@ -362,7 +366,9 @@ class CompiledArtifact:
     def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
         """Capture every bucket's decode graph now, largest first so that smaller graphs fit in the
         pool memory larger ones left (with a progress bar when tqdm is installed), at the
-        specialized sizes of `symbols`."""
+        specialized sizes of `symbols`. Only for an artifact that pads steps to the buckets: where
+        each step size is captured as is, a decode graph captured at a mixed step's sizes would put
+        several query tokens of a sequence into PA (issue 36)."""
         keys: Any = sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket)
         try:
             from tqdm import tqdm
