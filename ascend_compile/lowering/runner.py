@@ -33,6 +33,7 @@ from ..passes.kernel_call import HostSource, StepGuard, host_sources
 from ..passes.padding import packed_capture
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature, Role
+from ..passes.size_symbols import SymbolKind
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime, TaskUpdateRuntime
 from . import capture as capture_mod, report, served
@@ -41,6 +42,7 @@ from .inputs import Step, StepPlan, capture_plan, capture_seq_len, choose_bucket
 from .input_checks import CapturedInputs, change_summary
 from .outputs import narrowed_outputs, returned_outputs
 from .staging import Staging, per_step_shape
+from .undo import UndoPlan
 from .verify import first_replay_check, written_regions
 
 log = logging.getLogger("ascend_compile")
@@ -101,11 +103,14 @@ class GraphEntry:
             return
         graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
-        with gc_paused():
-            self.graph, self.outputs, self.table = capture_mod.capture_graph(
-                self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
-        for i, contents in saved.items():
-            step_args[i].copy_(contents)
+        try:
+            with gc_paused():
+                graph, outputs, table = capture_mod.capture_graph(
+                    self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
+        finally:  # a capture that raises half-way leaves them as they were too
+            for i, contents in saved.items():
+                step_args[i].copy_(contents)
+        self.graph, self.outputs, self.table = graph, outputs, table
         # Only one graph replays at a time and its outputs are read (cloned) right after: they need
         # not pin their memory, which later captures of other buckets may then reuse from the pool.
         self.outputs = [runtime.weak_alias(o) if isinstance(o, torch.Tensor) else o for o in self.outputs]
@@ -128,14 +133,21 @@ class GraphEntry:
 
     def replay(self, runtime: GraphRuntime, plan: StepPlan, updates: capture_mod.UpdateSchedule,
                seconds: collections.Counter) -> int:
-        """Copy in, launch, update, synchronize; returns the number of task updates issued."""
+        """Copy in, launch, update, synchronize; returns the number of task updates issued. A replay
+        that raises may leave the graph's events and tasks mid-replay: the graph is dropped, and
+        captured again on its next use."""
         t0 = time.perf_counter()
-        self.staging.copy_in(plan.step)
+        self.staging.copy_in(plan.step)  # the step's shapes are checked here, before the graph runs
         t1 = time.perf_counter()
-        self.graph.replay()
-        count = updates.apply(self.table, runtime, plan.host) if isinstance(runtime, TaskUpdateRuntime) else 0
-        t2 = time.perf_counter()
-        runtime.after_replay()
+        try:
+            self.graph.replay()
+            count = updates.apply(self.table, runtime, plan.host) if isinstance(runtime, TaskUpdateRuntime) else 0
+            t2 = time.perf_counter()
+            runtime.after_replay()
+        except BaseException:
+            self.graph, self.verified = None, None
+            runtime.replay_failed()
+            raise
         t3 = time.perf_counter()
         seconds["copy_in"] += t1 - t0
         seconds["launch_and_updates"] += t2 - t1
@@ -179,12 +191,18 @@ class CompiledArtifact:
         #: the in-place inputs whose addresses a captured graph holds, checked every step
         self.checked = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
                         and not (config.frozen_parameters and spec.parameter)]
+        #: whether steps are padded to the buckets' token counts: else each step size gets a capture of its
+        #: own (a static graph, or `GraphSignature.pad_reason`), and a bucket's key says nothing of its sizes
+        self.pads_tokens = SymbolKind.TOKENS in self.signature.symbol_kinds.values()
         #: first replays checked against eager (`verify.py`): by default where the runtime asks for it
         self.verify = config.verify if config.verify is not None else self.runtime.verify_first_replays
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
                            for slot in rewritten.plan.slots.values()}
         #: what dynamo passes this graph, where it gets it (`dispatch/graph_inputs.py`): set by the backend
         self.graph_inputs: Any = None
+        #: what a step's graph may write in place, saved before it runs and put back if it raises (`undo.py`)
+        self.undo = UndoPlan.of(next(iter(rewritten.variants.values())).gm, rewritten.mutations,
+                                self.written - self.copied)
         self.write_plan()
 
     def workspaces_for(self, key: GraphKey) -> capture_mod.WorkspaceFor:
@@ -237,13 +255,22 @@ class CompiledArtifact:
         refusal = entry.step_guard(plan.host) if entry.step_guard is not None else None
         if refusal:
             return self._fallback(caller_args, refusal)
-        if not isinstance(self.runtime, GraphRuntime):
-            outputs = entry.run_eager(plan, self.workspaces_for(key))
-            narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
-            return returned_outputs(narrowed, False, entry.staging.copy_back(step))
-        if self.verify and entry.verified is None:
-            return self._verified_replay(entry, plan, args, caller_args)
-        return self._replay(entry, plan)
+        undo = self.undo.save(args)
+        try:
+            if not isinstance(self.runtime, GraphRuntime):
+                outputs = entry.run_eager(plan, self.workspaces_for(key))
+                narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols,
+                                            self.rewritten.write_back.outputs)
+                return returned_outputs(narrowed, False, entry.staging.copy_back(step))
+            if self.verify and entry.verified is None:
+                return self._verified_replay(entry, plan, args, caller_args)
+            return self._replay(entry, plan)
+        except BaseException as err:
+            undo.restore()
+            self.stats["failed_steps"] += 1
+            log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", entry.name,
+                        type(err).__name__)
+            raise
 
     def _replay(self, entry: GraphEntry, plan: StepPlan) -> tuple:
         """Replay `entry` for the planned step; its outputs (write-back done)."""
@@ -313,9 +340,9 @@ class CompiledArtifact:
                 self.stats["recaptures"] += 1
                 entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
         if entry.graph is None and entry.eager_reason is None:
-            if self.config.capture_all and self.stats["captures"] == 0:
+            if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:
                 self.capture_all(args, symbols)
-            else:
+            if entry.graph is None and entry.eager_reason is None:  # a mixed step's graph, or no capture_all
                 self._capture(entry, args)
             self.write_plan()
         return self.graphs[(key, specialization)]
@@ -362,7 +389,9 @@ class CompiledArtifact:
     def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
         """Capture every bucket's decode graph now, largest first so that smaller graphs fit in the
         pool memory larger ones left (with a progress bar when tqdm is installed), at the
-        specialized sizes of `symbols`."""
+        specialized sizes of `symbols`. Only for an artifact that pads steps to the buckets: where
+        each step size is captured as is, a decode graph captured at a mixed step's sizes would put
+        several query tokens of a sequence into PA (issue 36)."""
         keys: Any = sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket)
         try:
             from tqdm import tqdm

@@ -140,6 +140,10 @@ class GraphRuntime(Runtime):
         By default `synchronize`; a device whose later work is ordered on the same stream needs nothing."""
         self.synchronize()
 
+    def replay_failed(self) -> None:
+        """After a replay, its updates or the wait for it raised (the runner drops that graph): forget
+        what the runtime carries from one replay to the next. By default nothing."""
+
 
 class TaskUpdateRuntime(GraphRuntime):
     """A graph runtime whose kernels take host-side lengths frozen at capture, refreshed before each

@@ -349,6 +349,12 @@ class NpuRuntime(TaskUpdateRuntime):
         self._previous_step.record(replay_stream)
         self._steps += 1
 
+    def replay_failed(self) -> None:
+        """The failed step's end may never have been recorded (the simulated device drops queued work
+        on an error, as after a device reset): the next replay must not wait for it."""
+        self._previous_step = self.npu.Event()
+        self._steps = 0
+
     def describe(self) -> dict[str, Any]:
         """What the dump records about this runtime."""
         return {**super().describe(), "torch_npu": getattr(self.torch_npu, "__version__", "unknown")}

@@ -1,0 +1,188 @@
+"""Failed steps (issue 36): what `capture_all` captures for a graph whose steps are not padded, and
+a compiled step that raises after some layers wrote their KV rows leaving every cache and written
+input as before the step."""
+from __future__ import annotations
+
+import torch
+import pytest
+
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests.test_backend import MAX_LEN, compiled_model
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def caches(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [b for name, b in model.named_buffers() if name.endswith("_cache")]
+
+
+def assert_caches_close(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    for got, want in zip(caches(model), caches(reference), strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+#: A plain `torch.compile` (automatic dynamic): the first step's graph is static, the next ones are
+#: dynamic with one sequence kept static (a one-sequence mixed step), then fully dynamic.
+STEPS = [([20], [5]), ([33], None), ([50, 60, 70], [3, 2, 1]), ([20], [5]), ([12], None), ([40, 41], [4, 3])]
+
+
+@pytest.mark.parametrize("policy", ["auto", "pa_max_batch"])
+@pytest.mark.parametrize("first", [[([30, 40, 50], None)], []], ids=["decode-first", "mixed-first"])
+def test_capture_all_serves_a_one_sequence_mixed_step_and_later_steps(policy, first):
+    """With `capture_all`, a graph whose sizes are not padded to the buckets (dynamo's static first
+    graph, or one with a static sequence count) captures the step's own graph only: every bucket's
+    decode graph captured at a mixed step's sizes put 5 query tokens of one sequence into PA. A
+    first step that is mixed gets its mixed graph captured too (capture_all captures decode graphs)."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(1, 2, 4, 8), capture_all=True,
+                                   kernel_policy=policy)
+    batch = PagedBatch(cfg, seed=1)
+    with torch.no_grad():
+        for lens, query_lens in first + STEPS:
+            inputs = batch.step(lens, query_lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+            assert_caches_close(model, reference)
+    stats = [a.stats for a in artifacts]
+    assert sum(s["eager_fallbacks"] for s in stats) == 0 and sum(s["replays"] for s in stats) == len(first + STEPS)
+    for art in artifacts:
+        captured = {g.name for g in art.graphs.values() if g.graph is not None}
+        if art.signature.can_pad and not isinstance(art.signature.tokens, int):  # padded: every decode bucket
+            assert {"b1.decode", "b2.decode", "b4.decode", "b8.decode"} <= captured, captured
+        else:  # each size its own capture: only the graphs of the steps it served
+            assert len(captured) == art.stats["captures"] <= art.stats["steps"], captured
+
+
+#: The length of a sequence in the steps a test makes fail.
+MARK = 77
+
+
+class InjectedFault(RuntimeError):
+    """The failure a test puts into a graph's kernel."""
+
+
+@pytest.fixture
+def fault_in_layer(monkeypatch):
+    """`arm(artifacts, cache, mark)`: from then on, the reference PA and FIA kernels raise when a
+    graph of one of `artifacts` runs them (they are given its workspace slots, which eager calls never
+    are) over `cache`, a later layer's KV cache, in a call with a sequence of `mark` tokens (None: any
+    call, a capture's run too): the step has written the earlier layers' rows by then. `disarm()`
+    ends it. The simulator's kernels and the fake torch_npu's compute with these kernels."""
+    from ascend_compile.ops import reference
+
+    armed: dict = {}
+
+    def faulty(kernel):
+        def run(*args, **kwargs):
+            if armed and args[1].data_ptr() == armed["cache"]:
+                slots = {w.data_ptr() for a in armed["artifacts"] for w in a.workspaces.values()}
+                if any(isinstance(a, torch.Tensor) and a.data_ptr() in slots for a in args) and (
+                        armed["mark"] is None or any(isinstance(a, list) and armed["mark"] in a for a in args)):
+                    raise InjectedFault(f"{kernel.__name__} failed on the later layer")
+            return kernel(*args, **kwargs)
+        return run
+
+    for name in ("paged_attention", "fused_infer_attention"):
+        monkeypatch.setattr(reference, name, faulty(getattr(reference, name)))
+
+    def arm(artifacts, cache, mark=MARK):
+        armed.update(artifacts=artifacts, cache=cache.data_ptr(), mark=mark)
+
+    arm.disarm = armed.clear
+    return arm
+
+
+class Counted(torch.nn.Module):
+    """The example model, counting its steps in a buffer it writes in place by a plain op."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.model = build(cfg)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, **inputs):
+        self.calls.add_(1)
+        return self.model(**inputs)
+
+
+def _config(runtime: str, monkeypatch) -> LlamaConfig:
+    if runtime == "npu":
+        from tests import fake_torch_npu
+
+        fake_torch_npu.install(monkeypatch)
+        return LlamaConfig(num_layers=3, num_blocks=128, block_size=128)
+    return LlamaConfig(num_layers=3, num_blocks=1024)
+
+
+def _written(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*caches(model), *([model.calls] if isinstance(model, Counted) else [])]
+
+
+def _assert_as_before(model: torch.nn.Module, before: list[torch.Tensor]) -> None:
+    for got, want in zip(_written(model), before, strict=True):
+        assert torch.equal(got, want), "the failed step left a cache or the step count written"
+
+
+def _layer(model: torch.nn.Module, i: int) -> torch.nn.Module:
+    return (model.model if isinstance(model, Counted) else model).layers[i]
+
+
+@pytest.mark.parametrize("runtime, verify, make", [("sim", False, build), ("sim", True, build), ("eager", None, build),
+                                                   ("npu", None, build), ("sim", False, Counted)],
+                         ids=["sim", "sim-verify", "eager", "npu", "sim-counted"])
+def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, verify, make, fault_in_layer,
+                                                                      monkeypatch):
+    """A graph's kernel raising on layer 1 of 3, after layers 0 and 1 wrote their KV rows: in a
+    replay, in a first replay checked against eager (`verify`, the default on npu: eager's writes
+    are undone too), in a graph run op by op (runtime "eager"), and in a model that also counts its
+    steps in a buffer (saved whole; its graphs are not padded). Every cache (and the count) is
+    bitwise as before the step; the graph is captured again and the same step then equals eager."""
+    cfg = _config(runtime, monkeypatch)
+    model, reference = make(cfg), make(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4,
+                                   runtime=runtime, verify=verify)
+    batch = PagedBatch(cfg, seed=2)
+    with torch.no_grad():
+        for lens in ([30, 40], [31, 41, 51, 61]):  # dynamo's static graph (batch 2), then the dynamic one (b4)
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+        art = artifacts[-1]
+        captures = art.stats["captures"]
+        # a replay of b4.decode (PA), then the first replay of b8.decode (FIA), each failing on layer 1
+        for lens in ([32, 42, MARK], [60, 70, 80, MARK, 100, 110]):
+            inputs = batch.step(lens)
+            before = [t.clone() for t in _written(model)]
+            fault_in_layer(artifacts, _layer(model, 1).attn.key_cache)
+            with pytest.raises(InjectedFault):
+                fn(**inputs)
+            fault_in_layer.disarm()
+            _assert_as_before(model, before)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)  # the same step, again
+            assert_caches_close(model, reference)
+            for got, want in zip(_written(model), _written(reference), strict=True):
+                torch.testing.assert_close(got, want, **TOL)
+    assert art.stats["failed_steps"] == 2 and art.stats["eager_fallbacks"] == 0
+    if runtime != "eager":  # the failed graphs were dropped, captured again, and served the steps again
+        assert art.stats["replays"] == 3 and art.stats["captures"] > captures + 2
+
+
+@pytest.mark.parametrize("runtime", ["sim", "npu"])
+def test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before(runtime, fault_in_layer,
+                                                                                monkeypatch):
+    """A capture runs the graph (the simulator's capture run, npu's warm-up): one raising on layer 1
+    has incremented the step count, which a successful capture puts back; a failed one must too."""
+    cfg = _config(runtime, monkeypatch)
+    model, reference = Counted(cfg), Counted(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4,), runtime=runtime)
+    inputs = PagedBatch(cfg, seed=2).step([30, 40, 50])
+    before = [t.clone() for t in _written(model)]
+    fault_in_layer(artifacts, _layer(model, 1).attn.key_cache, mark=None)
+    with torch.no_grad():
+        with pytest.raises(Exception, match="failed on the later layer"):
+            fn(**inputs)
+        _assert_as_before(model, before)
+        assert artifacts[-1].stats["captures"] == 0
+        fault_in_layer.disarm()
+        torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    assert_caches_close(model, reference)
+    assert torch.equal(model.calls, reference.calls) and artifacts[-1].stats["replays"] == 1
