@@ -262,8 +262,10 @@ def test_empty_in_capture_comes_from_the_graph_pool_and_records_no_task() -> Non
         lambda t: t.tolist(),
         lambda t: bool(t[0] > 0),
         lambda t: torch.nonzero(t),
+        lambda t: t[t > 0],
+        lambda t: t[(t > 0).to(torch.uint8)],  # a uint8 index is a mask too (torch warns it is deprecated)
     ],
-    ids=["item", "tolist", "bool", "nonzero"],
+    ids=["item", "tolist", "bool", "nonzero", "bool mask", "uint8 mask"],
 )
 def test_host_sync_during_capture_is_refused(sync) -> None:
     rt = _rt()

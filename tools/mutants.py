@@ -510,6 +510,12 @@ MUTANTS = (
         "    if False:\n",
         ("tests/test_vllm_mla_real.py::test_another_mla_backend_is_refused_by_name",), vllm=True,
     ),
+    # issue 36: the mutation audit's survivors
+    Mutant(
+        "a uint8 mask index not a host read", "ascend_compile/runtime/sim/classify.py",
+        "i.dtype in (torch.bool, torch.uint8) for i in indices)", "i.dtype == torch.bool for i in indices)",
+        ("tests/test_sim.py::test_host_sync_during_capture_is_refused",),
+    ),
 )
 
 
