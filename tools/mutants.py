@@ -75,6 +75,7 @@ DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
+AUDIT36 = "tests/test_audit36_survivors.py"
 
 MUTANTS = (
     Mutant(
@@ -515,6 +516,17 @@ MUTANTS = (
         "a uint8 mask index not a host read", "ascend_compile/runtime/sim/classify.py",
         "i.dtype in (torch.bool, torch.uint8) for i in indices)", "i.dtype == torch.bool for i in indices)",
         ("tests/test_sim.py::test_host_sync_during_capture_is_refused",),
+    ),
+    Mutant(
+        "static inputs kept after an update rebinds", "ascend_compile/runtime/sim/updates.py",
+        "        task.rebind(op.args, op.kwargs)\n    handle.recording.static_inputs = None\n",
+        "        task.rebind(op.args, op.kwargs)\n",
+        ("tests/test_sim.py::test_an_update_moving_a_tensor_operand_moves_the_static_input_the_launch_checks",),
+    ),
+    Mutant(
+        "overlap check needs both inputs staged", "ascend_compile/lowering/inputs.py",
+        "(i in copied or j in copied)", "(i in copied and j in copied)",
+        (f"{AUDIT36}::test_a_staged_written_input_aliasing_the_kv_cache_runs_eagerly_and_equals_eager",),
     ),
 )
 
