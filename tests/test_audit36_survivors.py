@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ascend_compile.ops import tiling
+from tests.test_npu import CASE1_CFG, CASE1_OPTIONS, assert_all_close, fake_npu, run_model  # noqa: F401 (a fixture)
 from tests.test_runtime_graphs import BUF, CFG, Caller, TinyStep, compiled, dynamic_artifact
 
 # ------------------------------------------------ a staged written input aliasing one used in place
@@ -48,3 +50,24 @@ def test_a_staged_written_input_aliasing_the_kv_cache_runs_eagerly_and_equals_ea
     art = dynamic_artifact(artifacts)
     assert art.stats["replays"] == 0 and art.stats["eager_fallbacks"] >= 3
     assert any("overlap in memory" in why for why in art._fallbacks_logged)
+
+
+# ------------------------------------------------ PA's per-step workspace check, bucket by bucket
+
+
+def test_each_pa_step_is_checked_against_the_slot_of_its_own_graph(fake_npu):
+    """With `share_workspace=False` each bucket's graph has its own slot, sized at PA's capture length:
+    1,632 bytes for bucket 2, 3,264 for bucket 4. Two sequences of 1,281 need 3,264: more than their
+    graph's slot, so that step runs eagerly; three sequences needing 3,264 fit bucket 4's slot and
+    replay (neither is held to the other bucket's slot)."""
+    steps = ([100, 200, 300], [1281, 1281], [1281, 1281, 100], [300, 400])
+    options = dict(CASE1_OPTIONS, capture_sizes=(2, 4))
+    results, artifacts = run_model(steps, CASE1_CFG, share_workspace=False, sim_overflow="raise", **options)
+    assert_all_close(results)
+    plan = artifacts[-1].rewritten.plan
+    shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=128)
+    assert [plan.slots[f"attn_workspace_b{b}.decode"].nbytes for b in (2, 4)] == [1632, 3264]
+    assert tiling.workspace_nbytes(tiling.PA, shape, [1281, 1281]) == 3264
+    assert tiling.workspace_nbytes(tiling.PA, shape, [1281, 1281, 100, 1]) == 3264
+    stats = artifacts[-1].stats
+    assert (stats["eager_fallbacks"], stats["replays"]) == (1, 2)

@@ -528,6 +528,12 @@ MUTANTS = (
         "(i in copied or j in copied)", "(i in copied and j in copied)",
         (f"{AUDIT36}::test_a_staged_written_input_aliasing_the_kv_cache_runs_eagerly_and_equals_eager",),
     ),
+    Mutant(
+        "PA step checked against the largest slot", "ascend_compile/passes/npu_checks.py",
+        "            slot = call.workspace.meta[WORKSPACE_BYTES_KEY][str(key)]\n",
+        "            slot = max(call.workspace.meta[WORKSPACE_BYTES_KEY].values())\n",
+        (f"{AUDIT36}::test_each_pa_step_is_checked_against_the_slot_of_its_own_graph",),
+    ),
 )
 
 
