@@ -31,7 +31,8 @@ accepted: the docs ask only for non-negative lengths of at most KV_S); PA a bloc
 multiple of 16 of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot
 dtypes other than int32/int64, slots past the cache or repeated (negative ones it skips, as the
 kernel source does). FIA's max-workspace query answers the most any lengths the block table holds
-can need, in the query's dtype (its bytes are `numel * element_size`). Each stream has a core limit;
+can need, in the query's dtype (its bytes are `numel * element_size`); PA's query, like its kernel,
+refuses lengths its block table's rows do not hold. Each stream has a core limit;
 a task update issued on a stream limited otherwise than the task's capture is refused (it would
 re-tile the kernel for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's
 does. `HostReads` records host reads of tensor data (what a device kernel's binding must not issue),
@@ -161,8 +162,12 @@ def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, blo
 
 def _pa_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens,
                   out):
+    """The bytes PA needs for this call: asked with the kernel's arguments, which are held to the
+    kernel's rules, lengths that fit the block table's rows included (a question about a call the
+    kernel refuses has no answer)."""
     lens = _host_lengths("context_lens", context_lens)
     _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
+    validate.check_lengths(lens, [1] * len(lens), block_table.shape[1], key_cache.shape[1], "context_lens")
     nbytes = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(query, key_cache), lens)
     return torch.empty(nbytes, dtype=torch.uint8, device=query.device)
 

@@ -71,3 +71,14 @@ def test_each_pa_step_is_checked_against_the_slot_of_its_own_graph(fake_npu):
     assert tiling.workspace_nbytes(tiling.PA, shape, [1281, 1281, 100, 1]) == 3264
     stats = artifacts[-1].stats
     assert (stats["eager_fallbacks"], stats["replays"]) == (1, 2)
+
+
+def test_pa_is_asked_at_each_step_with_tables_as_wide_as_max_model_len_rounded_up(fake_npu):
+    """max_model_len 8000 takes 63 blocks of 128 (8064 tokens; 62 hold only 7936): PA's per-step
+    question is asked with 63-block tables, which hold the steps' sequences of up to 8000, and each
+    step (its slot sized at 8000) replays, equal to eager."""
+    steps = ([8000, 7990, 7000, 6500], [7950, 7000, 6200, 8000], [6145, 6145, 7999, 7937])
+    options = dict(CASE1_OPTIONS, max_model_len=8000, workspace_probe_lens=[8000])
+    results, artifacts = run_model(steps, CASE1_CFG, **options)
+    assert_all_close(results)
+    assert sum(a.stats["replays"] for a in artifacts) == 3 and sum(a.stats["eager_fallbacks"] for a in artifacts) == 0

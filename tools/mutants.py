@@ -534,6 +534,12 @@ MUTANTS = (
         "            slot = max(call.workspace.meta[WORKSPACE_BYTES_KEY].values())\n",
         (f"{AUDIT36}::test_each_pa_step_is_checked_against_the_slot_of_its_own_graph",),
     ),
+    Mutant(
+        "PA step check's table width floored", "ascend_compile/passes/npu_checks.py",
+        "            max_blocks = -(-max_model_len // call.meta.shape.block_size)\n            dtype",
+        "            max_blocks = max_model_len // call.meta.shape.block_size\n            dtype",
+        (f"{AUDIT36}::test_pa_is_asked_at_each_step_with_tables_as_wide_as_max_model_len_rounded_up",),
+    ),
 )
 
 
