@@ -5,9 +5,23 @@ generators' and the vLLM binding's are beside their subjects (`test_sim.py`, `te
 `test_vllm.py`)."""
 from __future__ import annotations
 
+import dataclasses
+import re
+
+import pytest
+import sympy
 import torch
 
+from ascend_compile.lowering.inputs import padded_copies
 from ascend_compile.ops import tiling
+from ascend_compile.passes import roles
+from examples.deepseek import build as build_deepseek
+from examples.llama import LlamaConfig, PagedBatch
+from examples.llama import build as build_llama
+from tests.test_backend import compiled_model
+from tests.test_mla_npu import CFG as MLA_CFG
+from tests.test_mla_npu import MAX_LEN as MLA_MAX_LEN
+from tests.test_mla_npu import TOL as MLA_TOL
 from tests.test_npu import CASE1_CFG, CASE1_OPTIONS, assert_all_close, fake_npu, run_model  # noqa: F401 (a fixture)
 from tests.test_runtime_graphs import BUF, CFG, Caller, TinyStep, compiled, dynamic_artifact
 
@@ -82,3 +96,55 @@ def test_pa_is_asked_at_each_step_with_tables_as_wide_as_max_model_len_rounded_u
     results, artifacts = run_model(steps, CASE1_CFG, **options)
     assert_all_close(results)
     assert sum(a.stats["replays"] for a in artifacts) == 3 and sum(a.stats["eager_fallbacks"] for a in artifacts) == 0
+
+
+# ------------------------------------------------ a model mixing latent and plain attention on "npu"
+
+
+class PlainAndLatent(torch.nn.Module):
+    """A plain (GQA) decoder and a latent-attention one over the same step: PA/FIA and MLA kernels in
+    one graph, both in the shapes torch_npu takes (bfloat16, blocks of 128, MLA's d 512 and rope 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = build_llama(LlamaConfig(num_layers=1, block_size=128, num_blocks=MLA_CFG.num_blocks,
+                                             dtype=torch.bfloat16))
+        self.latent = build_deepseek(dataclasses.replace(MLA_CFG, num_layers=1))
+
+    def forward(self, **inputs):
+        return self.plain(**inputs) + self.latent(**inputs)
+
+
+def test_a_model_mixing_plain_and_latent_attention_packs_mixed_padding_into_dummies_mla_takes(fake_npu):
+    """A graph with any MLA kernel packs a mixed step's padding into dummies of at most 16 query tokens
+    (FIA v2's MLA form takes 1-16 per sequence), plain layers beside it or not: bucket 32's mixed graph
+    is captured with two dummies of 16, and mixed steps padded by 27 or 26 tokens replay it, equal to
+    eager (dummies of 128 would have MLA refuse the capture and serve every mixed step eagerly)."""
+    fn, artifacts = compiled_model(PlainAndLatent(), runtime="npu", max_model_len=MLA_MAX_LEN, capture_sizes=(32,))
+    reference = PlainAndLatent()
+    batch = PagedBatch(MLA_CFG, seed=26, table_width=MLA_MAX_LEN // MLA_CFG.block_size)
+    with torch.no_grad():
+        for lens, qlens in (([40, 300, 7], [3, 1, 1]), ([100, 5, 600], None), ([600, 20], [4, 2])):
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **MLA_TOL)
+    assert sum(a.stats["replays"] for a in artifacts) == 3 and sum(a.stats["eager_fallbacks"] for a in artifacts) == 0
+    graphs = artifacts[-1].describe()["graphs"]
+    (mla,) = [e for e in graphs["b32.mixed"]["update_table"] if e["kernel"] == tiling.MLA]
+    assert mla["frozen_at_capture"]["actual_seq_qlen"] == [16, 32]
+
+
+# ------------------------------------------------ a block table that does not fit its graph
+
+
+@pytest.mark.parametrize("shape, why", [
+    ((8, 32), r"\(block_table has 8 rows, more than the graph's 4 sequences: it takes one row per sequence "
+              r"of the step, as many as seq_lens has\)$"),
+    ((4, 40), r"\(block_table is wider than max_model_len / block_size\)$"),
+], ids=["rows", "width"])
+def test_a_block_table_too_large_for_its_graph_is_refused_naming_what_is_too_large(shape, why):
+    """A block table with more rows than the graph has sequences (a persistent buffer's view not cut
+    to the step's requests) is not blamed on its width."""
+    spec = roles.InputSpec(0, "vllm_block_table_0", roles.Role.BLOCK_TABLE, (sympy.Symbol("s0"), 32))
+    with pytest.raises(ValueError, match=rf"^vllm_block_table_0: shape {re.escape(str(shape))} does not fit the "
+                                         rf"graph's padded shape \(4, 32\) " + why):
+        padded_copies(spec, shape, torch.zeros(4, 32, dtype=torch.int32), 3, 4)

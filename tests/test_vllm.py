@@ -103,8 +103,9 @@ def test_flash_attn_cache_halves_are_refused_at_compile_on_npu(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
 def test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences(backend):
-    """A runner's `query_start_loc` may be a view of its persistent buffer, longer than `num_reqs + 1`
-    (the tail repeating the last offset): the step reads the first `num_reqs + 1` entries."""
+    """A runner's `query_start_loc` and block table may be views of its persistent buffers, longer than
+    `num_reqs + 1` (the tail repeating the last offset) and `num_reqs` rows: the step reads the first
+    `num_reqs + 1` entries and `num_reqs` rows."""
     artifacts = []
     pair = Pair(backend, 16, "sim", artifacts)
     rng = random.Random(7)

@@ -540,6 +540,17 @@ MUTANTS = (
         "            max_blocks = max_model_len // call.meta.shape.block_size\n            dtype",
         (f"{AUDIT36}::test_pa_is_asked_at_each_step_with_tables_as_wide_as_max_model_len_rounded_up",),
     ),
+    Mutant(
+        "MLA's dummy limit only where every kernel is MLA", "ascend_compile/passes/padding.py",
+        "    return MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA",
+        "    return MLA_PADDING_CHUNK if all(call.meta.kernel == tiling.MLA",
+        (f"{AUDIT36}::test_a_model_mixing_plain_and_latent_attention_packs_mixed_padding_into_dummies_mla_takes",),
+    ),
+    Mutant(
+        "vLLM block table not cut to num_reqs", "ascend_compile/integrations/vllm_context.py",
+        "    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]\n", "    return getattr(metadata, field)\n",
+        ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
+    ),
 )
 
 

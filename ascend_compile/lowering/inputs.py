@@ -301,10 +301,8 @@ def padded_copies(spec: InputSpec, shape: Sequence[int], dest: torch.Tensor, tok
     if tuple(shape) == tuple(dest.shape):  # nothing to pad
         return [(dest, None)]
     if any(a > p for a, p in zip(shape, dest.shape)):
-        raise ValueError(
-            f"{spec.name}: shape {tuple(shape)} does not fit the graph's padded shape {tuple(dest.shape)}"
-            + (" (block_table is wider than max_model_len / block_size)" if spec.role is Role.BLOCK_TABLE else "")
-        )
+        raise ValueError(f"{spec.name}: shape {tuple(shape)} does not fit the graph's padded shape "
+                         f"{tuple(dest.shape)}{_too_large(spec, shape, dest.shape)}")
     copies = [(dest[tuple(slice(0, n) for n in shape)], None)]
     pad = torch.full((), PAD_VALUE.get(spec.role, 0), dtype=dest.dtype, device=dest.device)
     for dim, (actual, full) in enumerate(zip(shape, dest.shape)):
@@ -312,6 +310,16 @@ def padded_copies(spec: InputSpec, shape: Sequence[int], dest: torch.Tensor, tok
             region = dest[tuple(slice(0, shape[d]) for d in range(dim)) + (slice(actual, None),)]
             copies.append((region, pad.expand(region.shape)))
     return copies
+
+
+def _too_large(spec: InputSpec, shape: Sequence[int], padded: Sequence[int]) -> str:
+    """What of a block table `shape` exceeds its graph's `padded` shape (rows, width), in words."""
+    if spec.role is not Role.BLOCK_TABLE or len(shape) != 2:
+        return ""
+    why = [f"block_table has {shape[0]} rows, more than the graph's {padded[0]} sequences: it takes one row per "
+           f"sequence of the step, as many as seq_lens has"] if shape[0] > padded[0] else []
+    why += ["block_table is wider than max_model_len / block_size"] if shape[1] > padded[1] else []
+    return f" ({'; '.join(why)})"
 
 
 def gather(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
