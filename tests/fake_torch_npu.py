@@ -3,7 +3,8 @@
 It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
 ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
 `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
-`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state`, `empty_cache`,
+`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state` / `manual_seed(_all)` /
+`default_generators` (the NPU's own generator, apart from the CPU's), `empty_cache`,
 `host_empty_cache`, `get/set_stream_limit`, ...), `torch_npu._C._weak_ref_tensor`, the attention kernels
 with their workspace queries (FIA v2's MLA form in `tests/fake_torch_npu_mla.py`), and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
@@ -13,7 +14,9 @@ records each call as one task: the ops of torch_npu's namespaces are the device'
 a host read inside it fails the capture as on the device. They compute for real, with the project's reference kernels, and
 their workspace queries answer with the reference tiling (whose need peaks at an interior length).
 
-The device is the CPU and the simulator (`ascend_compile/runtime/sim/`) plays the ACL runtime:
+The device is the CPU and the simulator (`ascend_compile/runtime/sim/`) plays the ACL runtime; its
+random kernel (`torch.multinomial`, a sampler's) draws from the NPU's generator, not the CPU's, and
+`torch.manual_seed` seeds both, as with torch_npu loaded:
 captured ops become tasks, capture-time memory is poisoned, host arguments are frozen until a task
 update, and a replay that reaches an external event nobody recorded raises instead of hanging.
 Each fake `Stream` is a simulator stream and each `Event` / `ExternalEvent` a simulator event, so
@@ -48,6 +51,7 @@ import importlib.util
 import itertools
 import sys
 import types
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -355,6 +359,11 @@ def _define_ops() -> None:
     npu.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
     npu.impl("_npu_fused_infer_attention_score_get_max_workspace", _fia_max_workspace, "CPU")
     npu.impl("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache, "CPU")
+    aten = torch.library.Library("aten", "IMPL")
+    _LIBRARIES.append(aten)
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": on purpose
+        warnings.simplefilter("ignore")
+        aten.impl("multinomial", _multinomial, "CPU")
     from tests import fake_torch_npu_mla
 
     fake_torch_npu_mla.register(npu)
@@ -465,6 +474,9 @@ class FakeNpu:
         self.ids = itertools.count()
         self.default_stream: Stream | None = None
         self.streams: list[Stream] = []
+        #: The NPU's default generator (`torch.npu.default_generators[0]`), apart from the CPU's as
+        #: torch_npu's `NPUGeneratorImpl` is: the device's random kernels draw from it (`_multinomial`).
+        self.generator = torch.Generator()
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
@@ -720,14 +732,41 @@ def current_device():
 
 
 def get_rng_state(device="npu"):
-    """`torch_npu/npu/random.py: get_rng_state`: the NPU's default generator state; the fake's
-    device is the CPU, whose ops draw from the CPU generator."""
-    return torch.random.get_rng_state()
+    """`torch_npu/npu/random.py: get_rng_state`: the state of the NPU's default generator, which is
+    not the CPU's (`FakeNpu.generator`)."""
+    return _fake().generator.get_state()
 
 
 def set_rng_state(new_state, device="npu"):
-    """`torch_npu/npu/random.py: set_rng_state` (the CPU generator, as `get_rng_state`)."""
-    torch.random.set_rng_state(new_state)
+    """`torch_npu/npu/random.py: set_rng_state`: the NPU's default generator's state."""
+    _fake().generator.set_state(new_state)
+
+
+def manual_seed_all(seed):
+    """`torch_npu/npu/random.py: manual_seed_all`, which `torch.manual_seed` calls for the NPU
+    (torch's `_seed_custom_device`, torch_npu naming the privateuse1 backend "npu"): `install`
+    makes `torch.manual_seed` call it too."""
+    _fake().generator.manual_seed(int(seed))
+
+
+def manual_seed(seed):
+    """`torch_npu/npu/random.py: manual_seed`: the current NPU's generator (the fake has one NPU)."""
+    _fake().generator.manual_seed(int(seed))
+
+
+def _is_in_bad_fork():
+    return False
+
+
+def _multinomial(self, num_samples, replacement=False, *, generator=None):
+    """The CPU kernel of `aten::multinomial` while the fake is loaded: the fake's device is the CPU,
+    and its random kernel draws from the NPU's generator unless given one, as a sampler's
+    `torch.multinomial` on an NPU tensor does on the device. With no fake installed, the CPU's,
+    as torch's own kernel (whose draws the `.out` overload's are)."""
+    if generator is None and _ACTIVE is not None:
+        generator = _ACTIVE.generator
+    out = torch.empty(self.shape[:-1] + (num_samples,), dtype=torch.long, device=self.device)
+    return torch.ops.aten.multinomial.out(self, num_samples, replacement, generator=generator, out=out)
 
 
 def is_available():
@@ -766,8 +805,8 @@ def _logged(name: str, fn: Any) -> Any:
 NPU_FUNCTIONS = (
     Stream, Event, ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end, synchronize, current_stream,
-    stream, current_device, is_available, device_count, get_rng_state, set_rng_state, empty_cache, host_empty_cache,
-    get_stream_limit, set_stream_limit,
+    stream, current_device, is_available, device_count, get_rng_state, set_rng_state, manual_seed, manual_seed_all,
+    _is_in_bad_fork, empty_cache, host_empty_cache, get_stream_limit, set_stream_limit,
 )
 
 
@@ -789,6 +828,7 @@ def install(
     npu = types.ModuleType("torch_npu.npu")
     for fn in NPU_FUNCTIONS:
         setattr(npu, fn.__name__, fn)
+    npu.default_generators = (fake.generator,)
     c = types.ModuleType("torch_npu._C")
     c._weak_ref_tensor = _weak_ref_tensor
     c._NPUTaskGroupHandle = _NPUTaskGroupHandle
@@ -818,5 +858,6 @@ def install(
     for name, module in (("torch_npu", torch_npu), ("torch_npu.npu", npu), ("torch_npu._C", c)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(torch.random, "_seed_custom_device", manual_seed_all)  # torch.manual_seed seeds the NPU
     monkeypatch.setattr(runtime_npu, "NPU_DEVICE_TYPE", "cpu")
     return fake

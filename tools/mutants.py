@@ -551,6 +551,11 @@ MUTANTS = (
         "    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]\n", "    return getattr(metadata, field)\n",
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
     ),
+    Mutant(
+        "NPU generator not kept", "ascend_compile/runtime/npu.py",
+        "        return generators_kept(self.npu, self._device)\n", "        return generators_kept()\n",
+        ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step",),
+    ),
 )
 
 
