@@ -556,6 +556,11 @@ MUTANTS = (
         "        return generators_kept(self.npu, self._device)\n", "        return generators_kept()\n",
         ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step",),
     ),
+    Mutant(
+        "vLLM-Ascend query ends too many accepted", "ascend_compile/integrations/vllm_metadata.py",
+        "if len(lens) != seqs or len(ends) != seqs:", "if len(lens) != seqs or len(ends) < seqs:",
+        ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
+    ),
 )
 
 

@@ -89,7 +89,8 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     """Host conversions of one step (one `tolist()` per length input) and its checks.
 
     `host_copies` (a provider's, `Provider.host`) are taken for the inputs they name instead of
-    their tensors' data: no device-to-host read for those. Without `host_lengths` (a target whose
+    their tensors' data: no device-to-host read for those (a copy of another length than its
+    tensor is a provider's bug, refused naming the input). Without `host_lengths` (a target whose
     kernels read lengths on the device) nothing is converted, so the host never waits for the
     device: decode steps are those with as many tokens as sequences, and the checks
     (`max_model_len`, at least one query token per sequence) run on the device."""
@@ -107,6 +108,9 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
         if copy is None:
             reads += 1
             return args[spec.index].tolist()
+        if len(copy) != args[spec.index].shape[0]:  # its length is the tensor's shape: checked without a read
+            raise ValueError(f"{spec.name}: its host copy has {len(copy)} entries and the tensor "
+                             f"{args[spec.index].shape[0]}: a provider's host copy stands for the tensor's values")
         return copy
 
     for spec in signature.by_role(Role.SEQ_LENS):
