@@ -3,7 +3,8 @@
 It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
 ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
 `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
-`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state`, `empty_cache`,
+`stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state` / `manual_seed(_all)` /
+`default_generators` (the NPU's own generator, apart from the CPU's), `empty_cache`,
 `host_empty_cache`, `get/set_stream_limit`, ...), `torch_npu._C._weak_ref_tensor`, the attention kernels
 with their workspace queries (FIA v2's MLA form in `tests/fake_torch_npu_mla.py`), and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
@@ -13,7 +14,9 @@ records each call as one task: the ops of torch_npu's namespaces are the device'
 a host read inside it fails the capture as on the device. They compute for real, with the project's reference kernels, and
 their workspace queries answer with the reference tiling (whose need peaks at an interior length).
 
-The device is the CPU and the simulator (`ascend_compile/runtime/sim/`) plays the ACL runtime:
+The device is the CPU and the simulator (`ascend_compile/runtime/sim/`) plays the ACL runtime; its
+random kernel (`torch.multinomial`, a sampler's) draws from the NPU's generator, not the CPU's, and
+`torch.manual_seed` seeds both, as with torch_npu loaded:
 captured ops become tasks, capture-time memory is poisoned, host arguments are frozen until a task
 update, and a replay that reaches an external event nobody recorded raises instead of hanging.
 Each fake `Stream` is a simulator stream and each `Event` / `ExternalEvent` a simulator event, so
@@ -31,7 +34,8 @@ accepted: the docs ask only for non-negative lengths of at most KV_S); PA a bloc
 multiple of 16 of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot
 dtypes other than int32/int64, slots past the cache or repeated (negative ones it skips, as the
 kernel source does). FIA's max-workspace query answers the most any lengths the block table holds
-can need, in the query's dtype (its bytes are `numel * element_size`). Each stream has a core limit;
+can need, in the query's dtype (its bytes are `numel * element_size`); PA's query, like its kernel,
+refuses lengths its block table's rows do not hold. Each stream has a core limit;
 a task update issued on a stream limited otherwise than the task's capture is refused (it would
 re-tile the kernel for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's
 does. `HostReads` records host reads of tensor data (what a device kernel's binding must not issue),
@@ -47,6 +51,7 @@ import importlib.util
 import itertools
 import sys
 import types
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -161,8 +166,12 @@ def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, blo
 
 def _pa_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens,
                   out):
+    """The bytes PA needs for this call: asked with the kernel's arguments, which are held to the
+    kernel's rules, lengths that fit the block table's rows included (a question about a call the
+    kernel refuses has no answer)."""
     lens = _host_lengths("context_lens", context_lens)
     _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
+    validate.check_lengths(lens, [1] * len(lens), block_table.shape[1], key_cache.shape[1], "context_lens")
     nbytes = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(query, key_cache), lens)
     return torch.empty(nbytes, dtype=torch.uint8, device=query.device)
 
@@ -350,6 +359,11 @@ def _define_ops() -> None:
     npu.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
     npu.impl("_npu_fused_infer_attention_score_get_max_workspace", _fia_max_workspace, "CPU")
     npu.impl("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache, "CPU")
+    aten = torch.library.Library("aten", "IMPL")
+    _LIBRARIES.append(aten)
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": on purpose
+        warnings.simplefilter("ignore")
+        aten.impl("multinomial", _multinomial, "CPU")
     from tests import fake_torch_npu_mla
 
     fake_torch_npu_mla.register(npu)
@@ -460,6 +474,9 @@ class FakeNpu:
         self.ids = itertools.count()
         self.default_stream: Stream | None = None
         self.streams: list[Stream] = []
+        #: The NPU's default generator (`torch.npu.default_generators[0]`), apart from the CPU's as
+        #: torch_npu's `NPUGeneratorImpl` is: the device's random kernels draw from it (`_multinomial`).
+        self.generator = torch.Generator()
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
@@ -715,14 +732,41 @@ def current_device():
 
 
 def get_rng_state(device="npu"):
-    """`torch_npu/npu/random.py: get_rng_state`: the NPU's default generator state; the fake's
-    device is the CPU, whose ops draw from the CPU generator."""
-    return torch.random.get_rng_state()
+    """`torch_npu/npu/random.py: get_rng_state`: the state of the NPU's default generator, which is
+    not the CPU's (`FakeNpu.generator`)."""
+    return _fake().generator.get_state()
 
 
 def set_rng_state(new_state, device="npu"):
-    """`torch_npu/npu/random.py: set_rng_state` (the CPU generator, as `get_rng_state`)."""
-    torch.random.set_rng_state(new_state)
+    """`torch_npu/npu/random.py: set_rng_state`: the NPU's default generator's state."""
+    _fake().generator.set_state(new_state)
+
+
+def manual_seed_all(seed):
+    """`torch_npu/npu/random.py: manual_seed_all`, which `torch.manual_seed` calls for the NPU
+    (torch's `_seed_custom_device`, torch_npu naming the privateuse1 backend "npu"): `install`
+    makes `torch.manual_seed` call it too."""
+    _fake().generator.manual_seed(int(seed))
+
+
+def manual_seed(seed):
+    """`torch_npu/npu/random.py: manual_seed`: the current NPU's generator (the fake has one NPU)."""
+    _fake().generator.manual_seed(int(seed))
+
+
+def _is_in_bad_fork():
+    return False
+
+
+def _multinomial(self, num_samples, replacement=False, *, generator=None):
+    """The CPU kernel of `aten::multinomial` while the fake is loaded: the fake's device is the CPU,
+    and its random kernel draws from the NPU's generator unless given one, as a sampler's
+    `torch.multinomial` on an NPU tensor does on the device. With no fake installed, the CPU's,
+    as torch's own kernel (whose draws the `.out` overload's are)."""
+    if generator is None and _ACTIVE is not None:
+        generator = _ACTIVE.generator
+    out = torch.empty(self.shape[:-1] + (num_samples,), dtype=torch.long, device=self.device)
+    return torch.ops.aten.multinomial.out(self, num_samples, replacement, generator=generator, out=out)
 
 
 def is_available():
@@ -761,8 +805,8 @@ def _logged(name: str, fn: Any) -> Any:
 NPU_FUNCTIONS = (
     Stream, Event, ExternalEvent, NPUGraph, graph, graph_pool_handle, graph_task_group_begin,
     graph_task_group_end, graph_task_update_begin, graph_task_update_end, synchronize, current_stream,
-    stream, current_device, is_available, device_count, get_rng_state, set_rng_state, empty_cache, host_empty_cache,
-    get_stream_limit, set_stream_limit,
+    stream, current_device, is_available, device_count, get_rng_state, set_rng_state, manual_seed, manual_seed_all,
+    _is_in_bad_fork, empty_cache, host_empty_cache, get_stream_limit, set_stream_limit,
 )
 
 
@@ -784,6 +828,7 @@ def install(
     npu = types.ModuleType("torch_npu.npu")
     for fn in NPU_FUNCTIONS:
         setattr(npu, fn.__name__, fn)
+    npu.default_generators = (fake.generator,)
     c = types.ModuleType("torch_npu._C")
     c._weak_ref_tensor = _weak_ref_tensor
     c._NPUTaskGroupHandle = _NPUTaskGroupHandle
@@ -813,5 +858,6 @@ def install(
     for name, module in (("torch_npu", torch_npu), ("torch_npu.npu", npu), ("torch_npu._C", c)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(torch, "npu", npu, raising=False)
+    monkeypatch.setattr(torch.random, "_seed_custom_device", manual_seed_all)  # torch.manual_seed seeds the NPU
     monkeypatch.setattr(runtime_npu, "NPU_DEVICE_TYPE", "cpu")
     return fake

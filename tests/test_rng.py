@@ -137,6 +137,22 @@ def test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step(monkey
     assert not mismatched, f"steps {mismatched} drew other tokens than eager"
 
 
+def test_the_fake_npus_sampling_draws_from_its_own_generator(monkeypatch):
+    """The fake torch_npu's NPU has a generator of its own, as torch_npu's do: `torch.multinomial`
+    draws from it and leaves the CPU's alone, and `torch.manual_seed` seeds it too. So work that
+    leaves only the CPU generator as it found it is told apart from work that leaves both."""
+    fake_torch_npu.install(monkeypatch)
+    probs = torch.full((4, 10), 0.1)
+    torch.manual_seed(5)
+    cpu = torch.get_rng_state()
+    first = torch.multinomial(probs, 2)
+    assert torch.equal(torch.get_rng_state(), cpu)
+    after = torch.npu.get_rng_state()
+    assert torch.equal(after, torch.npu.default_generators[0].get_state())
+    torch.npu.manual_seed(5)
+    assert torch.equal(torch.multinomial(probs, 2), first) and torch.equal(torch.npu.get_rng_state(), after)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_sampling_on_cuda_graphs_matches_eager_at_bucket_sizes():
     """Runtime "cuda": the default CUDA generator is registered with each graph, warm-up and capture

@@ -262,8 +262,10 @@ def test_empty_in_capture_comes_from_the_graph_pool_and_records_no_task() -> Non
         lambda t: t.tolist(),
         lambda t: bool(t[0] > 0),
         lambda t: torch.nonzero(t),
+        lambda t: t[t > 0],
+        lambda t: t[(t > 0).to(torch.uint8)],  # a uint8 index is a mask too (torch warns it is deprecated)
     ],
-    ids=["item", "tolist", "bool", "nonzero"],
+    ids=["item", "tolist", "bool", "nonzero", "bool mask", "uint8 mask"],
 )
 def test_host_sync_during_capture_is_refused(sync) -> None:
     rt = _rt()
@@ -519,6 +521,28 @@ def test_an_update_can_move_tensor_operands() -> None:
     g.replay()
     rt.synchronize()
     assert _rows(out) == [10.0, 20.0]
+
+
+def test_an_update_moving_a_tensor_operand_moves_the_static_input_the_launch_checks() -> None:
+    """After an update rebinds a task to another tensor, the graph's static inputs are that tensor's
+    memory: a host write into it between replay() and the replay running is an error, and one into
+    the tensor the task no longer reads is not."""
+    rt = _rt()
+    g, handle, x, out = _capture_scale_rows(rt, [1, 1])
+    g.replay()
+    rt.synchronize()  # the static inputs of the capture (x) are known now
+    other = _static(rt, torch.full((2, 3), 10.0))
+    with rt.task_update(handle):
+        torch.ops.simtest.scale_rows(other, [1, 2], out)
+    rt.synchronize()
+    g.replay()
+    x.fill_(5.0)  # no task reads x any more
+    rt.synchronize()
+    assert _rows(out) == [10.0, 20.0]
+    g.replay()
+    other.fill_(3.0)  # the launched replay, not run yet, reads it: on the device it would read 3s
+    with pytest.raises(ReplayError, match="host wrote after replay"):
+        rt.synchronize()
 
 
 def test_an_update_of_an_op_with_a_fresh_output_keeps_its_address() -> None:

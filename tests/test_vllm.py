@@ -7,6 +7,7 @@ import collections
 import json
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from ascend_compile import cli
 from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
-from ascend_compile.integrations import vllm_context
+from ascend_compile.integrations import vllm_context, vllm_metadata
 from ascend_compile.integrations.vllm_memory import graph_memory
 from tests import fake_torch_npu
 from tests import vllm_standin as v
@@ -103,8 +104,9 @@ def test_flash_attn_cache_halves_are_refused_at_compile_on_npu(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
 def test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences(backend):
-    """A runner's `query_start_loc` may be a view of its persistent buffer, longer than `num_reqs + 1`
-    (the tail repeating the last offset): the step reads the first `num_reqs + 1` entries."""
+    """A runner's `query_start_loc` and block table may be views of its persistent buffers, longer than
+    `num_reqs + 1` (the tail repeating the last offset) and `num_reqs` rows: the step reads the first
+    `num_reqs + 1` entries and `num_reqs` rows."""
     artifacts = []
     pair = Pair(backend, 16, "sim", artifacts)
     rng = random.Random(7)
@@ -207,19 +209,53 @@ def test_vllm_ascend_steps_read_no_length_from_the_device(fields):
     assert sources["vllm_query_start_loc_0"].endswith("(on the host: [0] + .actual_seq_lengths_q)")
 
 
-def test_stale_vllm_ascend_host_lengths_are_not_used(caplog):
-    """Host copies failing a check (ends short of the step's tokens: a previous step's list) are not
-    taken: the step reads the device tensors, with one warning, and stays equal to eager."""
-    def stale(meta):
-        meta.actual_seq_lengths_q = [end - 1 for end in meta.actual_seq_lengths_q]
+def _stale(meta):
+    meta.actual_seq_lengths_q = [end - 1 for end in meta.actual_seq_lengths_q]
 
+
+def _one_end_too_many(meta):
+    meta.actual_seq_lengths_q = [*meta.actual_seq_lengths_q, meta.actual_seq_lengths_q[-1]]
+
+
+def _one_length_too_many(meta):
+    meta.seq_lens_list = [*meta.seq_lens_list, 1]
+
+
+@pytest.mark.parametrize("corrupt, why", [
+    (_stale, r"actual_seq_lengths_q ends at \d+, before the step's num_actual_tokens=\d+ \(stale\)"),
+    # the warning is the first step's, of 3 sequences
+    (_one_end_too_many, r"seq_lens_list \(3 entries\) and actual_seq_lengths_q \(4\) do not have one entry per "
+                        r"sequence of seq_lens \(3\)"),
+    (_one_length_too_many, r"seq_lens_list \(4 entries\) and actual_seq_lengths_q \(3\) do not have one entry per "
+                           r"sequence of seq_lens \(3\)"),
+], ids=["stale", "one end too many", "one length too many"])
+def test_stale_vllm_ascend_host_lengths_are_not_used(caplog, corrupt, why):
+    """Host copies failing a check (ends short of the step's tokens: a previous step's list; a list
+    with an entry more than the step has sequences) are not taken: the step reads the device
+    tensors, with one warning saying why, and stays equal to eager."""
     artifacts = []
     pair = Pair("ASCEND", 16, "sim", artifacts)
     with caplog.at_level(logging.WARNING, logger="ascend_compile"):
-        assert _device_reads_per_step(pair, ("query_start_loc",), corrupt=stale) == [1, 1, 1, 1]
+        assert _device_reads_per_step(pair, ("query_start_loc",), corrupt=corrupt) == [1, 1, 1, 1]
     warnings = [r.getMessage() for r in caplog.records if "reading seq_lens and query_start_loc" in r.getMessage()]
-    assert len(warnings) == 1 and "(stale)" in warnings[0]
+    assert len(warnings) == 1 and re.search(why, warnings[0]), warnings
     assert artifacts[0].stats["host_copies"] == 0
+
+
+def test_a_host_copy_of_another_length_than_its_tensor_fails_the_step_naming_the_input(monkeypatch):
+    """The runner takes a provider's host copies on its word (`Provider.host`), but not one whose
+    length is not its tensor's (a provider's bug): the step fails naming the input and both lengths,
+    before a kernel blames another argument."""
+    monkeypatch.setattr(vllm_metadata.HostLengths, "problem", staticmethod(lambda *args: None))  # checks nothing
+    pair = Pair("ASCEND", 16, "sim", [])
+    step = pair.step(random.Random(5), 3, False)
+    metadata, _ = v.build_metadata(pair.models[0], step)
+    _one_end_too_many(next(iter(metadata.values())))
+    ids, positions = torch.randint(0, 64, (step.num_tokens,)), torch.tensor(step.positions())
+    with pytest.raises(ValueError, match=r"^vllm_query_start_loc_0: its host copy has 5 entries and the tensor 4: "
+                                         r"a provider's host copy stands for the tensor's values"):
+        with torch.no_grad(), v.set_forward_context(metadata, pair.configs[0]):
+            pair.compiled(ids, positions)
 
 
 def test_update_table_names_the_forward_context_fields(tmp_path, capsys):

@@ -718,13 +718,16 @@ class Step:
 def build_metadata(model: StandInModel, step: Step, device="cpu", spare_reqs: int = 0):
     """(attn_metadata, slot_mapping) for `set_forward_context`: one metadata object shared by every layer
     (one KV-cache group), keyed by layer name, as vLLM's and vLLM-Ascend's runners build them.
-    `spare_reqs`: `query_start_loc` is that much longer than `num_reqs + 1`, as a view of a runner's
-    persistent buffer is, its tail holding the last offset."""
+    `spare_reqs`: `query_start_loc` and the block table are views of a runner's persistent buffers for
+    that many more requests than `num_reqs`, the tail of `query_start_loc` holding the last offset and
+    the spare block-table rows block 0."""
     names = list(model.attention_layers())
     qsl = torch.tensor(step.query_start_loc + step.query_start_loc[-1:] * spare_reqs, dtype=torch.int32)
     seq_lens = torch.tensor(step.seq_lens, dtype=torch.int32)
     slots = step.slot_mapping().to(device)
-    block_table = step.block_table.to(device=device, dtype=torch.int32)
+    rows = len(step.seq_lens)
+    block_table = torch.zeros(rows + spare_reqs, step.block_table.shape[1], dtype=torch.int32, device=device)
+    block_table[:rows] = step.block_table
     if model.backend == "FLASH_ATTN":
         meta = FlashAttentionMetadata(
             num_actual_tokens=step.num_tokens, max_query_len=max(step.query_lens), query_start_loc=qsl.to(device),

@@ -75,6 +75,7 @@ DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
+AUDIT36 = "tests/test_audit36_survivors.py"
 
 DIFFERENTIAL = "tests/test_differential.py"
 
@@ -526,6 +527,56 @@ MUTANTS = (
         "    if path not in SUPPORTED_MLA_BACKENDS:\n",
         "    if False:\n",
         ("tests/test_vllm_mla_real.py::test_another_mla_backend_is_refused_by_name",), vllm=True,
+    ),
+    # issue 36: the mutation audit's survivors
+    Mutant(
+        "a uint8 mask index not a host read", "ascend_compile/runtime/sim/classify.py",
+        "i.dtype in (torch.bool, torch.uint8) for i in indices)", "i.dtype == torch.bool for i in indices)",
+        ("tests/test_sim.py::test_host_sync_during_capture_is_refused",),
+    ),
+    Mutant(
+        "static inputs kept after an update rebinds", "ascend_compile/runtime/sim/updates.py",
+        "        task.rebind(op.args, op.kwargs)\n    handle.recording.static_inputs = None\n",
+        "        task.rebind(op.args, op.kwargs)\n",
+        ("tests/test_sim.py::test_an_update_moving_a_tensor_operand_moves_the_static_input_the_launch_checks",),
+    ),
+    Mutant(
+        "overlap check needs both inputs staged", "ascend_compile/lowering/inputs.py",
+        "(i in copied or j in copied)", "(i in copied and j in copied)",
+        (f"{AUDIT36}::test_a_staged_written_input_aliasing_the_kv_cache_runs_eagerly_and_equals_eager",),
+    ),
+    Mutant(
+        "PA step checked against the largest slot", "ascend_compile/passes/npu_checks.py",
+        "            slot = call.workspace.meta[WORKSPACE_BYTES_KEY][str(key)]\n",
+        "            slot = max(call.workspace.meta[WORKSPACE_BYTES_KEY].values())\n",
+        (f"{AUDIT36}::test_each_pa_step_is_checked_against_the_slot_of_its_own_graph",),
+    ),
+    Mutant(
+        "PA step check's table width floored", "ascend_compile/passes/npu_checks.py",
+        "            max_blocks = -(-max_model_len // call.meta.shape.block_size)\n            dtype",
+        "            max_blocks = max_model_len // call.meta.shape.block_size\n            dtype",
+        (f"{AUDIT36}::test_pa_is_asked_at_each_step_with_tables_as_wide_as_max_model_len_rounded_up",),
+    ),
+    Mutant(
+        "MLA's dummy limit only where every kernel is MLA", "ascend_compile/passes/padding.py",
+        "    return MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA",
+        "    return MLA_PADDING_CHUNK if all(call.meta.kernel == tiling.MLA",
+        (f"{AUDIT36}::test_a_model_mixing_plain_and_latent_attention_packs_mixed_padding_into_dummies_mla_takes",),
+    ),
+    Mutant(
+        "vLLM block table not cut to num_reqs", "ascend_compile/integrations/vllm_context.py",
+        "    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]\n", "    return getattr(metadata, field)\n",
+        ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
+    ),
+    Mutant(
+        "NPU generator not kept", "ascend_compile/runtime/npu.py",
+        "        return generators_kept(self.npu, self._device)\n", "        return generators_kept()\n",
+        ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step",),
+    ),
+    Mutant(
+        "vLLM-Ascend query ends too many accepted", "ascend_compile/integrations/vllm_metadata.py",
+        "if len(lens) != seqs or len(ends) != seqs:", "if len(lens) != seqs or len(ends) < seqs:",
+        ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
     ),
 )
 

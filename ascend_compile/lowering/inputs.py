@@ -89,7 +89,8 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     """Host conversions of one step (one `tolist()` per length input) and its checks.
 
     `host_copies` (a provider's, `Provider.host`) are taken for the inputs they name instead of
-    their tensors' data: no device-to-host read for those. Without `host_lengths` (a target whose
+    their tensors' data: no device-to-host read for those (a copy of another length than its
+    tensor is a provider's bug, refused naming the input). Without `host_lengths` (a target whose
     kernels read lengths on the device) nothing is converted, so the host never waits for the
     device: decode steps are those with as many tokens as sequences, and the checks
     (`max_model_len`, at least one query token per sequence) run on the device."""
@@ -107,6 +108,9 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
         if copy is None:
             reads += 1
             return args[spec.index].tolist()
+        if len(copy) != args[spec.index].shape[0]:  # its length is the tensor's shape: checked without a read
+            raise ValueError(f"{spec.name}: its host copy has {len(copy)} entries and the tensor "
+                             f"{args[spec.index].shape[0]}: a provider's host copy stands for the tensor's values")
         return copy
 
     for spec in signature.by_role(Role.SEQ_LENS):
@@ -301,10 +305,8 @@ def padded_copies(spec: InputSpec, shape: Sequence[int], dest: torch.Tensor, tok
     if tuple(shape) == tuple(dest.shape):  # nothing to pad
         return [(dest, None)]
     if any(a > p for a, p in zip(shape, dest.shape)):
-        raise ValueError(
-            f"{spec.name}: shape {tuple(shape)} does not fit the graph's padded shape {tuple(dest.shape)}"
-            + (" (block_table is wider than max_model_len / block_size)" if spec.role is Role.BLOCK_TABLE else "")
-        )
+        raise ValueError(f"{spec.name}: shape {tuple(shape)} does not fit the graph's padded shape "
+                         f"{tuple(dest.shape)}{_too_large(spec, shape, dest.shape)}")
     copies = [(dest[tuple(slice(0, n) for n in shape)], None)]
     pad = torch.full((), PAD_VALUE.get(spec.role, 0), dtype=dest.dtype, device=dest.device)
     for dim, (actual, full) in enumerate(zip(shape, dest.shape)):
@@ -312,6 +314,16 @@ def padded_copies(spec: InputSpec, shape: Sequence[int], dest: torch.Tensor, tok
             region = dest[tuple(slice(0, shape[d]) for d in range(dim)) + (slice(actual, None),)]
             copies.append((region, pad.expand(region.shape)))
     return copies
+
+
+def _too_large(spec: InputSpec, shape: Sequence[int], padded: Sequence[int]) -> str:
+    """What of a block table `shape` exceeds its graph's `padded` shape (rows, width), in words."""
+    if spec.role is not Role.BLOCK_TABLE or len(shape) != 2:
+        return ""
+    why = [f"block_table has {shape[0]} rows, more than the graph's {padded[0]} sequences: it takes one row per "
+           f"sequence of the step, as many as seq_lens has"] if shape[0] > padded[0] else []
+    why += ["block_table is wider than max_model_len / block_size"] if shape[1] > padded[1] else []
+    return f" ({'; '.join(why)})"
 
 
 def gather(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:

@@ -144,7 +144,7 @@ def npu_step_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[torc
                    max_model_len: int) -> StepGuard | None:
     """The length checks of each step (`length_guard`) and, given `pa_queries` (the device's workspace
     queries on probe tensors of a dtype), PA's workspace need at the step's lengths (`pa_workspace_guard`)."""
-    guards = [length_guard(gm, key), pa_workspace_guard(gm, pa_queries, max_model_len) if pa_queries else None]
+    guards = [length_guard(gm, key), pa_workspace_guard(gm, key, pa_queries, max_model_len) if pa_queries else None]
     guards = [g for g in guards if g is not None]
     if len(guards) <= 1:
         return guards[0] if guards else None
@@ -187,11 +187,12 @@ def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:
     return guard
 
 
-def pa_workspace_guard(gm: fx.GraphModule, pa_queries: Callable[[torch.dtype], WorkspaceQueries],
+def pa_workspace_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[torch.dtype], WorkspaceQueries],
                        max_model_len: int) -> StepGuard | None:
-    """A check of PA's workspace need at each step's padded lengths against the slot its graph gives
-    PA, for a graph with PA kernels; None without. ATB does not check a workspace it is given against
-    its need, and that need depends on the mix of a batch's lengths, which no compile-time question
+    """A check of PA's workspace need at each step's padded lengths against the slot `gm`, captured
+    as `key`'s graph, gives PA (each bucket's own under `share_workspace=False`), for a graph with PA
+    kernels; None without. ATB does not check a workspace it is given against its need, and that
+    need depends on the mix of a batch's lengths, which no compile-time question
     covers (`probe.py`): so each step's lengths are asked of `_npu_paged_attention_get_workspace`, as
     vLLM-Ascend asks at every update (`vllm_ascend/attention/utils.py`), one question per PA shape
     of the graph (with block tables as wide as the compile-time question's, `max_model_len` long),
@@ -199,7 +200,7 @@ def pa_workspace_guard(gm: fx.GraphModule, pa_queries: Callable[[torch.dtype], W
     sites: dict[tuple, tuple[int, str]] = {}
     for call in kernel_calls(gm):
         if call.meta.kernel == tiling.PA:
-            slot = min(call.workspace.meta[WORKSPACE_BYTES_KEY].values())
+            slot = call.workspace.meta[WORKSPACE_BYTES_KEY][str(key)]
             source = next(a.source for a in call.meta.host_args if a.kernel_arg == "context_lens")
             max_blocks = -(-max_model_len // call.meta.shape.block_size)
             dtype = example_value(call.arg("query")).dtype
