@@ -24,7 +24,8 @@ node. The kernels keep the device's rules the simulator models (`SimRuntime`): t
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
 a fast path that records another task than real lengths do; PA's CPU `context_lens` is copied when
 the call is issued, as torch_npu's ATB binding clones CPU inputs. Each refuses what its torch_npu
-documentation forbids (quoted where checked): FIA, for paged TND calls, a block size that is not a
+documentation forbids (quoted where checked): FIA and PA, queries and caches of other dtypes than
+float16/bfloat16 (float32 is none of theirs); FIA, for paged TND calls, a block size that is not a
 multiple of 128 in [128, 512], a cache with fewer blocks than the sequences' lengths need and
 non-contiguous query or caches (a KV length below the query length, which vLLM-Ascend pads with, is
 accepted: the docs ask only for non-negative lengths of at most KV_S); PA a block size that is not a
@@ -131,11 +132,21 @@ def _contiguous(source: str, **tensors: torch.Tensor) -> None:
             _fail(name, f"a contiguous tensor ({source})", f"strides {t.stride()}")
 
 
+def _half(name: str, t: torch.Tensor, source: str) -> None:
+    """The kernels take float16/bfloat16 (float32 nowhere; int8 is a quantised form the fake does not implement)."""
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        _fail(name, f"a float16 or bfloat16 tensor ({source})", t.dtype)
+
+
 def _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads) -> None:
     """PA's documented shape rules: "因硬件限制，block_size %16 == 0 ... 因硬件限制，block_size <= 128"
-    (`op_plugin/atb/_atb_api_docs.py`, `_npu_paged_attention_v2`, ATB's same PagedAttentionOperation), and
-    contiguous tensors (no PA doc line: the ATB plugin, `lib/libop_plugin_atb.so`, holds the error
+    (`op_plugin/atb/_atb_api_docs.py` L275-276, `_npu_paged_attention_v2`, ATB's same PagedAttentionOperation),
+    half-precision query and caches ("支持float16/bf16/int8", L254-255, L262; int8 is the quantised form),
+    and contiguous tensors (no PA doc line: the ATB plugin, `lib/libop_plugin_atb.so`, holds the error
     "at_tensor is not contiguous")."""
+    for name, t, line in (("query", query, "L254"), ("key_cache", key_cache, "L255"), ("value_cache", value_cache,
+                                                                                        "L262")):
+        _half(name, t, f"ATB PagedAttention: '支持float16/bf16/int8', _atb_api_docs.py {line}")
     if num_heads != query.shape[1]:
         _fail("num_heads", f"the query's head count {query.shape[1]}", num_heads)
     if num_kv_heads != key_cache.shape[2]:
@@ -154,6 +165,7 @@ def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, blo
     if workspace is None:  # ATB allocates its own scratch
         shape = tiling.AttentionShape.of(query, key_cache)
         workspace = torch.empty(tiling.workspace_nbytes(tiling.PA, shape, lens), dtype=torch.uint8)
+    _half("out", out, "ATB PagedAttention: '数据类型为float16/bf16', _atb_api_docs.py L272")
     library.check_paged_attention(query, key_cache, value_cache, block_table, lens, workspace, out)
     _executed(tiling.PA, lens)
     reference.paged_attention(query, key_cache, value_cache, block_table, lens, scale_value, workspace, out)
@@ -208,6 +220,8 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     if key.dim() != 3 or value.shape != key.shape:
         _fail("key", "a [num_blocks, block_size, KVH*D] cache (and value alike)", tuple(key.shape))
     _contiguous("npu_fused_infer_attention_score: '不支持非连续的Tensor'", query=query, key=key, value=value)
+    for name, t, line in (("query", query, "L8065"), ("key", key, "L8067"), ("value", value, "L8070")):
+        _half(name, t, f"npu_fused_infer_attention_score: '数据类型支持float16、bfloat16、int8', {line}")
     heads, dim = query.shape[1], query.shape[2]
     if kw["num_heads"] != heads:
         _fail("num_heads", f"the query's head count {heads}", kw["num_heads"])

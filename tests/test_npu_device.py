@@ -14,7 +14,7 @@ from ascend_compile.ops import tiling
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
 from tests.test_backend import compiled_model
-from tests.test_npu import MAX_LEN, NPU_BLOCK, TOL, lengths
+from tests.test_npu import DTYPE, MAX_LEN, NPU_BLOCK, TOL, lengths
 
 CPU = torch.device("cpu")
 
@@ -35,7 +35,7 @@ def caches(model):
 def test_the_kv_cache_is_written_by_the_device_kernel_at_every_replay(fake_npu, slot_dtype):
     # Batch sizes change from step to step (buckets 4 and 8, and a mixed step); after every step both
     # caches equal eager's, and each replay ran npu_scatter_pa_kv_cache once per layer.
-    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
     batch, rng = PagedBatch(cfg, seed=5), random.Random(5)
@@ -125,7 +125,7 @@ def _steps_on_two_buckets(cfg, **options):
 def test_only_a_runtimes_first_capture_releases_the_allocators_caches(fake_npu):
     # torch.npu.graph empties both caching allocators on every entry (torch_npu/npu/graphs.py); a lazy
     # capture while serving would pay it each time. vLLM-Ascend skips it after the first capture.
-    artifacts = _steps_on_two_buckets(LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
+    artifacts = _steps_on_two_buckets(LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
     runtimes = {id(a.runtime) for a in artifacts if a.stats["captures"]}
     trace = [what for what, _ in fake_npu.trace]
     assert sum(a.stats["captures"] for a in artifacts) > len(runtimes)
@@ -137,7 +137,7 @@ def test_updates_are_tiled_for_the_cores_the_graph_was_captured_for(fake_npu):
     # cores and every task update is issued on an update stream limited alike (the fake refuses an update
     # tiled for other cores), as npugraph_ex sets the update stream's limit before each update.
     torch.npu.set_stream_limit(torch.npu.current_stream(), 8, 16)
-    artifacts = _steps_on_two_buckets(LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK))
+    artifacts = _steps_on_two_buckets(LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK))
     limited = {"cube_core_num": 8, "vector_core_num": 16}
     handles = [e.handle.native for a in artifacts for g in a.graphs.values() for e in g.table.entries.values()]
     assert handles and all(h.core_limit == limited for h in handles)
@@ -170,7 +170,7 @@ def _first_step(cfg, model=None, steps=([10, 20, 30],), **options):
 def test_a_pa_block_size_of_256_is_refused_at_compile(fake_npu):
     # ATB's PA: "block_size %16 == 0 ... block_size <= 128"; 256 would fail on the device at the first
     # capture. Refused before torch_npu is called at all, naming the layer, the kernel and the rule.
-    error = _first_step(LlamaConfig(num_layers=1, num_blocks=64, block_size=256), kernel_policy="pa")
+    error = _first_step(LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=256), kernel_policy="pa")
     assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
     assert "paged_attention_default (layer L['self'].layers.0.attn): block_size: torch_npu._npu_paged_attention " \
            "(ATB PagedAttention) takes" in str(error)
@@ -179,10 +179,54 @@ def test_a_pa_block_size_of_256_is_refused_at_compile(fake_npu):
 
 def test_the_fake_pa_refuses_block_sizes_atb_does_not_take(fake_npu):
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
-    query, cache = torch.randn(2, 4, 16), torch.zeros(4, 256, 2, 16)
+    query, cache = torch.randn(2, 4, 16, dtype=DTYPE), torch.zeros(4, 256, 2, 16, dtype=DTYPE)
     with pytest.raises(ValueError, match="block_size: expected a multiple of 16 of at most 128"):
         kernels.paged_attention(query, cache, cache, torch.zeros(2, 1, dtype=torch.int32), [3, 4], 0.25,
                                 torch.empty(0, dtype=torch.uint8), torch.empty_like(query))
+
+
+@pytest.mark.parametrize("policy, node, kernel", [
+    ("pa", "paged_attention_default", "torch_npu._npu_paged_attention (ATB PagedAttention)"),
+    ("fia", "fused_infer_attention_default", "torch_npu.npu_fused_infer_attention_score"),
+])
+def test_a_float32_model_is_refused_at_compile_naming_the_layer_and_the_dtype(fake_npu, policy, node, kernel):
+    # PA and FIA take float16/bfloat16 queries and caches (FIA: L8065, L8224; PA: _atb_api_docs.py L254,
+    # L272): a float32 model would pass every other check and fail at its first kernel on the device.
+    cfg = LlamaConfig(dtype=torch.float32, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    error = _first_step(cfg, kernel_policy=policy)
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert f"{node} (layer L['self'].layers.0.attn): query: {kernel} takes float16 or bfloat16 queries" in str(error)
+    assert "got a torch.float32 query and torch.float32 caches" in str(error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_serves_from_replays(fake_npu, dtype):
+    cfg = LlamaConfig(dtype=dtype, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    assert _first_step(cfg, steps=([10, 20, 30], [40, 50, 60, 70])) is None
+
+
+def test_the_fake_attention_kernels_refuse_float32_citing_their_docs(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    table, workspace = torch.zeros(2, 1, dtype=torch.int32), torch.empty(1 << 20, dtype=torch.uint8)
+    query, cache = torch.randn(2, 4, 16), torch.zeros(4, NPU_BLOCK, 2, 16)
+    with pytest.raises(ValueError, match=r"query: expected a float16 or bfloat16 tensor \(ATB PagedAttention: "
+                                         r"'支持float16/bf16/int8', _atb_api_docs.py L254\), got torch.float32"):
+        kernels.paged_attention(query, cache, cache, table, [3, 4], 0.25, workspace, torch.empty_like(query))
+    with pytest.raises(ValueError, match=r"query: expected a float16 or bfloat16 tensor "
+                                         r"\(npu_fused_infer_attention_score: .*L8065\), got torch.float32"):
+        kernels.fused_infer_attention(query, cache, cache, table, [1, 2], [3, 4], 0.25, workspace,
+                                      torch.empty_like(query))
+    # A half-precision query over float32 caches (the binding refuses the mix itself): the fake refuses the cache.
+    half, torch_npu = query.to(DTYPE), kernels.torch_npu
+    with pytest.raises(ValueError, match=r"key_cache: expected a float16 or bfloat16 tensor .*L255"):
+        torch_npu._npu_paged_attention(*npu_ops.paged_attention_args(half, cache, cache, table, [3, 4], 0.25,
+                                                                     torch.empty_like(half)), workspace=workspace)
+    args, kwargs = npu_ops.fused_infer_attention_args(half, cache, cache, table, [1, 2], [3, 4], 0.25,
+                                                      kernels.atten_mask)
+    with pytest.raises(ValueError, match=r"key: expected a float16 or bfloat16 tensor .*L8067"):
+        torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace,
+                                                      out=[torch.empty_like(half), kernels.softmax_lse])
+    assert fake_npu.count("_npu_paged_attention", "npu_fused_infer_attention_score.out") == 4
 
 
 def _unbound_cache_model(cfg):
@@ -190,7 +234,7 @@ def _unbound_cache_model(cfg):
     value caches its two non-contiguous halves."""
     model = build(cfg)
     for layer in model.layers:
-        kv = torch.zeros(cfg.num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv = torch.zeros(cfg.num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
         layer.attn._buffers["key_cache"], layer.attn._buffers["value_cache"] = kv[:, 0], kv[:, 1]
     return model
 
@@ -198,7 +242,7 @@ def _unbound_cache_model(cfg):
 @pytest.mark.parametrize("policy", ["pa", "fia"])
 def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
     # A contiguous copy of each half would copy the whole cache at every call inside the graph.
-    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
     error = _first_step(cfg, _unbound_cache_model(cfg), kernel_policy=policy)
     assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
     assert "reshape_and_cache (layer L['self'].layers.0.attn): key_cache: torch_npu.npu_scatter_pa_kv_cache" \
@@ -208,8 +252,8 @@ def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
 
 def test_the_fake_attention_kernels_refuse_non_contiguous_caches(fake_npu):
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
-    kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16)
-    query, table = torch.randn(2, 4, 16), torch.zeros(2, 1, dtype=torch.int32)
+    kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16, dtype=DTYPE)
+    query, table = torch.randn(2, 4, 16, dtype=DTYPE), torch.zeros(2, 1, dtype=torch.int32)
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="key_cache: expected a contiguous tensor"):
         kernels.paged_attention(query, kv[:, 0], kv[:, 1], table, [3, 4], 0.25, workspace, torch.empty_like(query))
@@ -222,7 +266,7 @@ def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compil
     # FIA counts a block for each padding sequence against num_blocks ("blocknum不能小于..."): the
     # all-padding capture of bucket 512 packs its tokens into 4 dummies of 128, one block each, and
     # the cache has 3.
-    cfg = LlamaConfig(num_layers=1, num_blocks=3, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=3, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(512,), kernel_policy="fia")
     batch = PagedBatch(cfg)
@@ -238,7 +282,7 @@ def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compil
 def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_npu):
     # Four sequences hold 15 of the cache's 16 blocks; padded to bucket 8, FIA would be sent 4 more
     # sequences of one block each: 19 > 16. The step runs eagerly (and right) instead.
-    cfg = LlamaConfig(num_layers=1, num_blocks=16, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=16, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=2048, capture_sizes=(8,), kernel_policy="fia")
     batch = PagedBatch(cfg, seed=8)
@@ -255,7 +299,7 @@ def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(
     # padded tokens, never an entry of no query tokens. Here: 3 sequences of 6 tokens in bucket 8 get
     # one dummy of 2 tokens; 3 of 100 tokens in bucket 256, two dummies of 78 (at most 128 each), each
     # its query length as KV length; the block table torch_npu is given has a row per entry (L8223).
-    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8, 256),
                                    kernel_policy="fia")
@@ -279,7 +323,7 @@ def test_the_fake_fia_takes_a_block_table_row_per_batch_entry(fake_npu):
     # passes the first rows of the graph's static table; the whole table is refused.
     torch_npu = npu_ops.load_torch_npu()
     kernels = npu_ops.NpuKernels(torch_npu, CPU)
-    query, cache = torch.randn(6, 4, 16), torch.zeros(8, NPU_BLOCK, 2, 16)
+    query, cache = torch.randn(6, 4, 16, dtype=DTYPE), torch.zeros(8, NPU_BLOCK, 2, 16, dtype=DTYPE)
     table = torch.zeros(8, 2, dtype=torch.int32)
     lists = ([3, 4, 6], [10, 20, 3])
     workspace, out = torch.empty(1 << 16, dtype=torch.uint8), torch.empty_like(query)
@@ -301,7 +345,7 @@ def _strided_query(attend):
 def test_a_non_contiguous_query_is_staged_contiguous_before_the_kernel(fake_npu, policy):
     # The kernels take contiguous queries ('不支持非连续的Tensor'): a step's query, a few KB per layer, is
     # copied into a contiguous tensor by a node of the graph, outside the kernel's task group.
-    cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=64, block_size=NPU_BLOCK)
     model = build(cfg)
     for layer in model.layers:
         layer.attn.attend = _strided_query(layer.attn.attend)
@@ -334,7 +378,7 @@ def test_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_w
     (dict(sinks=True), "sinks"),
 ])
 def test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer(fake_npu, cfg_features, feature):
-    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=128, **cfg_features)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=128, **cfg_features)
     fn, _ = compiled_model(build(cfg), runtime="npu", max_model_len=512, capture_sizes=(4,))
     with torch.no_grad(), pytest.raises(Exception, match=rf"layer .*: {feature} is not supported on runtime 'npu'"):
         fn(**PagedBatch(cfg, seed=0).step([10, 20, 30]))

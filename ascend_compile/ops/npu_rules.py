@@ -33,6 +33,14 @@ PA_MAX_BLOCK_SIZE = 128
 #: serves steps of several query tokens too. vLLM-Ascend runs its caches at 128.
 FIA_BLOCK_SIZES = (128, 256, 384, 512)
 
+#: The dtypes of PA's and FIA's queries and caches: half precision. FIA: query "数据类型支持float16、bfloat16、
+#: int8" (`_op_plugin_docs.py` L8065), key and value float16/bfloat16/int8/int4 (L8067, L8070), and with page
+#: attention no int8 query ("不支持输入query为int8的场景", L8224); int8 and int4 caches are the quantised forms,
+#: which take antiquant scales this binding does not pass. ATB's PA: query "支持float16/bf16/int8" (`_atb_api_docs.py`
+#: L254), the caches alike (L255, L262; int8 is its quantised form), `out` "数据类型为float16/bf16" (L272). Neither
+#: takes float32: a float32 model would pass every other check and fail at its first kernel.
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
 #: Where each kernel's contiguity rule is written.
 CONTIGUITY_SOURCES = {
     FIA_KERNEL: "_op_plugin_docs.py: query, key and value '不支持非连续的Tensor' (non-contiguous tensors are "
@@ -63,6 +71,16 @@ def check_fia_block_size(block_size: int) -> None:
             f"{list(FIA_BLOCK_SIZES)} tokens (a multiple of 128, at most 512: 'block_size最小为128, 最大为512, 且要求是128"
             f"的倍数', _op_plugin_docs.py), got {block_size}; allocate the KV cache with block_size=128, as "
             f"vLLM-Ascend does"
+        )
+
+
+def check_attention_dtype(kernel: str, query: torch.dtype, cache: torch.dtype) -> None:
+    """Refuse a PA or FIA call whose query or caches are not float16/bfloat16 of one dtype (`ATTENTION_DTYPES`)."""
+    source = "_atb_api_docs.py L254, L272" if kernel == PA_KERNEL else "_op_plugin_docs.py L8065, L8224"
+    if query not in ATTENTION_DTYPES or cache != query:
+        raise ValueError(
+            f"query: {kernel} takes float16 or bfloat16 queries, with caches of the query's dtype ('float16/bf16', "
+            f"{source}), got a {query} query and {cache} caches; run the model in torch.bfloat16 or torch.float16"
         )
 
 

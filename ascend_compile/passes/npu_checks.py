@@ -1,7 +1,7 @@
 """The NPU target's checks of a graph against the torch_npu kernels' documented constraints.
 
 At compile time (`check_npu_graph`) every kernel node and KV-cache write of a rewritten graph is held
-to `ops/npu_rules.py`: PA's and FIA's block sizes, MLA's shape rules (FIA v2's MLA form: d 512, rope
+to `ops/npu_rules.py`: PA's and FIA's block sizes and half-precision dtypes, MLA's shape rules (FIA v2's MLA form: d 512, rope
 64, power-of-two query heads up to 128, blocks of 16 or 128, half precision, at most 4096 sequences),
 contiguous caches, and enough cache blocks for FIA and MLA to count one per sequence of each bucket's
 all-padding capture (`padding.capture_kv_lens`). A violation is refused before torch_npu is called, naming the layer, the kernel
@@ -98,6 +98,8 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capt
         kernel = npu_rules.FIA_KERNEL
         _refuse(call.node, lambda: npu_rules.check_fia_block_size(block_size))
     _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
+    query = example_value(args["query"])
+    _refuse(call.node, lambda: npu_rules.check_attention_dtype(kernel, query.dtype, key_cache.dtype))
     if call.meta.kernel == tiling.FIA and isinstance(key_cache.shape[0], int):
         for key in keys:  # captured all padding (`padding.capture_kv_lens`)
             _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, capture_lens(key),

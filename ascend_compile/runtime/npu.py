@@ -83,6 +83,8 @@ class NpuEvent(ExternalEvent):
 class NpuGraph(DeviceGraph):
     """One `torch.npu.NPUGraph`, captured into the runtime's shared pool on its capture stream."""
 
+    warms_up = True
+
     def __init__(self, runtime: "NpuRuntime", name: str) -> None:
         self._runtime = runtime
         self.name = name
@@ -128,8 +130,10 @@ class NpuGraph(DeviceGraph):
                 self.native.capture_begin(pool=rt.pool)
                 try:
                     yield
-                finally:
-                    self.native.capture_end()
+                except BaseException:
+                    self._end_failed_capture()
+                    raise
+                self.native.capture_end()
         finally:
             rt.capturing = None
             group_open, rt.group_open = rt.group_open, False
@@ -138,6 +142,15 @@ class NpuGraph(DeviceGraph):
         if group_open:
             raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
         self.captured = True
+
+    def _end_failed_capture(self) -> None:
+        """End a capture whose work raised (an op that cannot be captured): the stream leaves capture
+        mode, and an error `capture_end` raises for the invalidated capture is logged, not raised, so
+        that the work's own error, which names the op, reaches the runner."""
+        try:
+            self.native.capture_end()
+        except RuntimeError as err:
+            log.debug("ascend_compile: %s: capture_end after a failed capture: %s", self.name, err)
 
     def replay(self) -> None:
         """Launch the graph on the current stream, ordered after the previous step (see
