@@ -13,6 +13,7 @@ from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
+from tests.helpers import make_problem
 from tests.test_backend import compiled_model
 from tests.test_npu import DTYPE, MAX_LEN, NPU_BLOCK, TOL, lengths
 
@@ -146,6 +147,23 @@ def test_updates_are_tiled_for_the_cores_the_graph_was_captured_for(fake_npu):
     assert len(sets) <= 3 * len(artifacts)  # set when it differs, not before every update
 
 
+def test_a_torch_npu_without_core_limits_still_starts_and_serves(fake_npu, monkeypatch, caplog):
+    # Issue 33, item 6: get_stream_limit reads `_npu_get_stream_res_limit`, which an older CANN lacks; the
+    # runtime called it unguarded at start-up and could not start. npugraph_ex catches it and sets no
+    # limit (`_save_stream_core_limits`); so does the runtime now, with one warning.
+    def missing(stream):
+        raise AttributeError("module 'torch_npu._C' has no attribute '_npu_get_stream_res_limit'")
+
+    monkeypatch.setattr(torch.npu, "get_stream_limit", missing)
+    with caplog.at_level("WARNING", logger="ascend_compile"):
+        artifacts = _steps_on_two_buckets(LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128,
+                                                      block_size=NPU_BLOCK))
+    assert sum(a.stats["replays"] for a in artifacts) >= 3
+    assert not [what for what, _ in fake_npu.trace if what == "set_stream_limit"]
+    warnings = [r.getMessage() for r in caplog.records if "get_stream_limit failed" in r.getMessage()]
+    assert len(warnings) == len({id(a.runtime) for a in artifacts})  # once per runtime
+
+
 # ----------------------------------------------------------------------------- kernel constraints at compile time
 
 DEVICE_CALLS = ("_npu_paged_attention", "npu_fused_infer_attention_score.out", "_npu_paged_attention_get_workspace",
@@ -229,6 +247,60 @@ def test_the_fake_attention_kernels_refuse_float32_citing_their_docs(fake_npu):
     assert fake_npu.count("_npu_paged_attention", "npu_fused_infer_attention_score.out") == 4
 
 
+@pytest.mark.parametrize("policy, sizes, message", [
+    ("fia", dict(num_heads=132, num_kv_heads=2, hidden_size=64), r"num_key_value_heads: torch_npu\.npu_fused_infer_"
+     r"attention_score takes at most 64 query heads per KV head \('比值不能大于64', L8116\), got 132 query heads over 2"),
+    ("fia", dict(head_dim=24), r"query: torch_npu\.npu_fused_infer_attention_score takes a head dim that is a multiple "
+     r"of 16 and at most 512 .*L8210.*got 24"),
+    ("pa", dict(head_dim=272), r"paged_attention_default .*query: torch_npu\._npu_paged_attention \(ATB "
+     r"PagedAttention\) takes head sizes in \(0, 256\] .*L278\), got 272"),
+])
+def test_head_limits_are_refused_at_compile_naming_the_layer(fake_npu, policy, sizes, message):
+    # Issue 33, item 6: FIA's heads per KV head (L8116) and head dim (L8204, L8210, L8271), PA's head size
+    # (_atb_api_docs.py L278); each would fail at the device's first kernel.
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK, **sizes)
+    error = _first_step(cfg, kernel_policy=policy)
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert __import__("re").search(message, str(error)), str(error)
+
+
+def test_the_fake_pa_copies_strided_inputs_and_refuses_a_strided_out(fake_npu):
+    # torch_npu's ATB binding makes inputs contiguous (op-plugin AtbCommon.cpp, ParamSetter::Input) and
+    # passes outputs as they are to AtTensor2AtbTensor, which refuses a strided one.
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    torch_npu = kernels.torch_npu
+    prob = make_problem([40, 130], block_size=NPU_BLOCK, dtype=DTYPE)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    kv = torch.stack([prob.key_cache, prob.value_cache], dim=1)  # vLLM's [num_blocks, 2, ...] layout
+    key_cache, value_cache = kv[:, 0], kv[:, 1]
+    assert not key_cache.is_contiguous()
+    out = torch.empty_like(prob.query)
+    torch_npu._npu_paged_attention(*npu_ops.paged_attention_args(prob.query, key_cache, value_cache, prob.block_table,
+                                                                 prob.seq_lens, prob.scale, out), workspace=workspace)
+    torch.testing.assert_close(out.float(), prob.dense(), **TOL)
+    wide = torch.empty(prob.query.shape[0], prob.query.shape[1], 2 * prob.query.shape[2], dtype=DTYPE)[..., ::2]
+    with pytest.raises(ValueError, match=r"out: expected a contiguous tensor \(ATB's AtTensor2AtbTensor"):
+        torch_npu._npu_paged_attention(*npu_ops.paged_attention_args(prob.query, prob.key_cache, prob.value_cache,
+                                                                     prob.block_table, prob.seq_lens, prob.scale, wide),
+                                       workspace=workspace)
+
+
+def test_the_fakes_take_softmax_lse_as_vllm_ascend_passes_it(fake_npu):
+    # The .out overloads' softmax_lse is reserved ("当前预留，暂不支持", L8534, L9059): vLLM-Ascend passes a [1]
+    # one to FIA (attention_v1.py) and a [num_tokens] one to FIA v2's MLA form (mla_v1.py); neither is written.
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    torch_npu = kernels.torch_npu
+    prob = make_problem([40, 130], query_lens=[3, 2], block_size=NPU_BLOCK, dtype=DTYPE)
+    ends = prob.query_start_loc[1:]
+    args, kwargs = npu_ops.fused_infer_attention_args(prob.query, prob.key_cache, prob.value_cache, prob.block_table,
+                                                      ends, prob.seq_lens, prob.scale, kernels.atten_mask)
+    out, lse = torch.empty_like(prob.query), torch.full((prob.query.shape[0],), 7.0)
+    torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=torch.empty(1 << 20, dtype=torch.uint8),
+                                                  out=[out, lse])
+    torch.testing.assert_close(out.float(), prob.dense(), **TOL)
+    assert lse.eq(7.0).all()
+
+
 def _unbound_cache_model(cfg):
     """The example model with vLLM's `[num_blocks, 2, block_size, KVH, D]` cache, each layer's key and
     value caches its two non-contiguous halves."""
@@ -250,13 +322,12 @@ def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
     assert "takes contiguous tensors" in str(error) and "输入参数不支持非连续" in str(error)
 
 
-def test_the_fake_attention_kernels_refuse_non_contiguous_caches(fake_npu):
+def test_the_fake_fia_refuses_non_contiguous_caches(fake_npu):
+    # FIA: "不支持非连续的Tensor" (L8065-8069). PA's binding copies its inputs instead (the test above).
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16, dtype=DTYPE)
     query, table = torch.randn(2, 4, 16, dtype=DTYPE), torch.zeros(2, 1, dtype=torch.int32)
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="key_cache: expected a contiguous tensor"):
-        kernels.paged_attention(query, kv[:, 0], kv[:, 1], table, [3, 4], 0.25, workspace, torch.empty_like(query))
     with pytest.raises(ValueError, match="key: expected a contiguous tensor"):
         kernels.fused_infer_attention(query, kv[:, 0], kv[:, 1], table, [1, 2], [3, 4], 0.25, workspace,
                                       torch.empty_like(query))
@@ -370,6 +441,21 @@ def test_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_w
         assert cost.pa_queries == cost.pa_graphs == 5
         # The slot covers FIA's every length up to max_model_len for the largest bucket.
         assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes
+
+
+def test_each_steps_pa_query_is_asked_with_the_kernels_own_caches_and_block_table(fake_npu):
+    # Issue 33, item 5: as vLLM-Ascend asks at every update (`update_paged_attention_graph_param`), the
+    # per-step question is asked with the layer's KV caches and the graph's block table (their real
+    # shapes), not a one-block stand-in cache and a table max_model_len wide.
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    model = build(cfg)
+    assert _first_step(cfg, model, steps=([10, 20, 30], [40, 50, 60, 70], [5, 6, 7]), kernel_policy="pa") is None
+    asked = [c for c in fake_npu.calls if c.name == "_npu_paged_attention_get_workspace"]
+    run = [c for c in fake_npu.calls if c.name == "_npu_paged_attention"][-1]
+    per_step = asked[-1]  # the last step's question, before its replay
+    assert per_step.args[1].shape == model.layers[0].attn.key_cache.shape == run.args[1].shape
+    assert per_step.args[6].shape == run.args[6].shape  # the graph's block table: its rows and width
+    assert asked[0].args[1].shape[0] == 1  # the compile-time question keeps its probe cache
 
 
 @pytest.mark.parametrize("cfg_features, feature", [

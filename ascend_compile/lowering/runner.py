@@ -96,11 +96,11 @@ class GraphEntry:
         start = time.perf_counter()
         self.staging.fill_padding()
         plan = capture_plan(self.sources, self.staging.geometry, seq_len, self.packed)
-        refusal = self.step_guard(plan.host) if self.step_guard is not None else None
+        graph_args = self.staging.graph_args(step_args)
+        refusal = self.step_guard(plan.host, graph_args) if self.step_guard is not None else None
         if refusal:  # the target refuses the very step it would be captured with: it serves no step
             self.eager_reason = f"{self.name}: not captured, its capture step is refused ({refusal})"
             return
-        graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
         try:
             with gc_paused():
@@ -239,7 +239,7 @@ class CompiledArtifact:
         if entry.eager_reason:
             return self._fallback(caller_args, entry.eager_reason)
         plan = entry.plan(step)
-        refusal = entry.step_guard(plan.host) if entry.step_guard is not None else None
+        refusal = entry.step_guard(plan.host, entry.staging.graph_args(args)) if entry.step_guard is not None else None
         if refusal:
             return self._fallback(caller_args, refusal)
         if not isinstance(self.runtime, GraphRuntime):
