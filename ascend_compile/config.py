@@ -73,6 +73,9 @@ class CompileConfig:
             every input the step writes, within a tolerance per dtype); a graph that differs is
             logged, recorded in plan.json and serves its steps eagerly. None: on for the devices
             ("npu", "cuda"), where no test of ours ran, off on the simulator and "eager".
+        verify_every: with `verify` on, check every Nth replay of each graph too (its 1st, N+1th,
+            2N+1th, ...: a fault that appears later, such as a parameter moved under
+            `frozen_parameters`); each check costs an eager step. 0 (the default): the first only.
         dump_dir: write every stage of every bucket and a plan.json here (env ASCEND_COMPILE_DUMP_DIR).
         retrace_static: when dynamo hands over a graph whose caller inputs have static sizes (the
             first call of a plain `torch.compile`), have dynamo trace the frame again with every
@@ -99,6 +102,7 @@ class CompileConfig:
     max_specializations: int = 8
     frozen_parameters: bool = False
     verify: bool | None = None
+    verify_every: int = 0
     dump_dir: str | None = None
     retrace_static: bool = False
 
@@ -136,6 +140,8 @@ class CompileConfig:
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.verify is not None and not isinstance(self.verify, bool):
             raise ValueError(f"verify: expected True, False or None (on for the devices), got {self.verify!r}")
+        if not isinstance(self.verify_every, int) or isinstance(self.verify_every, bool) or self.verify_every < 0:
+            raise ValueError(f"verify_every: expected an int >= 0 (0: the first replay only), got {self.verify_every!r}")
         if self.max_model_len and self.workspace_seq_len and self.workspace_seq_len > self.max_model_len:
             raise ValueError(
                 f"workspace_seq_len: expected at most max_model_len ({self.max_model_len}), got {self.workspace_seq_len}"

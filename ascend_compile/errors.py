@@ -32,6 +32,23 @@ class CaptureError(AscendCompileError):
     """Something was done during graph capture that a device graph cannot record."""
 
 
+class HostSync(CaptureError):
+    """Device data read on the host (`.item()`, `.tolist()`, a data-dependent output shape) during a
+    capture or a task update: a device graph records launches and cannot record a host read."""
+
+
+class UncapturableOp(CaptureError):
+    """An op of the graph (not one of the attention kernels) failed inside the capture though it runs
+    eagerly, e.g. a custom op whose Python reads device data on the host: the graph cannot be captured,
+    so the runner serves its steps eagerly. `node` and `op` name it; `cause` is the capture's error."""
+
+    def __init__(self, node: str, op: object, cause: BaseException) -> None:
+        self.node = node
+        self.op = op
+        self.cause = cause
+        super().__init__(f"{op} (node {node}) cannot be captured: {cause}")
+
+
 class ReplayError(AscendCompileError):
     """A captured graph could not be replayed as recorded (e.g. an event never recorded)."""
 

@@ -37,7 +37,7 @@ def measure(layers: int, batch_size: int, steps: int) -> dict[str, float]:
     the check's one query at a step's lengths, timed alone."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         fake = fake_torch_npu.install(monkeypatch)
-        cfg = LlamaConfig(num_layers=layers, num_blocks=64, block_size=128)
+        cfg = LlamaConfig(num_layers=layers, num_blocks=64, block_size=128, dtype=torch.bfloat16)
         torch._dynamo.reset()
         config = CompileConfig(max_model_len=2048, capture_sizes=(batch_size,), runtime="npu", kernel_policy="pa",
                                verify=False)
@@ -55,7 +55,7 @@ def measure(layers: int, batch_size: int, steps: int) -> dict[str, float]:
                 times.append(time.perf_counter() - start)
         queries = fake.count(PA_QUERY) - asked
         assert artifacts[-1].stats["replays"] >= steps, artifacts[-1].stats
-        query = NpuWorkspaceQuery(artifacts[-1].runtime.kernels, torch.float32)
+        query = NpuWorkspaceQuery(artifacts[-1].runtime.kernels, torch.bfloat16)
         shape = tiling.AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.block_size)
         padded = lens + [1]
         seconds = []

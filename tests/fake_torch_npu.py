@@ -27,11 +27,15 @@ node. The kernels keep the device's rules the simulator models (`SimRuntime`): t
 themselves up on their first call, which may not be inside a capture; with every length 0 they take
 a fast path that records another task than real lengths do; PA's CPU `context_lens` is copied when
 the call is issued, as torch_npu's ATB binding clones CPU inputs. Each refuses what its torch_npu
-documentation forbids (quoted where checked): FIA, for paged TND calls, a block size that is not a
+documentation forbids (quoted where checked): FIA and PA, queries and caches of other dtypes than
+float16/bfloat16 (float32 is none of theirs); FIA, for paged TND calls, a block size that is not a
 multiple of 128 in [128, 512], a cache with fewer blocks than the sequences' lengths need and
 non-contiguous query or caches (a KV length below the query length, which vLLM-Ascend pads with, is
-accepted: the docs ask only for non-negative lengths of at most KV_S); PA a block size that is not a
-multiple of 16 of at most 128 and non-contiguous tensors; the cache write non-contiguous inputs, slot
+accepted: the docs ask only for non-negative lengths of at most KV_S), more than 64 query heads per KV
+head, a head dim above 512 or not a multiple of 16; PA a block size that is not a multiple of 16 of at
+most 128, a head size above 256 and a non-contiguous `out` (its inputs it copies contiguous, as ATB's
+binding does); the `.out` overloads' softmax_lse is reserved (any tensor, never written); the cache
+write non-contiguous inputs, slot
 dtypes other than int32/int64, slots past the cache or repeated (negative ones it skips, as the
 kernel source does). FIA's max-workspace query answers the most any lengths the block table holds
 can need, in the query's dtype (its bytes are `numel * element_size`); PA's query, like its kernel,
@@ -79,7 +83,7 @@ _FIA_USED = {
     "input_layout", "num_key_value_heads", "sparse_mode", "block_size", "workspace", "out",
 }
 #: FIA arguments that do not change the result of the calls the fake accepts (pre/next_tokens are
-#: ignored by sparse_mode 3; softmax_lse_flag only decides the shape of softmax_lse).
+#: ignored by sparse_mode 3; the `.out` overload's softmax_lse is reserved, L8534, whatever the flag).
 _FIA_IGNORED = {"pre_tokens", "next_tokens", "inner_precise", "softmax_lse_flag"}
 
 
@@ -136,11 +140,26 @@ def _contiguous(source: str, **tensors: torch.Tensor) -> None:
             _fail(name, f"a contiguous tensor ({source})", f"strides {t.stride()}")
 
 
-def _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads) -> None:
+def _half(name: str, t: torch.Tensor, source: str) -> None:
+    """The kernels take float16/bfloat16 (float32 nowhere; int8 is a quantised form the fake does not implement)."""
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        _fail(name, f"a float16 or bfloat16 tensor ({source})", t.dtype)
+
+
+def _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads, out) -> None:
     """PA's documented shape rules: "因硬件限制，block_size %16 == 0 ... 因硬件限制，block_size <= 128"
-    (`op_plugin/atb/_atb_api_docs.py`, `_npu_paged_attention_v2`, ATB's same PagedAttentionOperation), and
-    contiguous tensors (no PA doc line: the ATB plugin, `lib/libop_plugin_atb.so`, holds the error
-    "at_tensor is not contiguous")."""
+    (`op_plugin/atb/_atb_api_docs.py` L275-276, `_npu_paged_attention_v2`, ATB's same PagedAttentionOperation),
+    "head_size范围为（0, 256]" (L278), half-precision query and caches ("支持float16/bf16/int8", L254-255, L262;
+    int8 is the quantised form) and `out` ("数据类型为float16/bf16", L272), and a contiguous `out`: torch_npu's
+    ATB binding makes every input contiguous (op-plugin `AtbCommon.cpp`, `ParamSetter::Input`:
+    `tensor.contiguous()`) but passes an output as it is to `AtTensor2AtbTensor`, whose
+    `TORCH_CHECK(at_tensor.is_contiguous(), "at_tensor is not contiguous")` refuses a strided one."""
+    for name, t, line in (("query", query, "L254"), ("key_cache", key_cache, "L255"), ("value_cache", value_cache,
+                                                                                        "L262"), ("out", out, "L272")):
+        _half(name, t, f"ATB PagedAttention: '支持float16/bf16/int8', _atb_api_docs.py {line}")
+    if not 0 < query.shape[2] <= 256:
+        _fail("query", "a head size in (0, 256] ('head_size范围为（0, 256]', _atb_api_docs.py L278)", query.shape[2])
+    _contiguous("ATB's AtTensor2AtbTensor: 'at_tensor is not contiguous' (outputs are not copied)", out=out)
     if num_heads != query.shape[1]:
         _fail("num_heads", f"the query's head count {query.shape[1]}", num_heads)
     if num_kv_heads != key_cache.shape[2]:
@@ -149,16 +168,18 @@ def _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads) -> None:
     if block_size % 16 or block_size > 128:
         _fail("block_size", "a multiple of 16 of at most 128 (ATB PagedAttention: '因硬件限制，block_size %16 == 0', "
               "'block_size <= 128')", block_size)
-    _contiguous("ATB: 'at_tensor is not contiguous'", query=query, key_cache=key_cache, value_cache=value_cache)
 
 
 def _pa(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table, context_lens, out, *,
         workspace=None):
     lens = _host_lengths("context_lens", context_lens)
-    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
+    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads, out)
+    # ATB's binding copies inputs contiguous (ParamSetter::Input), as the kernel then reads them.
+    query, key_cache, value_cache = query.contiguous(), key_cache.contiguous(), value_cache.contiguous()
     if workspace is None:  # ATB allocates its own scratch
         shape = tiling.AttentionShape.of(query, key_cache)
         workspace = torch.empty(tiling.workspace_nbytes(tiling.PA, shape, lens), dtype=torch.uint8)
+    _half("out", out, "ATB PagedAttention: '数据类型为float16/bf16', _atb_api_docs.py L272")
     library.check_paged_attention(query, key_cache, value_cache, block_table, lens, workspace, out)
     _executed(tiling.PA, lens)
     reference.paged_attention(query, key_cache, value_cache, block_table, lens, scale_value, workspace, out)
@@ -170,7 +191,7 @@ def _pa_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_
     kernel's rules, lengths that fit the block table's rows included (a question about a call the
     kernel refuses has no answer)."""
     lens = _host_lengths("context_lens", context_lens)
-    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads)
+    _pa_shapes(query, key_cache, value_cache, num_kv_heads, num_heads, out)
     validate.check_lengths(lens, [1] * len(lens), block_table.shape[1], key_cache.shape[1], "context_lens")
     nbytes = tiling.workspace_nbytes(tiling.PA, tiling.AttentionShape.of(query, key_cache), lens)
     return torch.empty(nbytes, dtype=torch.uint8, device=query.device)
@@ -217,12 +238,21 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     if key.dim() != 3 or value.shape != key.shape:
         _fail("key", "a [num_blocks, block_size, KVH*D] cache (and value alike)", tuple(key.shape))
     _contiguous("npu_fused_infer_attention_score: '不支持非连续的Tensor'", query=query, key=key, value=value)
+    for name, t, line in (("query", query, "L8065"), ("key", key, "L8067"), ("value", value, "L8070")):
+        _half(name, t, f"npu_fused_infer_attention_score: '数据类型支持float16、bfloat16、int8', {line}")
     heads, dim = query.shape[1], query.shape[2]
     if kw["num_heads"] != heads:
         _fail("num_heads", f"the query's head count {heads}", kw["num_heads"])
     kv_heads = kw["num_key_value_heads"]
     if kv_heads < 1 or key.shape[2] != kv_heads * dim:
         _fail("num_key_value_heads", f"KVH with KVH*{dim} == {key.shape[2]} (the cache's last dim)", kv_heads)
+    if heads // kv_heads > 64:
+        _fail("num_key_value_heads", "at most 64 query heads per KV head ('比值不能大于64', L8116)", kv_heads)
+    if heads > 256:
+        _fail("num_heads", "at most 256 ('支持N轴小于等于256', L8204, L8271)", heads)
+    if dim % 16 or dim > 512:
+        _fail("query", "a head dim that is a multiple of 16, at most 512 ('D轴需16对齐', L8210; '支持D轴小于等于512', "
+              "L8204, L8271)", dim)
     if kw["block_size"] != key.shape[1]:
         _fail("block_size", f"the cache's block size {key.shape[1]}", kw["block_size"])
     if kw["block_size"] % 128 or not 128 <= kw["block_size"] <= 512:
@@ -254,9 +284,7 @@ def _fia_out(query, key, value, **kwargs):
     out = kw["out"]
     if len(out) != 2:
         _fail("out", "[attention_out, softmax_lse]", f"{len(out)} tensors")
-    attention_out, softmax_lse = out
-    if not kw["softmax_lse_flag"] and softmax_lse.numel() != 1:
-        _fail("out", "a [1] softmax_lse when softmax_lse_flag is False", tuple(softmax_lse.shape))
+    attention_out, softmax_lse = out  # softmax_lse: "当前预留，暂不支持" (reserved, L8534): any tensor, not written
     workspace = kw["workspace"]
     if workspace is None:  # aclnn allocates its own scratch
         shape = tiling.AttentionShape.of(query, key4)
@@ -265,7 +293,6 @@ def _fia_out(query, key, value, **kwargs):
     _executed(tiling.FIA, kv_lens)
     reference.fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, query_lens, kw["scale"],
                                     workspace, attention_out)
-    softmax_lse.zero_()
     return attention_out, softmax_lse
 
 

@@ -26,8 +26,8 @@ _USED = {
     "workspace", "out",
 }
 #: Arguments that do not change the result of the calls the fake accepts: pre/next_tokens are ignored
-#: under sparse_mode 0 without a mask and 3 ("忽略入参pre_tokens、next_tokens", L8794-8797); the flag only
-#: shapes softmax_lse.
+#: under sparse_mode 0 without a mask and 3 ("忽略入参pre_tokens、next_tokens", L8771, L8773); the `.out`
+#: overload's softmax_lse is reserved ("当前预留，暂不支持", L9059) whatever the flag.
 _IGNORED = {"pre_tokens", "next_tokens", "inner_precise", "return_softmax_lse"}
 _DOC = "npu_fused_infer_attention_score_v2, torch_npu 2.14 _op_plugin_docs.py"
 _HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -67,7 +67,7 @@ def _mla_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
                      query_rope=query_rope, key_rope=key_rope)
     tokens, heads, dim = query.shape
     _require(dim == 512, "query", "d 512 with paged KV ('query的d只支持512、128', L8695; d 128: no page attention, "
-             "L8712)", dim)
+             "L8715)", dim)
     _require(tuple(query_rope.shape) == (tokens, heads, 64), "query_rope", f"shape {(tokens, heads, 64)} "
              "('query_rope的shape中d为64，其余维度与query一致', L8699)", tuple(query_rope.shape))
     _require(kw["num_query_heads"] == heads and heads in _HEADS, "num_query_heads", f"the query's {heads} heads, "
@@ -93,6 +93,7 @@ def _mla_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     ends, kv_lens = list(ends), list(kv_lens)
     _require(len(kv_lens) == len(ends) == table.shape[0], "actual_seq_kvlen", f"one length per batch, "
              f"{len(ends)} (its length is the batch, L8720, L8723; block_table's first dim, L8780)", len(kv_lens))
+    # L8738 closes the d != 512 section (from L8729); applied to d 512 too as a bound, unverified there.
     _require(len(ends) <= 4096, "actual_seq_qlen", "at most 4096 entries ('元素个数不大于4096', L8738)", len(ends))
     query_lens = validate.query_lens_from_ends(ends, tokens, "actual_seq_qlen")  # non-decreasing, last == T
     _require(max(query_lens, default=0) <= 16, "actual_seq_qlen", "at most 16 query tokens per batch "
@@ -111,10 +112,10 @@ def _mla_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _require(kw["sparse_mode"] == 3, "sparse_mode", "3 for Q_S above 1 ('Q_S大于1时只支持sparse=3且传入mask', L8697)",
                  kw["sparse_mode"])
         _require(mask is not None and tuple(mask.shape) == (2048, 2048) and mask.dtype in _MASK_DTYPES, "atten_mask",
-                 "the (2048, 2048) bool/int8/uint8 mask of sparse_mode 3 (L8606)",
+                 "the (2048, 2048) bool/int8/uint8 mask of sparse_mode 3 (L8607)",
                  None if mask is None else f"{mask.dtype} {tuple(mask.shape)}")
         _require(bool(mask[0, 1]) and not bool(mask[1, 0]) and not bool(mask[0, 0]), "atten_mask",
-                 "the causal mask, masked strictly above the diagonal ('下三角', L8796)", "another mask")
+                 "the causal mask, masked strictly above the diagonal ('下三角', L8772)", "another mask")
     latent = key.view(num_blocks, block_size, 512)
     rope = key_rope.view(num_blocks, block_size, 64)
     return latent, rope, ends, kv_lens, query_lens
@@ -128,8 +129,6 @@ def fia_v2_out(query, key, value, **kwargs):
     attention_out, softmax_lse = out
     _require(attention_out.shape == query.shape and attention_out.dtype == query.dtype, "out",
              f"an attention_out like the query {tuple(query.shape)} (value's D, L8677)", tuple(attention_out.shape))
-    _require(kw["return_softmax_lse"] or softmax_lse.numel() == 1, "out",
-             "a [1] softmax_lse when return_softmax_lse is False (L8678)", tuple(softmax_lse.shape))
     workspace = kw["workspace"]
     shape = tiling.AttentionShape.of_mla(query, kw["query_rope"], latent)
     if workspace is None:  # aclnn allocates its own scratch
@@ -137,8 +136,7 @@ def fia_v2_out(query, key, value, **kwargs):
     base._executed(tiling.MLA, kv_lens)
     reference.mla_fused_infer_attention(query, kw["query_rope"], latent, rope, kw["block_table"], ends, kv_lens,
                                         query_lens, kw["softmax_scale"], workspace, attention_out)
-    softmax_lse.zero_()
-    return attention_out, softmax_lse
+    return attention_out, softmax_lse  # softmax_lse reserved (L9059): any tensor, not written
 
 
 def fia_v2_out_meta(query, key, value, **kwargs):

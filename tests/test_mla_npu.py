@@ -201,3 +201,22 @@ def test_more_sequences_than_fia_v2_takes_are_refused_at_compile(fake_npu):
                                         r"per call \('actual_seq_qlen和actual_seq_kvlen的元素个数不大于4096', L8738\)"):
         with torch.no_grad():  # another size: traced general, for the capture sizes
             fn(**PagedBatch(cfg, seed=1).step([5, 6]))
+
+
+def test_the_fake_takes_a_full_softmax_lse_as_vllm_ascend_passes_it(fake_npu):
+    """vLLM-Ascend passes FIA v2's MLA form a `[num_tokens]` softmax_lse (`mla_v1.py`); the `.out`
+    overload's softmax_lse is reserved ("当前预留，暂不支持", L9059): taken, never written (issue 33, item 6)."""
+    from ascend_compile.ops import npu_mla
+
+    problem = _problem([40, 300, 129])
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    q_nope = problem.q_nope.contiguous()
+    out, lse = torch.empty_like(q_nope), torch.full((q_nope.shape[0],), 7.0, dtype=torch.bfloat16)
+    npu_mla.mla_attention(kernels.torch_npu, kernels.atten_mask, lse, q_nope, problem.q_pe, problem.kv_c_cache,
+                          problem.k_pe_cache, problem.block_table, problem.query_start_loc[1:], problem.seq_lens,
+                          problem.scale, torch.empty(1 << 22, dtype=torch.uint8), out)
+    seq_lens, query_start_loc = problem.tensors()
+    expected = torch.ops.ascend.mla_attention(problem.q_nope, problem.q_pe, problem.kv_c_cache, problem.k_pe_cache,
+                                              problem.block_table, seq_lens, query_start_loc, problem.scale)
+    torch.testing.assert_close(out, expected)
+    assert lse.eq(7.0).all()

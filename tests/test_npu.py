@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import random
 
 import pytest
 import torch
 
 from ascend_compile.config import CompileConfig
-from ascend_compile.errors import CaptureError, ReplayError, StreamRace
+from ascend_compile.errors import ReplayError, StreamRace
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery, fia_probe_lengths
@@ -28,7 +29,12 @@ from tests.test_backend import compiled_model
 MAX_LEN = 512
 #: The KV-cache block size of the compiled runs: paged FIA on torch_npu takes multiples of 128.
 NPU_BLOCK = 128
-TOL = dict(atol=2e-5, rtol=1e-4)
+#: The models' dtype: PA and FIA take float16 and bfloat16, never float32 (`ops/npu_rules.py`,
+#: ATTENTION_DTYPES); the end-to-end test runs float16 too.
+DTYPE = torch.bfloat16
+#: Compiled vs eager in each dtype: the kernels split and round their partial results in it.
+TOLERANCES = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+TOL = TOLERANCES[DTYPE]
 KERNELS = ("_npu_paged_attention", "npu_fused_infer_attention_score.out")
 QUERIES = ("_npu_paged_attention_get_workspace", "_npu_fused_infer_attention_score_get_max_workspace")
 CPU = torch.device("cpu")
@@ -64,21 +70,23 @@ def run_model(steps, cfg, **options):
     return results, artifacts
 
 
-def assert_all_close(results):
+def assert_all_close(results, dtype=DTYPE):
     for compiled, eager in results:
         assert isinstance(compiled, torch.Tensor), compiled
-        torch.testing.assert_close(compiled, eager, **TOL)
+        assert compiled.dtype == dtype
+        torch.testing.assert_close(compiled, eager, **TOLERANCES[dtype])
 
 
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_compiled_on_npu_matches_eager_with_pa_and_fia(fake_npu):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_on_npu_matches_eager_with_pa_and_fia(fake_npu, dtype):
     rng = random.Random(0)
     steps = [lengths(rng, n) for n in (3, 2, 6, 3, 8)] + [([40, 300, 17], [3, 1, 2])]  # the last: mixed (FIA)
-    results, artifacts = run_model(steps, LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
-                                   capture_sizes=(4, 8), pa_max_batch=4)
-    assert_all_close(results)
+    results, artifacts = run_model(steps, LlamaConfig(dtype=dtype, num_layers=2, num_blocks=128, block_size=NPU_BLOCK),
+                                   max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
+    assert_all_close(results, dtype)
     art = artifacts[-1]
     assert isinstance(art.runtime, NpuRuntime) and art.describe()["runtime"]["torch_npu"] == "2.14.0"
     kernels = {k["kernel"] for g in art.describe()["graphs"].values() for k in g["kernels"]}
@@ -90,7 +98,7 @@ def test_compiled_on_npu_matches_eager_with_pa_and_fia(fake_npu):
 
 
 def test_auto_kernel_policy_times_the_torch_npu_kernels(fake_npu):
-    results, artifacts = run_model([[30, 40, 50, 60]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
+    results, artifacts = run_model([[30, 40, 50, 60]], LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
                                    max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="auto")
     assert_all_close(results)
     (choice,) = artifacts[-1].describe()["graphs"]["b4.decode"]["kernels"]
@@ -113,7 +121,7 @@ def test_replay_is_launched_before_the_updates_which_record_the_events(fake_npu,
     # On the simulator's streams: each update is ordered before its kernel only by the event.
     rng = random.Random(1)
     steps = [lengths(rng, n) for n in (3, 4, 2)]
-    results, artifacts = run_model(steps, LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
+    results, artifacts = run_model(steps, LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
                                    capture_sizes=(4,), kernel_policy=policy)
     assert_all_close(results)
     rt, trace = artifacts[-1].runtime, fake_npu.trace
@@ -135,14 +143,14 @@ def test_replay_is_launched_before_the_updates_which_record_the_events(fake_npu,
 def test_skipped_update_hits_the_missing_event_error(fake_npu):
     from tests.test_design_cases import SkipUpdates, with_target
 
-    results, _ = run_model([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
+    results, _ = run_model([[10, 20, 30]], LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN,
                            capture_sizes=(4,), kernel_policy="pa", target=with_target(updates=SkipUpdates()))
     error = results[0][0]
     assert isinstance(error, ReplayError) and "never recorded" in str(error)
 
 
 def _two_unsynchronized_steps(fake_npu, monkeypatch, order_steps):
-    cfg = LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
     fn, artifacts = compiled_model(build(cfg), runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,),
                                    kernel_policy="pa")
     batch = PagedBatch(cfg)
@@ -174,7 +182,7 @@ def test_unordered_steps_race_on_the_device(fake_npu, monkeypatch):
 
 
 def test_replaying_on_the_update_stream_is_refused(fake_npu):
-    cfg = LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
     fn, artifacts = compiled_model(build(cfg), runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,))
     with torch.no_grad():
         fn(**PagedBatch(cfg).step([5, 6, 7]))
@@ -185,7 +193,7 @@ def test_replaying_on_the_update_stream_is_refused(fake_npu):
 
 # ----------------------------------------------------------------------------- workspace probing
 
-CASE1_CFG = LlamaConfig(num_layers=2, num_blocks=512, block_size=128)
+CASE1_CFG = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=512, block_size=128)
 CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
 CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa")
 
@@ -226,7 +234,7 @@ def test_a_mixed_batch_needing_more_than_every_uniform_one_is_caught_before_the_
 
 
 def test_replays_ask_pa_with_each_steps_lengths_and_fia_never(fake_npu):
-    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,))
     batch = PagedBatch(cfg)
@@ -359,7 +367,7 @@ def test_calls_match_the_torch_npu_2_14_schemas(fake_npu):
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     for kernel in (tiling.PA, tiling.FIA):
         query_lens = [1, 1, 1] if kernel == tiling.PA else [1, 4, 2]
-        prob = make_problem([5, 3000, 40], query_lens=query_lens, block_size=NPU_BLOCK)
+        prob = make_problem([5, 3000, 40], query_lens=query_lens, block_size=NPU_BLOCK, dtype=DTYPE)
         host = (prob.seq_lens,) if kernel == tiling.PA else (prob.query_start_loc[1:], prob.seq_lens)
         shape = tiling.AttentionShape.of(prob.query, prob.key_cache)
         queries, width = NpuWorkspaceQuery(kernels, prob.query.dtype), prob.block_table.shape[1]
@@ -452,7 +460,7 @@ def fake_npugraph_ex(config, graphs):
 
 
 def test_our_passes_run_inside_npugraph_ex_through_its_pre_pass_hook(fake_npu):
-    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=1024)
     model, reference = build(cfg), build(cfg)
     config = CompileConfig(max_model_len=MAX_LEN, kernel_policy="pa")
     graphs = []
@@ -478,7 +486,7 @@ def test_our_passes_run_inside_npugraph_ex_through_its_pre_pass_hook(fake_npu):
 
 
 def test_npugraph_ex_pass_refuses_fia_whose_lengths_it_cannot_refresh(fake_npu):
-    cfg = LlamaConfig(num_layers=1, num_blocks=1024)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=1024)
     pre_pass = npugraph_ex_pre_pass(CompileConfig(max_model_len=MAX_LEN, kernel_policy="fia"))
     torch._dynamo.reset()
     fn = torch.compile(build(cfg), backend=fake_npugraph_ex(NpugraphExConfig(pre_pass), []), dynamic=False)
@@ -509,7 +517,7 @@ def test_workspace_probes_are_caches_of_a_few_blocks_the_device_accepts(fake_npu
     # as few sequences as a row holds, the others empty.
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=NPU_BLOCK)
-    queries = NpuWorkspaceQuery(kernels, torch.float32)
+    queries = NpuWorkspaceQuery(kernels, DTYPE)
     assert queries.paged_attention(shape, [512, 300, 129, 1], 4) == tiling.workspace_nbytes(
         tiling.PA, shape, [512, 300, 129, 1])
     assert queries.fused_infer_attention_max(shape, 300, 2) == tiling.max_workspace(tiling.FIA, shape, 300, 256).nbytes
@@ -521,18 +529,18 @@ def test_workspace_probes_are_caches_of_a_few_blocks_the_device_accepts(fake_npu
 
 
 def test_workspace_bytes_are_the_answers_bytes_not_its_element_count(fake_npu):
-    # FIA's query answers in the query's dtype: a float32 answer of n elements is 4n bytes.
+    # FIA's query answers in the query's dtype: a bfloat16 answer of n elements is 2n bytes.
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=NPU_BLOCK)
-    need = NpuWorkspaceQuery(kernels, torch.float32).fused_infer_attention_max(shape, 3, 24)
+    need = NpuWorkspaceQuery(kernels, DTYPE).fused_infer_attention_max(shape, 3, 24)
     exact = tiling.max_workspace(tiling.FIA, shape, 3, 24 * NPU_BLOCK).nbytes
-    assert 0 < exact <= need < exact + 4
+    assert 0 < exact <= need < exact + 2
 
 
 def test_capture_and_padding_never_give_the_kernels_zero_lengths(fake_npu):
     # Captured on zero lengths, a kernel takes its fast path and records another task than its updates
     # issue (refused); padding sequences of KV 0 under q=1 break FIA's q <= kv. Both are gone.
-    results, artifacts = run_model([[40, 300, 17], ([40, 300, 17], [3, 1, 2])], LlamaConfig(
+    results, artifacts = run_model([[40, 300, 17], ([40, 300, 17], [3, 1, 2])], LlamaConfig(dtype=DTYPE,
         num_layers=1, num_blocks=128, block_size=NPU_BLOCK), max_model_len=MAX_LEN, capture_sizes=(8,),
         kernel_policy="pa")
     assert_all_close(results)
@@ -550,7 +558,7 @@ def test_context_lens_tensors_live_until_the_device_has_read_them(fake_npu):
     # The NPU runtime keeps each context_lens tensor alive until the device has run its task. ATB clones
     # CPU inputs when the call is issued (op-plugin AtbCommon.cpp, ParamSetter::Input), and so does the
     # fake, so this is belt and braces, no longer a device rule the fake enforces.
-    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     results, artifacts = run_model([[10, 20, 30], [40, 50, 60, 70]], cfg, max_model_len=MAX_LEN,
                                    capture_sizes=(4,), kernel_policy="pa")
     assert_all_close(results)
@@ -560,7 +568,7 @@ def test_context_lens_tensors_live_until_the_device_has_read_them(fake_npu):
 
 
 def test_kernels_are_set_up_eagerly_before_the_first_capture(fake_npu):
-    cfg = LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
     results, _ = run_model([[10, 20, 30]], cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
     assert_all_close(results)
     trace = [what for what, _ in fake_npu.trace]
@@ -571,9 +579,9 @@ def test_fia_block_size_is_checked_before_torch_npu_is_asked(fake_npu):
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16)
     with pytest.raises(ValueError, match=r"block_size: torch_npu's paged FIA .* got 16"):
-        NpuWorkspaceQuery(kernels, torch.float32).fused_infer_attention_max(shape, 2, 4)
+        NpuWorkspaceQuery(kernels, DTYPE).fused_infer_attention_max(shape, 2, 4)
     assert fake_npu.count(*QUERIES) == 0
-    cfg = LlamaConfig(num_layers=1, num_blocks=128)  # block_size 16: the mixed graph's FIA is refused at compile
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128)  # block_size 16: the mixed graph's FIA is refused at compile
     results, _ = run_model([[10, 20, 30]], cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
     assert "block_size: torch_npu's paged FIA" in str(results[0][0])
 
@@ -602,17 +610,10 @@ def _(key, value, key_cache, value_cache, slot_mapping) -> None:
     return None
 
 
-def _capture_error(steps, cfg) -> Exception:
-    """The first step's error of the example model compiled on runtime "npu"."""
-    results, _ = run_model(steps, cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
-    compiled = results[0][0]
-    assert isinstance(compiled, CaptureError), compiled
-    return compiled
-
-
-def test_an_unbound_cache_write_with_host_reads_cannot_be_captured_on_npu(monkeypatch):
+def test_an_unbound_cache_write_with_host_reads_is_served_eagerly_on_npu(monkeypatch, caplog):
     # Not a torch_npu op, so no kernel of the device: its body is recorded op by op, and its first host
-    # read fails the capture, as it would on an Ascend device.
+    # read fails the capture, as it would on an Ascend device. The graph serves its steps eagerly (issue
+    # 33, item 1), one WARNING naming the op; before, every step raised trying the capture again.
     fake_torch_npu.install(monkeypatch, device_kernels=fake_torch_npu.DEVICE_KERNELS)
     from examples import llama
 
@@ -622,15 +623,22 @@ def test_an_unbound_cache_write_with_host_reads_cannot_be_captured_on_npu(monkey
                                           query_start_loc, self.cfg.head_dim**-0.5)
 
     monkeypatch.setattr(llama.Attention, "attend", attend)
-    error = _capture_error([[10, 20, 30]], LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
-    assert "aten.item.default inside npu_test.cache_write_with_host_reads.default" in str(error)
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        results, artifacts = run_model([[10, 20, 30], [40, 50, 60, 70], [5, 6, 7]],
+                                       LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
+                                       max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
+    assert_all_close(results)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == len(artifacts) and all(
+        "npu_test.cache_write_with_host_reads.default" in w and "aten.item.default inside" in w for w in warnings)
+    assert sum(a.stats["replays"] + a.stats["captures"] for a in artifacts) == 0
 
 
 def test_the_bound_cache_write_is_captured_on_a_fake_with_only_torch_npus_kernels(fake_npu):
     # Before the binding (issue 22, item 1) this capture failed on the strict fake: the op's Python
     # body read device data on the host. Bound to npu_scatter_pa_kv_cache, it is one device kernel.
     results, artifacts = run_model([[10, 20, 30], [40, 50], [60, 70, 80, 90]],
-                                   LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
+                                   LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
                                    max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")
     assert_all_close(results)
     assert sum(a.stats["replays"] for a in artifacts) == 3
@@ -640,7 +648,7 @@ def test_the_bound_cache_write_is_captured_on_a_fake_with_only_torch_npus_kernel
 def test_fia_accepts_padding_sequences_of_kv_length_0(fake_npu):
     # vLLM-Ascend updates padded decode requests with KV length 0 (model_runner_v1.py); torch_npu 2.14's
     # FIA docs ask only for non-negative KV lengths of at most KV_S (_op_plugin_docs.py L8211, L8275).
-    prob = make_problem([40, 1, 1], block_size=NPU_BLOCK)
+    prob = make_problem([40, 1, 1], block_size=NPU_BLOCK, dtype=DTYPE)
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     out, expected = torch.full_like(prob.query, float("nan")), torch.empty_like(prob.query)
     args = (prob.query, prob.key_cache, prob.value_cache, prob.block_table, [1, 2, 3], [40, 0, 0], prob.scale)

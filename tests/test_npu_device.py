@@ -13,8 +13,9 @@ from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import tiling
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
+from tests.helpers import make_problem
 from tests.test_backend import compiled_model
-from tests.test_npu import MAX_LEN, NPU_BLOCK, TOL, lengths
+from tests.test_npu import DTYPE, MAX_LEN, NPU_BLOCK, TOL, lengths
 
 CPU = torch.device("cpu")
 
@@ -35,7 +36,7 @@ def caches(model):
 def test_the_kv_cache_is_written_by_the_device_kernel_at_every_replay(fake_npu, slot_dtype):
     # Batch sizes change from step to step (buckets 4 and 8, and a mixed step); after every step both
     # caches equal eager's, and each replay ran npu_scatter_pa_kv_cache once per layer.
-    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
     batch, rng = PagedBatch(cfg, seed=5), random.Random(5)
@@ -125,7 +126,7 @@ def _steps_on_two_buckets(cfg, **options):
 def test_only_a_runtimes_first_capture_releases_the_allocators_caches(fake_npu):
     # torch.npu.graph empties both caching allocators on every entry (torch_npu/npu/graphs.py); a lazy
     # capture while serving would pay it each time. vLLM-Ascend skips it after the first capture.
-    artifacts = _steps_on_two_buckets(LlamaConfig(num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
+    artifacts = _steps_on_two_buckets(LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK))
     runtimes = {id(a.runtime) for a in artifacts if a.stats["captures"]}
     trace = [what for what, _ in fake_npu.trace]
     assert sum(a.stats["captures"] for a in artifacts) > len(runtimes)
@@ -137,13 +138,30 @@ def test_updates_are_tiled_for_the_cores_the_graph_was_captured_for(fake_npu):
     # cores and every task update is issued on an update stream limited alike (the fake refuses an update
     # tiled for other cores), as npugraph_ex sets the update stream's limit before each update.
     torch.npu.set_stream_limit(torch.npu.current_stream(), 8, 16)
-    artifacts = _steps_on_two_buckets(LlamaConfig(num_layers=2, num_blocks=128, block_size=NPU_BLOCK))
+    artifacts = _steps_on_two_buckets(LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK))
     limited = {"cube_core_num": 8, "vector_core_num": 16}
     handles = [e.handle.native for a in artifacts for g in a.graphs.values() for e in g.table.entries.values()]
     assert handles and all(h.core_limit == limited for h in handles)
     assert all(torch.npu.get_stream_limit(a.runtime.update_stream) == limited for a in artifacts)
     sets = [stream for what, stream in fake_npu.trace if what == "set_stream_limit"]
     assert len(sets) <= 3 * len(artifacts)  # set when it differs, not before every update
+
+
+def test_a_torch_npu_without_core_limits_still_starts_and_serves(fake_npu, monkeypatch, caplog):
+    # Issue 33, item 6: get_stream_limit reads `_npu_get_stream_res_limit`, which an older CANN lacks; the
+    # runtime called it unguarded at start-up and could not start. npugraph_ex catches it and sets no
+    # limit (`_save_stream_core_limits`); so does the runtime now, with one warning.
+    def missing(stream):
+        raise AttributeError("module 'torch_npu._C' has no attribute '_npu_get_stream_res_limit'")
+
+    monkeypatch.setattr(torch.npu, "get_stream_limit", missing)
+    with caplog.at_level("WARNING", logger="ascend_compile"):
+        artifacts = _steps_on_two_buckets(LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128,
+                                                      block_size=NPU_BLOCK))
+    assert sum(a.stats["replays"] for a in artifacts) >= 3
+    assert not [what for what, _ in fake_npu.trace if what == "set_stream_limit"]
+    warnings = [r.getMessage() for r in caplog.records if "get_stream_limit failed" in r.getMessage()]
+    assert len(warnings) == len({id(a.runtime) for a in artifacts})  # once per runtime
 
 
 # ----------------------------------------------------------------------------- kernel constraints at compile time
@@ -170,7 +188,7 @@ def _first_step(cfg, model=None, steps=([10, 20, 30],), **options):
 def test_a_pa_block_size_of_256_is_refused_at_compile(fake_npu):
     # ATB's PA: "block_size %16 == 0 ... block_size <= 128"; 256 would fail on the device at the first
     # capture. Refused before torch_npu is called at all, naming the layer, the kernel and the rule.
-    error = _first_step(LlamaConfig(num_layers=1, num_blocks=64, block_size=256), kernel_policy="pa")
+    error = _first_step(LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=256), kernel_policy="pa")
     assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
     assert "paged_attention_default (layer L['self'].layers.0.attn): block_size: torch_npu._npu_paged_attention " \
            "(ATB PagedAttention) takes" in str(error)
@@ -179,10 +197,108 @@ def test_a_pa_block_size_of_256_is_refused_at_compile(fake_npu):
 
 def test_the_fake_pa_refuses_block_sizes_atb_does_not_take(fake_npu):
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
-    query, cache = torch.randn(2, 4, 16), torch.zeros(4, 256, 2, 16)
+    query, cache = torch.randn(2, 4, 16, dtype=DTYPE), torch.zeros(4, 256, 2, 16, dtype=DTYPE)
     with pytest.raises(ValueError, match="block_size: expected a multiple of 16 of at most 128"):
         kernels.paged_attention(query, cache, cache, torch.zeros(2, 1, dtype=torch.int32), [3, 4], 0.25,
                                 torch.empty(0, dtype=torch.uint8), torch.empty_like(query))
+
+
+@pytest.mark.parametrize("policy, node, kernel", [
+    ("pa", "paged_attention_default", "torch_npu._npu_paged_attention (ATB PagedAttention)"),
+    ("fia", "fused_infer_attention_default", "torch_npu.npu_fused_infer_attention_score"),
+])
+def test_a_float32_model_is_refused_at_compile_naming_the_layer_and_the_dtype(fake_npu, policy, node, kernel):
+    # PA and FIA take float16/bfloat16 queries and caches (FIA: L8065, L8224; PA: _atb_api_docs.py L254,
+    # L272): a float32 model would pass every other check and fail at its first kernel on the device.
+    cfg = LlamaConfig(dtype=torch.float32, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    error = _first_step(cfg, kernel_policy=policy)
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert f"{node} (layer L['self'].layers.0.attn): query: {kernel} takes float16 or bfloat16 queries" in str(error)
+    assert "got a torch.float32 query and torch.float32 caches" in str(error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_serves_from_replays(fake_npu, dtype):
+    cfg = LlamaConfig(dtype=dtype, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    assert _first_step(cfg, steps=([10, 20, 30], [40, 50, 60, 70])) is None
+
+
+def test_the_fake_attention_kernels_refuse_float32_citing_their_docs(fake_npu):
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    table, workspace = torch.zeros(2, 1, dtype=torch.int32), torch.empty(1 << 20, dtype=torch.uint8)
+    query, cache = torch.randn(2, 4, 16), torch.zeros(4, NPU_BLOCK, 2, 16)
+    with pytest.raises(ValueError, match=r"query: expected a float16 or bfloat16 tensor \(ATB PagedAttention: "
+                                         r"'支持float16/bf16/int8', _atb_api_docs.py L254\), got torch.float32"):
+        kernels.paged_attention(query, cache, cache, table, [3, 4], 0.25, workspace, torch.empty_like(query))
+    with pytest.raises(ValueError, match=r"query: expected a float16 or bfloat16 tensor "
+                                         r"\(npu_fused_infer_attention_score: .*L8065\), got torch.float32"):
+        kernels.fused_infer_attention(query, cache, cache, table, [1, 2], [3, 4], 0.25, workspace,
+                                      torch.empty_like(query))
+    # A half-precision query over float32 caches (the binding refuses the mix itself): the fake refuses the cache.
+    half, torch_npu = query.to(DTYPE), kernels.torch_npu
+    with pytest.raises(ValueError, match=r"key_cache: expected a float16 or bfloat16 tensor .*L255"):
+        torch_npu._npu_paged_attention(*npu_ops.paged_attention_args(half, cache, cache, table, [3, 4], 0.25,
+                                                                     torch.empty_like(half)), workspace=workspace)
+    args, kwargs = npu_ops.fused_infer_attention_args(half, cache, cache, table, [1, 2], [3, 4], 0.25,
+                                                      kernels.atten_mask)
+    with pytest.raises(ValueError, match=r"key: expected a float16 or bfloat16 tensor .*L8067"):
+        torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace,
+                                                      out=[torch.empty_like(half), kernels.softmax_lse])
+    assert fake_npu.count("_npu_paged_attention", "npu_fused_infer_attention_score.out") == 4
+
+
+@pytest.mark.parametrize("policy, sizes, message", [
+    ("fia", dict(num_heads=132, num_kv_heads=2, hidden_size=64), r"num_key_value_heads: torch_npu\.npu_fused_infer_"
+     r"attention_score takes at most 64 query heads per KV head \('比值不能大于64', L8116\), got 132 query heads over 2"),
+    ("fia", dict(head_dim=24), r"query: torch_npu\.npu_fused_infer_attention_score takes a head dim that is a multiple "
+     r"of 16 and at most 512 .*L8210.*got 24"),
+    ("pa", dict(head_dim=272), r"paged_attention_default .*query: torch_npu\._npu_paged_attention \(ATB "
+     r"PagedAttention\) takes head sizes in \(0, 256\] .*L278\), got 272"),
+])
+def test_head_limits_are_refused_at_compile_naming_the_layer(fake_npu, policy, sizes, message):
+    # Issue 33, item 6: FIA's heads per KV head (L8116) and head dim (L8204, L8210, L8271), PA's head size
+    # (_atb_api_docs.py L278); each would fail at the device's first kernel.
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK, **sizes)
+    error = _first_step(cfg, kernel_policy=policy)
+    assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
+    assert __import__("re").search(message, str(error)), str(error)
+
+
+def test_the_fake_pa_copies_strided_inputs_and_refuses_a_strided_out(fake_npu):
+    # torch_npu's ATB binding makes inputs contiguous (op-plugin AtbCommon.cpp, ParamSetter::Input) and
+    # passes outputs as they are to AtTensor2AtbTensor, which refuses a strided one.
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    torch_npu = kernels.torch_npu
+    prob = make_problem([40, 130], block_size=NPU_BLOCK, dtype=DTYPE)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    kv = torch.stack([prob.key_cache, prob.value_cache], dim=1)  # vLLM's [num_blocks, 2, ...] layout
+    key_cache, value_cache = kv[:, 0], kv[:, 1]
+    assert not key_cache.is_contiguous()
+    out = torch.empty_like(prob.query)
+    torch_npu._npu_paged_attention(*npu_ops.paged_attention_args(prob.query, key_cache, value_cache, prob.block_table,
+                                                                 prob.seq_lens, prob.scale, out), workspace=workspace)
+    torch.testing.assert_close(out.float(), prob.dense(), **TOL)
+    wide = torch.empty(prob.query.shape[0], prob.query.shape[1], 2 * prob.query.shape[2], dtype=DTYPE)[..., ::2]
+    with pytest.raises(ValueError, match=r"out: expected a contiguous tensor \(ATB's AtTensor2AtbTensor"):
+        torch_npu._npu_paged_attention(*npu_ops.paged_attention_args(prob.query, prob.key_cache, prob.value_cache,
+                                                                     prob.block_table, prob.seq_lens, prob.scale, wide),
+                                       workspace=workspace)
+
+
+def test_the_fakes_take_softmax_lse_as_vllm_ascend_passes_it(fake_npu):
+    # The .out overloads' softmax_lse is reserved ("当前预留，暂不支持", L8534, L9059): vLLM-Ascend passes a [1]
+    # one to FIA (attention_v1.py) and a [num_tokens] one to FIA v2's MLA form (mla_v1.py); neither is written.
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    torch_npu = kernels.torch_npu
+    prob = make_problem([40, 130], query_lens=[3, 2], block_size=NPU_BLOCK, dtype=DTYPE)
+    ends = prob.query_start_loc[1:]
+    args, kwargs = npu_ops.fused_infer_attention_args(prob.query, prob.key_cache, prob.value_cache, prob.block_table,
+                                                      ends, prob.seq_lens, prob.scale, kernels.atten_mask)
+    out, lse = torch.empty_like(prob.query), torch.full((prob.query.shape[0],), 7.0)
+    torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=torch.empty(1 << 20, dtype=torch.uint8),
+                                                  out=[out, lse])
+    torch.testing.assert_close(out.float(), prob.dense(), **TOL)
+    assert lse.eq(7.0).all()
 
 
 def _unbound_cache_model(cfg):
@@ -190,7 +306,7 @@ def _unbound_cache_model(cfg):
     value caches its two non-contiguous halves."""
     model = build(cfg)
     for layer in model.layers:
-        kv = torch.zeros(cfg.num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv = torch.zeros(cfg.num_blocks, 2, cfg.block_size, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
         layer.attn._buffers["key_cache"], layer.attn._buffers["value_cache"] = kv[:, 0], kv[:, 1]
     return model
 
@@ -198,7 +314,7 @@ def _unbound_cache_model(cfg):
 @pytest.mark.parametrize("policy", ["pa", "fia"])
 def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
     # A contiguous copy of each half would copy the whole cache at every call inside the graph.
-    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
     error = _first_step(cfg, _unbound_cache_model(cfg), kernel_policy=policy)
     assert error is not None and fake_npu.count(*DEVICE_CALLS) == 0
     assert "reshape_and_cache (layer L['self'].layers.0.attn): key_cache: torch_npu.npu_scatter_pa_kv_cache" \
@@ -206,13 +322,12 @@ def test_a_non_contiguous_kv_cache_is_refused_at_compile(fake_npu, policy):
     assert "takes contiguous tensors" in str(error) and "输入参数不支持非连续" in str(error)
 
 
-def test_the_fake_attention_kernels_refuse_non_contiguous_caches(fake_npu):
+def test_the_fake_fia_refuses_non_contiguous_caches(fake_npu):
+    # FIA: "不支持非连续的Tensor" (L8065-8069). PA's binding copies its inputs instead (the test above).
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
-    kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16)
-    query, table = torch.randn(2, 4, 16), torch.zeros(2, 1, dtype=torch.int32)
+    kv = torch.zeros(4, 2, NPU_BLOCK, 2, 16, dtype=DTYPE)
+    query, table = torch.randn(2, 4, 16, dtype=DTYPE), torch.zeros(2, 1, dtype=torch.int32)
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="key_cache: expected a contiguous tensor"):
-        kernels.paged_attention(query, kv[:, 0], kv[:, 1], table, [3, 4], 0.25, workspace, torch.empty_like(query))
     with pytest.raises(ValueError, match="key: expected a contiguous tensor"):
         kernels.fused_infer_attention(query, kv[:, 0], kv[:, 1], table, [1, 2], [3, 4], 0.25, workspace,
                                       torch.empty_like(query))
@@ -222,7 +337,7 @@ def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compil
     # FIA counts a block for each padding sequence against num_blocks ("blocknum不能小于..."): the
     # all-padding capture of bucket 512 packs its tokens into 4 dummies of 128, one block each, and
     # the cache has 3.
-    cfg = LlamaConfig(num_layers=1, num_blocks=3, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=3, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(512,), kernel_policy="fia")
     batch = PagedBatch(cfg)
@@ -238,7 +353,7 @@ def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compil
 def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_npu):
     # Four sequences hold 15 of the cache's 16 blocks; padded to bucket 8, FIA would be sent 4 more
     # sequences of one block each: 19 > 16. The step runs eagerly (and right) instead.
-    cfg = LlamaConfig(num_layers=1, num_blocks=16, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=16, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=2048, capture_sizes=(8,), kernel_policy="fia")
     batch = PagedBatch(cfg, seed=8)
@@ -255,7 +370,7 @@ def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(
     # padded tokens, never an entry of no query tokens. Here: 3 sequences of 6 tokens in bucket 8 get
     # one dummy of 2 tokens; 3 of 100 tokens in bucket 256, two dummies of 78 (at most 128 each), each
     # its query length as KV length; the block table torch_npu is given has a row per entry (L8223).
-    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8, 256),
                                    kernel_policy="fia")
@@ -279,7 +394,7 @@ def test_the_fake_fia_takes_a_block_table_row_per_batch_entry(fake_npu):
     # passes the first rows of the graph's static table; the whole table is refused.
     torch_npu = npu_ops.load_torch_npu()
     kernels = npu_ops.NpuKernels(torch_npu, CPU)
-    query, cache = torch.randn(6, 4, 16), torch.zeros(8, NPU_BLOCK, 2, 16)
+    query, cache = torch.randn(6, 4, 16, dtype=DTYPE), torch.zeros(8, NPU_BLOCK, 2, 16, dtype=DTYPE)
     table = torch.zeros(8, 2, dtype=torch.int32)
     lists = ([3, 4, 6], [10, 20, 3])
     workspace, out = torch.empty(1 << 16, dtype=torch.uint8), torch.empty_like(query)
@@ -301,7 +416,7 @@ def _strided_query(attend):
 def test_a_non_contiguous_query_is_staged_contiguous_before_the_kernel(fake_npu, policy):
     # The kernels take contiguous queries ('不支持非连续的Tensor'): a step's query, a few KB per layer, is
     # copied into a contiguous tensor by a node of the graph, outside the kernel's task group.
-    cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=NPU_BLOCK)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=64, block_size=NPU_BLOCK)
     model = build(cfg)
     for layer in model.layers:
         layer.attn.attend = _strided_query(layer.attn.attend)
@@ -328,13 +443,28 @@ def test_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_w
         assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes
 
 
+def test_each_steps_pa_query_is_asked_with_the_kernels_own_caches_and_block_table(fake_npu):
+    # Issue 33, item 5: as vLLM-Ascend asks at every update (`update_paged_attention_graph_param`), the
+    # per-step question is asked with the layer's KV caches and the graph's block table (their real
+    # shapes), not a one-block stand-in cache and a table max_model_len wide.
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    model = build(cfg)
+    assert _first_step(cfg, model, steps=([10, 20, 30], [40, 50, 60, 70], [5, 6, 7]), kernel_policy="pa") is None
+    asked = [c for c in fake_npu.calls if c.name == "_npu_paged_attention_get_workspace"]
+    run = [c for c in fake_npu.calls if c.name == "_npu_paged_attention"][-1]
+    per_step = asked[-1]  # the last step's question, before its replay
+    assert per_step.args[1].shape == model.layers[0].attn.key_cache.shape == run.args[1].shape
+    assert per_step.args[6].shape == run.args[6].shape  # the graph's block table: its rows and width
+    assert asked[0].args[1].shape[0] == 1  # the compile-time question keeps its probe cache
+
+
 @pytest.mark.parametrize("cfg_features, feature", [
     (dict(layer_types=("full", "sliding"), sliding_window=64), "window"),
     (dict(soft_cap=30.0), "soft_cap"),
     (dict(sinks=True), "sinks"),
 ])
 def test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer(fake_npu, cfg_features, feature):
-    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=128, **cfg_features)
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=128, **cfg_features)
     fn, _ = compiled_model(build(cfg), runtime="npu", max_model_len=512, capture_sizes=(4,))
     with torch.no_grad(), pytest.raises(Exception, match=rf"layer .*: {feature} is not supported on runtime 'npu'"):
         fn(**PagedBatch(cfg, seed=0).step([10, 20, 30]))

@@ -128,7 +128,8 @@ def test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step(monkey
     """On runtime "npu" (the fake torch_npu on the simulator) each capture is preceded by an eager
     warm-up run of the graph, which must not draw from the step's generators either."""
     fake_torch_npu.install(monkeypatch)
-    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=128)  # paged FIA on torch_npu: blocks of 128
+    # paged FIA on torch_npu: blocks of 128; PA and FIA there take half precision
+    cfg = LlamaConfig(num_layers=1, num_blocks=64, block_size=128, dtype=torch.bfloat16)
     sizes = [3, 4, 7, 2, 8, 3]
     fn, artifacts, reference = compiled_sampler(cfg, runtime="npu", capture_sizes=(4, 8), max_model_len=512)
     mismatched = seeded_mismatches(fn, reference, steps(cfg, sizes))

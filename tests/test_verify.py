@@ -3,12 +3,14 @@ kernel binding, stale lengths or a cache never written is caught at the first re
 serves its steps eagerly, so every step's result still equals eager's; the plan and `inspect` say so."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
-from ascend_compile import cli
+from ascend_compile import CompileConfig, cli
+from ascend_compile.lowering.capture import UpdateSchedule
 from ascend_compile.lowering import verify
 from ascend_compile.ops import npu as npu_ops
 from ascend_compile.runtime.base import generators_kept
@@ -18,6 +20,9 @@ from tests.test_backend import compiled_model
 from tests.test_design_cases import SkipUpdatesAndEvents, with_target
 
 CFG = LlamaConfig(num_layers=2, num_blocks=128, block_size=128)
+#: Runtime "npu" takes half precision (PA and FIA refuse float32).
+NPU_CFG = dataclasses.replace(CFG, dtype=torch.bfloat16)
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 STEPS = [[300, 40, 17], [100, 200], [90, 80, 70, 60], [5, 6], [250, 120, 33], ([40, 300, 17], [3, 1, 2])]
 
 
@@ -30,9 +35,9 @@ def run(steps, cfg=CFG, **options):
         for step in steps:
             lens, qlens = step if isinstance(step, tuple) else (step, None)
             inputs = batch.step(lens, qlens)
-            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL[cfg.dtype])
             for got, expected in zip(model.buffers(), reference.buffers()):
-                torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(got, expected, **TOL[cfg.dtype])
     return artifacts
 
 
@@ -81,7 +86,7 @@ def test_a_wrong_kernel_binding_on_the_npu_is_caught_and_served_eagerly(monkeypa
         return bound(self, query, key_cache, value_cache, block_table, context_lens, scale * 1.5, workspace, out)
 
     monkeypatch.setattr(npu_ops.NpuKernels, "paged_attention", wrong_scale)
-    artifacts = run(STEPS, runtime="npu")
+    artifacts = run(STEPS, NPU_CFG, runtime="npu")
     captured = graphs(artifacts)
     pa = [g for g in captured if g.key.decode and g.key.bucket == 4]
     fia = [g for g in captured if not g.key.decode or g.key.bucket == 8]
@@ -131,3 +136,84 @@ def _signature_with(cache, slots):
     specs = [InputSpec(0, "key_cache", Role.KV_CACHE, tuple(cache.shape)),
              InputSpec(1, "slot_mapping", Role.SLOT_MAPPING, tuple(slots.shape))]
     return SimpleNamespace(inputs=specs, by_role=lambda role: [s for s in specs if s.role is role])
+
+
+def test_a_step_with_two_slot_mappings_snapshots_only_the_rows_it_writes(monkeypatch):
+    """Issue 33, item 4: with more than one slot mapping (a group of layers each), every KV cache was
+    cloned whole, twice: the check's memory grew with the cache. Now each cache is read at the rows any
+    of the step's slot mappings names (within the cache), and a wrong row is still caught."""
+    from types import SimpleNamespace
+
+    from ascend_compile.passes.roles import InputSpec, Role
+
+    big, small = torch.zeros(1024, 16, 1, 8), torch.zeros(2, 4, 1, 3)  # 16384 and 8 slots
+    first, second = torch.tensor([1, 6, -1]), torch.tensor([200, 6, -1, 7])
+    specs = [InputSpec(0, "big_cache", Role.KV_CACHE, tuple(big.shape)),
+             InputSpec(1, "small_cache", Role.KV_CACHE, tuple(small.shape)),
+             InputSpec(2, "slots_a", Role.SLOT_MAPPING, (3,)), InputSpec(3, "slots_b", Role.SLOT_MAPPING, (4,))]
+    signature = SimpleNamespace(inputs=specs, by_role=lambda role: [s for s in specs if s.role is role])
+    args = [big, small, first, second]
+    regions = verify.written_regions(signature, {0, 1}, args)
+    assert [r.read(args).shape[0] for r in regions] == [4, 3]  # slots {1, 6, 7, 200}; the small cache: {1, 6, 7}
+    assert regions[0].rows[0].tolist() == [0, 0, 0, 12] and regions[1].rows[1].tolist() == [1, 2, 3]
+
+    def eager():
+        big.view(-1, 8)[second[second >= 0]] = 2.0
+        small.view(-1, 3)[first[first >= 0]] = 1.0
+        return (torch.ones(2),)
+
+    def wrong_replay():  # writes the small cache's rows of the first mapping, and one of them wrong
+        eager()
+        small.view(-1, 3)[6] = 5.0
+        return (torch.ones(2),)
+
+    copied = []
+    read = verify.Region.read
+    monkeypatch.setattr(verify.Region, "read", lambda self, a: copied.append(read(self, a).numel()) or read(self, a))
+    _, record = verify.first_replay_check("b4.decode", regions, args, eager, wrong_replay,
+                                          {0: "big_cache", 1: "small_cache"}, generators_kept)
+    assert record["mismatches"] == ["small_cache (the step's rows): max |diff| 4 (rtol=0.001, atol=0.001)"]
+    # before, as eager wrote it, and the replay's: rows, never a whole cache (before: each cache whole, twice)
+    assert copied == [4 * 8, 3 * 3] * 3
+
+
+class RecordOnly(UpdateSchedule):
+    """A fault that appears after the first replay: the events are recorded, the lengths never updated
+    (each replay then reads the capture's lengths)."""
+
+    def apply(self, table, runtime, host):
+        for entry in table.entries.values():
+            entry.event.record()
+        return 0
+
+
+@pytest.mark.parametrize("every", [0, 1, 3])
+def test_verify_every_nth_replay_catches_a_fault_that_appears_later(every):
+    cfg = CFG
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=512, capture_sizes=(4,), verify=True, verify_every=every)
+    batch = PagedBatch(cfg, seed=4, table_width=4)
+    diffs = []
+    with torch.no_grad():
+        for i, lens in enumerate([[30, 40, 50], [60, 70, 80], [90, 100, 110], [120, 130, 140], [150, 160, 170]]):
+            if i == 1:  # captured and checked at the first step; from the second on, lengths go stale
+                artifacts[-1].target.updates = RecordOnly()
+            inputs = batch.step(lens)
+            diffs.append(float((fn(**inputs) - reference(**inputs)).abs().max()))
+    stats = artifacts[-1].stats
+    assert len(artifacts) == 1 and stats["captures"] == 1
+    if every == 0:  # the first replay only: the later ones return stale results
+        assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3 and stats["verified_replays"] == 1
+    elif every == 1:  # every replay: the fault is caught at once, every step equals eager
+        assert max(diffs) < 1e-4 and stats["verified_replays"] == 2 and stats["verify_failures"] == 1
+        assert stats["eager_fallbacks"] == 3
+    else:  # the 1st and 4th replays: the 2nd and 3rd are stale, the 4th is caught, the 5th runs eagerly
+        assert diffs[0] < 1e-4 and min(diffs[1:3]) > 1e-3 and max(diffs[3:]) < 1e-4
+        assert stats["verified_replays"] == 2 and stats["verify_failures"] == 1
+    entry = next(iter(artifacts[-1].graphs.values()))
+    assert entry.verified["replay"] == {0: 1, 1: 2, 3: 4}[every]
+
+
+def test_verify_every_is_a_non_negative_int():
+    with pytest.raises(ValueError, match="verify_every: expected an int >= 0"):
+        CompileConfig(verify_every=-1)

@@ -76,7 +76,7 @@ MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_co
 NPU_MLA = "tests/test_mla_npu.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 AUDIT36 = "tests/test_audit36_survivors.py"
-
+UNCAPTURABLE = "tests/test_uncapturable.py"
 DIFFERENTIAL = "tests/test_differential.py"
 
 MUTANTS = (
@@ -359,8 +359,8 @@ MUTANTS = (
     ),
     Mutant(
         "PA workspace not checked at the step's lengths", "ascend_compile/passes/npu_checks.py",
-        "            if queries[dtype].paged_attention(shape, host[source], max_blocks) > slot:",
-        "            if queries[dtype].paged_attention(shape, host[source], max_blocks) > slot + (1 << 40):",
+        "            if queries[dtype].paged_attention(shape, host[source], max_blocks, *tensors) > slot:",
+        "            if queries[dtype].paged_attention(shape, host[source], max_blocks, *tensors) > slot + (1 << 40):",
         ("tests/test_npu.py::test_a_mixed_batch_needing_more_than_every_uniform_one_is_caught_before_the_kernel",
          "tests/test_npu.py::test_pa_is_asked_once_per_graph_and_each_step_needing_more_runs_eagerly"),
     ),
@@ -559,8 +559,8 @@ MUTANTS = (
     ),
     Mutant(
         "MLA's dummy limit only where every kernel is MLA", "ascend_compile/passes/padding.py",
-        "    return MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA",
-        "    return MLA_PADDING_CHUNK if all(call.meta.kernel == tiling.MLA",
+        "    limit = MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA",
+        "    limit = MLA_PADDING_CHUNK if all(call.meta.kernel == tiling.MLA",
         (f"{AUDIT36}::test_a_model_mixing_plain_and_latent_attention_packs_mixed_padding_into_dummies_mla_takes",),
     ),
     Mutant(
@@ -577,6 +577,81 @@ MUTANTS = (
         "vLLM-Ascend query ends too many accepted", "ascend_compile/integrations/vllm_metadata.py",
         "if len(lens) != seqs or len(ends) != seqs:", "if len(lens) != seqs or len(ends) < seqs:",
         ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
+    ),
+    # issue 33
+    Mutant(
+        "uncapturable op re-raised", "ascend_compile/lowering/runner.py",
+        "        except UncapturableOp as err:\n            self._serve_eagerly(entry, err)\n            return\n", "",
+        (UNCAPTURABLE,),
+    ),
+    Mutant(
+        "uncapturable op's graphs tried again", "ascend_compile/lowering/runner.py",
+        "        if blocked is not None:  # not tried again", "        if False:  # not tried again",
+        (UNCAPTURABLE,),
+    ),
+    Mutant(
+        "host read in a capture not an uncapturable op", "ascend_compile/lowering/capture.py",
+        "        return isinstance(err, HostSync) or (self.warmed_up and not isinstance(err, AscendCompileError))",
+        "        return self.warmed_up and not isinstance(err, AscendCompileError)",
+        (UNCAPTURABLE,),
+    ),
+    Mutant(
+        "float32 not refused at compile", "ascend_compile/passes/npu_checks.py",
+        "    _refuse(call.node, lambda: npu_rules.check_attention_dtype(kernel, query.dtype, key_cache.dtype))\n", "",
+        (f"{DEVICE}::test_a_float32_model_is_refused_at_compile_naming_the_layer_and_the_dtype",),
+    ),
+    Mutant(
+        "fake kernels take float32", "tests/fake_torch_npu.py",
+        "    if t.dtype not in (torch.float16, torch.bfloat16):",
+        "    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):",
+        (f"{DEVICE}::test_the_fake_attention_kernels_refuse_float32_citing_their_docs",),
+    ),
+    Mutant(
+        "verify clones caches whole with two slot mappings", "ascend_compile/lowering/verify.py",
+        "        if spec.role is Role.KV_CACHE and slots is not None and args[i].dim() >= 2:",
+        "        if spec.role is Role.KV_CACHE and len(mappings) == 1 and args[i].dim() >= 2:",
+        ("tests/test_verify.py::test_a_step_with_two_slot_mappings_snapshots_only_the_rows_it_writes",),
+    ),
+    Mutant(
+        "verify_every ignored", "ascend_compile/lowering/runner.py",
+        "        if self.verify and (entry.verified is None or (every and entry.replays % every == 0)):",
+        "        if self.verify and entry.verified is None:",
+        ("tests/test_verify.py::test_verify_every_nth_replay_catches_a_fault_that_appears_later",),
+    ),
+    Mutant(
+        "PA's per-step query on stand-ins", "ascend_compile/passes/npu_checks.py",
+        "            tensors = [args[i] if i is not None else None for i in inputs]",
+        "            tensors = [None, None, None]",
+        (f"{DEVICE}::test_each_steps_pa_query_is_asked_with_the_kernels_own_caches_and_block_table",),
+    ),
+    Mutant(
+        "FIA's head rules not refused", "ascend_compile/passes/npu_checks.py",
+        "        _refuse(call.node, lambda: npu_rules.check_fia_heads(shape.num_heads, shape.num_kv_heads, shape.head_dim))",
+        "        pass",
+        (f"{DEVICE}::test_head_limits_are_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "PA's head size not refused", "ascend_compile/passes/npu_checks.py",
+        "        _refuse(call.node, lambda: npu_rules.check_pa_head_size(shape.head_dim))\n", "",
+        (f"{DEVICE}::test_head_limits_are_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "get_stream_limit unguarded", "ascend_compile/runtime/npu.py",
+        "        except (AttributeError, RuntimeError) as err:\n            self._core_limits = False",
+        "        except ImportError as err:\n            self._core_limits = False",
+        (f"{DEVICE}::test_a_torch_npu_without_core_limits_still_starts_and_serves",),
+    ),
+    Mutant(
+        "fake PA takes a strided out", "tests/fake_torch_npu.py",
+        "    _contiguous(\"ATB's AtTensor2AtbTensor: 'at_tensor is not contiguous' (outputs are not copied)\", out=out)\n",
+        "",
+        (f"{DEVICE}::test_the_fake_pa_copies_strided_inputs_and_refuses_a_strided_out",),
+    ),
+    Mutant(
+        "fake MLA requires a [1] softmax_lse", "tests/fake_torch_npu_mla.py",
+        "    attention_out, softmax_lse = out\n",
+        "    attention_out, softmax_lse = out\n    _require(softmax_lse.numel() == 1, 'out', 'a [1] softmax_lse', softmax_lse.shape)\n",
+        (f"{NPU_MLA}::test_the_fake_takes_a_full_softmax_lse_as_vllm_ascend_passes_it",),
     ),
 )
 

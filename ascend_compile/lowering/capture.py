@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
-from ..errors import CaptureError
+from ..errors import AscendCompileError, CaptureError, HostSync, UncapturableOp
 from ..passes.fx_utils import is_op
 from ..passes.inner_compile import INNER_KEY
 from ..passes.kernel_call import HostArg, HostSource, KernelCall, is_kernel, with_host_lengths
@@ -117,13 +117,14 @@ class CaptureInterpreter(fx.Interpreter):
     """Runs a graph inside a capture, wrapping each kernel call for updates."""
 
     def __init__(self, gm: fx.GraphModule, runtime: GraphRuntime, table: UpdateTable, workspaces: WorkspaceFor,
-                 schedule: UpdateSchedule, lifetime: WorkspaceLifetime) -> None:
+                 schedule: UpdateSchedule, lifetime: WorkspaceLifetime, warmed_up: bool = False) -> None:
         super().__init__(gm)
         self.runtime = runtime
         self.table = table
         self.workspaces = workspaces
         self.schedule = schedule
         self.lifetime = lifetime
+        self.warmed_up = warmed_up  # the graph ran eagerly on these inputs just before (`DeviceGraph.warms_up`)
 
     def run_node(self, n: fx.Node) -> Any:
         if is_op(n, torch.ops.ascend.workspace):
@@ -131,7 +132,21 @@ class CaptureInterpreter(fx.Interpreter):
                                                 lambda: fx.Interpreter.run_node(self, n))
         if is_kernel(n):
             return self._kernel(KernelCall.of(n))
-        return run_bound(self, self.runtime, n)
+        try:
+            return run_bound(self, self.runtime, n)
+        except RuntimeError as err:
+            if self._uncapturable(n, err):
+                raise UncapturableOp(n.name, n.target, err) from err
+            raise
+
+    def _uncapturable(self, n: fx.Node, err: RuntimeError) -> bool:
+        """Whether `err`, raised by node `n` inside the capture, says its op cannot be captured: a host
+        read the simulator refused (`HostSync`) in an op the runtime does not bind to a kernel, or,
+        after an eager warm-up of the same graph on the same inputs ran it, any error of the device's
+        own (on a device a capture refuses a host synchronisation with an error of its runtime)."""
+        if n.op != "call_function" or self.runtime.kernel(n.target) is not n.target:
+            return False
+        return isinstance(err, HostSync) or (self.warmed_up and not isinstance(err, AscendCompileError))
 
     def _kernel(self, call: KernelCall) -> Any:
         n = call.node
@@ -201,7 +216,7 @@ def capture_graph(gm: fx.GraphModule, runtime: GraphRuntime, args: Sequence[Any]
         env = workspace_env(gm, workspaces)
         graph.warmup(lambda: WarmupInterpreter(gm, runtime).run(*args, initial_env=env))
         with graph.capture():
-            outputs = CaptureInterpreter(gm, runtime, table, workspaces, schedule, lifetime).run(*args)
+            outputs = CaptureInterpreter(gm, runtime, table, workspaces, schedule, lifetime, graph.warms_up).run(*args)
         return graph, outputs, table
     if isinstance(runtime, TaskUpdateRuntime):
         raise CaptureError(

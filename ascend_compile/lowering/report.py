@@ -37,6 +37,8 @@ def describe(art: Any) -> dict[str, Any]:
             kernel.update(call.meta.describe(), node=call.node.name)
     for (key, specialization), entry in art.graphs.items():
         if entry.graph is None:
+            if entry.eager_reason:  # e.g. an op that cannot be captured: its steps run eagerly
+                plan["graphs"][str(key)].setdefault("not_captured", {})[entry.name] = entry.eager_reason
             continue
         graph = plan["graphs"][str(key)]
         captured = {"update_table": entry.table.describe(), "capture_seconds": round(entry.capture_seconds, 4)}

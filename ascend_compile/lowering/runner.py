@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ..config import CompileConfig
-from ..errors import AscendCompileError, CaptureError
+from ..errors import AscendCompileError, CaptureError, UncapturableOp
 from ..gc_pause import gc_paused
 from ..passes import dump
 from ..passes.kernel_call import HostSource, StepGuard, host_sources
@@ -72,7 +72,8 @@ class GraphEntry:
         self.outputs = None
         self.table = capture_mod.UpdateTable()
         self.eager_reason: str | None = None  # why this graph cannot serve steps exactly, found at capture
-        self.verified: dict[str, Any] | None = None  # the first replay's check against eager (`verify.py`)
+        self.verified: dict[str, Any] | None = None  # the last replay check against eager (`verify.py`)
+        self.replays = 0  # replays of this graph, for `verify_every`
         self.captured_inputs: CapturedInputs | None = None
         self.step_guard: StepGuard | None = None  # why a step may not run on this graph (`Target.step_guard`)
         self.packed = False  # captured with its padding packed, serving mixed steps (`passes/padding.py`)
@@ -97,17 +98,17 @@ class GraphEntry:
         start = time.perf_counter()
         self.staging.fill_padding()
         plan = capture_plan(self.sources, self.staging.geometry, seq_len, self.packed)
-        refusal = self.step_guard(plan.host) if self.step_guard is not None else None
+        graph_args = self.staging.graph_args(step_args)
+        refusal = self.step_guard(plan.host, graph_args) if self.step_guard is not None else None
         if refusal:  # the target refuses the very step it would be captured with: it serves no step
             self.eager_reason = f"{self.name}: not captured, its capture step is refused ({refusal})"
             return
-        graph_args = self.staging.graph_args(step_args)
         saved = {i: step_args[i].clone() for i in restore}
         try:
             with gc_paused():
                 graph, outputs, table = capture_mod.capture_graph(
                     self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
-        finally:  # a capture that raises half-way leaves them as they were too
+        finally:  # a capture that raises half-way (an op that cannot be captured) leaves them as they were too
             for i, contents in saved.items():
                 step_args[i].copy_(contents)
         self.graph, self.outputs, self.table = graph, outputs, table
@@ -184,6 +185,8 @@ class CompiledArtifact:
         self.seconds: collections.Counter = collections.Counter()
         self._fallbacks_logged: set[str] = set()
         self._last_change: tuple | None = None  # the last change of in-place inputs logged (`_log_change`)
+        #: ops found uncapturable (`errors.UncapturableOp`) -> why: every graph holding one serves eagerly
+        self.uncapturable: dict[Any, str] = {}
         self.written = rewritten.mutations.written()
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
@@ -252,7 +255,7 @@ class CompiledArtifact:
         if entry.eager_reason:
             return self._fallback(caller_args, entry.eager_reason)
         plan = entry.plan(step)
-        refusal = entry.step_guard(plan.host) if entry.step_guard is not None else None
+        refusal = entry.step_guard(plan.host, entry.staging.graph_args(args)) if entry.step_guard is not None else None
         if refusal:
             return self._fallback(caller_args, refusal)
         undo = self.undo.save(args)
@@ -262,7 +265,8 @@ class CompiledArtifact:
                 narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols,
                                             self.rewritten.write_back.outputs)
                 return returned_outputs(narrowed, False, entry.staging.copy_back(step))
-            if self.verify and entry.verified is None:
+            every = self.config.verify_every
+            if self.verify and (entry.verified is None or (every and entry.replays % every == 0)):
                 return self._verified_replay(entry, plan, args, caller_args)
             return self._replay(entry, plan)
         except BaseException as err:
@@ -276,21 +280,25 @@ class CompiledArtifact:
         """Replay `entry` for the planned step; its outputs (write-back done)."""
         self.stats["updates"] += entry.replay(self.runtime, plan, self.target.updates, self.seconds)
         self.stats["replays"] += 1
+        entry.replays += 1
         step = plan.step
         narrowed = entry.output_views(step.symbols, self.rewritten.write_back.outputs)
         return returned_outputs(narrowed, self.config.clone_outputs, entry.staging.copy_back(step))
 
     def _verified_replay(self, entry: GraphEntry, plan: StepPlan, args: Sequence[Any], caller_args: Sequence[Any]
                          ) -> Any:
-        """`entry`'s first replay, checked against the step run eagerly (`verify.py`): a graph that
-        differs serves no step, this one included."""
+        """`entry`'s first replay (and, with `verify_every`, every Nth), checked against the step run
+        eagerly (`verify.py`): a graph that differs serves no step, this one included."""
         regions = written_regions(self.signature, self.written, args)
+        replay = entry.replays + 1
         outputs, entry.verified = first_replay_check(
             entry.name, regions, args, lambda: self.rewritten.original(*caller_args),
             lambda: self._replay(entry, plan), self.names, self.runtime.generators_kept)
+        entry.verified["replay"] = replay
+        self.stats["verified_replays"] += 1
         if not entry.verified["ok"]:
             self.stats["verify_failures"] += 1
-            entry.eager_reason = f"{entry.name}: its first replay differed from eager ({entry.verified['mismatches'][0]})"
+            entry.eager_reason = f"{entry.name}: its replay {replay} differed from eager ({entry.verified['mismatches'][0]})"
         self.write_plan()
         return outputs
 
@@ -311,6 +319,10 @@ class CompiledArtifact:
         entry = GraphEntry(key, _specialization(self.signature, symbols), gm, staging)
         entry.step_guard = self.target.step_guard(gm, key, self.config)
         entry.packed = packed_capture(gm, key, self.target.mixed_graph_kernels)
+        blocked = next((n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in self.uncapturable),
+                       None)
+        if blocked is not None:  # not tried again: its capture would fail as the first one did
+            entry.eager_reason = f"{entry.name}: not captured, {self.uncapturable[blocked]}"
         return entry
 
     def _entry(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> GraphEntry | None:
@@ -369,6 +381,9 @@ class CompiledArtifact:
         try:
             entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry),
                           self.restore, target.updates, target.workspaces, self.checked)
+        except UncapturableOp as err:
+            self._serve_eagerly(entry, err)
+            return
         except RuntimeError as err:
             if isinstance(err, AscendCompileError) or not entry.specialization:
                 raise
@@ -382,6 +397,17 @@ class CompiledArtifact:
         self.stats["captures"] += 1
         log.info("ascend_compile: captured %s in %.3f s (%d update entries)", entry.name, entry.capture_seconds,
                  len(entry.table.entries))
+
+    def _serve_eagerly(self, entry: GraphEntry, err: UncapturableOp) -> None:
+        """`entry`'s capture failed at an op the device cannot capture: it serves its steps eagerly, and so
+        does every graph of this artifact holding that op, none of them captured again (one WARNING per
+        op; the step runs eagerly, as the graph would have computed it)."""
+        why = f"{err.op} (node {err.node}) cannot be captured: {err.cause}"
+        entry.eager_reason = f"{entry.name}: not captured, {why}"
+        self.stats["uncapturable_graphs"] += 1
+        if err.op not in self.uncapturable:
+            log.warning("ascend_compile: %s: graphs holding it run their steps eagerly", why)
+        self.uncapturable[err.op] = why
 
     def _capture_seq_len(self, entry: GraphEntry) -> int | None:
         return capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
@@ -403,7 +429,7 @@ class CompiledArtifact:
         for key in keys:
             entry = self.graphs.get((key, specialization)) or self._new_entry(key, symbols)
             self.graphs[(key, specialization)] = entry
-            if entry.graph is None:
+            if entry.graph is None and entry.eager_reason is None:
                 self._capture(entry, args)
 
     def _fallback(self, args: Sequence[Any], why: str) -> Any:

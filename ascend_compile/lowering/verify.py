@@ -8,9 +8,11 @@ right; the mismatch is logged and recorded in the plan.
 
 What is written is put back between the two runs, so each starts from the same state. Inputs
 written in place are snapshot where the step writes them: a KV cache at the rows of the step's slot
-mapping (the cache-write op's contract: nothing else of a cache changes), anything else whole. The
-cost per captured graph is one eager step and copies of the step's written rows (measured by
-`benchmarks/verify_cost.py`).
+mappings (the cache-write op's contract: nothing else of a cache changes; a step with several slot
+mappings, one per group of layers, snapshots every cache at the rows any of them names, which holds
+the rows its own names), anything else whole. The cost of a check is one eager step and two copies
+of the step's written rows (before, and as eager wrote them; `benchmarks/verify_cost.py`), never of
+a whole cache.
 """
 from __future__ import annotations
 
@@ -66,14 +68,16 @@ class Mismatch:
 
 def written_regions(signature: GraphSignature, written: set[int], args: Sequence[Any]) -> list[Region]:
     """The regions of the step's arguments `args` that the graph may write: each KV cache at the
-    rows of the step's valid slots, every other written input whole."""
-    slots = [args[s.index] for s in signature.by_role(Role.SLOT_MAPPING)]
+    rows of the step's valid slots (of every slot mapping the step has, those within the cache),
+    every other written input whole."""
+    mappings = [args[s.index] for s in signature.by_role(Role.SLOT_MAPPING)]
+    slots = torch.cat([m[m >= 0].long().flatten() for m in mappings]).unique() if mappings else None
     regions = []
     for i in sorted(written):
         spec = signature.inputs[i]
-        if spec.role is Role.KV_CACHE and len(slots) == 1 and args[i].dim() >= 2:
-            valid = slots[0][slots[0] >= 0].long()
+        if spec.role is Role.KV_CACHE and slots is not None and args[i].dim() >= 2:
             block_size = args[i].shape[1]
+            valid = slots[slots < args[i].shape[0] * block_size]
             regions.append(Region(i, (valid // block_size, valid % block_size)))
         elif isinstance(args[i], torch.Tensor):
             regions.append(Region(i, None))

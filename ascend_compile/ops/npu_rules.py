@@ -33,6 +33,14 @@ PA_MAX_BLOCK_SIZE = 128
 #: serves steps of several query tokens too. vLLM-Ascend runs its caches at 128.
 FIA_BLOCK_SIZES = (128, 256, 384, 512)
 
+#: The dtypes of PA's and FIA's queries and caches: half precision. FIA: query "数据类型支持float16、bfloat16、
+#: int8" (`_op_plugin_docs.py` L8065), key and value float16/bfloat16/int8/int4 (L8067, L8070), and with page
+#: attention no int8 query ("不支持输入query为int8的场景", L8224); int8 and int4 caches are the quantised forms,
+#: which take antiquant scales this binding does not pass. ATB's PA: query "支持float16/bf16/int8" (`_atb_api_docs.py`
+#: L254), the caches alike (L255, L262; int8 is its quantised form), `out` "数据类型为float16/bf16" (L272). Neither
+#: takes float32: a float32 model would pass every other check and fail at its first kernel.
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
 #: Where each kernel's contiguity rule is written.
 CONTIGUITY_SOURCES = {
     FIA_KERNEL: "_op_plugin_docs.py: query, key and value '不支持非连续的Tensor' (non-contiguous tensors are "
@@ -40,9 +48,22 @@ CONTIGUITY_SOURCES = {
     CACHE_WRITE_KERNEL: "_op_plugin_docs.py: '输入参数不支持非连续' (inputs may not be non-contiguous)",
     MLA_KERNEL: "_op_plugin_docs.py, npu_fused_infer_attention_score_v2: key and key_rope '不支持非连续的Tensor' "
                 "(L8590, L8598)",
-    PA_KERNEL: "no PA doc line; torch_npu's ATB plugin (lib/libop_plugin_atb.so) holds the error 'at_tensor is "
-               "not contiguous', and a contiguous copy of a cache would copy all of it per call",
+    PA_KERNEL: "no PA doc line; torch_npu's ATB binding makes every input contiguous, a copy (op-plugin "
+               "AtbCommon.cpp, ParamSetter::Input: tensor.contiguous()), which for a cache copies all of it per "
+               "call: refused for that cost",
 }
+
+#: FIA's head rules: "num_heads与num_key_value_heads的比值不能大于64" (at most 64 query heads per KV head,
+#: `_op_plugin_docs.py` L8116); "支持N轴小于等于256, 支持D轴小于等于512" (L8204 for Q_S > 1, L8271 for Q_S 1);
+#: "输入类型全为float16、bfloat16时, D轴需16对齐" (a head dim that is a multiple of 16, L8210, Q_S > 1: an FIA
+#: graph serves steps of several query tokens).
+FIA_MAX_HEAD_RATIO = 64
+FIA_MAX_HEADS = 256
+FIA_MAX_HEAD_DIM = 512
+FIA_HEAD_DIM_MULTIPLE = 16
+#: ATB PA's head size: "head_size范围为（0, 256]" (`_atb_api_docs.py` L278; the wider (0, 576] of L280 is
+#: for unequal key/value head sizes, which `ascend.attention` does not have).
+PA_MAX_HEAD_DIM = 256
 
 
 def check_pa_block_size(block_size: int) -> None:
@@ -63,6 +84,40 @@ def check_fia_block_size(block_size: int) -> None:
             f"{list(FIA_BLOCK_SIZES)} tokens (a multiple of 128, at most 512: 'block_size最小为128, 最大为512, 且要求是128"
             f"的倍数', _op_plugin_docs.py), got {block_size}; allocate the KV cache with block_size=128, as "
             f"vLLM-Ascend does"
+        )
+
+
+def check_fia_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Refuse head counts and a head dim FIA does not take (`FIA_MAX_HEAD_RATIO` and the constants beside it)."""
+    rules = (
+        ("num_key_value_heads", num_heads // num_kv_heads <= FIA_MAX_HEAD_RATIO,
+         f"at most {FIA_MAX_HEAD_RATIO} query heads per KV head ('比值不能大于64', L8116)",
+         f"{num_heads} query heads over {num_kv_heads}"),
+        ("num_heads", num_heads <= FIA_MAX_HEADS, f"at most {FIA_MAX_HEADS} heads ('支持N轴小于等于256', L8204, L8271)",
+         num_heads),
+        ("query", head_dim <= FIA_MAX_HEAD_DIM and head_dim % FIA_HEAD_DIM_MULTIPLE == 0,
+         f"a head dim that is a multiple of {FIA_HEAD_DIM_MULTIPLE} and at most {FIA_MAX_HEAD_DIM} ('D轴需16对齐', L8210; "
+         f"'支持D轴小于等于512', L8204, L8271)", head_dim),
+    )
+    for arg, ok, expected, got in rules:
+        if not ok:
+            raise ValueError(f"{arg}: {FIA_KERNEL} takes {expected}, got {got}")
+
+
+def check_pa_head_size(head_dim: int) -> None:
+    """Refuse a head dim ATB's paged attention does not take (`PA_MAX_HEAD_DIM`)."""
+    if not 0 < head_dim <= PA_MAX_HEAD_DIM:
+        raise ValueError(f"query: {PA_KERNEL} takes head sizes in (0, {PA_MAX_HEAD_DIM}] ('head_size范围为（0, 256]', "
+                         f"_atb_api_docs.py L278), got {head_dim}; use kernel_policy='fia'")
+
+
+def check_attention_dtype(kernel: str, query: torch.dtype, cache: torch.dtype) -> None:
+    """Refuse a PA or FIA call whose query or caches are not float16/bfloat16 of one dtype (`ATTENTION_DTYPES`)."""
+    source = "_atb_api_docs.py L254, L272" if kernel == PA_KERNEL else "_op_plugin_docs.py L8065, L8224"
+    if query not in ATTENTION_DTYPES or cache != query:
+        raise ValueError(
+            f"query: {kernel} takes float16 or bfloat16 queries, with caches of the query's dtype ('float16/bf16', "
+            f"{source}), got a {query} query and {cache} caches; run the model in torch.bfloat16 or torch.float16"
         )
 
 
@@ -100,7 +155,7 @@ def check_fia_num_blocks(num_blocks: int, kv_lens: Iterable[int], block_size: in
 # FIA v2's MLA form. Line numbers are of torch_npu 2.14.0's `_op_plugin_docs.py`, whose section
 # "query_rope和key_rope输入时即为MLA场景" (L8690) and TND rules for a query d of 512 (L8718-8738) these are.
 
-#: "query的d只支持512、128" (L8695); the d=128 form takes no page attention ("不支持...page attention", L8712),
+#: "query的d只支持512、128" (L8695); the d=128 form takes no page attention ("不支持...page attention", L8715),
 #: and the latent cache is paged, so 512 it is. KV heads: "key、value的n为1" (L8725), which the op's one
 #: latent head is by its shape.
 MLA_LATENT_DIM = 512
@@ -115,6 +170,8 @@ MLA_BLOCK_SIZES = (16, 128)
 #: "支持query每个batch的s为1-16" (L8724; "query的s为1-16", L8699).
 MLA_MAX_QUERY_LEN = 16
 #: "actual_seq_qlen和actual_seq_kvlen的元素个数不大于4096" (L8738): a graph has as many sequences as its bucket.
+#: L8738 ends the section for a query d other than 512 (from L8729); the d 512 section (L8718-8727) states no
+#: count, so this is applied as a conservative bound, unverified for d 512.
 MLA_MAX_SEQUENCES = 4096
 #: query_rope / key_rope: "数据类型支持float16、bfloat16" (L8597-8598), "与query一致" (L8691-8692).
 MLA_DTYPES = (torch.float16, torch.bfloat16)
@@ -125,7 +182,7 @@ def check_mla_shape(num_heads: int, latent_dim: int, rope_dim: int, block_size: 
     rules = (
         ("q_nope", latent_dim == MLA_LATENT_DIM, f"kv_lora_rank (the query's d) {MLA_LATENT_DIM} with paged "
                                                  f"caches ('query的d只支持512、128', L8695; d 128 has no page attention, "
-                                                 f"L8712)", latent_dim),
+                                                 f"L8715)", latent_dim),
         ("q_pe", rope_dim == MLA_ROPE_DIM, f"rope d {MLA_ROPE_DIM} ('query_rope和keyRope的d为64', L8726)", rope_dim),
         ("q_nope", num_heads in MLA_QUERY_HEADS, f"query heads {list(MLA_QUERY_HEADS)} ('要求query的n为"
                                                  f"1/2/4/8/16/32/64/128', L8725)", num_heads),

@@ -62,14 +62,20 @@ class NpuWorkspaceQuery:
         self.kernels = kernels
         self.dtype = dtype
 
-    def paged_attention(self, shape: AttentionShape, context_lens: Sequence[int], max_blocks: int) -> int:
-        """Bytes PA needs for one decode token per sequence at these lengths (block tables of
-        `max_blocks` columns, all naming a one-block cache)."""
-        table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32, device=self.kernels.device)
+    def paged_attention(self, shape: AttentionShape, context_lens: Sequence[int], max_blocks: int,
+                        key_cache: torch.Tensor | None = None, value_cache: torch.Tensor | None = None,
+                        block_table: torch.Tensor | None = None) -> int:
+        """Bytes PA needs for one decode token per sequence at these lengths, asked with the caches and
+        block table given (the kernel's own, at each step) or probe tensors in their place: block tables
+        of `max_blocks` columns, all naming a one-block cache."""
+        if block_table is None:
+            block_table = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32, device=self.kernels.device)
         query = self._query(len(context_lens), shape)
-        cache = self._cache(shape, 1)
-        return self.kernels.workspace_nbytes(tiling.PA, query, cache, cache, table, [], context_lens,
-                                             shape.head_dim**-0.5, torch.empty_like(query))  # PA's query takes `out`
+        if key_cache is None or value_cache is None:
+            key_cache = value_cache = self._cache(shape, 1)
+        return self.kernels.workspace_nbytes(tiling.PA, query, key_cache, value_cache, block_table[:len(context_lens)],
+                                             [], context_lens, shape.head_dim**-0.5,
+                                             torch.empty_like(query))  # PA's query takes `out`
 
     def fused_infer_attention_max(self, shape: AttentionShape, tokens: int, max_blocks: int) -> int:
         """Bytes FIA needs at most, for any lengths, in a graph of `tokens` query tokens and as many

@@ -69,7 +69,7 @@ class HostSource:
 
 #: Why a step may not run on a graph (it then runs eagerly), or None: given the step's padded host
 #: lists, as the graph's kernels would take them (`Target.step_guard`).
-StepGuard = Callable[[Mapping[HostSource, list[int]]], "str | None"]
+StepGuard = Callable[[Mapping[HostSource, list[int]], Sequence[Any]], "str | None"]
 
 
 @dataclasses.dataclass(frozen=True)

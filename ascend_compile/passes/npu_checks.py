@@ -1,7 +1,7 @@
 """The NPU target's checks of a graph against the torch_npu kernels' documented constraints.
 
 At compile time (`check_npu_graph`) every kernel node and KV-cache write of a rewritten graph is held
-to `ops/npu_rules.py`: PA's and FIA's block sizes, MLA's shape rules (FIA v2's MLA form: d 512, rope
+to `ops/npu_rules.py`: PA's and FIA's block sizes and half-precision dtypes, MLA's shape rules (FIA v2's MLA form: d 512, rope
 64, power-of-two query heads up to 128, blocks of 16 or 128, half precision, at most 4096 sequences),
 contiguous caches, and enough cache blocks for FIA and MLA to count one per sequence of each bucket's
 all-padding capture (`padding.capture_kv_lens`). A violation is refused before torch_npu is called, naming the layer, the kernel
@@ -16,7 +16,7 @@ its graphs too (FULL_DECODE_ONLY).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -91,13 +91,18 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capt
     args = call.args()
     key_cache, value_cache = example_value(args["key_cache"]), example_value(args["value_cache"])
     block_size = call.meta.shape.block_size
+    shape = call.meta.shape
     if call.meta.kernel == tiling.PA:
         kernel = npu_rules.PA_KERNEL
         _refuse(call.node, lambda: npu_rules.check_pa_block_size(block_size))
+        _refuse(call.node, lambda: npu_rules.check_pa_head_size(shape.head_dim))
     else:
         kernel = npu_rules.FIA_KERNEL
         _refuse(call.node, lambda: npu_rules.check_fia_block_size(block_size))
+        _refuse(call.node, lambda: npu_rules.check_fia_heads(shape.num_heads, shape.num_kv_heads, shape.head_dim))
     _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
+    query = example_value(args["query"])
+    _refuse(call.node, lambda: npu_rules.check_attention_dtype(kernel, query.dtype, key_cache.dtype))
     if call.meta.kernel == tiling.FIA and isinstance(key_cache.shape[0], int):
         for key in keys:  # captured all padding (`padding.capture_kv_lens`)
             _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, capture_lens(key),
@@ -148,7 +153,7 @@ def npu_step_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[torc
     guards = [g for g in guards if g is not None]
     if len(guards) <= 1:
         return guards[0] if guards else None
-    return lambda host: next((why for why in (g(host) for g in guards) if why), None)
+    return lambda host, args: next((why for why in (g(host, args) for g in guards) if why), None)
 
 
 def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:
@@ -172,7 +177,7 @@ def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:
         return None
     sparse_mode = 0 if key.decode else 3
 
-    def guard(host: Mapping[HostSource, list[int]]) -> str | None:
+    def guard(host: Mapping[HostSource, list[int]], args: Sequence[Any]) -> str | None:
         for (source, block_size, num_blocks), name in limits.items():
             if npu_rules.fia_block_count(host[source], block_size) > num_blocks:
                 return (f"{name}: the step's sequences, padding included, need more than the cache's {num_blocks} "
@@ -195,8 +200,18 @@ def pa_workspace_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[
     need depends on the mix of a batch's lengths, which no compile-time question
     covers (`probe.py`): so each step's lengths are asked of `_npu_paged_attention_get_workspace`, as
     vLLM-Ascend asks at every update (`vllm_ascend/attention/utils.py`), one question per PA shape
-    of the graph (with block tables as wide as the compile-time question's, `max_model_len` long),
-    and a step needing more than the slot runs eagerly instead of overrunning it."""
+    of the graph, and a step needing more than the slot runs eagerly instead of overrunning it.
+
+    It asks as vLLM-Ascend does (`update_paged_attention_graph_param`): with the kernel's own caches
+    and block table (the graph's arguments `args`: the KV caches in place, the graph's static block
+    table), so the query sees their real shapes, and the step's `context_lens`. The block table's
+    contents are the previous step's at that point (the step's are copied in at its replay): they
+    cannot change the answer, ATB's tiling being host-side and `block_table` a device tensor, unlike
+    `context_lens` ("Device Tensor" / "int类型数组", `_atb_api_docs.py` L258-259), which is all the
+    host reads of a call (the ATB binding copies its CPU tensors, op-plugin `AtbCommon.cpp`). A cache
+    or table that is not a graph input (a view the graph makes) is asked as a probe tensor of its
+    shape's kind, as at compile time (a one-block cache, a table `max_model_len` wide)."""
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     sites: dict[tuple, tuple[int, str]] = {}
     for call in kernel_calls(gm):
         if call.meta.kernel == tiling.PA:
@@ -204,14 +219,16 @@ def pa_workspace_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[
             source = next(a.source for a in call.meta.host_args if a.kernel_arg == "context_lens")
             max_blocks = -(-max_model_len // call.meta.shape.block_size)
             dtype = example_value(call.arg("query")).dtype
-            sites.setdefault((call.meta.shape, source, max_blocks, dtype), (slot, call.node.name))
+            inputs = tuple(placeholders.get(call.arg(name)) for name in ("key_cache", "value_cache", "block_table"))
+            sites.setdefault((call.meta.shape, source, max_blocks, dtype, inputs), (slot, call.node.name))
     if not sites:
         return None
-    queries = {dtype: pa_queries(dtype) for *_, dtype in sites}
+    queries = {site[3]: pa_queries(site[3]) for site in sites}
 
-    def guard(host: Mapping[HostSource, list[int]]) -> str | None:
-        for (shape, source, max_blocks, dtype), (slot, name) in sites.items():
-            if queries[dtype].paged_attention(shape, host[source], max_blocks) > slot:
+    def guard(host: Mapping[HostSource, list[int]], args: Sequence[Any]) -> str | None:
+        for (shape, source, max_blocks, dtype, inputs), (slot, name) in sites.items():
+            tensors = [args[i] if i is not None else None for i in inputs]
+            if queries[dtype].paged_attention(shape, host[source], max_blocks, *tensors) > slot:
                 return (f"{name}: PA needs more workspace at the step's lengths than the {slot} bytes of its slot "
                         f"(sized at one length: `_npu_paged_attention_get_workspace` answers for the lengths it "
                         f"is given); pass workspace_probe_lens to size it at more lengths")

@@ -70,6 +70,10 @@ class DeviceGraph(abc.ABC):
     def replay(self) -> None:
         """Launch the recorded work. May return before it finishes: call `Runtime.synchronize`."""
 
+    #: Whether `warmup` runs the work (then an op that ran there and fails in the capture is one the
+    #: device cannot capture).
+    warms_up: bool = False
+
     def warmup(self, run: Callable[[], Any]) -> None:
         """Before `capture`: run the work eagerly where the device needs that (CUDA initialises
         libraries and compiles kernels lazily, which must not happen inside a capture). By default

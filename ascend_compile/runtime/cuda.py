@@ -37,6 +37,8 @@ WARMUP_RUNS = 3
 class CudaGraph(DeviceGraph):
     """One `torch.cuda.CUDAGraph`, captured on the runtime's side stream into its shared pool."""
 
+    warms_up = True
+
     def __init__(self, runtime: "CudaRuntime") -> None:
         self.runtime = runtime
         self.graph = torch.cuda.CUDAGraph()

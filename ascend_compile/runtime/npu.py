@@ -83,6 +83,8 @@ class NpuEvent(ExternalEvent):
 class NpuGraph(DeviceGraph):
     """One `torch.npu.NPUGraph`, captured into the runtime's shared pool on its capture stream."""
 
+    warms_up = True
+
     def __init__(self, runtime: "NpuRuntime", name: str) -> None:
         self._runtime = runtime
         self.name = name
@@ -128,8 +130,10 @@ class NpuGraph(DeviceGraph):
                 self.native.capture_begin(pool=rt.pool)
                 try:
                     yield
-                finally:
-                    self.native.capture_end()
+                except BaseException:
+                    self._end_failed_capture()
+                    raise
+                self.native.capture_end()
         finally:
             rt.capturing = None
             group_open, rt.group_open = rt.group_open, False
@@ -138,6 +142,15 @@ class NpuGraph(DeviceGraph):
         if group_open:
             raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
         self.captured = True
+
+    def _end_failed_capture(self) -> None:
+        """End a capture whose work raised (an op that cannot be captured): the stream leaves capture
+        mode, and an error `capture_end` raises for the invalidated capture is logged, not raised, so
+        that the work's own error, which names the op, reaches the runner."""
+        try:
+            self.native.capture_end()
+        except RuntimeError as err:
+            log.debug("ascend_compile: %s: capture_end after a failed capture: %s", self.name, err)
 
     def replay(self) -> None:
         """Launch the graph on the current stream, ordered after the previous step (see
@@ -190,7 +203,8 @@ class NpuRuntime(TaskUpdateRuntime):
         # High priority, like npugraph_ex's: updates must not queue behind other work of this step.
         self.update_stream = self.npu.Stream(device, priority=-1)
         self.pool = self.npu.graph_pool_handle()
-        self._update_core_limit: CoreLimit = self.npu.get_stream_limit(self.update_stream)
+        self._core_limits = True  # until `get_stream_limit` fails (an older CANN): see `stream_limit`
+        self._update_core_limit: CoreLimit | None = self.stream_limit(self.update_stream)
         self._captures = 0
         self._previous_step = self.npu.Event()
         self._steps = 0
@@ -306,7 +320,7 @@ class NpuRuntime(TaskUpdateRuntime):
             return tensor
         return self.torch_npu._C._weak_ref_tensor(tensor)
 
-    def prepare_capture(self) -> CoreLimit:
+    def prepare_capture(self) -> CoreLimit | None:
         """Before a capture: wait for the device; before the first capture only, release both caching
         allocators' unused blocks, as `torch.npu.graph` does before every capture. Every later capture
         skips them, as vLLM-Ascend's does (it patches `torch.npu.empty_cache` and `gc.collect` out for
@@ -323,10 +337,26 @@ class NpuRuntime(TaskUpdateRuntime):
             self.npu.empty_cache()
             self.npu.host_empty_cache()
         self._captures += 1
-        limit = self.npu.get_stream_limit(self.npu.current_stream())
-        if self.npu.get_stream_limit(self.capture_stream) != limit:
+        limit = self.stream_limit(self.npu.current_stream())
+        if limit is not None and self.stream_limit(self.capture_stream) != limit:
             self.npu.set_stream_limit(self.capture_stream, limit["cube_core_num"], limit["vector_core_num"])
         return limit
+
+    def stream_limit(self, stream: Any) -> CoreLimit | None:
+        """`torch.npu.get_stream_limit(stream)`, or None where the installed torch_npu / CANN cannot say
+        (it reads the limit through `_npu_get_stream_res_limit`, which an older CANN lacks): the runtime
+        then captures and updates on the streams' own cores and sets no limit, logged once, as npugraph_ex
+        does (`_save_stream_core_limits` in `npugraph_ex/_acl_concrete_graph/acl_graph.py` catches the
+        error, warns and records no limit, whose update then sets none)."""
+        if not self._core_limits:
+            return None
+        try:
+            return self.npu.get_stream_limit(stream)
+        except (AttributeError, RuntimeError) as err:
+            self._core_limits = False
+            log.warning("ascend_compile: torch.npu.get_stream_limit failed (%s): graphs are captured and updated "
+                        "on the streams' own cores, no core limit is set", err)
+            return None
 
     def limit_update_stream(self, limit: CoreLimit | None) -> None:
         """Before a graph's task updates: the update stream limited to the cores the graph was captured

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ...errors import CaptureError
+from ...errors import HostSync
 from .classify import ALLOCATION_OPS, HOST_READ_METHODS, aliases_inputs, arg, is_cpu_dense, is_view, storage_id, syncs_host
 from .kernels import DeviceKernels
 from .launch import Launcher
@@ -79,7 +79,7 @@ class HostReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in HOST_READ_METHODS:
-            raise CaptureError(
+            raise HostSync(
                 f"Tensor.{func.__name__}(){inside(self.enclosing)} during {self.during}: a device graph "
                 f"cannot copy device data to the host; do host conversions before capture (or before the "
                 f"task update)"
@@ -129,7 +129,7 @@ class CaptureMode(TorchDispatchMode):
         if syncs_host(func, args, kwargs) and any(
             memory.locate(t) is not None for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
         ):
-            raise CaptureError(
+            raise HostSync(
                 f"{func}{inside(self.guard.enclosing)} during graph capture reads device data on the host (.item(), "
                 f"int(tensor), bool(tensor), a data-dependent output shape, ...); a device graph cannot "
                 f"record a host synchronisation: move it out of the captured region"
@@ -181,7 +181,7 @@ class UpdateMode(TorchDispatchMode):
         if not self.kernels.is_kernel(func):
             return decompose(self, self.guard, func, args, kwargs)
         if syncs_host(func, args, kwargs):
-            raise CaptureError(
+            raise HostSync(
                 f"{func}{inside(self.guard.enclosing)} in the task update of {self.handle!r} reads device data on "
                 f"the host; an update is recorded, not run, so there is nothing to read: move it out"
             )
