@@ -24,7 +24,8 @@ for the checks and not for calling them. What each stands for among dynamo's gua
 - arguments the graph does not read: constants by value, other objects by identity (EQUALS, ID and
   TYPE matches), tensors as dynamo wrapped them (below) or by type;
 - the caller's tensors the same objects where the traced call passed one object twice and distinct
-  objects where it passed distinct ones (DUPLICATE_INPUT, NO_TENSOR_ALIASING);
+  objects, none a parameter or buffer, where it passed distinct ones (DUPLICATE_INPUT,
+  NO_TENSOR_ALIASING); the arguments read through (an object, a list) of the same type and length;
 - dynamo's own `TensorGuards` (C++) over the tensors gathered per call and the tensors dynamo
   wrapped without passing them (an argument read for its `.dtype`): TENSOR_MATCH (type, dtype,
   device, requires_grad, dispatch keys, every static size and stride);
@@ -172,20 +173,52 @@ def _per_call_tensors(inputs: GraphInputs, exprs: dict[str, str], gathering: Gat
     return [(name, value) for name, value in found.values() if isinstance(value, torch.Tensor)]
 
 
-def _aliasing(tensors: Sequence[tuple[str, Any]]) -> list[Check]:
+def _aliasing(tensors: Sequence[tuple[str, Any]], state: Sequence[Any], namespace: dict[str, Any]) -> list[Check]:
     """The same objects where the traced call passed one tensor under several names, distinct ones
-    elsewhere."""
+    elsewhere, none of them a parameter or buffer gathered once (`state`)."""
     groups: dict[int, list[str]] = {}
     for expr, value in tensors:
         if expr not in groups.setdefault(id(value), []):
             groups[id(value)].append(expr)
     same = [f"{expr} is {group[0]}" for group in groups.values() for expr in group[1:]]
-    firsts = [group[0] for group in groups.values()]
+    firsts = ", ".join(group[0] for group in groups.values())
+    namespace["ST"] = frozenset(id(t) for t in state if isinstance(t, torch.Tensor))
+    if namespace["ST"].intersection(groups):
+        raise Unarmable("the call passes a parameter or buffer of the model as an argument")
     checks = [Check("tensor arguments that were one object are not", " and ".join(same))] if same else []
-    if len(firsts) > 1:
-        checks.append(Check("tensor arguments that were distinct objects are one",
-                            f"len(set(map(id, ({', '.join(firsts)},)))) == {len(firsts)}"))
+    if groups:
+        checks.append(Check("tensor arguments that were distinct objects are one, or a parameter or buffer",
+                            f"len(set(map(id, ({firsts},)))) == {len(groups)} and ST.isdisjoint(map(id, ({firsts},)))"))
     return checks
+
+
+def _read_objects(exprs: dict[str, str], read: set[str], namespace: dict[str, Any], a: tuple, k: dict) -> list[Check]:
+    """The arguments the sources read through that are neither tensors nor modules (an object whose
+    tensor attribute the graph takes, a list of tensors): the same type, and for a list, tuple or
+    dict the same length and keys (dynamo's TYPE_MATCH, SEQUENCE_LENGTH and DICT_KEYS_MATCH on them)."""
+    checks = []
+    for j, name in enumerate(sorted(read)):
+        expr = exprs[name]
+        value = evaluate(expr, namespace, a, k)
+        if expr == "S" or isinstance(value, (torch.Tensor, torch.nn.Module)):
+            continue
+        namespace[f"RT{j}"] = type(value)
+        expr_check = f"type({expr}) is RT{j}"
+        if isinstance(value, (list, tuple)):
+            expr_check += f" and len({expr}) == {len(value)}"
+        elif isinstance(value, dict):
+            namespace[f"RK{j}"] = list(value)
+            expr_check += f" and list({expr}) == RK{j}"
+        checks.append(Check(f"argument {name!r} is of another type or length than in the traced call", expr_check))
+    return checks
+
+
+def _plain(values: Sequence[Any], sources: Sequence[str]) -> None:
+    """Tensor subclasses carry metadata dynamo guards besides TENSOR_MATCH (DTensor's spec, a
+    subclass's flattened attributes): not checked here, so not armed."""
+    for value, source in zip(values, sources):
+        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            raise Unarmable(f"{source} is a {type(value).__name__}, a tensor subclass")
 
 
 def _tensors(inputs: GraphInputs, exprs: dict[str, str], per_call: Sequence[int], namespace: dict[str, Any],
@@ -258,7 +291,10 @@ def build(frame: Frame, exprs: dict[str, str], gathering: Gathering, inputs: Gra
     read = {name for source in inputs.sources for name in LOCAL.findall(source)}
     tracked = {source for source, _, _ in inputs.unread}
     checks = _ambient(namespace) + _modules(frame, exprs, gathering.roots, namespace, a, k)
-    checks += _unread(exprs, read, tracked, namespace, a, k)
-    checks += _aliasing(_per_call_tensors(inputs, exprs, gathering, graph_args, namespace, a, k))
+    _plain(graph_args, inputs.sources)
+    checks += _unread(exprs, read, tracked, namespace, a, k) + _read_objects(exprs, read, namespace, a, k)
+    tensors = _per_call_tensors(inputs, exprs, gathering, graph_args, namespace, a, k)
+    _plain([value for _, value in tensors], [expr for expr, _ in tensors])
+    checks += _aliasing(tensors, [graph_args[i] for i in gathering.state], namespace)
     checks += _tensors(inputs, exprs, gathering.per_call, namespace, graph_args, a, k)
     return checks + _stores(inputs, exprs, namespace) + _shape_guards(inputs, exprs, gathering)
