@@ -50,6 +50,12 @@ call at batch 1 without `backed_size_oblivious`), and their evaluation is only p
 cost per call (fetching every lifted parameter again is the rest). `dispatch="direct"` skips
 dynamo altogether after the first call, with checks of its own that include dynamo's shape guards
 (`ascend_compile.dispatch`).
+
+Two things torch's guards miss by default are handled here for every `CompiledStep`: dynamo's guards
+on the modules' hook dicts are turned on while it compiles (`GUARD_SETTINGS`: a forward hook
+registered on a submodule after the compile then recompiles the frame with the hook traced in), and
+while global module hooks are registered (`register_module_forward_hook`, which no guard sees) the
+model is called eagerly.
 """
 from __future__ import annotations
 
@@ -231,7 +237,6 @@ class CompiledStep:
             return result
         finally:
             _local.settings = outer
-
 
     def _eager(self, args: tuple, kwargs: dict) -> Any:
         """The model called eagerly: global module hooks (`register_module_forward_hook`) are
