@@ -16,7 +16,9 @@ shared machine the time other processes hold the core does not count:
 - direct, frozen_parameters: `dispatch="direct"` with `frozen_parameters=True` (parameters'
   addresses not checked each step: KV caches and buffers are);
 - dynamo's floor: the model compiled with a backend that does no work (the graph run once, its
-  outputs returned on every call): what dynamo's dispatch alone costs.
+  outputs returned on every call): what dynamo's dispatch alone costs, with the guards on modules'
+  hook dicts that `ascend_compile.compile` turns on;
+- floor, torch's guards: the same with torch's default guards (none on hook dicts), to compare.
 
 `--check-costs` times, instead, dynamo's own guard manager for the frame (`check(f_locals)`) beside
 the direct path's checks that walk the model (module types, hook registrations, parameters'
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ascend_compile  # noqa: E402
+from ascend_compile import compile_once  # noqa: E402
 from ascend_compile.backend import backend  # noqa: E402
 from ascend_compile.compile_once import CompiledStep  # noqa: E402
 from ascend_compile.config import CompileConfig  # noqa: E402
@@ -108,7 +111,7 @@ def no_work_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[
 
 
 def measure(layers: int, rounds: int, calls: int) -> dict[str, Any]:
-    """The five figures at one depth, us per step (best, median)."""
+    """The six figures at one depth, us per step (best, median)."""
     cfg = LlamaConfig(num_layers=layers, num_blocks=BATCH * MAX_LEN // 16)
     steps = decode_steps(cfg)
     row: dict[str, Any] = {"layers": layers}
@@ -128,6 +131,13 @@ def measure(layers: int, rounds: int, calls: int) -> dict[str, Any]:
         torch._dynamo.reset()
         floor = ascend_compile.compile(build(cfg), backend=no_work_backend)
         row.update(time_rounds({"floor": lambda s: floor(**s)}, {"floor": steps}, rounds, calls))
+        torch._dynamo.reset()
+        saved, compile_once.GUARD_SETTINGS = compile_once.GUARD_SETTINGS, ()
+        try:  # torch's default guards: none on the modules' hook dicts
+            floor = ascend_compile.compile(build(cfg), backend=no_work_backend)
+            row.update(time_rounds({"floor_default": lambda s: floor(**s)}, {"floor_default": steps}, rounds, calls))
+        finally:
+            compile_once.GUARD_SETTINGS = saved
     torch._dynamo.reset()
     return row
 
@@ -186,7 +196,7 @@ def main() -> None:
         return
     measure(2, 3, 50)  # warm-up: the first measurement of a process runs slow
     names = {"dynamo": "dynamo (default)", "direct": "direct", "direct_frozen": "direct, frozen_parameters",
-             "floor": "dynamo's floor", "runner": "runner alone"}
+             "floor": "dynamo's floor", "floor_default": "floor, torch's guards", "runner": "runner alone"}
     if not args.json:
         print(f"host us per decode step, thread CPU time (batches {BATCH} to {BATCH - 7} in turn, device stubbed), "
               f"best / median of {args.rounds} rounds of {args.calls} steps")
