@@ -37,10 +37,25 @@ def _device_of(gm: fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
+def _needing_grad(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """The graph's inputs that require grad, in a few words, where grad mode is on ("" otherwise): a
+    captured graph's outputs carry no autograd history, so such a graph must run as traced."""
+    if not torch.is_grad_enabled():
+        return ""
+    names = [node.name for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
+             if isinstance(value, torch.Tensor) and value.requires_grad]
+    return f"{len(names)} inputs ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else ""
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
                   target: TargetFactory = default_target, bind: Binder | None = None) -> Callable[..., Any]:
     """Compile one dynamo graph: its rewritten variants behind a runner on the device's target
     (`bind`: an integration's binder of inputs provided outside the graph, `passes/providers.py`)."""
+    needing_grad = _needing_grad(gm, example_inputs)
+    if needing_grad:
+        log.warning("ascend_compile: grad mode is on and %s require grad: this graph runs eagerly, with autograd "
+                    "(serve under torch.no_grad() or torch.inference_mode() for captured graphs)", needing_grad)
+        return gm.forward
     if bind is None and not has_attention(gm):
         log.info("ascend_compile: graph has no attention: running it as traced")
         return gm.forward

@@ -50,6 +50,12 @@ call at batch 1 without `backed_size_oblivious`), and their evaluation is only p
 cost per call (fetching every lifted parameter again is the rest). `dispatch="direct"` skips
 dynamo altogether after the first call, with checks of its own that include dynamo's shape guards
 (`ascend_compile.dispatch`).
+
+Two things torch's guards miss by default are handled here for every `CompiledStep`: dynamo's guards
+on the modules' hook dicts are turned on while it compiles (`GUARD_SETTINGS`: a forward hook
+registered on a submodule after the compile then recompiles the frame with the hook traced in), and
+while global module hooks are registered (`register_module_forward_hook`, which no guard sees) the
+model is called eagerly.
 """
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 from torch import fx
+from torch.nn.modules import module as nn_module
 
 from .dispatch import DirectDispatcher
 
@@ -89,6 +96,12 @@ TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
 #: is held at the traced value.
 SHARED_TOKEN_SETTINGS: tuple[tuple[Any, str, Any], ...] = tuple(
     setting for setting in TRACE_SETTINGS if setting[1] != "use_duck_shape")
+
+
+#: Dynamo settings in force whenever it compiles for a `CompiledStep`, whatever the trace settings:
+#: guards on the hook dicts of the modules the frame calls (torch skips them by default, so a hook
+#: registered on a submodule after the compile would be missing from every later call).
+GUARD_SETTINGS: tuple[tuple[Any, str, Any], ...] = ((torch._dynamo.config, "skip_nnmodule_hook_guards", False),)
 
 
 def _apply_settings(settings: tuple[tuple[Any, str, Any], ...] = TRACE_SETTINGS) -> list[tuple[Any, str, Any]]:
@@ -118,14 +131,15 @@ _local = threading.local()  # settings: those of the CompiledStep being called; 
 
 
 def _on_compile_start(*_: Any) -> None:
-    """Dynamo starts compiling a frame: inside a `CompiledStep` call, put its settings in force
-    (unless the caller asked for static shapes: `torch.compile(dynamic=False)`)."""
+    """Dynamo starts compiling a frame: inside a `CompiledStep` call, put the guard settings and its
+    trace settings in force (the latter unless the caller asked for static shapes:
+    `torch.compile(dynamic=False)`)."""
     settings = getattr(_local, "settings", None)
     if settings and getattr(_local, "saved", None) is None:
         config = torch._dynamo.config
-        if config.automatic_dynamic_shapes or not config.assume_static_by_default:
-            _local.saved = _apply_settings(settings)
-            _local.compiled = True
+        general = config.automatic_dynamic_shapes or not config.assume_static_by_default
+        _local.saved = _apply_settings(GUARD_SETTINGS + (settings if general else ()))
+        _local.compiled = general
 
 
 def _on_compile_end(*_: Any) -> None:
@@ -174,6 +188,7 @@ class CompiledStep:
         self._signature = inspect.signature(forward) if step_dims is not None else None
         self._marking = step_dims is not None  # until the first compile: marks are read when dynamo traces
         self.dispatcher = DirectDispatcher(model) if dispatch == "direct" else None
+        self._warned_global_hooks = False
 
     def recheck(self) -> None:
         """Under `dispatch="direct"`: send the next call of every argument layout through dynamo's
@@ -200,11 +215,13 @@ class CompiledStep:
         return self._through_dynamo(args, kwargs)
 
     def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
+        if nn_module._has_any_global_hook():
+            return self._eager(args, kwargs)
         if self._marking:
             self.mark(args, kwargs)
         handler = _compile_callbacks()
         if handler is None:
-            saved = _apply_settings(self.settings)
+            saved = _apply_settings(GUARD_SETTINGS + self.settings)
             try:
                 return self.compiled(*args, **kwargs)
             finally:
@@ -220,6 +237,15 @@ class CompiledStep:
             return result
         finally:
             _local.settings = outer
+
+    def _eager(self, args: tuple, kwargs: dict) -> Any:
+        """The model called eagerly: global module hooks (`register_module_forward_hook`) are
+        registered, which dynamo's guards do not see (a graph would run with or without them as
+        when it was traced) and `torch.compile(module)` would fire an extra time around the model."""
+        if not self._warned_global_hooks:
+            self._warned_global_hooks = True
+            log.warning("ascend_compile: global module hooks are registered: calls run eagerly while they are")
+        return self.model(*args, **kwargs)
 
 
 def compile(  # noqa: A001 - mirrors torch.compile

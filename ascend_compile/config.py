@@ -65,7 +65,9 @@ class CompileConfig:
             padding would change what the step writes); steps with further values run eagerly.
         frozen_parameters: the model's parameters keep their addresses for the artifact's life (as
             vLLM's weight loading and sleep mode keep them, and torchair's `frozen_parameter`
-            assumes): their per-step address check is skipped, about 0.1 us per parameter. False:
+            assumes): their per-step address check is skipped, about 0.1 us per parameter; each is
+            only checked to be the object the graph was captured with (parameters assigned anew,
+            or another model of the same class served by the same graph, are captured again). False:
             every in-place input (parameters included) is checked each step, and one that moved
             (`p.data = t`, a module moved away and back) is captured again. A parameter that moves
             under True feeds the graph stale memory; KV caches and buffers are checked either way.

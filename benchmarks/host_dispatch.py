@@ -1,6 +1,6 @@
 """Host time per decode step through the documented entry, the device stubbed: what a caller pays.
 
-    python benchmarks/host_dispatch.py [--layers 4 32 64] [--rounds 40] [--calls 50] [--json]
+    python benchmarks/host_dispatch.py [--layers 4 32 64] [--rounds 40] [--calls 50] [--json] [--check-costs]
 
 The example model compiled with `ascend_compile.compile`, decode batches 16 down to 9 in turn (one
 bucket, vLLM's fixed block-table width), the device's work stubbed as `cpu_runner.py --runner-only`
@@ -16,7 +16,13 @@ shared machine the time other processes hold the core does not count:
 - direct, frozen_parameters: `dispatch="direct"` with `frozen_parameters=True` (parameters'
   addresses not checked each step: KV caches and buffers are);
 - dynamo's floor: the model compiled with a backend that does no work (the graph run once, its
-  outputs returned on every call): what dynamo's dispatch alone costs.
+  outputs returned on every call): what dynamo's dispatch alone costs, with the guards on modules'
+  hook dicts that `ascend_compile.compile` turns on;
+- floor, torch's guards: the same with torch's default guards (none on hook dicts), to compare.
+
+`--check-costs` times, instead, dynamo's own guard manager for the frame (`check(f_locals)`) beside
+the direct path's checks that walk the model (module types, hook registrations, parameters'
+identity) and the alternatives they replace.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ascend_compile  # noqa: E402
+from ascend_compile import compile_once  # noqa: E402
 from ascend_compile.backend import backend  # noqa: E402
 from ascend_compile.compile_once import CompiledStep  # noqa: E402
 from ascend_compile.config import CompileConfig  # noqa: E402
@@ -104,7 +111,7 @@ def no_work_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[
 
 
 def measure(layers: int, rounds: int, calls: int) -> dict[str, Any]:
-    """The five figures at one depth, us per step (best, median)."""
+    """The six figures at one depth, us per step (best, median)."""
     cfg = LlamaConfig(num_layers=layers, num_blocks=BATCH * MAX_LEN // 16)
     steps = decode_steps(cfg)
     row: dict[str, Any] = {"layers": layers}
@@ -124,8 +131,54 @@ def measure(layers: int, rounds: int, calls: int) -> dict[str, Any]:
         torch._dynamo.reset()
         floor = ascend_compile.compile(build(cfg), backend=no_work_backend)
         row.update(time_rounds({"floor": lambda s: floor(**s)}, {"floor": steps}, rounds, calls))
+        torch._dynamo.reset()
+        saved, compile_once.GUARD_SETTINGS = compile_once.GUARD_SETTINGS, ()
+        try:  # torch's default guards: none on the modules' hook dicts
+            floor = ascend_compile.compile(build(cfg), backend=no_work_backend)
+            row.update(time_rounds({"floor_default": lambda s: floor(**s)}, {"floor_default": steps}, rounds, calls))
+        finally:
+            compile_once.GUARD_SETTINGS = saved
     torch._dynamo.reset()
     return row
+
+
+def check_costs(layers: int) -> dict[str, float]:
+    """us per call of dynamo's own guard manager for the frame and of the direct path's checks that
+    walk the model (the figures the README's "Calling the graph directly" gives), at one depth."""
+    import operator
+
+    from torch.utils.hooks import RemovableHandle
+
+    cfg = LlamaConfig(num_layers=layers, num_blocks=BATCH * MAX_LEN // 16)
+    model, steps = build(cfg), decode_steps(cfg)
+    modules = tuple(model.modules())
+    types = tuple(map(type, modules))
+    hooks = tuple(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                                                m._backward_pre_hooks))
+    params = tuple(model.parameters())
+    held, count = tuple(params), RemovableHandle.next_id
+    torch._dynamo.reset()
+    floor = ascend_compile.compile(model, backend=no_work_backend)
+    with torch.no_grad():
+        floor(**steps[0])
+    (entry,) = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(type(model).forward.__code__)
+    f_locals = dict(self=model, **steps[1])
+    costs = {
+        "dynamo's guard manager": lambda: entry.guard_manager.check(f_locals),
+        "module types": lambda: tuple(map(type, modules)) == types,
+        "any(hook dicts)": lambda: any(hooks),
+        "hook registrations": lambda: RemovableHandle.next_id == count,
+        "parameters' identity": lambda: all(map(operator.is_, params, held)),
+        "parameters' addresses": lambda: list(map(torch.Tensor.data_ptr, params)),
+    }
+    calls = {name: (lambda fn: lambda _: fn())(fn) for name, fn in costs.items()}
+    with torch.no_grad():  # as the step was compiled: else the guards fail at their first (global state)
+        if not entry.guard_manager.check(f_locals):
+            raise RuntimeError(f"dynamo's guards fail: {entry.guard_manager.check_verbose(f_locals).verbose_code_parts}")
+        row = time_rounds(calls, {name: [None] for name in calls}, 10, 50)
+    torch._dynamo.reset()
+    return {"modules": len(modules), "hook dicts": len(hooks), "parameters": len(params),
+            **{name: best for name, (best, _) in row.items()}}
 
 
 def main() -> None:
@@ -134,10 +187,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--check-costs", action="store_true",
+                        help="instead: us per call of dynamo's guard manager and of the direct checks that walk the model")
     args = parser.parse_args()
+    if args.check_costs:
+        for layers in args.layers:
+            print(json.dumps({"layers": layers, **check_costs(layers)}), flush=True)
+        return
     measure(2, 3, 50)  # warm-up: the first measurement of a process runs slow
     names = {"dynamo": "dynamo (default)", "direct": "direct", "direct_frozen": "direct, frozen_parameters",
-             "floor": "dynamo's floor", "runner": "runner alone"}
+             "floor": "dynamo's floor", "floor_default": "floor, torch's guards", "runner": "runner alone"}
     if not args.json:
         print(f"host us per decode step, thread CPU time (batches {BATCH} to {BATCH - 7} in turn, device stubbed), "
               f"best / median of {args.rounds} rounds of {args.calls} steps")

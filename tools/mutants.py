@@ -653,6 +653,31 @@ MUTANTS = (
         "    attention_out, softmax_lse = out\n    _require(softmax_lse.numel() == 1, 'out', 'a [1] softmax_lse', softmax_lse.shape)\n",
         (f"{NPU_MLA}::test_the_fake_takes_a_full_softmax_lse_as_vllm_ascend_passes_it",),
     ),
+    # issue 31: direct dispatch's checks the suite was blind to
+    Mutant(
+        "buffer assignment not counted", "ascend_compile/dispatch/epoch.py",
+        "        nn_module.register_module_buffer_registration_hook(_moved)\n",
+        "",
+        ("tests/test_direct_soundness.py::test_assigned_kv_caches_are_gathered_again",),
+    ),
+    Mutant(
+        "torch function mode check always true", "ascend_compile/dispatch/checks.py",
+        "f\"TFN() == {depth} {modes}\"",
+        "\"True\"",
+        ("tests/test_direct_soundness.py::test_another_torch_function_mode",),
+    ),
+    Mutant(
+        "global module hooks not checked", "ascend_compile/compile_once.py",
+        "        if nn_module._has_any_global_hook():\n            return self._eager(args, kwargs)\n",
+        "",
+        ("tests/test_direct_soundness.py::test_a_global_forward_hook_after_compile",),
+    ),
+    Mutant(
+        "unread object argument not compared", "ascend_compile/dispatch/checks.py",
+        "f\"{expr} is C{j}\"",
+        "\"True\"",
+        ("tests/test_direct_soundness.py::test_a_new_object_argument_the_graph_does_not_read",),
+    ),
 )
 
 

@@ -8,7 +8,9 @@ cannot be routed (a graph break, a step with Python side effects, a return value
 graph's outputs) stays on dynamo's path, logged once, until `recheck()`; so does a layout whose
 routes fail their checks at their first call, or cannot be armed yet, `MAX_UNUSED_ROUTES` times in
 a row (something the checks compare changes on every call), where arming again each time would
-cost more than dynamo.
+cost more than dynamo. While torch is in a state no route serves (grad mode on, a compiler stance
+such as "force_eager", global module hooks: `checks.arming_refusal`), calls go through dynamo and
+the routes are kept for the calls after.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch._C._dynamo.guards import GlobalStateGuard
 
 from ..lowering import served
 from . import epoch
+from .checks import arming_refusal
 from .frame import LayoutKey, frame_of, layout_key
 from .route import Fallback, Refused, Route, arm, read_stores
 
@@ -52,6 +55,8 @@ class DirectDispatcher:
             except Fallback as why:
                 self._log(f"ascend_compile: dispatch='direct': {why.kind}: this call goes through dynamo's guards",
                           why.detail)
+                if arming_refusal() is not None:  # the route stays for later calls; this one is dynamo's
+                    return self._through_dynamo(key, args, kwargs, through_dynamo)
                 unused = self._unused[key] = self._unused.get(key, 0) + 1 if not route.used else 1
                 if unused >= MAX_UNUSED_ROUTES:
                     self.routes[key] = f"{unused} routes in a row failed at their first call ({why.kind})"
@@ -70,6 +75,10 @@ class DirectDispatcher:
             self._unused.clear()
 
     def _through_dynamo(self, key: LayoutKey, args: tuple, kwargs: dict, through_dynamo: ThroughDynamo) -> Any:
+        refusal = arming_refusal()
+        if refusal is not None:
+            self._log(f"ascend_compile: dispatch='direct': {refusal}: calls go through dynamo meanwhile")
+            return through_dynamo(args, kwargs)
         stores = self._stores.pop(key, ())
         stores_before = read_stores(self.frame, key, stores, args, kwargs) if stores else None
         before = GlobalStateGuard()

@@ -192,7 +192,10 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
         if not _same(mine, passed):
             raise Refused(f"{source} gathers a {type(mine).__name__} where dynamo passed a {type(passed).__name__}")
     rebuild = _output_recipe(result, served.result)
-    checks = checks_mod.build(frame, exprs, gathering, inputs, namespace, args, kwargs, graph_args)
+    try:
+        checks = checks_mod.build(frame, exprs, gathering, inputs, namespace, args, kwargs, graph_args)
+    except checks_mod.Unarmable as why:
+        raise Refused(str(why)) from None
     log.debug("ascend_compile: dispatch='direct': %s: %d inputs gathered once, %d per call, %d checks",
               frame.func.__qualname__, len(gathering.state), len(gathering.per_call), len(checks))
     return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild)

@@ -26,7 +26,7 @@ class ConstantStore:
     value: Any
 
 
-def _root_tx() -> Any:
+def root_tx() -> Any:
     """The instruction translator of the frame dynamo is compiling, or None."""
     from torch._dynamo import symbolic_convert
 
@@ -63,7 +63,7 @@ def record() -> tuple[tuple[ConstantStore, ...], str | None]:
     from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
 
     try:
-        tx = _root_tx()
+        tx = root_tx()
         if tx is None:
             return (), "the graph was not compiled from a frame dynamo traced"
         if tx.current_instruction.opname not in ("RETURN_VALUE", "RETURN_CONST"):

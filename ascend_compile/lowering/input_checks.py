@@ -3,13 +3,18 @@
 A captured graph reads its in-place inputs (weights, KV caches) at the addresses they had at
 capture, and took its host scalars (0-d CPU tensors, e.g. the floats dynamo wraps) as values frozen
 into its tasks. A step whose inputs moved, or whose scalars changed, must not replay it. Both checks
-are one `map` over the gathered inputs (about 0.1 us an input); under plain
+are one `map` over the gathered inputs (about 0.1 us an input). Under `frozen_parameters` the
+parameters' addresses are not read; each parameter must still be the very object the graph was
+captured with (one `map(operator.is_, ...)`, a few ns a parameter): another model of the same class
+served by the same graph (dynamo's guards do not tell instances apart), or parameters assigned
+anew (`load_state_dict(assign=True)`, a swapped submodule), are then captured again. Under plain
 `torch.compile(dynamic=True)` every norm's epsilon is such a scalar, under `ascend_compile.compile`
 (floats specialised) none is.
 """
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -19,24 +24,30 @@ from .inputs import gather
 
 
 class CapturedInputs:
-    """The addresses of the in-place inputs `checked` and the values of the host scalars `scalars`
-    in the arguments a graph was captured with."""
+    """The addresses of the in-place inputs `checked`, the values of the host scalars `scalars` and
+    the objects at `identified` (parameters under `frozen_parameters`, held here) in the arguments a
+    graph was captured with."""
 
-    def __init__(self, args: Sequence[Any], checked: Sequence[int], scalars: Sequence[int]) -> None:
+    def __init__(self, args: Sequence[Any], checked: Sequence[int], scalars: Sequence[int],
+                 identified: Sequence[int] = ()) -> None:
         self.addresses = {i: args[i].data_ptr() for i in checked if isinstance(args[i], torch.Tensor)}
         self.scalars = {i: args[i].item() for i in scalars}
+        self.objects = {i: args[i] for i in identified}
         self._pointers = (gather(list(self.addresses)), list(self.addresses.values()))
         self._values = (gather(list(self.scalars)), list(self.scalars.values()))
+        self._objects = (gather(list(self.objects)), tuple(self.objects.values()))
 
     def changed(self, args: Sequence[Any]) -> list[int]:
-        """Positions of the in-place inputs at another address, and of the scalars of another value,
-        than at capture."""
-        (pick, pointers), (pick_scalars, values) = self._pointers, self._values
+        """Positions of the in-place inputs at another address, of the scalars of another value and
+        of the other objects than at capture."""
+        (pick, pointers), (pick_scalars, values), (pick_objects, objects) = self._pointers, self._values, self._objects
         moved = []
         if list(map(torch.Tensor.data_ptr, pick(args))) != pointers:
             moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]
         if list(map(torch.Tensor.item, pick_scalars(args))) != values:
             moved += [i for i, v in self.scalars.items() if args[i].item() != v]
+        if not all(map(operator.is_, pick_objects(args), objects)):
+            moved += [i for i, obj in self.objects.items() if args[i] is not obj]
         return moved
 
     def event(self, args: Sequence[Any], changed: Sequence[int]) -> tuple:

@@ -6,7 +6,8 @@ graph's static buffers, launch the replay, apply the update table, synchronize, 
 the step writes, unpad and (by default) clone the outputs. Steps larger than every bucket run the
 original graph eagerly. Parameters, buffers and KV caches are used in place; their addresses are
 checked every step (parameters not under `frozen_parameters`) and a graph whose inputs moved is
-re-captured (`input_checks.py`). Host scalars (0-d CPU tensors,
+re-captured (`input_checks.py`); under `frozen_parameters` parameters are checked to be the same
+objects instead. Host scalars (0-d CPU tensors,
 e.g. dynamo's wrapped floats) are read at capture like any host argument, so their values are
 checked every step too.
 
@@ -90,11 +91,12 @@ class GraphEntry:
 
     def capture(self, runtime: GraphRuntime, step_args: Sequence[Any], workspaces: capture_mod.WorkspaceFor,
                 seq_len: int | None, restore: Sequence[int], updates: capture_mod.UpdateSchedule,
-                lifetime: capture_mod.WorkspaceLifetime, checked: Sequence[int]) -> None:
+                lifetime: capture_mod.WorkspaceLifetime, checked: Sequence[int], identified: Sequence[int]) -> None:
         """Capture with an all-padding step in the buffers (nothing depends on capture-time values),
         its kernels given KV lengths `seq_len` (None: padding lengths). Inputs in `restore`, which
         the graph writes in place by plain ops, get their contents back after the capture's run;
-        the in-place inputs in `checked` must keep their addresses for the graph to serve a step."""
+        the in-place inputs in `checked` must keep their addresses for the graph to serve a step,
+        those in `identified` must stay the same objects."""
         start = time.perf_counter()
         self.staging.fill_padding()
         plan = capture_plan(self.sources, self.staging.geometry, seq_len, self.packed)
@@ -118,7 +120,7 @@ class GraphEntry:
         self._output_views = {}
         self.locate_writes(graph_args)
         scalars = [spec.index for spec in self.staging.signature.by_role(Role.SCALAR)]
-        self.captured_inputs = CapturedInputs(step_args, checked, scalars)
+        self.captured_inputs = CapturedInputs(step_args, checked, scalars, identified)
         self.capture_seconds = time.perf_counter() - start
 
     def output_views(self, symbols: dict, skip: Sequence[int]) -> list:
@@ -197,6 +199,9 @@ class CompiledArtifact:
         #: whether steps are padded to the buckets' token counts: else each step size gets a capture of its
         #: own (a static graph, or `GraphSignature.pad_reason`), and a bucket's key says nothing of its sizes
         self.pads_tokens = SymbolKind.TOKENS in self.signature.symbol_kinds.values()
+        #: under `frozen_parameters`, the parameters: the same objects as at capture, every step
+        self.identified = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
+                           and config.frozen_parameters and spec.parameter]
         #: first replays checked against eager (`verify.py`): by default where the runtime asks for it
         self.verify = config.verify if config.verify is not None else self.runtime.verify_first_replays
         self.workspaces = {slot.name: self.runtime.empty((slot.nbytes,), torch.uint8)
@@ -380,7 +385,7 @@ class CompiledArtifact:
         target = self.target
         try:
             entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry),
-                          self.restore, target.updates, target.workspaces, self.checked)
+                          self.restore, target.updates, target.workspaces, self.checked, self.identified)
         except UncapturableOp as err:
             self._serve_eagerly(entry, err)
             return
