@@ -121,6 +121,51 @@ def test_list_form_metadata_keeps_the_graph_uncompiled_and_says_why_once(compile
     assert len(warnings) == 1
 
 
+# metadata fields vLLM 0.33 sets for attention other than causal (the ones 0.23 lacks are set as 0.33's builder sets them)
+NON_CAUSAL_STEPS = {
+    "causal": lambda step: torch.ones(len(step.seq_lens), dtype=torch.int32),  # per-request causality
+    "mm_prefix_query_range_tensor": lambda step: torch.full((step.num_tokens, 2), -1, dtype=torch.int32),
+    "rswa_prefix_lens": lambda step: torch.tensor(step.seq_lens, dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("field", sorted(NON_CAUSAL_STEPS))
+def test_a_step_asking_for_other_than_causal_attention_runs_as_traced_and_says_why_once(compiled, caplog, monkeypatch,
+                                                                                        field):
+    """After the compile, a step whose metadata has vLLM 0.33's per-request `causal`, PrefixLM ranges or R-SWA
+    prompt lengths runs as traced (vLLM's own op: what the graph would compute wrongly), logged once; the
+    steps around it replay. At the first compiled step the same metadata is refused, naming the layer."""
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0])
+    metadata = real.Step.metadata
+    marked = {"on": False}
+
+    def with_field(step, model):
+        attn_metadata, slots = metadata(step, model)
+        if marked["on"]:
+            meta = next(iter(attn_metadata.values()))
+            setattr(meta, field, NON_CAUSAL_STEPS[field](step))
+        return attn_metadata, slots
+
+    monkeypatch.setattr(real.Step, "metadata", with_field)
+    _equal_to_eager(models, STEPS[:1])
+    marked["on"] = True
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _equal_to_eager(models, [([7], [1]), ([8], [1])])
+    marked["on"] = False
+    _equal_to_eager(models, STEPS[1:2])
+    assert len(artifacts) == 1 and artifacts[0].stats["steps"] == 2 and artifacts[0].stats["replays"] == 2
+    warnings = [r.getMessage() for r in caplog.records if f"attn_metadata.{field}" in r.getMessage()]
+    assert len(warnings) == 1 and f"layer {LAYER_0!r}'s metadata asks for" in warnings[0]
+
+    fresh = make(options={"capture_sizes": [4, 8]})[0]
+    real.profile_run(fresh)
+    marked["on"] = True
+    with pytest.raises(Exception, match=rf"vLLM attention layer '{LAYER_0}': .*attn_metadata\.{field}"):
+        real.run(fresh, real.Step([7], [1]))
+
+
 # ---------------------------------------------------------------- attention features served
 
 WINDOW = 32

@@ -37,7 +37,7 @@ from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
 from ..targets import TargetFactory, default_target
-from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache
+from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache, step_semantics
 from .vllm_deferred import DeferredCompile
 from .vllm_metadata import bind_metadata
 from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
@@ -151,6 +151,16 @@ class ForwardContextBinder:
             if value is not None:
                 longest = max(longest or 0, int(value))
         return longest
+
+    def unserved_step(self) -> str | None:
+        """Why the current step's metadata asks for attention the compiled graph does not compute
+        (`vllm_context.step_semantics`, over every metadata group the compile bound); None: it does not."""
+        ctx = self.get_forward_context()
+        for layer in self.group_layers:
+            reason = step_semantics(ctx.attn_metadata[layer])
+            if reason is not None:
+                return f"layer {layer!r}'s metadata asks for {reason}"
+        return None
 
     def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
         """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph

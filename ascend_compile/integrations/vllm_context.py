@@ -40,6 +40,28 @@ def split_cache(kv_cache: Any, where: str, head_size: int | None = None) -> tupl
                      f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
 
 
+#: Per-step metadata fields of vLLM 0.33 that ask for attention other than causal decoder attention
+#: (None where unused): PrefixLM's bidirectional multimodal ranges and R-SWA's kept prompt prefix.
+NON_CAUSAL_FIELDS = {"mm_prefix_query_range_tensor": "PrefixLM bidirectional ranges",
+                     "rswa_prefix_lens": "R-SWA (the prompt kept beside a sliding window)"}
+
+
+def step_semantics(metadata: Any) -> str | None:
+    """Why one step's metadata asks for attention other than the causal attention `ascend.attention`
+    computes (None: it does not): `causal` False, or a per-request tensor (vLLM 0.33), or a field of
+    `NON_CAUSAL_FIELDS` set. Checked at the first compiled step (a refusal) and at every step after
+    it (that step runs as traced: vLLM's kernels)."""
+    causal = getattr(metadata, "causal", True)
+    if causal is False:
+        return "non-causal attention (attn_metadata.causal=False)"
+    if causal is not True:
+        return f"per-request causality (attn_metadata.causal is a {type(causal).__name__})"
+    for field, what in NON_CAUSAL_FIELDS.items():
+        if getattr(metadata, field, None) is not None:
+            return f"{what} (attn_metadata.{field})"
+    return None
+
+
 def metadata_of(ctx: Any, layer: str) -> Any:
     metadata = ctx.attn_metadata
     if not isinstance(metadata, dict):
