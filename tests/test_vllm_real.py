@@ -1,7 +1,7 @@
-"""The vLLM integration on vLLM 0.23.0's own code (`tests/vllm_real.py`): vLLM's Llama and Gemma 2,
+"""The vLLM integration on vLLM's own code, 0.23.0 or 0.33.0 (`tests/vllm_real.py`): vLLM's Llama and Gemma 2,
 its `Attention` layer, `torch.ops.vllm.*`, `set_forward_context` and its mode-1 compile call
 (`init_backend` + `model.compile(fullgraph=True)`), on the CPU simulator. Skipped where vLLM does not
-import (the main venv); `.ci/run` runs this file in `.venv-vllm`, which has it."""
+import (the main venv); `.ci/run` runs this file in `.venv-vllm` (0.23) and `.venv-vllm33` (0.33)."""
 from __future__ import annotations
 
 import collections
@@ -121,7 +121,8 @@ def test_list_form_metadata_keeps_the_graph_uncompiled_and_says_why_once(compile
     assert len(warnings) == 1
 
 
-# metadata fields vLLM 0.33 sets for attention other than causal (the ones 0.23 lacks are set as 0.33's builder sets them)
+# metadata fields vLLM 0.33 sets for attention other than causal (on 0.23, which lacks them, set as 0.33's
+# builder sets them)
 NON_CAUSAL_STEPS = {
     "causal": lambda step: torch.ones(len(step.seq_lens), dtype=torch.int32),  # per-request causality
     "mm_prefix_query_range_tensor": lambda step: torch.full((step.num_tokens, 2), -1, dtype=torch.int32),

@@ -61,8 +61,8 @@ def test_the_cache_write_lands_where_vllm_033_reads_its_page(layout):
 
 def test_a_cache_of_no_known_layout_is_refused_naming_both_releases():
     with pytest.raises(ValueError, match=r"\[num_blocks, 2, block_size, kv_heads, head_dim\] tensor \(vLLM 0\.23's "
-                                         r"FLASH_ATTN layout\), or a \[num_blocks, kv_heads, block_size, 2 \* head_size\] "
-                                         r"page \(vLLM 0\.33's; head_size 6\), got \(3, 2, 4, 16\)"):
+                                         r"FLASH_ATTN layout\), or a \[num_blocks, kv_heads, block_size, "
+                                         r"2 \* head_size\] page \(vLLM 0\.33's; head_size 6\), got \(3, 2, 4, 16\)"):
         vllm_context.split_cache(_page("LBNHC"), WHERE, 6)  # a head size the page does not hold
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.23.0's own model, attention layer, ops and forward context, run on the CPU.
+"""vLLM's own model, attention layer, ops and forward context (0.23.0 or 0.33.0), run on the CPU.
 
 What stands in for the GPU (and nothing else): a platform forced through
 `vllm.platforms._current_platform` (auto-detection gives `UnspecifiedPlatform`, which has no
@@ -12,8 +12,8 @@ and vLLM's compile call (`compilation_config.init_backend` + `model.compile(full
 `GPUModelRunner.load_model` does under mode 1).
 
 Importing this module needs vLLM (`tests/test_vllm_real.py` skips without it): `.ci/run` builds the
-venv it runs in (`.venv-vllm`: the CPU torch, then vLLM with `--no-deps` and the pure-Python
-packages its imports need).
+venvs it runs in (`.venv-vllm`: torch 2.13.0 CPU, vLLM 0.23.0; `.venv-vllm33`: torch 2.14.1, vLLM
+0.33.0; each vLLM with `--no-deps` and the pure-Python packages its imports need).
 """
 from __future__ import annotations
 
@@ -246,8 +246,8 @@ def bind_caches(config: VllmConfig, num_blocks: int) -> None:
     specs = {name: layer.get_kv_cache_spec(config) for name, layer in layers.items()}
     pages = [spec.page_size_bytes * num_blocks for spec in specs.values()]
     size, offsets = sum(pages), [sum(pages[:i]) for i in range(len(pages))]
-    tensors = [KVCacheTensor(size=size, layers=[name], layer_stride=page, block_stride=page // num_blocks, offset=offset)
-               for name, page, offset in zip(specs, pages, offsets)]
+    tensors = [KVCacheTensor(size=size, layers=[name], layer_stride=page, block_stride=page // num_blocks,
+                             offset=offset) for name, page, offset in zip(specs, pages, offsets)]
     groups = [KVCacheGroupSpec([name], spec) for name, spec in specs.items()]
     layout = get_supported_kv_cache_layouts([layer.attn_backend for layer in layers.values()])[0]
     caches = allocate_kv_cache(KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups),
