@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm")
+pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
 from ascend_compile.integrations import vllm as integration  # noqa: E402
 from ascend_compile.integrations import vllm_mla  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm")
+pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
 from ascend_compile.integrations import vllm as integration  # noqa: E402
 from tests import vllm_real as real  # noqa: E402
