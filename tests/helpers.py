@@ -111,14 +111,14 @@ def triton_kernels(module: str, device: torch.device) -> ModuleType:
     return importlib.import_module(f"ascend_compile.ops.{module}")
 
 
-def write_flash_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+def write_flash_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> None:
-    """vLLM's `reshape_and_cache_flash` into a `[num_blocks, 2, block_size, ...]` cache, in pure torch:
-    `slot_mapping`'s length is the number of real tokens (key may be padded); negative slots are
-    skipped. vLLM splits the cache with `kv_cache.unbind(1)`; indexing the cache writes the same rows."""
+    """vLLM's `reshape_and_cache_flash` into `[num_blocks, block_size, kv_heads, head_dim]` key and value
+    caches (views of a layer's cache, any strides), in pure torch: `slot_mapping`'s length is the number
+    of real tokens (key may be padded); negative slots are skipped."""
     n = slot_mapping.shape[0]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    block_size = kv_cache.shape[2]
-    kv_cache[slots // block_size, 0, slots % block_size] = key[:n][valid]
-    kv_cache[slots // block_size, 1, slots % block_size] = value[:n][valid]
+    block_size = key_cache.shape[1]
+    key_cache[slots // block_size, slots % block_size] = key[:n][valid]
+    value_cache[slots // block_size, slots % block_size] = value[:n][valid]

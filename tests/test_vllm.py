@@ -306,11 +306,17 @@ def test_binder_leaves_other_graphs_and_refuses_unknown_cache_layouts():
         vllm_context.split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
 
 
-def test_an_unsupported_vllm_release_is_refused(monkeypatch):
-    monkeypatch.setattr(integration, "installed_version", lambda: "0.30.1")
-    with pytest.raises(RuntimeError, match=r"vllm 0.30.1: ascend_compile.integrations.vllm supports vLLM 0.23.x"):
+@pytest.mark.parametrize("release", ["0.30.1", "0.24.0", "0.330.0", "0.2.3", "1.0.0"])
+def test_an_unsupported_vllm_release_is_refused_naming_the_supported_ones(monkeypatch, release):
+    monkeypatch.setattr(integration, "installed_version", lambda: release)
+    with pytest.raises(RuntimeError, match=rf"vllm {release}: ascend_compile.integrations.vllm supports vLLM "
+                                           rf"0\.23\.x, 0\.33\.x \("):
         integration.backend(max_model_len=64)
-    monkeypatch.setattr(integration, "installed_version", lambda: "0.23.0")
+
+
+@pytest.mark.parametrize("release", ["0.23.0", "0.23.1", "0.33.0", "0.33.2"])
+def test_the_supported_vllm_releases_are_accepted(monkeypatch, release):
+    monkeypatch.setattr(integration, "installed_version", lambda: release)
     assert callable(integration.backend(max_model_len=64))
 
 

@@ -1,4 +1,4 @@
-"""The vLLM integration's MLA binding on vLLM 0.23.0's own DeepSeek-V2 (`tests/vllm_mla_real.py`): its
+"""The vLLM integration's MLA binding on vLLM's own DeepSeek-V2, 0.23.0 or 0.33.0 (`tests/vllm_mla_real.py`): its
 `MLAAttention` layer, `torch.ops.vllm.unified_mla_*`, TRITON_MLA's metadata builder, the combined
 latent cache, and vLLM's mode-1 compile call, on the CPU simulator. vLLM runs decodes absorbed and
 prefills un-absorbed (per-head K/V from `kv_b_proj`); the compiled graph runs every token through
@@ -11,7 +11,7 @@ import collections
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm")
+pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
 from ascend_compile.integrations import vllm as integration  # noqa: E402
 from ascend_compile.integrations import vllm_mla  # noqa: E402

@@ -1,7 +1,7 @@
-"""The vLLM integration on vLLM 0.23.0's own code (`tests/vllm_real.py`): vLLM's Llama and Gemma 2,
+"""The vLLM integration on vLLM's own code, 0.23.0 or 0.33.0 (`tests/vllm_real.py`): vLLM's Llama and Gemma 2,
 its `Attention` layer, `torch.ops.vllm.*`, `set_forward_context` and its mode-1 compile call
 (`init_backend` + `model.compile(fullgraph=True)`), on the CPU simulator. Skipped where vLLM does not
-import (the main venv); `.ci/run` runs this file in `.venv-vllm`, which has it."""
+import (the main venv); `.ci/run` runs this file in `.venv-vllm` (0.23) and `.venv-vllm33` (0.33)."""
 from __future__ import annotations
 
 import collections
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm")
+pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
 from ascend_compile.integrations import vllm as integration  # noqa: E402
 from tests import vllm_real as real  # noqa: E402
@@ -121,6 +121,52 @@ def test_list_form_metadata_keeps_the_graph_uncompiled_and_says_why_once(compile
     assert len(warnings) == 1
 
 
+# metadata fields vLLM 0.33 sets for attention other than causal (on 0.23, which lacks them, set as 0.33's
+# builder sets them)
+NON_CAUSAL_STEPS = {
+    "causal": lambda step: torch.ones(len(step.seq_lens), dtype=torch.int32),  # per-request causality
+    "mm_prefix_query_range_tensor": lambda step: torch.full((step.num_tokens, 2), -1, dtype=torch.int32),
+    "rswa_prefix_lens": lambda step: torch.tensor(step.seq_lens, dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("field", sorted(NON_CAUSAL_STEPS))
+def test_a_step_asking_for_other_than_causal_attention_runs_as_traced_and_says_why_once(compiled, caplog, monkeypatch,
+                                                                                        field):
+    """After the compile, a step whose metadata has vLLM 0.33's per-request `causal`, PrefixLM ranges or R-SWA
+    prompt lengths runs as traced (vLLM's own op: what the graph would compute wrongly), logged once; the
+    steps around it replay. At the first compiled step the same metadata is refused, naming the layer."""
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0])
+    metadata = real.Step.metadata
+    marked = {"on": False}
+
+    def with_field(step, model):
+        attn_metadata, slots = metadata(step, model)
+        if marked["on"]:
+            meta = next(iter(attn_metadata.values()))
+            setattr(meta, field, NON_CAUSAL_STEPS[field](step))
+        return attn_metadata, slots
+
+    monkeypatch.setattr(real.Step, "metadata", with_field)
+    _equal_to_eager(models, STEPS[:1])
+    marked["on"] = True
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _equal_to_eager(models, [([7], [1]), ([8], [1])])
+    marked["on"] = False
+    _equal_to_eager(models, STEPS[1:2])
+    assert len(artifacts) == 1 and artifacts[0].stats["steps"] == 2 and artifacts[0].stats["replays"] == 2
+    warnings = [r.getMessage() for r in caplog.records if f"attn_metadata.{field}" in r.getMessage()]
+    assert len(warnings) == 1 and f"layer {LAYER_0!r}'s metadata asks for" in warnings[0]
+
+    fresh = make(options={"capture_sizes": [4, 8]})[0]
+    real.profile_run(fresh)
+    marked["on"] = True
+    with pytest.raises(Exception, match=rf"vLLM attention layer '{LAYER_0}': .*attn_metadata\.{field}"):
+        real.run(fresh, real.Step([7], [1]))
+
+
 # ---------------------------------------------------------------- attention features served
 
 WINDOW = 32
@@ -206,8 +252,12 @@ def _refused_at_the_profile_run(models, match: str) -> None:
     assert "is not supported by ascend_graph" in str(err.value)
 
 
-def test_a_quantized_kv_cache_is_refused_at_compile_time(compiled):
+def test_a_quantized_kv_cache_is_refused_at_compile_time(compiled, monkeypatch):
+    """vLLM 0.33's FlashAttentionImpl takes an fp8 cache where its FlashAttention does (FA3 on SM90,
+    FA4): this platform answers as such a GPU does (0.23's refuses it only at selection, not here)."""
     artifacts, calls, make = compiled
+    if hasattr(real.flash_attn, "flash_attn_supports_kv_cache_dtype"):
+        monkeypatch.setattr(real.flash_attn, "flash_attn_supports_kv_cache_dtype", lambda *args, **kwargs: True)
     models = make(cache_dtype="fp8")
     _refused_at_the_profile_run(models, rf"vLLM attention layer '{LAYER_0}': quantized KV cache "
                                         rf"\(kv_cache_dtype='fp8'\)")

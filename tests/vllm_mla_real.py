@@ -1,5 +1,5 @@
-"""vLLM 0.23.0's own DeepSeek-V2 model and MLA attention layer, run on the CPU (as `tests/vllm_real.py`
-runs its Llama).
+"""vLLM's own DeepSeek-V2 model and MLA attention layer (0.23.0 or 0.33.0), run on the CPU (as
+`tests/vllm_real.py` runs its Llama).
 
 The platform is `vllm_real`'s, naming vLLM's TRITON_MLA backend (`TritonMLABackend`: its impl, its
 metadata builder, `MLACommonMetadata`, the `[num_blocks, block_size, kv_lora_rank + rope]` cache).
@@ -9,9 +9,10 @@ vLLM's MLA code makes:
 - `concat_and_cache_mla` (`vllm._C`): the latent cache write of `MLAAttentionImpl.do_kv_cache_update`;
 - `decode_attention_fwd` (Triton): the absorbed decode attention of `TritonMLAImpl.forward_mqa`
   (and `triton.next_power_of_2`, which sizes its splits, where vLLM's Triton placeholder lacks it);
-- `flash_attn_varlen_func` (vLLM's FlashAttention) in vLLM's `FlashAttnPrefillBackend`, the prefill
-  backend the layer takes (`get_mla_prefill_backend` finds no flash-attn on the CPU: that choice is
-  made here), which runs prefill un-absorbed: per-head K/V decompressed by `kv_b_proj`;
+- the prefill backend the layer takes (`get_mla_prefill_backend`, which finds no flash-attn on this
+  platform: the choice is made here), which runs prefill un-absorbed (per-head K/V decompressed by
+  `kv_b_proj`): on vLLM 0.33 its own `CPUSDPAMLAPrefillBackend` (pure torch: nothing stands in), on
+  0.23 `FlashAttnPrefillBackend` with `flash_attn_varlen_func` (vLLM's FlashAttention) stood in;
 - `gather_and_maybe_dequant_cache` (`vllm._C`) and `merge_attn_states` (Triton off CUDA): chunked
   prefill's read of the cached context and its merge with the new tokens' attention.
 
@@ -34,7 +35,6 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.attention import mla_attention  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.mla import triton_mla  # noqa: E402
-from vllm.v1.attention.backends.mla.prefill import flash_attn as prefill_flash_attn  # noqa: E402
 
 TRITON_MLA = "vllm.v1.attention.backends.mla.triton_mla.TritonMLABackend"
 LAYER = "model.layers.{}.self_attn.attn"
@@ -145,9 +145,15 @@ _custom_ops.gather_and_maybe_dequant_cache = gather_and_maybe_dequant_cache
 triton_mla.decode_attention_fwd = decode_attention_fwd
 if not hasattr(triton_mla.triton, "next_power_of_2"):  # vLLM's Triton placeholder (no Triton here)
     triton_mla.triton.next_power_of_2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()
-prefill_flash_attn.flash_attn_varlen_func = flash_attn_varlen_func
 mla_attention.merge_attn_states = merge_attn_states
-mla_attention.get_mla_prefill_backend = lambda vllm_config: prefill_flash_attn.FlashAttnPrefillBackend
+try:  # vLLM 0.33: its own CPU prefill backend (dense per-request attention in torch), no stand-in
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend as PREFILL_BACKEND
+except ImportError:  # vLLM 0.23: FlashAttention's, its kernel call stood in
+    from vllm.v1.attention.backends.mla.prefill import flash_attn as prefill_flash_attn
+
+    prefill_flash_attn.flash_attn_varlen_func = flash_attn_varlen_func
+    PREFILL_BACKEND = prefill_flash_attn.FlashAttnPrefillBackend
+mla_attention.get_mla_prefill_backend = lambda vllm_config: PREFILL_BACKEND
 
 
 # ---------------------------------------------------------------- model and steps

@@ -1,4 +1,4 @@
-"""vLLM 0.23.0's own model, attention layer, ops and forward context, run on the CPU.
+"""vLLM's own model, attention layer, ops and forward context (0.23.0 or 0.33.0), run on the CPU.
 
 What stands in for the GPU (and nothing else): a platform forced through
 `vllm.platforms._current_platform` (auto-detection gives `UnspecifiedPlatform`, which has no
@@ -12,8 +12,8 @@ and vLLM's compile call (`compilation_config.init_backend` + `model.compile(full
 `GPUModelRunner.load_model` does under mode 1).
 
 Importing this module needs vLLM (`tests/test_vllm_real.py` skips without it): `.ci/run` builds the
-venv it runs in (`.venv-vllm`: the CPU torch, then vLLM with `--no-deps` and the pure-Python
-packages its imports need).
+venvs it runs in (`.venv-vllm`: torch 2.13.0 CPU, vLLM 0.23.0; `.venv-vllm33`: torch 2.14.1, vLLM
+0.33.0; each vLLM with `--no-deps` and the pure-Python packages its imports need).
 """
 from __future__ import annotations
 
@@ -86,10 +86,20 @@ TINY_LLAMA = {
 # ---------------------------------------------------------------- the two CUDA-only kernel calls
 
 
+def key_value_caches(impl: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttentionImpl's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` views of
+    its layer's cache, split as each release splits it: 0.23's `[num_blocks, 2, block_size, kv_heads,
+    head_dim]` by `kv_cache.unbind(1)`, 0.33's `[num_blocks, kv_heads, block_size, 2 * head_dim]` page by
+    `kv_cache.transpose(1, 2).split(head_size, dim=-1)`."""
+    if kv_cache.dim() == 5:
+        return kv_cache.unbind(1)
+    return kv_cache.transpose(1, 2).split(impl.head_size, dim=-1)
+
+
 def _kv_cache_update(self: Any, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
     """`reshape_and_cache_flash`: `slot_mapping`'s length is the number of real tokens; -1 is skipped."""
-    write_flash_kv_cache(key, value, kv_cache, slot_mapping)
+    write_flash_kv_cache(key, value, *key_value_caches(self, kv_cache), slot_mapping)
 
 
 def _forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -103,7 +113,7 @@ def _forward(self: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, valu
     `s_aux=self.sinks` (one logit per query head in the softmax denominator)."""
     if attn_metadata is None:  # vLLM's profiling run
         return output.fill_(0)
-    key_cache, value_cache = kv_cache.unbind(1)
+    key_cache, value_cache = key_value_caches(self, kv_cache)
     block_size = key_cache.shape[1]
     assert attn_metadata.causal and self.sliding_window[1] in (0, -1), "causal attention only"
     left = self.sliding_window[0]
@@ -198,9 +208,8 @@ def attention_layers(config: VllmConfig) -> dict[str, Any]:
 
 def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
     """The config's model class from vLLM's registry (`get_model_architecture`), with seeded weights
-    (`process_weights_after_loading` run) and caches in the layout of each layer's backend
-    (`get_kv_cache_shape`) and the dtype of its `get_kv_cache_spec`, bound as vLLM's runner binds
-    them (`layer.kv_cache`)."""
+    (`process_weights_after_loading` run) and its KV caches allocated and bound as vLLM's runner does
+    (`bind_caches`)."""
     init_process_groups(config)
     selector._cached_get_attn_backend.cache_clear()  # the platform's `attention_backend` may have changed
     with set_current_vllm_config(config):
@@ -210,11 +219,40 @@ def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> Model:
         for param in model.parameters():
             torch.nn.init.normal_(param, std=0.2)
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    bind_caches(config, num_blocks)
+    return Model(config, model.eval(), num_blocks, config.cache_config.block_size)
+
+
+def bind_caches(config: VllmConfig, num_blocks: int) -> None:
+    """Every attention layer's KV cache, zeroed, as vLLM's runner allocates and binds it.
+
+    vLLM 0.23: a tensor per layer in its backend's `get_kv_cache_shape` (FLASH_ATTN's
+    `[num_blocks, 2, block_size, kv_heads, head_dim]`, MLA's `[num_blocks, block_size, L + R]`) and the
+    dtype of its `get_kv_cache_spec`, set as `layer.kv_cache`. vLLM 0.33 (no `get_kv_cache_shape`):
+    one int8 allocation viewed as a `[num_blocks, H, block_size, bytes]` page per layer in the layout
+    its backends resolve to (`get_supported_kv_cache_layouts`; FLASH_ATTN's default `LBNHC`), by vLLM's
+    own `allocate_kv_cache`, and bound by each layer's `bind_kv_cache` (MLA squeezes its one head)."""
+    layers = attention_layers(config)
     block_size = config.cache_config.block_size
-    for layer in attention_layers(config).values():
-        shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-        layer.kv_cache = torch.zeros(shape, dtype=layer.get_kv_cache_spec(config).dtype)
-    return Model(config, model.eval(), num_blocks, block_size)
+    if all(hasattr(layer.attn_backend, "get_kv_cache_shape") for layer in layers.values()):
+        for layer in layers.values():
+            shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+            layer.kv_cache = torch.zeros(shape, dtype=layer.get_kv_cache_spec(config).dtype)
+        return
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache
+
+    specs = {name: layer.get_kv_cache_spec(config) for name, layer in layers.items()}
+    pages = [spec.page_size_bytes * num_blocks for spec in specs.values()]
+    size, offsets = sum(pages), [sum(pages[:i]) for i in range(len(pages))]
+    tensors = [KVCacheTensor(size=size, layers=[name], layer_stride=page, block_stride=page // num_blocks,
+                             offset=offset) for name, page, offset in zip(specs, pages, offsets)]
+    groups = [KVCacheGroupSpec([name], spec) for name, spec in specs.items()]
+    layout = get_supported_kv_cache_layouts([layer.attn_backend for layer in layers.values()])[0]
+    caches = allocate_kv_cache(KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups),
+                               torch.device("cpu"), layout)
+    bind_kv_cache(caches, config.compilation_config.static_forward_context, [])
 
 
 def compile_as_vllm(model: Model) -> None:
@@ -263,12 +301,14 @@ class Step:
     def metadata(self, model: Model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """(attn_metadata, slot_mapping) per layer, as vLLM's runner passes them to `set_forward_context`."""
         table, loc, slots = self.layout(model)
+        fields = {f.name for f in dataclasses.fields(flash_attn.FlashAttentionMetadata)}
+        cascade = {"use_cascade": False, "common_prefix_len": 0, "cu_prefix_query_lens": None, "prefix_kv_lens": None,
+                   "suffix_kv_lens": None}  # vLLM 0.23's cascade fields (0.33 has none)
         meta = flash_attn.FlashAttentionMetadata(
             num_actual_tokens=self.num_tokens, max_query_len=max(self.query_lens),
             query_start_loc=torch.tensor(loc, dtype=torch.int32), max_seq_len=max(self.seq_lens),
             seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32), block_table=table, slot_mapping=slots,
-            use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
-            suffix_kv_lens=None)
+            **{name: value for name, value in cascade.items() if name in fields})
         return {name: meta for name in model.layers}, {name: slots for name in model.layers}
 
 

@@ -439,7 +439,7 @@ class FlashAttentionImpl:
         self.logits_soft_cap = self.logits_soft_cap or 0
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        write_flash_kv_cache(key, value, kv_cache, slot_mapping)
+        write_flash_kv_cache(key, value, *kv_cache.unbind(1), slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                 output_block_scale=None):

@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The interpreter of the venv with vLLM (`.ci/vllm-venv` builds `.venv-vllm`), for mutants whose
 #: tests run vLLM's own code; `ASCEND_COMPILE_VLLM_PYTHON` names another.
 VLLM_PYTHON = Path(os.environ.get("ASCEND_COMPILE_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+#: The same for vLLM 0.33 (`.ci/vllm33-venv` builds `.venv-vllm33`; `ASCEND_COMPILE_VLLM33_PYTHON` names another).
+VLLM33_PYTHON = Path(os.environ.get("ASCEND_COMPILE_VLLM33_PYTHON") or ROOT / ".venv-vllm33" / "bin" / "python")
 #: What the scratch copy needs to import the package and run its tests.
 COPIED = ("ascend_compile", "tests", "examples", "pyproject.toml", "setup.py")
 
@@ -60,6 +62,7 @@ class Mutant:
     new: str
     tests: tuple[str, ...]
     vllm: bool = False  # the tests run vLLM's own code: in the vLLM venv (`VLLM_PYTHON`)
+    vllm33: bool = False  # ... vLLM 0.33's: in its venv (`VLLM33_PYTHON`)
 
 
 CASE2 = "tests/test_design_cases.py::test_case2_updates_refresh_lengths_every_step"
@@ -506,7 +509,7 @@ MUTANTS = (
     # issue 26: vLLM's MLA ops (`integrations/vllm_mla.py`), on vLLM's own DeepSeek-V2 (in the vLLM venv)
     Mutant(
         "MLA prefill context dropped", "ascend_compile/integrations/vllm_mla.py",
-        "            lens = lens + chunked.seq_lens.sum(dim=0)[:n].to(lens.device, non_blocking=True)\n",
+        "            lens = lens + context[:n].to(lens.device, non_blocking=True)\n",
         "            pass\n",
         (MLA_REAL,), vllm=True,
     ),
@@ -678,6 +681,38 @@ MUTANTS = (
         "\"True\"",
         ("tests/test_direct_soundness.py::test_a_new_object_argument_the_graph_does_not_read",),
     ),
+    # issue 32: vLLM 0.33 beside 0.23 (`integrations/vllm*.py`); the 0.33-only paths' tests in its venv (`VLLM33_PYTHON`)
+    Mutant(
+        "vLLM release matched by prefix", "ascend_compile/integrations/vllm.py",
+        "    if \".\".join(version.split(\".\")[:2]) not in SUPPORTED:\n",
+        "    if not version.startswith(SUPPORTED):\n",
+        ("tests/test_vllm.py::test_an_unsupported_vllm_release_is_refused_naming_the_supported_ones",),
+    ),
+    Mutant(
+        "vLLM 0.33 page not transposed", "ascend_compile/integrations/vllm_context.py",
+        "        key, value = kv_cache.transpose(1, 2).split(head_size, dim=-1)\n",
+        "        key, value = kv_cache.split(head_size, dim=-1)\n",
+        ("tests/test_vllm_releases.py",),
+    ),
+    Mutant(
+        "per-request causal taken as causal", "ascend_compile/integrations/vllm_context.py",
+        "    if causal is not True:\n",
+        "    if causal is None:\n",
+        ("tests/test_vllm_releases.py",),
+    ),
+    Mutant(
+        "later steps' metadata not checked", "ascend_compile/integrations/vllm_deferred.py",
+        "        if unserved is not None:\n",
+        "        if False:\n",
+        ("tests/test_vllm_real.py::test_a_step_asking_for_other_than_causal_attention_runs_as_traced_and_says_why_once",),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM 0.33 MLA prefill context dropped", "ascend_compile/integrations/vllm_mla.py",
+        "            context = chunked.context_lens if hasattr(chunked, \"context_lens\") else chunked.seq_lens.sum(dim=0)\n",
+        "            context = chunked.context_lens * 0 if hasattr(chunked, \"context_lens\") else chunked.seq_lens.sum(dim=0)\n",
+        (MLA_REAL,), vllm33=True,
+    ),
 )
 
 
@@ -725,6 +760,11 @@ def _try(mutant: Mutant, roots: "queue.Queue[Path]") -> tuple[Mutant, bool, str,
             raise LookupError(f"{mutant.name}: its tests run vLLM's code, and there is no vLLM venv at {VLLM_PYTHON} "
                               f"(build it with .ci/vllm-venv .venv-vllm, or set ASCEND_COMPILE_VLLM_PYTHON)")
         python = str(VLLM_PYTHON)
+    if mutant.vllm33:
+        if not VLLM33_PYTHON.exists():
+            raise LookupError(f"{mutant.name}: its tests run vLLM 0.33's code, and there is no venv at {VLLM33_PYTHON} "
+                              f"(build it with .ci/vllm33-venv, or set ASCEND_COMPILE_VLLM33_PYTHON)")
+        python = str(VLLM33_PYTHON)
     root = roots.get()
     start = time.perf_counter()
     try:

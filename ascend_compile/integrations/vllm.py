@@ -16,7 +16,7 @@ qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integ
 "cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
 features the rewrite cannot compute are refused when dynamo hands the graph over (`vllm_layers.py`). MLA
 layers' ops (`unified_mla_*`) are rewritten onto `ascend.mla_attention` / `ascend.mla_cache_write` by
-`vllm_mla.py`. Checked against vLLM 0.23.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`); tests run on
+`vllm_mla.py`. Checked against vLLM 0.23.0 and 0.33.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`); tests run on
 vLLM's own code (`tests/vllm_real.py`, `tests/vllm_mla_real.py`) and a stand-in with the pinned
 source's schemas and names (`tests/vllm_standin.py`).
 """
@@ -37,7 +37,7 @@ from ..lowering.runner import CompiledArtifact
 from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
 from ..targets import TargetFactory, default_target
-from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache
+from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache, step_semantics
 from .vllm_deferred import DeferredCompile
 from .vllm_metadata import bind_metadata
 from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
@@ -47,8 +47,9 @@ from .vllm_options import current_vllm_config, options_for
 
 log = logging.getLogger("ascend_compile")
 
-#: The vLLM versions whose op schemas and forward context this module was written against.
-SUPPORTED = ("0.23",)
+#: The vLLM releases (major.minor) whose op schemas, metadata, forward context and KV-cache layouts this
+#: module was written against and tested on (docs/vllm.md, "vLLM 0.23 and 0.33").
+SUPPORTED = ("0.23", "0.33")
 ATTENTION_OP = "unified_attention_with_output"
 CACHE_UPDATE_OP = "unified_kv_cache_update"
 
@@ -70,7 +71,7 @@ def installed_version() -> str:
 
 def _check_version() -> None:
     version = installed_version()
-    if not version.startswith(SUPPORTED):
+    if ".".join(version.split(".")[:2]) not in SUPPORTED:
         raise RuntimeError(
             f"vllm {version}: ascend_compile.integrations.vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED)} "
             f"(it reads the forward context's attention metadata and KV caches, internals that change between "
@@ -150,6 +151,16 @@ class ForwardContextBinder:
             if value is not None:
                 longest = max(longest or 0, int(value))
         return longest
+
+    def unserved_step(self) -> str | None:
+        """Why the current step's metadata asks for attention the compiled graph does not compute
+        (`vllm_context.step_semantics`, over every metadata group the compile bound); None: it does not."""
+        ctx = self.get_forward_context()
+        for layer in self.group_layers:
+            reason = step_semantics(ctx.attn_metadata[layer])
+            if reason is not None:
+                return f"layer {layer!r}'s metadata asks for {reason}"
+        return None
 
     def layer_name(self, gm: fx.GraphModule, node: fx.Node) -> str:
         """The layer name of a vLLM op node: a constant `str`, or vLLM's `LayerName` hoisted to a graph
@@ -304,7 +315,7 @@ class ForwardContextBinder:
         """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM's
         `[num_blocks, 2, ...]` cache unbound on dim 1, or vLLM-Ascend's `(key, value)` pair."""
         where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
-        key, value = split_cache(attn_layer.kv_cache, where)
+        key, value = split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))
         refuse_cache_dtype(layer, key)
         name = layer.replace(".", "_")
         return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: cache_pair(ctx, layer, where)[0],

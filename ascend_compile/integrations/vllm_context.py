@@ -2,7 +2,11 @@
 metadata cut to its requests, slots as the cache-write op takes them, whether a KV connector is set.
 
 The readers run once per step (they are the provided inputs' `read`, `integrations/vllm.py`);
-layouts and field names are vLLM 0.23.0's and vLLM-Ascend 0.23.0's.
+layouts and field names are vLLM 0.23.0's, vLLM 0.33.0's and vLLM-Ascend 0.23.0's. The layer caches
+of FLASH_ATTN differ between the vLLM releases (docs/vllm.md, "vLLM 0.23 and 0.33"): 0.23 binds a
+`[num_blocks, 2, block_size, kv_heads, head_dim]` tensor per layer, 0.33 a `[num_blocks, kv_heads,
+block_size, 2 * head_dim]` page view of one allocation, in the physical order its KV-cache layout
+gives, which `FlashAttentionImpl` splits with `kv_cache.transpose(1, 2).split(head_size, dim=-1)`.
 """
 from __future__ import annotations
 
@@ -12,19 +16,50 @@ import torch
 
 
 def has_cache(kv_cache: Any) -> bool:
+    """Whether a layer's KV cache is bound: a (key, value) pair, vLLM 0.23's 5-dim or 0.33's 4-dim tensor."""
     if isinstance(kv_cache, (tuple, list)):
         return len(kv_cache) >= 2 and all(isinstance(t, torch.Tensor) and t.numel() for t in kv_cache[:2])
-    return isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5
+    return isinstance(kv_cache, torch.Tensor) and kv_cache.dim() in (4, 5) and kv_cache.numel() > 0
 
 
-def split_cache(kv_cache: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+def split_cache(kv_cache: Any, where: str, head_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` views each:
+    vLLM-Ascend's `(key, value)` pair, vLLM 0.23's `[num_blocks, 2, ...]` tensor unbound on dim 1, or
+    vLLM 0.33's `[num_blocks, kv_heads, block_size, 2 * head_size]` page split as its FlashAttentionImpl
+    splits it (`head_size`: the layer's)."""
     if isinstance(kv_cache, (tuple, list)) and len(kv_cache) >= 2:
         return kv_cache[0], kv_cache[1]
     if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 5 and kv_cache.shape[1] == 2:
         return kv_cache[:, 0], kv_cache[:, 1]
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4 and head_size and kv_cache.shape[3] == 2 * head_size:
+        key, value = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        return key, value
     raise ValueError(f"{where}: expected a (key, value) pair or a [num_blocks, 2, block_size, kv_heads, head_dim] "
-                     f"tensor (FLASH_ATTN's layout), got "
+                     f"tensor (vLLM 0.23's FLASH_ATTN layout), or a [num_blocks, kv_heads, block_size, 2 * head_size] "
+                     f"page (vLLM 0.33's; head_size {head_size}), got "
                      f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
+
+
+#: Per-step metadata fields of vLLM 0.33 that ask for attention other than causal decoder attention
+#: (None where unused): PrefixLM's bidirectional multimodal ranges and R-SWA's kept prompt prefix.
+NON_CAUSAL_FIELDS = {"mm_prefix_query_range_tensor": "PrefixLM bidirectional ranges",
+                     "rswa_prefix_lens": "R-SWA (the prompt kept beside a sliding window)"}
+
+
+def step_semantics(metadata: Any) -> str | None:
+    """Why one step's metadata asks for attention other than the causal attention `ascend.attention`
+    computes (None: it does not): `causal` False, or a per-request tensor (vLLM 0.33), or a field of
+    `NON_CAUSAL_FIELDS` set. Checked at the first compiled step (a refusal) and at every step after
+    it (that step runs as traced: vLLM's kernels)."""
+    causal = getattr(metadata, "causal", True)
+    if causal is False:
+        return "non-causal attention (attn_metadata.causal=False)"
+    if causal is not True:
+        return f"per-request causality (attn_metadata.causal is a {type(causal).__name__})"
+    for field, what in NON_CAUSAL_FIELDS.items():
+        if getattr(metadata, field, None) is not None:
+            return f"{what} (attn_metadata.{field})"
+    return None
 
 
 def metadata_of(ctx: Any, layer: str) -> Any:
@@ -59,4 +94,5 @@ def kv_transfer_configured() -> bool:
 
 
 def cache_pair(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return split_cache(ctx.no_compile_layers[layer].kv_cache, where)
+    attn_layer = ctx.no_compile_layers[layer]
+    return split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))

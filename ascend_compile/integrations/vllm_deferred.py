@@ -4,7 +4,9 @@ vLLM compiles during its profiling run, before the KV caches exist and with no a
 the graph runs as traced (vLLM's own ops and kernels) until a step's forward context has metadata
 and every one of the graph's layers has its cache, then compiles once against it. After that, a
 step with a sequence longer than the `max_model_len` the workspaces were sized for runs as traced
-too (correct, uncompiled), instead of failing inside vLLM's `execute_model` and with it the engine.
+too (correct, uncompiled), instead of failing inside vLLM's `execute_model` and with it the engine,
+and so does a step whose metadata asks for other than causal attention (vLLM 0.33's per-request
+`causal`, PrefixLM ranges, R-SWA: `vllm_context.step_semantics`), which the graph would compute wrongly.
 Each reason a step runs as traced is logged once: a model that stays uncompiled says why. After
 each new capture the graph memory outside vLLM's KV-cache budget is logged (`vllm_memory`).
 """
@@ -51,6 +53,9 @@ class DeferredCompile:
             self.compiled = compile_graph(self.gm, self.example_inputs, self.config, self.target, bind=self.binder)
             if self.on_compiled is not None and isinstance(self.compiled, CompiledArtifact):
                 self.on_compiled(self.compiled)
+        unserved = self.binder.unserved_step()
+        if unserved is not None:
+            return self.as_traced(args, unserved)
         longest = self.binder.longest_sequence()
         if longest is not None and longest > self.config.max_model_len:
             return self.as_traced(args, f"a sequence is longer than max_model_len="

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..ops.features import AttentionFeatures
+from .vllm_context import step_semantics
 
 #: The backends whose metadata and cache layout the rewrite reads, by class (their `get_name()` is
 #: no identity: vLLM-Ascend's MLA, SFA and DSA backends also answer "CUSTOM" or "FLASH_ATTN").
@@ -127,8 +128,9 @@ def refuse_unsupported(layers: dict[str, Any]) -> None:
 
 def refuse_metadata(name: str, metadata: Any) -> None:
     """The per-step metadata's features: non-causal attention and fields the rewrite does not find."""
-    if getattr(metadata, "causal", True) is False:
-        raise UnsupportedAttention(name, "non-causal attention (attn_metadata.causal=False)")
+    semantics = step_semantics(metadata)
+    if semantics is not None:
+        raise UnsupportedAttention(name, semantics)
     missing = [f for f in ("seq_lens", "query_start_loc") if not hasattr(metadata, f)]
     if not (hasattr(metadata, "block_table") or hasattr(metadata, "block_tables")):
         missing.append("block_table")

@@ -1,12 +1,13 @@
 """vLLM's MLA ops onto the `ascend` library's latent attention (`ops/mla.py`).
 
-vLLM 0.23.0's `MLAAttention` layer (`vllm/model_executor/layers/attention/mla_attention.py`) calls
+vLLM 0.23.0's and 0.33.0's `MLAAttention` layer (`vllm/model_executor/layers/attention/mla_attention.py`) calls
 `vllm::unified_mla_kv_cache_update(kv_c_normed, k_pe, layer_name, kv_cache_dtype, k_scale)` and
 `vllm::unified_mla_attention_with_output(q, kv_c_normed, k_pe, output, layer_name, ...)`, with
 `q [T, H, qk_nope + rope]` the per-head query (rope applied), `kv_c_normed [T, kv_lora_rank]` the
 latent, `k_pe [T, 1, rope]` the shared rope key and `output [T, H * v_head_dim]`. Its backends (the
 `MLACommonBackend` family) keep one cache per layer, `[num_blocks, block_size, kv_lora_rank + rope]`:
-each row the latent then the rope key (`concat_and_cache_mla`). Inside the op vLLM runs decode tokens
+each row the latent then the rope key (`concat_and_cache_mla`; 0.33 allocates it as a `[num_blocks, 1,
+block_size, L + R]` page and `MLAAttention.bind_kv_cache` squeezes the head). Inside the op vLLM runs decode tokens
 absorbed (`W_UK_T` folded into the query, `W_UV` applied to the latent output: `forward_mqa`) and
 prefill tokens un-absorbed (`kv_b_proj` decompresses per-head K and V: `forward_mha`). Both are the
 same attention, `softmax(scale * q . k) v` with `k = [W_UK kv_c, k_pe]`, `v = W_UV kv_c`; the absorbed
@@ -21,14 +22,16 @@ slot_mapping)`. `W_UK_T [H, qk_nope, L]` and `W_UV [H, L, v_head_dim]` are the l
 `process_weights_after_loading`), provided inputs used in place.
 
 `MLACommonMetadata` has no per-request `seq_lens`: the decodes' are `decode.seq_lens`; a prefill's is
-its query length plus its cached context, the sum of its chunks (`prefill.chunked_context.seq_lens`,
-`[num_chunks, num_prefills]`; no context when `chunked_context` is None). The block table is the
+its query length plus its cached context: vLLM 0.23's sum of its chunks (`prefill.chunked_context.seq_lens`,
+`[num_chunks, num_prefills]`), vLLM 0.33's `prefill.chunked_context.context_lens` (`[num_prefills]`);
+no context when `chunked_context` is None. The block table is the
 decodes' rows then the prefills'. Requests are ordered decodes first (vLLM's builder requires it).
 The readers run once per step (`integrations/vllm.py`'s provided inputs).
 
 Refused at compile time, naming the layer: a backend outside `SUPPORTED_MLA_BACKENDS`, sparse MLA
-(DeepSeek-V3.2's indexer), a quantized cache or computed KV scales, decode context parallelism, and
-a layer without the absorbed weights (ROCm's quantized bmm paths keep others).
+(DeepSeek-V3.2's indexer), a quantized cache or computed KV scales, decode or prefill context
+parallelism, vLLM 0.33's HiSparse host-backed cache, non-causal metadata, and a layer without the
+absorbed weights (ROCm's quantized bmm paths keep others).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from torch import fx
 
 from ..passes.fx_utils import example_value, is_op, node_arg
 from ..passes.providers import fake_like, fresh_size
+from .vllm_context import step_semantics
 from .vllm_layers import UNQUANTIZED_CACHE_DTYPES, UnsupportedAttention, backend_path, refuse_cache_dtype
 
 MLA_ATTENTION_OP = "unified_mla_attention_with_output"
@@ -91,6 +95,10 @@ def refusal(layer: Any) -> str | None:
     dcp = getattr(getattr(config, "parallel_config", None), "decode_context_parallel_size", 1)
     if dcp > 1:
         return f"decode context parallelism (decode_context_parallel_size={dcp})"
+    if getattr(layer, "use_pcp", False):  # vLLM 0.33
+        return "prefill context parallelism (layer.use_pcp: prefill_context_parallel_size > 1)"
+    if getattr(layer, "hisparse_cache", None) is not None:  # vLLM 0.33
+        return "a HiSparse host-backed cache (layer.hisparse_cache)"
     if not (isinstance(getattr(layer, "W_UK_T", None), torch.Tensor)
             and isinstance(getattr(layer, "W_UV", None), torch.Tensor)):
         return "no absorbed weights (layer.W_UK_T / layer.W_UV: quantized kv_b_proj bmm, or weights not loaded)"
@@ -118,6 +126,9 @@ def _refuse_metadata(layer: str, metadata: Any) -> None:
                if not hasattr(metadata, f)]
     if missing:
         raise UnsupportedAttention(layer, f"MLA attention metadata {type(metadata).__qualname__} without {missing}")
+    semantics = step_semantics(metadata)  # vLLM 0.33's MLACommonMetadata has `causal`
+    if semantics is not None:
+        raise UnsupportedAttention(layer, semantics)
 
 
 def seq_lens(metadata: Any) -> torch.Tensor:
@@ -131,8 +142,9 @@ def seq_lens(metadata: Any) -> torch.Tensor:
         loc = metadata.prefill.query_start_loc
         lens = loc[1 : n + 1] - loc[:n]
         chunked = metadata.prefill.chunked_context
-        if chunked is not None:
-            lens = lens + chunked.seq_lens.sum(dim=0)[:n].to(lens.device, non_blocking=True)
+        if chunked is not None:  # vLLM 0.33: per prefill; 0.23: per chunk and prefill, summed over the chunks
+            context = chunked.context_lens if hasattr(chunked, "context_lens") else chunked.seq_lens.sum(dim=0)
+            lens = lens + context[:n].to(lens.device, non_blocking=True)
         parts.append(lens.to(torch.int32))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
