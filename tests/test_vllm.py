@@ -30,11 +30,13 @@ class Pair:
     def __init__(self, backend: str, block_size: int, runtime: str, artifacts: list,
                  attention_options: dict[int, dict] | None = None, **options) -> None:
         self.block_size, self.num_blocks = block_size, 96
-        #: runtime "npu" takes half precision (torch_npu's PA and FIA refuse float32)
+        #: runtime "npu" takes half precision (torch_npu's PA and FIA refuse float32) and FIA a head dim
+        #: that is a multiple of 16
         self.dtype = torch.bfloat16 if runtime == "npu" else torch.float32
+        head_size = 16 if runtime == "npu" else 8
         self.configs = v.VllmConfig(), v.VllmConfig()
-        self.models = [v.StandInModel(c, backend=backend, seed=3, attention_options=attention_options).to(self.dtype)
-                       for c in self.configs]
+        self.models = [v.StandInModel(c, backend=backend, seed=3, attention_options=attention_options,
+                                      head_size=head_size).to(self.dtype) for c in self.configs]
         for model in self.models:
             v.bind_kv_cache(model, self.num_blocks, block_size, dtype=self.dtype)
         config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=BUCKETS, pa_max_batch=4, runtime=runtime, **options)

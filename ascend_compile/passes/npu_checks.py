@@ -208,7 +208,8 @@ def pa_workspace_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[
     contents are the previous step's at that point (the step's are copied in at its replay): they
     cannot change the answer, ATB's tiling being host-side and `block_table` a device tensor, unlike
     `context_lens` ("Device Tensor" / "int类型数组", `_atb_api_docs.py` L258-259), which is all the
-    host reads of a call (the ATB binding copies its CPU tensors, op-plugin `AtbCommon.cpp`). A cache
+    host reads of a call (the ATB binding copies its CPU tensors, op-plugin `AtbCommon.cpp`); so layers
+    whose caches and table have the same shapes are asked once, with the first one's. A cache
     or table that is not a graph input (a view the graph makes) is asked as a probe tensor of its
     shape's kind, as at compile time (a one-block cache, a table `max_model_len` wide)."""
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -219,14 +220,17 @@ def pa_workspace_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[
             source = next(a.source for a in call.meta.host_args if a.kernel_arg == "context_lens")
             max_blocks = -(-max_model_len // call.meta.shape.block_size)
             dtype = example_value(call.arg("query")).dtype
-            inputs = tuple(placeholders.get(call.arg(name)) for name in ("key_cache", "value_cache", "block_table"))
-            sites.setdefault((call.meta.shape, source, max_blocks, dtype, inputs), (slot, call.node.name))
+            names = ("key_cache", "value_cache", "block_table")
+            inputs = tuple(placeholders.get(call.arg(name)) for name in names)
+            shapes = tuple(tuple(map(str, example_value(call.arg(name)).shape)) for name in names)
+            # Layers of one shape get one answer (it reads no tensor values): one question for them all.
+            sites.setdefault((call.meta.shape, source, max_blocks, dtype, shapes), (slot, call.node.name, inputs))
     if not sites:
         return None
     queries = {site[3]: pa_queries(site[3]) for site in sites}
 
     def guard(host: Mapping[HostSource, list[int]], args: Sequence[Any]) -> str | None:
-        for (shape, source, max_blocks, dtype, inputs), (slot, name) in sites.items():
+        for (shape, source, max_blocks, dtype, _), (slot, name, inputs) in sites.items():
             tensors = [args[i] if i is not None else None for i in inputs]
             if queries[dtype].paged_attention(shape, host[source], max_blocks, *tensors) > slot:
                 return (f"{name}: PA needs more workspace at the step's lengths than the {slot} bytes of its slot "
