@@ -70,9 +70,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         kv_cache_dtype: str, scale: torch.Tensor) -> None:
+                         kv_cache_dtype: str, scale: torch.Tensor, skip_scale: bool = False) -> None:
     """`concat_and_cache_mla`: row `slot` of the `[num_blocks, block_size, L + R]` cache becomes
-    `cat(kv_c, k_pe)`; slot -1 is skipped."""
+    `cat(kv_c, k_pe)`; slot -1 is skipped. The scale (and vLLM 0.33's `skip_scale`) only applies to a
+    quantized cache, which these tests do not write."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = kv_cache.shape[1]
