@@ -166,19 +166,24 @@ def build(config: Any, seed: int = 0, num_blocks: int = 64) -> real.Model:
 
 
 @contextlib.contextmanager
-def _unpinned_zeros():
-    """`torch.zeros(..., pin_memory=True)` as plain host memory: the builder pins its chunk tables,
-    which needs an accelerator this machine does not have."""
-    zeros = torch.zeros
+def _unpinned():
+    """`torch.zeros` / `torch.empty` / `torch.tensor` with `pin_memory=True` as plain host memory: the
+    builder pins its chunk tables (0.23: `torch.zeros(..., pin_memory=True)`; 0.33: `torch.empty` and
+    `torch.tensor` with `pin_memory=PIN_MEMORY`), which needs an accelerator this machine does not have."""
+    originals = {name: getattr(torch, name) for name in ("zeros", "empty", "tensor")}
 
-    def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return zeros(*args, **kwargs)
+    def unpinned(make: Any) -> Any:
+        def call(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            return make(*args, **kwargs)
+        return call
 
-    torch.zeros = unpinned
+    for name, make in originals.items():
+        setattr(torch, name, unpinned(make))
     try:
         yield
     finally:
-        torch.zeros = zeros
+        for name, make in originals.items():
+            setattr(torch, name, make)
 
 
 @dataclasses.dataclass
@@ -198,7 +203,7 @@ class Step(real.Step):
         layer = model.layers[names[0]]
         builder = layer.attn_backend.get_builder_cls()(layer.get_kv_cache_spec(model.config), names, model.config,
                                                        torch.device("cpu"))
-        with real.set_current_vllm_config(model.config), _unpinned_zeros():
+        with real.set_current_vllm_config(model.config), _unpinned():
             meta = builder.build(0, common)
         return {name: meta for name in names}, {name: slots for name in names}
 
