@@ -70,9 +70,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                         kv_cache_dtype: str, scale: torch.Tensor) -> None:
+                         kv_cache_dtype: str, scale: torch.Tensor, skip_scale: bool = False) -> None:
     """`concat_and_cache_mla`: row `slot` of the `[num_blocks, block_size, L + R]` cache becomes
-    `cat(kv_c, k_pe)`; slot -1 is skipped."""
+    `cat(kv_c, k_pe)`; slot -1 is skipped. The scale (and vLLM 0.33's `skip_scale`) only applies to a
+    quantized cache, which these tests do not write."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block_size = kv_cache.shape[1]
@@ -165,19 +166,24 @@ def build(config: Any, seed: int = 0, num_blocks: int = 64) -> real.Model:
 
 
 @contextlib.contextmanager
-def _unpinned_zeros():
-    """`torch.zeros(..., pin_memory=True)` as plain host memory: the builder pins its chunk tables,
-    which needs an accelerator this machine does not have."""
-    zeros = torch.zeros
+def _unpinned():
+    """`torch.zeros` / `torch.empty` / `torch.tensor` with `pin_memory=True` as plain host memory: the
+    builder pins its chunk tables (0.23: `torch.zeros(..., pin_memory=True)`; 0.33: `torch.empty` and
+    `torch.tensor` with `pin_memory=PIN_MEMORY`), which needs an accelerator this machine does not have."""
+    originals = {name: getattr(torch, name) for name in ("zeros", "empty", "tensor")}
 
-    def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
-        return zeros(*args, **kwargs)
+    def unpinned(make: Any) -> Any:
+        def call(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            return make(*args, **kwargs)
+        return call
 
-    torch.zeros = unpinned
+    for name, make in originals.items():
+        setattr(torch, name, unpinned(make))
     try:
         yield
     finally:
-        torch.zeros = zeros
+        for name, make in originals.items():
+            setattr(torch, name, make)
 
 
 @dataclasses.dataclass
@@ -197,7 +203,7 @@ class Step(real.Step):
         layer = model.layers[names[0]]
         builder = layer.attn_backend.get_builder_cls()(layer.get_kv_cache_spec(model.config), names, model.config,
                                                        torch.device("cpu"))
-        with real.set_current_vllm_config(model.config), _unpinned_zeros():
+        with real.set_current_vllm_config(model.config), _unpinned():
             meta = builder.build(0, common)
         return {name: meta for name in names}, {name: slots for name in names}
 

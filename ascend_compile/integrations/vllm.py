@@ -312,8 +312,9 @@ class ForwardContextBinder:
     @staticmethod
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
                     ) -> tuple[fx.Node, fx.Node]:
-        """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM's
-        `[num_blocks, 2, ...]` cache unbound on dim 1, or vLLM-Ascend's `(key, value)` pair."""
+        """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM 0.23's
+        `[num_blocks, 2, ...]` cache unbound on dim 1, vLLM 0.33's page split (`vllm_context.split_cache`),
+        or vLLM-Ascend's `(key, value)` pair."""
         where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
         key, value = split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))
         refuse_cache_dtype(layer, key)

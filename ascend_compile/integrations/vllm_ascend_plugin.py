@@ -19,8 +19,9 @@ in `vllm_ascend/platform.py`, `NPUModelRunner.load_model` in `vllm_ascend/worker
 vLLM 0.23.0 (`GPUModelRunner.load_model`'s mode-1 call, `CompilationConfig.mode` / `cudagraph_mode`).
 That vLLM-Ascend declares torch 2.10.0 / torch_npu 2.10.0.post4 (its versioning policy); this plug-in
 calls no torch_npu API itself, while the `npu` runtime it compiles for was written against torch_npu
-2.14.0's (torch 2.14; whether torch_npu 2.10 has every API it binds was not determined: docs/ascend.md). No vLLM-Ascend for vLLM 0.33 existed when it was written; the
-backend it installs refuses a vLLM other than 0.23 / 0.33 at start-up (`vllm.SUPPORTED`). Tested on
+2.14.0's (torch 2.14; whether torch_npu 2.10 has every API it binds was not determined: docs/ascend.md).
+No vLLM-Ascend for vLLM 0.33 existed when it was written; the backend it installs refuses a vLLM other
+than 0.23 / 0.33 at start-up (`vllm.SUPPORTED`). Tested on
 vLLM's own code with a stand-in `NPUModelRunner` (vLLM-Ascend's does not import on a CPU: docs/vllm.md).
 """
 from __future__ import annotations

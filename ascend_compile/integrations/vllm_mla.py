@@ -7,8 +7,8 @@ vLLM 0.23.0's and 0.33.0's `MLAAttention` layer (`vllm/model_executor/layers/att
 latent, `k_pe [T, 1, rope]` the shared rope key and `output [T, H * v_head_dim]`. Its backends (the
 `MLACommonBackend` family) keep one cache per layer, `[num_blocks, block_size, kv_lora_rank + rope]`:
 each row the latent then the rope key (`concat_and_cache_mla`; 0.33 allocates it as a `[num_blocks, 1,
-block_size, L + R]` page and `MLAAttention.bind_kv_cache` squeezes the head). Inside the op vLLM runs decode tokens
-absorbed (`W_UK_T` folded into the query, `W_UV` applied to the latent output: `forward_mqa`) and
+block_size, L + R]` page and `MLAAttention.bind_kv_cache` squeezes the head). Inside the op vLLM runs
+decode tokens absorbed (`W_UK_T` folded into the query, `W_UV` applied to the latent output: `forward_mqa`) and
 prefill tokens un-absorbed (`kv_b_proj` decompresses per-head K and V: `forward_mha`). Both are the
 same attention, `softmax(scale * q . k) v` with `k = [W_UK kv_c, k_pe]`, `v = W_UV kv_c`; the absorbed
 form computes it for every token, prefill included, so the rewrite is, per layer:
