@@ -75,6 +75,7 @@ DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
+FAILED_STEPS = "tests/test_failed_steps.py"
 
 MUTANTS = (
     Mutant(
@@ -509,6 +510,63 @@ MUTANTS = (
         "    if path not in SUPPORTED_MLA_BACKENDS:\n",
         "    if False:\n",
         ("tests/test_vllm_mla_real.py::test_another_mla_backend_is_refused_by_name",), vllm=True,
+    ),
+    # issue 36: failed steps
+    Mutant(
+        "capture_all at an unpadded step's sizes", "ascend_compile/lowering/runner.py",
+        'if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:',
+        'if self.config.capture_all and self.stats["captures"] == 0:',
+        (FAILED_STEPS + "::test_capture_all_serves_a_one_sequence_mixed_step_and_later_steps[decode-first-pa_max_batch]",),
+    ),
+    Mutant(
+        "capture_all leaves a mixed first step uncaptured", "ascend_compile/lowering/runner.py",
+        "            if entry.graph is None and entry.eager_reason is None:  # a mixed step's graph, or no capture_all\n",
+        "            elif entry.graph is None:\n",
+        (FAILED_STEPS + "::test_capture_all_serves_a_one_sequence_mixed_step_and_later_steps[mixed-first-auto]",),
+    ),
+    Mutant(
+        "a failed step's writes not undone", "ascend_compile/lowering/runner.py",
+        "            undo.restore()\n", "",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",),
+    ),
+    Mutant(
+        "undo saves the rows of the first slot only", "ascend_compile/lowering/undo.py",
+        "index = slots[slot] = args[slot].clamp(min=0).long()", "index = slots[slot] = args[slot][:1].clamp(min=0).long()",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[eager]",),
+    ),
+    Mutant(
+        "undo skips inputs written whole", "ascend_compile/lowering/undo.py",
+        "            whole = [(args[i], args[i].clone()) for i in self.whole if isinstance(args[i], torch.Tensor)]\n",
+        "            whole = []\n",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-counted]",),
+    ),
+    Mutant(
+        "a failed first replay leaves eager's writes", "ascend_compile/lowering/verify.py",
+        "    except BaseException:  # a replay that raises half-way: every region as before the step, eager's writes too\n"
+        "        for region, value in zip(regions, before):\n            region.write(args, value)\n",
+        "    except BaseException:\n",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-verify]",),
+    ),
+    Mutant(
+        "a failed replay keeps its graph", "ascend_compile/lowering/runner.py",
+        "            self.graph, self.verified = None, None\n", "",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",),
+    ),
+    Mutant(
+        "npu waits for a failed step's end", "ascend_compile/runtime/npu.py",
+        "        self._previous_step = self.npu.Event()\n        self._steps = 0\n", "        pass\n",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[npu]",),
+    ),
+    Mutant(
+        "a failed capture keeps what its run wrote", "ascend_compile/lowering/runner.py",
+        "        finally:  # a capture that raises half-way leaves them as they were too\n",
+        "        except RuntimeError:\n            raise\n        else:\n",
+        (FAILED_STEPS + "::test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before[sim]",),
+    ),
+    Mutant(
+        "vLLM's retrace of a recompile splits ids and positions", "ascend_compile/compile_once.py",
+        '    (torch._dynamo.config, "automatic_dynamic_shapes", False),\n', "",
+        ("tests/test_vllm.py::test_dynamic_batch_3_then_batch_1_with_a_rotary_view_equals_eager",),
     ),
 )
 
