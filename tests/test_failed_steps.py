@@ -208,3 +208,24 @@ def test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before
         torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
     assert_caches_close(model, reference)
     assert torch.equal(model.calls, reference.calls) and artifacts[-1].stats["replays"] == 1
+
+
+def test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it():
+    """The undo log reads the step's slots before the graph runs: a slot past the cache is clamped
+    there (a gather would fail first, with no name), so the cache write refuses it by name, and
+    nothing of the step stays written."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4,))
+    batch = PagedBatch(cfg, seed=4)
+    with torch.no_grad():
+        for lens in ([30, 40], [31, 41, 51]):
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+        inputs = batch.step([32, 42, 52])
+        inputs["slot_mapping"][-1] = cfg.num_blocks * cfg.block_size + 5
+        before = [c.clone() for c in caches(model)]
+        with pytest.raises(ValueError, match=r"slot_mapping: expected slots below 16384"):
+            fn(**inputs)
+    assert all(torch.equal(got, want) for got, want in zip(caches(model), before, strict=True))
+    assert artifacts[-1].stats["failed_steps"] == 1

@@ -531,8 +531,13 @@ MUTANTS = (
     ),
     Mutant(
         "undo saves the rows of the first slot only", "ascend_compile/lowering/undo.py",
-        "index = slots[slot] = args[slot].clamp(min=0).long()", "index = slots[slot] = args[slot][:1].clamp(min=0).long()",
+        "args[slot].clamp(0, capacity - 1).long()", "args[slot][:1].clamp(0, capacity - 1).long()",
         (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[eager]",),
+    ),
+    Mutant(
+        "undo gathers slots past the cache", "ascend_compile/lowering/undo.py",
+        "args[slot].clamp(0, capacity - 1).long()", "args[slot].clamp(min=0).long()",
+        (FAILED_STEPS + "::test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it",),
     ),
     Mutant(
         "undo skips inputs written whole", "ascend_compile/lowering/undo.py",
