@@ -93,9 +93,14 @@ TRACE_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
 #: (its lengths and tables come from the forward context, not the caller). Without duck shaping the
 #: two get distinct symbols that vLLM's model never equates (rotary embedding's
 #: `query.view(positions.shape[0], -1, head_size)` only divides), and the one the runner does not pad
-#: is held at the traced value.
-SHARED_TOKEN_SETTINGS: tuple[tuple[Any, str, Any], ...] = tuple(
-    setting for setting in TRACE_SETTINGS if setting[1] != "use_duck_shape")
+#: is held at the traced value. Automatic dynamic is off meanwhile: dynamo gives a size it saw change
+#: in an earlier compile of the frame (a batch-3 trace under `dynamic=True`, then batch 1) a symbol of
+#: its own (`DimDynamic.DYNAMIC`), never a duck-shaped one, so a recompile's retrace would split them
+#: again (issue 36); every size is symbolic under these settings anyway.
+SHARED_TOKEN_SETTINGS: tuple[tuple[Any, str, Any], ...] = (
+    *(setting for setting in TRACE_SETTINGS if setting[1] != "use_duck_shape"),
+    (torch._dynamo.config, "automatic_dynamic_shapes", False),
+)
 
 
 #: Dynamo settings in force whenever it compiles for a `CompiledStep`, whatever the trace settings:

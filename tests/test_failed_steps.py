@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import pytest
 
-from examples.llama import LlamaConfig, PagedBatch, build
+from examples.llama import LlamaConfig, LlamaDecoder, PagedBatch, build
 from tests.test_backend import MAX_LEN, compiled_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -105,6 +105,19 @@ class Counted(torch.nn.Module):
         return self.model(**inputs)
 
 
+class WritesLogits(torch.nn.Module):
+    """The example model, also writing its logits into a buffer the caller passes (vLLM-style)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.model = build(cfg)
+
+    def forward(self, out, **inputs):
+        logits = self.model(**inputs)
+        out.copy_(logits)
+        return logits
+
+
 def _config(runtime: str, monkeypatch) -> LlamaConfig:
     if runtime == "npu":
         from tests import fake_torch_npu
@@ -114,52 +127,61 @@ def _config(runtime: str, monkeypatch) -> LlamaConfig:
     return LlamaConfig(num_layers=3, num_blocks=1024)
 
 
-def _written(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [*caches(model), *([model.calls] if isinstance(model, Counted) else [])]
+def _written(model: torch.nn.Module, inputs: dict | None = None) -> list[torch.Tensor]:
+    """What a step of `model` writes: its caches, a Counted model's count, the caller's buffer."""
+    return [*caches(model), *([model.calls] if isinstance(model, Counted) else []),
+            *([inputs["out"]] if inputs and "out" in inputs else [])]
 
 
-def _assert_as_before(model: torch.nn.Module, before: list[torch.Tensor]) -> None:
-    for got, want in zip(_written(model), before, strict=True):
-        assert torch.equal(got, want), "the failed step left a cache or the step count written"
+def _assert_as_before(model: torch.nn.Module, before: list[torch.Tensor], inputs: dict | None = None) -> None:
+    for got, want in zip(_written(model, inputs), before, strict=True):
+        assert torch.equal(got, want), "the failed step left a cache, the step count or the caller's buffer written"
 
 
 def _layer(model: torch.nn.Module, i: int) -> torch.nn.Module:
-    return (model.model if isinstance(model, Counted) else model).layers[i]
+    return (model if isinstance(model, LlamaDecoder) else model.model).layers[i]
 
 
-@pytest.mark.parametrize("runtime, verify, make", [("sim", False, build), ("sim", True, build), ("eager", None, build),
-                                                   ("npu", None, build), ("sim", False, Counted)],
+@pytest.mark.parametrize("runtime, verify, make", [("sim", False, build), ("sim", True, WritesLogits),
+                                                   ("eager", None, build), ("npu", None, build),
+                                                   ("sim", False, Counted)],
                          ids=["sim", "sim-verify", "eager", "npu", "sim-counted"])
 def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, verify, make, fault_in_layer,
                                                                       monkeypatch):
     """A graph's kernel raising on layer 1 of 3, after layers 0 and 1 wrote their KV rows: in a
-    replay, in a first replay checked against eager (`verify`, the default on npu: eager's writes
-    are undone too), in a graph run op by op (runtime "eager"), and in a model that also counts its
-    steps in a buffer (saved whole; its graphs are not padded). Every cache (and the count) is
-    bitwise as before the step; the graph is captured again and the same step then equals eager."""
+    replay, in a first replay checked against eager (`verify`, the default on npu: eager's writes are
+    undone too, a caller's buffer it wrote directly included), in a graph run op by op (runtime
+    "eager"), and in a model that also counts its steps in a buffer (saved whole; its graphs are not
+    padded). Every cache (the count, the buffer) is bitwise as before the step; the graph is captured
+    again and the same step then equals eager."""
     cfg = _config(runtime, monkeypatch)
     model, reference = make(cfg), make(cfg)
     fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4,
                                    runtime=runtime, verify=verify)
     batch = PagedBatch(cfg, seed=2)
+
+    def step(lens):
+        inputs = batch.step(lens)
+        return {**inputs, "out": torch.zeros(len(lens), cfg.vocab_size)} if make is WritesLogits else inputs
+
     with torch.no_grad():
         for lens in ([30, 40], [31, 41, 51, 61]):  # dynamo's static graph (batch 2), then the dynamic one (b4)
-            inputs = batch.step(lens)
+            inputs = step(lens)
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
         art = artifacts[-1]
         captures = art.stats["captures"]
         # a replay of b4.decode (PA), then the first replay of b8.decode (FIA), each failing on layer 1
         for lens in ([32, 42, MARK], [60, 70, 80, MARK, 100, 110]):
-            inputs = batch.step(lens)
-            before = [t.clone() for t in _written(model)]
+            inputs = step(lens)
+            before = [t.clone() for t in _written(model, inputs)]
             fault_in_layer(artifacts, _layer(model, 1).attn.key_cache)
             with pytest.raises(InjectedFault):
                 fn(**inputs)
             fault_in_layer.disarm()
-            _assert_as_before(model, before)
-            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)  # the same step, again
-            assert_caches_close(model, reference)
-            for got, want in zip(_written(model), _written(reference), strict=True):
+            _assert_as_before(model, before, inputs)
+            expected = {**inputs, "out": inputs["out"].clone()} if "out" in inputs else inputs
+            torch.testing.assert_close(fn(**inputs), reference(**expected), **TOL)  # the same step, again
+            for got, want in zip(_written(model, inputs), _written(reference, expected), strict=True):
                 torch.testing.assert_close(got, want, **TOL)
     assert art.stats["failed_steps"] == 2 and art.stats["eager_fallbacks"] == 0
     if runtime != "eager":  # the failed graphs were dropped, captured again, and served the steps again
@@ -186,3 +208,24 @@ def test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before
         torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
     assert_caches_close(model, reference)
     assert torch.equal(model.calls, reference.calls) and artifacts[-1].stats["replays"] == 1
+
+
+def test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it():
+    """The undo log reads the step's slots before the graph runs: a slot past the cache is clamped
+    there (a gather would fail first, with no name), so the cache write refuses it by name, and
+    nothing of the step stays written."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4,))
+    batch = PagedBatch(cfg, seed=4)
+    with torch.no_grad():
+        for lens in ([30, 40], [31, 41, 51]):
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+        inputs = batch.step([32, 42, 52])
+        inputs["slot_mapping"][-1] = cfg.num_blocks * cfg.block_size + 5
+        before = [c.clone() for c in caches(model)]
+        with pytest.raises(ValueError, match=r"slot_mapping: expected slots below 16384"):
+            fn(**inputs)
+    assert all(torch.equal(got, want) for got, want in zip(caches(model), before, strict=True))
+    assert artifacts[-1].stats["failed_steps"] == 1

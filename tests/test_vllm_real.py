@@ -74,6 +74,40 @@ def test_vllms_llama_through_vllms_compile_call_equals_eager_with_one_artifact(c
     assert stats["replays"] == len(STEPS) - 1 and stats["eager_fallbacks"] == 1
 
 
+
+def test_torch_compile_dynamic_batch_3_then_batch_1_equals_eager(monkeypatch, tmp_path):
+    """Under `torch.compile(dynamic=True)` a batch-3 decode step is traced dynamic with sizes 0 and 1
+    specialised; batch 1 recompiles the frame into a static trace, which the backend has dynamo trace
+    again general. Automatic dynamic gave input_ids and positions distinct symbols in that retrace
+    (no duck shaping for sizes it saw change), and vLLM's rotary `query.view(positions.shape[0], -1,
+    head_size)` kept the unpadded one: capturing b4.decode failed (issue 36)."""
+    from ascend_compile.config import CompileConfig
+
+    monkeypatch.delenv("ASCEND_COMPILE_OPTIONS", raising=False)
+    models = []
+    for i in range(2):
+        (tmp_path / f"m{i}").mkdir()
+        models.append(real.build(real.vllm_config(tmp_path / f"m{i}"), seed=3))
+    artifacts = []
+    torch._dynamo.reset()
+    compile_fn = integration.backend(CompileConfig(max_model_len=256, capture_sizes=(4, 8)), on_compiled=artifacts.append)
+    fn = torch.compile(models[0].model, backend=compile_fn, dynamic=True)
+    try:
+        steps = [([9, 17, 4], [1, 1, 1]), ([5], [1]), ([12], [3]), ([6, 7], [1, 1]), ([21], [1])]
+        for seq_lens, query_lens in steps:
+            step = real.Step(seq_lens, query_lens)
+            got, expected = real.run(models[0], step, lambda *args: fn(*args)), real.run(models[1], step)
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        for got, expected in zip(models[0].caches(), models[1].caches()):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    stats = collections.Counter()
+    for art in artifacts:
+        stats.update(art.stats)
+        assert not art.signature.specialized  # input_ids and positions share the token symbol
+    assert stats["replays"] == len(steps) and stats["eager_fallbacks"] == 0
+
 def test_max_model_len_and_capture_sizes_come_from_vllms_config(compiled):
     artifacts, calls, make = compiled
     models = make(max_model_len=128)

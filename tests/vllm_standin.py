@@ -633,8 +633,11 @@ class DecoderLayer(torch.nn.Module):
         self.attn = Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads, prefix=f"{prefix}.self_attn.attn",
                               attn_backend=backend, vllm_config=vllm_config, **attention_options)
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, positions=None):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if positions is not None:  # vLLM's rotary embedding: its query viewed by the positions' count
+            angle = torch.cos(positions.float())[:, None, None]
+            q = (q.view(positions.shape[0], -1, self.attn.head_size) * angle).reshape(q.shape)
         return hidden_states + self.o_proj(self.attn(q, k, v))
 
 
@@ -665,6 +668,19 @@ class StandInModel(torch.nn.Module):
 
     def attention_layers(self) -> dict[str, Attention]:
         return {layer.attn.layer_name: layer.attn for layer in self.layers}
+
+
+class RotaryModel(StandInModel):
+    """The stand-in with positions not embedded but, as in vLLM's Llama, only turning each layer's query,
+    viewed as vLLM's rotary embedding views it: `query.view(positions.shape[0], -1, head_size)`, so
+    nothing equates the positions' count with the ids' (a constant row stands for the position
+    embedding: dynamo's restart diverges where the embedding's call is the whole first statement)."""
+
+    def forward(self, input_ids, positions):
+        h = self.embed_tokens(input_ids) + self.embed_positions.weight[0]
+        for layer in self.layers:
+            h = layer(h, positions)
+        return h
 
 
 def bind_kv_cache(model: StandInModel, num_blocks: int, block_size: int, dtype=torch.float32, device="cpu"):

@@ -81,6 +81,7 @@ VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_atten
 AUDIT36 = "tests/test_audit36_survivors.py"
 UNCAPTURABLE = "tests/test_uncapturable.py"
 DIFFERENTIAL = "tests/test_differential.py"
+FAILED_STEPS = "tests/test_failed_steps.py"
 
 MUTANTS = (
     # issue 36: what the differential tester found (tests/test_differential.py)
@@ -712,6 +713,62 @@ MUTANTS = (
         "            context = chunked.context_lens if hasattr(chunked, \"context_lens\") else chunked.seq_lens.sum(dim=0)\n",
         "            context = chunked.context_lens * 0 if hasattr(chunked, \"context_lens\") else chunked.seq_lens.sum(dim=0)\n",
         (MLA_REAL,), vllm33=True,
+    ),
+    # issue 36: failed steps
+    Mutant(
+        "capture_all at an unpadded step's sizes", "ascend_compile/lowering/runner.py",
+        'if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:',
+        'if self.config.capture_all and self.stats["captures"] == 0:',
+        (FAILED_STEPS + "::test_capture_all_serves_a_one_sequence_mixed_step_and_later_steps[decode-first-pa_max_batch]",),
+    ),
+    Mutant(
+        "capture_all leaves a mixed first step uncaptured", "ascend_compile/lowering/runner.py",
+        "            if entry.graph is None and entry.eager_reason is None:  # a mixed step's graph, or no capture_all\n",
+        "            elif entry.graph is None:\n",
+        (FAILED_STEPS + "::test_capture_all_serves_a_one_sequence_mixed_step_and_later_steps[mixed-first-auto]",),
+    ),
+    Mutant(
+        "a failed step's writes not undone", "ascend_compile/lowering/runner.py",
+        "            undo.restore()\n", "",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",),
+    ),
+    Mutant(
+        "undo saves the rows of the first slot only", "ascend_compile/lowering/undo.py",
+        "args[slot].clamp(0, capacity - 1).long()", "args[slot][:1].clamp(0, capacity - 1).long()",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[eager]",),
+    ),
+    Mutant(
+        "undo gathers slots past the cache", "ascend_compile/lowering/undo.py",
+        "args[slot].clamp(0, capacity - 1).long()", "args[slot].clamp(min=0).long()",
+        (FAILED_STEPS + "::test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it",),
+    ),
+    Mutant(
+        "undo skips inputs written whole", "ascend_compile/lowering/undo.py",
+        "            whole = [(args[i], args[i].clone()) for i in self.whole if isinstance(args[i], torch.Tensor)]\n",
+        "            whole = []\n",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-counted]",),
+    ),
+    Mutant(
+        "a failed replay keeps its graph", "ascend_compile/lowering/runner.py",
+        "            self.graph, self.verified = None, None\n", "",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",),
+    ),
+    Mutant(
+        "npu waits for a failed step's end", "ascend_compile/runtime/npu.py",
+        'must not wait for it."""\n        self._previous_step = self.npu.Event()\n        self._steps = 0\n',
+        'must not wait for it."""\n',
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[npu]",),
+    ),
+    Mutant(
+        "a failed capture keeps what its run wrote", "ascend_compile/lowering/runner.py",
+        "        finally:  # a capture that raises half-way leaves them as they were too\n",
+        "        except RuntimeError:\n            raise\n        else:\n",
+        (FAILED_STEPS + "::test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before[sim]",),
+    ),
+    Mutant(
+        "vLLM's retrace of a recompile splits ids and positions", "ascend_compile/compile_once.py",
+        '    (torch._dynamo.config, "automatic_dynamic_shapes", False),\n', "",
+        ("tests/test_vllm.py::test_dynamic_batch_3_then_batch_1_with_a_rotary_view_equals_eager",),
     ),
 )
 

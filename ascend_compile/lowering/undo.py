@@ -54,9 +54,12 @@ class UndoPlan:
                    tuple(sorted(in_place - by_rows)))
 
     def save(self, args: Sequence[Any]) -> Undo:
-        """What the step's graph may overwrite, read now (before it runs)."""
+        """What the step's graph may overwrite, read now (before it runs). Slots are clamped into the
+        cache: a slot past it is the cache write's to refuse, by name (a gather would fault first)."""
+        if not self.rows and not self.whole:
+            return Undo([], [])
         with torch.inference_mode():
-            slots: dict[int, torch.Tensor] = {}
+            slots: dict[tuple[int, int], torch.Tensor] = {}
             rows = []
             whole = [(args[i], args[i].clone()) for i in self.whole if isinstance(args[i], torch.Tensor)]
             for cache, slot in self.rows:
@@ -64,9 +67,10 @@ class UndoPlan:
                 if t.dim() < 2:
                     whole.append((t, t.clone()))
                     continue
-                index = slots.get(slot)
+                capacity = t.shape[0] * t.shape[1]
+                index = slots.get((slot, capacity))
                 if index is None:
-                    index = slots[slot] = args[slot].clamp(min=0).long()
+                    index = slots[(slot, capacity)] = args[slot].clamp(0, capacity - 1).long()
                 if t.stride(0) == t.shape[1] * t.stride(1):  # [num_blocks * block_size, ...] is a view
                     view = t.flatten(0, 1)
                     rows.append((view, index, view.index_select(0, index)))
