@@ -561,6 +561,12 @@ MUTANTS = (
         "if len(lens) != seqs or len(ends) != seqs:", "if len(lens) != seqs or len(ends) < seqs:",
         ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
     ),
+    Mutant(
+        "vLLM has_sink without impl.sinks served plain", "ascend_compile/integrations/vllm_layers.py",
+        'getattr(layer, "has_sink", False)', 'getattr(layer, "has_sinks", False)',
+        ("tests/test_vllm_real.py::test_a_layer_built_with_sinks_its_impl_does_not_hold_is_refused_at_compile_time",),
+        vllm=True,
+    ),
 )
 
 
