@@ -307,6 +307,19 @@ def test_another_attention_backend_is_refused_by_name_at_compile_time(compiled, 
                                         rf"\(get_name\(\) 'FLEX_ATTENTION'\)")
 
 
+def test_a_layer_built_with_sinks_its_impl_does_not_hold_is_refused_at_compile_time(compiled):
+    """vLLM's `Attention` says `has_sink` when built with sinks; an impl holding none (`impl.sinks`
+    None: another impl, or a version keeping them elsewhere) would be served as plain attention, its
+    sinks dropped: refused naming the layer."""
+    artifacts, calls, make = compiled
+    models = make()
+    layer = models[0].layers[LAYER_1]
+    assert layer.has_sink is False and layer.impl.sinks is None  # vLLM's as built without sinks
+    layer.has_sink = True
+    _refused_at_the_profile_run(models, rf"'{LAYER_1}': attention sinks the impl does not hold "
+                                        rf"\(layer.has_sink, impl.sinks None\)")
+
+
 def test_a_kv_transfer_connector_is_refused_at_compile_time(compiled, monkeypatch):
     """vLLM's `maybe_transfer_kv_layer` calls the connector around `unified_attention_with_output`."""
     from vllm.distributed.kv_transfer import kv_transfer_state

@@ -761,7 +761,7 @@ MUTANTS = (
     ),
     Mutant(
         "a failed capture keeps what its run wrote", "ascend_compile/lowering/runner.py",
-        "        finally:  # a capture that raises half-way leaves them as they were too\n",
+        "        finally:  # a capture that raises half-way (an op that cannot be captured) leaves them as they were too\n",
         "        except RuntimeError:\n            raise\n        else:\n",
         (FAILED_STEPS + "::test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before[sim]",),
     ),
@@ -769,6 +769,12 @@ MUTANTS = (
         "vLLM's retrace of a recompile splits ids and positions", "ascend_compile/compile_once.py",
         '    (torch._dynamo.config, "automatic_dynamic_shapes", False),\n', "",
         ("tests/test_vllm.py::test_dynamic_batch_3_then_batch_1_with_a_rotary_view_equals_eager",),
+    ),
+    Mutant(
+        "vLLM has_sink without impl.sinks served plain", "ascend_compile/integrations/vllm_layers.py",
+        'getattr(layer, "has_sink", False)', 'getattr(layer, "has_sinks", False)',
+        ("tests/test_vllm_real.py::test_a_layer_built_with_sinks_its_impl_does_not_hold_is_refused_at_compile_time",),
+        vllm=True,
     ),
 )
 
