@@ -2,7 +2,7 @@
 sees: eager equality, a step served eagerly or replayed, the exact refusal. `tools/mutants.py` puts
 each back (the block headed "issue 36") and requires it caught. The simulator's, the random
 generators' and the vLLM binding's are beside their subjects (`test_sim.py`, `test_rng.py`,
-`test_vllm.py`)."""
+`test_vllm.py`, `test_vllm_real.py`)."""
 from __future__ import annotations
 
 import dataclasses

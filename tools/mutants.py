@@ -23,7 +23,11 @@ tests run vLLM's own code in the vLLM venv, `VLLM_PYTHON`, and on runtime "npu":
 workspace, sparse modes, mixed capture, the 16-token rule and a compile-time rule) and issue 23's vLLM
 ones (another backend not refused, the first vLLM graph not traced general, a window, soft-cap or
 sinks not passed to the op, FlashAttention's window off by one, vLLM-Ascend's int32 slots copied to
-int64 each step, its host copies of the lengths not taken or taken unchecked).
+int64 each step, its host copies of the lengths not taken or taken unchecked), and the ten a third
+audit's mutants survived (issue 36: MLA's dummy limit, the overlap of staged and in-place inputs, PA's
+per-step check against another bucket's slot or with a floored table width, vLLM-Ascend's query ends
+one too many, `has_sink` without `impl.sinks`, the vLLM block table not cut, the NPU generator not
+kept, the simulator's static inputs after an update, a uint8 mask index).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
