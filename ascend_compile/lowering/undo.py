@@ -11,7 +11,7 @@ of its cache write's `slot_mapping` (the cache-write op's contract: nothing else
 changes; padding slots, -1, are read as row 0, so no host sync is needed to drop them), every other
 input written in place whole (a cache also written by another op is saved whole too). A step that
 raises puts them back, then raises. The memory is bounded by the rows a step writes; the cost per
-step is one gather per cache written (README, "Failed steps").
+step is one gather per cache written (README, "A step that fails"; `benchmarks/undo_cost.py`).
 
 Everything that can fail before the first write (the graph key, its capture, the step's shapes,
 the target's step guard) is checked before the graph runs; the log covers what fails mid-step.
