@@ -7,9 +7,16 @@ import torch
 import pytest
 
 from examples.llama import LlamaConfig, LlamaDecoder, PagedBatch, build
+from tests.helpers import TOLERANCE
 from tests.test_backend import MAX_LEN, compiled_model
 
 TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within float32's tolerance, or a half-precision dtype's (runtime "npu" takes no float32)."""
+    tol = TOL if want.dtype == torch.float32 else dict(atol=TOLERANCE[want.dtype], rtol=TOLERANCE[want.dtype])
+    torch.testing.assert_close(got, want, **tol)
 
 
 def caches(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -18,7 +25,7 @@ def caches(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def assert_caches_close(model: torch.nn.Module, reference: torch.nn.Module) -> None:
     for got, want in zip(caches(model), caches(reference), strict=True):
-        torch.testing.assert_close(got, want, **TOL)
+        assert_close(got, want)
 
 
 #: A plain `torch.compile` (automatic dynamic): the first step's graph is static, the next ones are
@@ -41,7 +48,7 @@ def test_capture_all_serves_a_one_sequence_mixed_step_and_later_steps(policy, fi
     with torch.no_grad():
         for lens, query_lens in first + STEPS:
             inputs = batch.step(lens, query_lens)
-            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+            assert_close(fn(**inputs), reference(**inputs))
             assert_caches_close(model, reference)
     stats = [a.stats for a in artifacts]
     assert sum(s["eager_fallbacks"] for s in stats) == 0 and sum(s["replays"] for s in stats) == len(first + STEPS)
@@ -123,7 +130,7 @@ def _config(runtime: str, monkeypatch) -> LlamaConfig:
         from tests import fake_torch_npu
 
         fake_torch_npu.install(monkeypatch)
-        return LlamaConfig(num_layers=3, num_blocks=128, block_size=128)
+        return LlamaConfig(num_layers=3, num_blocks=128, block_size=128, dtype=torch.bfloat16)  # half precision
     return LlamaConfig(num_layers=3, num_blocks=1024)
 
 
@@ -167,7 +174,7 @@ def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, v
     with torch.no_grad():
         for lens in ([30, 40], [31, 41, 51, 61]):  # dynamo's static graph (batch 2), then the dynamic one (b4)
             inputs = step(lens)
-            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+            assert_close(fn(**inputs), reference(**inputs))
         art = artifacts[-1]
         captures = art.stats["captures"]
         # a replay of b4.decode (PA), then the first replay of b8.decode (FIA), each failing on layer 1
@@ -180,9 +187,9 @@ def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, v
             fault_in_layer.disarm()
             _assert_as_before(model, before, inputs)
             expected = {**inputs, "out": inputs["out"].clone()} if "out" in inputs else inputs
-            torch.testing.assert_close(fn(**inputs), reference(**expected), **TOL)  # the same step, again
+            assert_close(fn(**inputs), reference(**expected))  # the same step, again
             for got, want in zip(_written(model, inputs), _written(reference, expected), strict=True):
-                torch.testing.assert_close(got, want, **TOL)
+                assert_close(got, want)
     assert art.stats["failed_steps"] == 2 and art.stats["eager_fallbacks"] == 0
     if runtime != "eager":  # the failed graphs were dropped, captured again, and served the steps again
         assert art.stats["replays"] == 3 and art.stats["captures"] > captures + 2
@@ -205,7 +212,7 @@ def test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before
         _assert_as_before(model, before)
         assert artifacts[-1].stats["captures"] == 0
         fault_in_layer.disarm()
-        torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+        assert_close(fn(**inputs), reference(**inputs))
     assert_caches_close(model, reference)
     assert torch.equal(model.calls, reference.calls) and artifacts[-1].stats["replays"] == 1
 
@@ -221,7 +228,7 @@ def test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it():
     with torch.no_grad():
         for lens in ([30, 40], [31, 41, 51]):
             inputs = batch.step(lens)
-            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+            assert_close(fn(**inputs), reference(**inputs))
         inputs = batch.step([32, 42, 52])
         inputs["slot_mapping"][-1] = cfg.num_blocks * cfg.block_size + 5
         before = [c.clone() for c in caches(model)]
