@@ -780,6 +780,8 @@ def test_backend_rewrites_to_device_lengths_for_the_cuda_runtime():
 class StubGraph:
     """A device graph whose capture runs the work once and whose replays do nothing (device calls stubbed)."""
 
+    warms_up = False  # its warm-up runs nothing (`DeviceGraph.warms_up`)
+
     def warmup(self, run):
         pass
 
