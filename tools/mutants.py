@@ -180,7 +180,7 @@ MUTANTS = (
         (SEEDED, ONE_SEED, "tests/test_rng.py::test_replays_draw_fresh_numbers_without_reseeding"),
     ),
     Mutant(
-        "updates after synchronize", "ascend_compile/lowering/runner.py",
+        "updates after synchronize", "ascend_compile/lowering/graph_entry.py",
         "        self.graph.replay()\n", "        self.graph.replay()\n        runtime.after_replay()\n", (CASE2,),
     ),
     # issue 27: the mutation audit's survivors
@@ -209,7 +209,7 @@ MUTANTS = (
         (f"{AUDIT}::test_metadata_differing_only_in_a_keyword_argument_is_not_merged",),
     ),
     Mutant(
-        "narrowed outputs cached per token count", "ascend_compile/lowering/runner.py",
+        "narrowed outputs cached per token count", "ascend_compile/lowering/graph_entry.py",
         "        return per_step_shape(self._output_views, tuple(symbols.values()),\n",
         "        return per_step_shape(self._output_views, (symbols[self.staging.signature.tokens],),\n",
         (f"{AUDIT}::test_outputs_sized_by_the_sequence_count_follow_it_when_the_token_count_repeats",),
@@ -753,7 +753,7 @@ MUTANTS = (
         (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-counted]",),
     ),
     Mutant(
-        "a failed replay keeps its graph", "ascend_compile/lowering/runner.py",
+        "a failed replay keeps its graph", "ascend_compile/lowering/graph_entry.py",
         "            self.graph, self.verified = None, None\n", "",
         (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",),
     ),
@@ -764,7 +764,7 @@ MUTANTS = (
         (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[npu]",),
     ),
     Mutant(
-        "a failed capture keeps what its run wrote", "ascend_compile/lowering/runner.py",
+        "a failed capture keeps what its run wrote", "ascend_compile/lowering/graph_entry.py",
         "        finally:  # a capture that raises half-way (an op that cannot be captured) leaves them as they were too\n",
         "        except RuntimeError:\n            raise\n        else:\n",
         (FAILED_STEPS + "::test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before[sim]",),

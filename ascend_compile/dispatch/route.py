@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from ..lowering.runner import MovedInputs
+from ..lowering.graph_entry import MovedInputs
 from ..lowering.served import Served
 from . import checks as checks_mod
 from . import dynamo_code
