@@ -796,16 +796,79 @@ def apply(mutant: Mutant, root: Path) -> str:
     return text
 
 
-def run_tests(tests: tuple[str, ...], root: Path, python: str = sys.executable) -> tuple[bool, str]:
-    """(whether the tests failed, the first failing test) in the copy under `root`, run by `python`."""
-    env = dict(os.environ, PYTHONPATH=str(root))
-    proc = subprocess.run(
-        [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
-        cwd=root, env=env, capture_output=True, text=True,
-    )
-    failed = [line.split()[1] for line in proc.stdout.splitlines()
+#: What each worker imports once, before it forks a child per mutant: about 8 s of every pytest start
+#: (`python -X importtime`: torch._dynamo and sympy most of it), which 120 fresh interpreters paid each.
+#: Never the package or its tests: each child imports those from its mutated copy. torch imports triton
+#: itself, so the conftest's `TRITON_INTERPRET` is set after triton's import here as in a plain run.
+PRELOAD = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "numpy", "pytest", "hypothesis")
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
+
+
+def worker() -> int:
+    """`--worker`: import `PRELOAD`, then for each request on stdin (a JSON list: copy root, log path,
+    tests) fork a child that runs pytest on those tests in that copy, its output into the log, and
+    answer its exit status on stdout. The child starts as a fresh interpreter would, less the imports."""
+    import importlib
+    import json
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    tools_dir = str(Path(__file__).resolve().parent)
+    for line in sys.stdin:
+        root, log, tests = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 3
+            try:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.chdir(root)
+                sys.path[:] = [root] + [p for p in sys.path if p not in ("", tools_dir)]
+                os.environ["PYTHONPATH"] = root
+                sys.dont_write_bytecode = True  # a .pyc of a mutated file, same size and second, is never reused
+                import pytest
+
+                code = int(pytest.main([*PYTEST_ARGS, *tests]))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+    return 0
+
+
+class Worker:
+    """A `--worker` process of one interpreter, for one scratch copy at a time."""
+
+    def __init__(self, python: str) -> None:
+        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def run(self, root: Path, tests: tuple[str, ...]) -> tuple[int, str]:
+        """(pytest's exit status, its output) for `tests` in the copy under `root`."""
+        import json
+
+        log = root / ".mutant-pytest.log"
+        self.proc.stdin.write(json.dumps([str(root), str(log), list(tests)]) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the mutant worker of {self.proc.args[0]} exited ({self.proc.wait()})")
+        return json.loads(answer), log.read_text()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def run_tests(tests: tuple[str, ...], root: Path, worker: Worker) -> tuple[bool, str]:
+    """(whether the tests failed, the first failing test) in the copy under `root`, run by `worker`."""
+    code, output = worker.run(root, tests)
+    failed = [line.split()[1] for line in output.splitlines()
               if line.startswith(("FAILED tests/", "ERROR tests/"))]  # not a log line ("ERROR 12-01 ...")
-    return proc.returncode != 0, (failed[0] if failed else f"pytest exit {proc.returncode}")
+    return code != 0, (failed[0] if failed else f"pytest exit {code}")
 
 
 def _scratch_copy(root: Path) -> None:
@@ -818,30 +881,52 @@ def _scratch_copy(root: Path) -> None:
             shutil.copy2(src, root / name)
 
 
-def _try(mutant: Mutant, roots: "queue.Queue[Path]") -> tuple[Mutant, bool, str, float]:
-    """Apply `mutant` in a free scratch copy, run its tests, restore the copy: (mutant, caught,
-    failing test, seconds). A mutant whose edit no longer applies raises `LookupError`."""
-    python = sys.executable
+class Copy:
+    """One scratch copy of the repository, with a worker per interpreter its mutants' tests run in."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.workers: dict[str, Worker] = {}
+
+    def worker(self, python: str) -> Worker:
+        if python not in self.workers:
+            self.workers[python] = Worker(python)
+        return self.workers[python]
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.close()
+
+
+def _python(mutant: Mutant) -> str:
+    """The interpreter of `mutant`'s tests; `LookupError` when its venv is missing."""
     if mutant.vllm:
         if not VLLM_PYTHON.exists():
             raise LookupError(f"{mutant.name}: its tests run vLLM's code, and there is no vLLM venv at {VLLM_PYTHON} "
                               f"(build it with .ci/vllm-venv .venv-vllm, or set ASCEND_COMPILE_VLLM_PYTHON)")
-        python = str(VLLM_PYTHON)
+        return str(VLLM_PYTHON)
     if mutant.vllm33:
         if not VLLM33_PYTHON.exists():
             raise LookupError(f"{mutant.name}: its tests run vLLM 0.33's code, and there is no venv at {VLLM33_PYTHON} "
                               f"(build it with .ci/vllm33-venv, or set ASCEND_COMPILE_VLLM33_PYTHON)")
-        python = str(VLLM33_PYTHON)
-    root = roots.get()
+        return str(VLLM33_PYTHON)
+    return sys.executable
+
+
+def _try(mutant: Mutant, copies: "queue.Queue[Copy]") -> tuple[Mutant, bool, str, float]:
+    """Apply `mutant` in a free scratch copy, run its tests, restore the copy: (mutant, caught,
+    failing test, seconds). A mutant whose edit no longer applies raises `LookupError`."""
+    python = _python(mutant)
+    copy = copies.get()
     start = time.perf_counter()
     try:
-        original = apply(mutant, root)
+        original = apply(mutant, copy.root)
         try:
-            failed, test = run_tests(mutant.tests, root, python)
+            failed, test = run_tests(mutant.tests, copy.root, copy.worker(python))
         finally:
-            (root / mutant.path).write_text(original)
+            (copy.root / mutant.path).write_text(original)
     finally:
-        roots.put(root)
+        copies.put(copy)
     return mutant, failed, test, time.perf_counter() - start
 
 
@@ -849,9 +934,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only the mutants with these names")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="mutants tried at once, each in its own scratch copy (default: the CPU count)")
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.list:
         for m in mutants:
@@ -860,21 +948,26 @@ def main(argv: list[str] | None = None) -> int:
     caught = 0
     jobs = max(1, min(args.jobs, len(mutants)))
     with tempfile.TemporaryDirectory(prefix="mutants-") as scratch:
-        roots: queue.Queue[Path] = queue.Queue()
+        copies: queue.Queue[Copy] = queue.Queue()
+        made = []
         for i in range(jobs):
             (Path(scratch) / str(i)).mkdir()
             _scratch_copy(Path(scratch) / str(i))
-            roots.put(Path(scratch) / str(i))
+            made.append(Copy(Path(scratch) / str(i)))
+            copies.put(made[-1])
         print(f"{'mutant':36} {'result':9} {'s':>5}  failing test")
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            try:
-                for mutant, failed, test, seconds in pool.map(lambda m: _try(m, roots), mutants):
+        try:
+            with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+                for mutant, failed, test, seconds in pool.map(lambda m: _try(m, copies), mutants):
                     caught += failed
                     result = "caught" if failed else "SURVIVED"
                     print(f"{mutant.name:36} {result:9} {seconds:5.1f}  {test if failed else '-'}", flush=True)
-            except LookupError as err:
-                print(err)
-                return 2
+        except LookupError as err:
+            print(err)
+            return 2
+        finally:
+            for copy in made:
+                copy.close()
     print(f"{caught} caught, {len(mutants) - caught} survived")
     return 0 if caught == len(mutants) else 1
 
