@@ -20,7 +20,7 @@ from .lowering.capture import UpdateSchedule, WorkspaceLifetime
 from .ops import timing
 from .ops.cuda_mla import check_mla_tiles
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
-from .ops.tiling import MLA, PA
+from .ops.tiling import FIA, MLA, PA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
 from .passes.kernel_call import StepGuard, kernel_calls
@@ -41,8 +41,11 @@ class Target:
 
     runtime: Runtime
     #: The kernels whose decode graph cannot serve mixed steps: a bucket with one of them gets a mixed
-    #: graph of its own (PA is decode-only).
-    mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA})
+    #: graph of its own. PA is decode-only; the ascend FIA and MLA (FIA v2) take one branch for one
+    #: query token per sequence and another for more, chosen from the host lengths a task is captured
+    #: with (`_op_plugin_docs.py` L8056, L8580), so each graph is captured in the shape of its steps
+    #: and the simulator refuses an update to the other branch (`SimRuntime.query_length_branches`).
+    mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA, FIA, MLA})
     #: Whether kernels take host lengths, which the runner then reads from each step (one host copy
     #: of each length input); False where they read them on the device, so no step waits for it.
     host_lengths: ClassVar[bool] = True
@@ -98,10 +101,9 @@ class NpuTarget(Target):
     (no formula), "auto" timing the torch_npu kernels the runtime binds, and the kernels' documented
     constraints refused at compile time (and FIA's and MLA's length rules at each step)."""
 
-    #: MLA runs as FIA v2's MLA form, whose sparse mode a call's query lengths decide ("Q_S等于1时只支持
-    #: sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask", torch_npu 2.14 `_op_plugin_docs.py` L8697): an
-    #: MLA bucket's decode steps and mixed steps are captured in two graphs, each keeping its mode.
-    mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA, MLA})
+    #: As the simulator's (FIA's two branches); MLA runs as FIA v2's MLA form, whose sparse mode a call's
+    #: query lengths decide too ("Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask",
+    #: torch_npu 2.14 `_op_plugin_docs.py` L8697): each graph keeps its mode.
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
         from .ops import npu as npu_ops
@@ -146,6 +148,9 @@ class CudaTarget(Target):
     bucket's graph around them."""
 
     host_lengths: ClassVar[bool] = False
+    #: Only PA is decode-only here: the Triton FIA and MLA kernels read their lengths on the device, one
+    #: kernel for any query lengths, so a bucket's decode graph serves its mixed steps too.
+    mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA})
 
     def check(self, config: CompileConfig) -> None:
         """Every option holds on CUDA, the inner compiler included."""

@@ -491,6 +491,9 @@ class FakeNpu:
         self.sim.zero_length_fast_path(pa, "context_lens")
         self.sim.zero_length_fast_path(fia, "actual_seq_lengths_kv")
         self.sim.zero_length_fast_path(torch.ops.npu.npu_fused_infer_attention_score_v2, "actual_seq_kvlen")
+        # one branch for S=1, another for S>1 (`_op_plugin_docs.py` L8056, L8580): SimRuntime.query_length_branches
+        self.sim.query_length_branches(fia, "actual_seq_lengths")
+        self.sim.query_length_branches(torch.ops.npu.npu_fused_infer_attention_score_v2, "actual_seq_qlen")
         self.sim.copies_host_inputs(pa, "context_lens")
         self.calls: list[Call] = []
         self.executed: list[tuple[str, tuple[int, ...]]] = []  # (kernel, KV lengths) of each execution

@@ -91,10 +91,12 @@ def test_update_table_is_keyed_by_node_and_refreshed_from_inputs():
         "actual_seq_lengths": {"input": "l_query_start_loc_", "conversion": "ends"},
         "actual_seq_lengths_kv": {"input": "l_seq_lens_", "conversion": "list"},
     }
-    # Captured on an all-padding step, its 8 tokens packed in one dummy sequence of KV length 8 (never 0:
-    # see the sim's fast-path rule), as a mixed step's padding is (`passes/padding.py`).
-    assert fia[0]["frozen_at_capture"]["actual_seq_lengths"] == [8]
-    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [8]
+    # A decode graph is captured as decode (issue 33): 8 sequences of one query token, each of KV length 1
+    # (never 0: the sim's fast-path rule), FIA's S=1 branch, which every update keeps; mixed steps of the
+    # bucket have a graph of their own, captured with their padding packed (`passes/padding.py`).
+    assert fia[0]["frozen_at_capture"]["actual_seq_lengths"] == list(range(1, 9))
+    assert fia[0]["frozen_at_capture"]["actual_seq_lengths_kv"] == [1] * 8
+    assert "b8.mixed" in plan and "b4.mixed" in plan
     pa = plan["b4.decode"]["update_table"]
     assert [e["kernel"] for e in pa] == [tiling.PA, tiling.PA] and all(e["event"] for e in pa)
     assert pa[0]["refresh"] == {"context_lens": {"input": "l_seq_lens_", "conversion": "list"}}

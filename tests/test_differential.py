@@ -111,6 +111,8 @@ def setups(draw) -> Setup:
         verify=draw(st.sampled_from((None, True, False))),
         clone_outputs=draw(st.booleans()),
     )
+    if runtime == "sim":  # a kernel short of workspace raises, not writes past it unseen (the fake checks its own)
+        options["sim_overflow"] = "raise"
     if policy == "pa_max_batch":
         options["pa_max_batch"] = draw(st.integers(1, 8))
     if policy == "pa_batch_sizes":

@@ -801,6 +801,7 @@ def apply(mutant: Mutant, root: Path) -> str:
 #: Never the package or its tests: each child imports those from its mutated copy. torch imports triton
 #: itself, so the conftest's `TRITON_INTERPRET` is set after triton's import here as in a plain run.
 PRELOAD = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "numpy", "pytest", "hypothesis")
+LOG = ".mutant-pytest.log"  # in each copy: the output of the last mutant's tests
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
 
 
@@ -850,7 +851,7 @@ class Worker:
         """(pytest's exit status, its output) for `tests` in the copy under `root`."""
         import json
 
-        log = root / ".mutant-pytest.log"
+        log = root / LOG
         self.proc.stdin.write(json.dumps([str(root), str(log), list(tests)]) + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
@@ -913,9 +914,10 @@ def _python(mutant: Mutant) -> str:
     return sys.executable
 
 
-def _try(mutant: Mutant, copies: "queue.Queue[Copy]") -> tuple[Mutant, bool, str, float]:
+def _try(mutant: Mutant, copies: "queue.Queue[Copy]", keep: str | None) -> tuple[Mutant, bool, str, float]:
     """Apply `mutant` in a free scratch copy, run its tests, restore the copy: (mutant, caught,
-    failing test, seconds). A mutant whose edit no longer applies raises `LookupError`."""
+    failing test, seconds); with `keep`, pytest's output is kept there. A mutant whose edit no longer
+    applies raises `LookupError`."""
     python = _python(mutant)
     copy = copies.get()
     start = time.perf_counter()
@@ -923,6 +925,9 @@ def _try(mutant: Mutant, copies: "queue.Queue[Copy]") -> tuple[Mutant, bool, str
         original = apply(mutant, copy.root)
         try:
             failed, test = run_tests(mutant.tests, copy.root, copy.worker(python))
+            if keep:
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy(copy.root / LOG, Path(keep) / (mutant.name.replace("/", "_").replace(" ", "_") + ".log"))
         finally:
             (copy.root / mutant.path).write_text(original)
     finally:
@@ -934,6 +939,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="run only the mutants with these names")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--tests", nargs="*", help="run these tests against every mutant instead of its own (does "
+                        "another test, e.g. the differential tester, catch it?); their output is kept in --keep")
+    parser.add_argument("--keep", help="a folder to keep each mutant's pytest output in, as <mutant>.log")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="mutants tried at once, each in its own scratch copy (default: the CPU count)")
@@ -941,6 +949,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker()
     mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(mutants) != len(set(args.only)):
+        print(f"no mutant named {sorted(set(args.only) - {m.name for m in mutants})} (--list names them)")
+        return 2
+    if args.tests:
+        mutants = [dataclasses.replace(m, tests=tuple(args.tests)) for m in mutants]
     if args.list:
         for m in mutants:
             print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
@@ -958,7 +971,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'mutant':36} {'result':9} {'s':>5}  failing test")
         try:
             with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-                for mutant, failed, test, seconds in pool.map(lambda m: _try(m, copies), mutants):
+                for mutant, failed, test, seconds in pool.map(lambda m: _try(m, copies, args.keep), mutants):
                     caught += failed
                     result = "caught" if failed else "SURVIVED"
                     print(f"{mutant.name:36} {result:9} {seconds:5.1f}  {test if failed else '-'}", flush=True)

@@ -80,7 +80,7 @@ class RewrittenGraphs:
     prologue: Prologue  # the hoisted metadata inputs, computed from the step's inputs
 
     def key_for(self, bucket: int, decode: bool) -> GraphKey:
-        """The graph serving a step: a bucket whose decode kernels are all FIA serves its mixed steps too."""
+        """The graph serving a step: a bucket without a mixed graph serves its mixed steps with its decode one."""
         key = GraphKey(bucket, decode)
         return key if key in self.choices else GraphKey(bucket, True)
 
@@ -141,8 +141,9 @@ def _buckets(signature: GraphSignature, config: CompileConfig) -> tuple[int, ...
 def bucket_choices(layers: list, buckets: tuple[int, ...], policy: KernelPolicy,
                    mixed_graph_kernels: frozenset[str] = frozenset({PA})) -> dict[GraphKey, tuple[KernelChoice, ...]]:
     """Each graph key's kernels: every bucket's decode steps, and the mixed steps of a bucket whose
-    decode kernels include one of `mixed_graph_kernels` (PA is decode-only; on NPU, MLA's decode calls
-    take another sparse mode than its mixed ones); FIA decode graphs serve mixed steps too."""
+    decode kernels include one of `mixed_graph_kernels` (the target's: PA is decode-only; on the
+    simulator and NPU, FIA and MLA take another branch for one query token than for more); a decode
+    graph of other kernels (CUDA's FIA and MLA) serves mixed steps too."""
     choices = {}
     for bucket in buckets:
         decode = choose_kernels(layers, bucket, policy, decode=True)

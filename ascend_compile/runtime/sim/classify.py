@@ -100,3 +100,10 @@ def all_zero(lengths: Any) -> bool:
     if isinstance(lengths, torch.Tensor):
         return not bool(torch.count_nonzero(lengths))
     return not any(lengths or ())
+
+
+def one_query_token_each(ends: Any) -> bool:
+    """Whether cumulative query ends (TND's `actual_seq_lengths`: a list of ints or a host tensor) give
+    every sequence exactly one query token: `[1, 2, ..., n]`."""
+    values = ends.tolist() if isinstance(ends, torch.Tensor) else list(ends or ())
+    return bool(values) and values == list(range(1, len(values) + 1))

@@ -8,7 +8,8 @@ Every other op, Python custom ops included, is recorded as the ops its body issu
 (`dispatch.CaptureMode`), so a host read inside it fails at capture, as on the device, and a replay
 runs none of its Python.
 
-Some kernels also launch other work depending on their host arguments (a zero-length fast path), and
+Some kernels also launch other work depending on their host arguments (a zero-length fast path, a
+branch chosen by the query lengths), and
 some take host tensors, which the device copies when the call is issued; a runtime declares these
 per op packet. Capture and task updates then name tasks (`task_kind`) and freeze operands the same
 way, which is what lets a task update be matched against the group it replaces.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .classify import all_zero, arg
+from .classify import all_zero, arg, one_query_token_each
 
 #: torch's own op namespaces: the device's operator library implements each of their ops as a
 #: kernel (ATen through torch_npu's op-plugin on Ascend; the functional collectives through HCCL).
@@ -34,6 +35,7 @@ class DeviceKernels:
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
         self.fast_paths: dict[Any, str] = {}
+        self.query_branches: dict[Any, str] = {}
         self.host_inputs: dict[Any, tuple[str, ...]] = {}
 
     def is_kernel(self, op: Any) -> bool:
@@ -42,11 +44,15 @@ class DeviceKernels:
 
     def task_kind(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The kind of task a call of `op` launches: its name, marked when its zero-length fast path
-        is taken."""
+        is taken, and marked by the branch its query lengths select where it has two."""
+        kind = str(op)
+        ends = self.query_branches.get(op.overloadpacket)
+        if ends is not None:
+            kind += "[S=1]" if one_query_token_each(arg(op, args, kwargs, ends)[1]) else "[S>1]"
         lengths = self.fast_paths.get(op.overloadpacket)
         if lengths is not None and all_zero(arg(op, args, kwargs, lengths)[1]):
-            return f"{op}[all lengths 0]"
-        return str(op)
+            return f"{kind}[all lengths 0]"
+        return kind
 
     def host_input_args(self, op: Any) -> tuple[str, ...]:
         """The arguments of `op` that are host tensors, copied when a call is issued."""

@@ -146,6 +146,8 @@ class SimRuntime(TaskUpdateRuntime):
         self.zero_length_fast_path(torch.ops.ascend.paged_attention, "context_lens")
         self.zero_length_fast_path(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths_kv")
         self.zero_length_fast_path(torch.ops.ascend.mla_fused_infer_attention, "actual_seq_kvlen")
+        self.query_length_branches(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths")
+        self.query_length_branches(torch.ops.ascend.mla_fused_infer_attention, "actual_seq_qlen")
 
     @property
     def overflow(self) -> str:
@@ -165,6 +167,19 @@ class SimRuntime(TaskUpdateRuntime):
         launches what real lengths do; vLLM-Ascend captures with real lengths (its dummy run uses
         `SEQ_LEN_WITH_MAX_PA_WORKSPACE` or `max_query_len`, `model_runner_v1.py`)."""
         self.device_kernels.fast_paths[op] = lengths
+
+    def query_length_branches(self, op: Any, ends: str) -> None:
+        """Declare that kernel `op` (an op packet) takes one branch when its cumulative query ends `ends`
+        give every sequence one query token and another otherwise: such a call records the task kind
+        `<op>[S=1]` or `<op>[S>1]`, and a task update to the other branch does not match the task.
+        A graph must be captured in the shape of the steps it serves: decode graphs as decode.
+
+        Source, for the ascend FIA and MLA (FIA v2): "当Query矩阵的S为1, 进入IncreFlashAttention分支, 其余场景
+        进入PromptFlashAttention分支" (torch_npu 2.14 `_op_plugin_docs.py` L8056 for
+        `npu_fused_infer_attention_score`, L8580 for `_v2`); no source says a task update may move a
+        captured task between the two; vLLM-Ascend captures its decode graphs with one query token per
+        request and keeps that shape at every update (`model_runner_v1.py`)."""
+        self.device_kernels.query_branches[op] = ends
 
     def copies_host_inputs(self, op: Any, *names: str) -> None:
         """Declare that kernel `op` (an op packet) takes its tensor arguments `names` on the host and
