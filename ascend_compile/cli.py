@@ -10,6 +10,11 @@ from typing import Any, Sequence
 from .passes.dump import PLAN_FILE
 
 
+def _list(values: list) -> str:
+    """A frozen host list in a table cell: whole when short, else its first entries and its length."""
+    return str(values) if len(values) <= 4 else f"{str(values[:4])[:-1]}, ... ({len(values)} entries)]"
+
+
 def find_plans(root: str) -> list[str]:
     """Every plan.json under `root`, in a stable order."""
     found = []
@@ -86,7 +91,7 @@ def render(path: str, plan: dict[str, Any]) -> str:
             ["node", "kernel", "event", "refreshed from", "frozen at capture"],
             [(e["node"], e["kernel"], e["event"],
               ", ".join(f"{a}<-{r['input']}.{r['conversion']}" for a, r in e["refresh"].items()),
-              "; ".join(f"{a}={v[:4]}{'...' if len(v) > 4 else ''}" for a, v in e["frozen_at_capture"].items()))
+              "; ".join(f"{a}={_list(v)}" for a, v in e["frozen_at_capture"].items()))
              for e in graph["update_table"]],
         ))
     return "\n".join(out)

@@ -554,6 +554,24 @@ def test_capture_and_padding_never_give_the_kernels_zero_lengths(fake_npu):
     assert all(min(kv) >= 1 for _, kv in fake_npu.executed)
 
 
+def test_fia_decode_graphs_are_captured_as_decode_and_mixed_steps_get_their_own_graph(fake_npu):
+    # FIA's branch is chosen by the query lengths a task is issued with (`_op_plugin_docs.py` L8056): the
+    # decode graph is captured with 8 sequences of one token, as vLLM-Ascend captures its decode graphs, and
+    # a mixed step replays the bucket's mixed graph; the fake refuses an update between branches.
+    results, artifacts = run_model([[40, 300, 17], ([40, 300, 17], [3, 1, 2]), [41, 301, 18, 5]],
+                                   LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK),
+                                   max_model_len=MAX_LEN, capture_sizes=(8,), kernel_policy="fia")
+    assert_all_close(results)
+    # the captured graphs of every artifact (dynamo traces the first step's sizes static, then recompiles)
+    graphs = {k: g for a in artifacts for k, g in a.describe()["graphs"].items() if "update_table" in g}
+    (decode,) = graphs["b8.decode"]["update_table"][:1]
+    assert decode["frozen_at_capture"]["actual_seq_lengths"] == list(range(1, 9))
+    assert decode["frozen_at_capture"]["actual_seq_lengths_kv"] == [1] * 8
+    (mixed,) = graphs["b8.mixed"]["update_table"][:1]
+    assert mixed["frozen_at_capture"]["actual_seq_lengths"][0] > 1  # its padding packed: FIA's prompt branch
+    assert sum(a.stats["replays"] for a in artifacts) == 3 and sum(a.stats["eager_fallbacks"] for a in artifacts) == 0
+
+
 def test_context_lens_tensors_live_until_the_device_has_read_them(fake_npu):
     # The NPU runtime keeps each context_lens tensor alive until the device has run its task. ATB clones
     # CPU inputs when the call is issued (op-plugin AtbCommon.cpp, ParamSetter::Input), and so does the

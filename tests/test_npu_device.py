@@ -335,8 +335,8 @@ def test_the_fake_fia_refuses_non_contiguous_caches(fake_npu):
 
 def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compile(fake_npu):
     # FIA counts a block for each padding sequence against num_blocks ("blocknum不能小于..."): the
-    # all-padding capture of bucket 512 packs its tokens into 4 dummies of 128, one block each, and
-    # the cache has 3.
+    # decode graph of bucket 512 is captured with 512 sequences of one token, one block each (its mixed
+    # graph packs them into 4 dummies of 128), and the cache has 3.
     cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=3, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, _ = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(512,), kernel_policy="fia")
@@ -344,8 +344,8 @@ def test_a_cache_smaller_than_a_bucket_of_padding_sequences_is_refused_at_compil
     with torch.no_grad():
         fn(**batch.step([10, 20]))  # two tokens: dynamo traces them static, bucket 2 is captured
         calls = fake_npu.count(*DEVICE_CALLS)
-        with pytest.raises(Exception, match="fused_infer_attention_default .*: key_cache: .* 4 blocks .* bucket 512 "
-                                            "is captured with 4 padding sequences"):
+        with pytest.raises(Exception, match="fused_infer_attention_default .*: key_cache: .* 512 blocks .* bucket 512 "
+                                            "is captured with 512 padding sequences"):
             fn(**batch.step([10, 20, 30]))  # every size dynamic: bucket 512
     assert fake_npu.count(*DEVICE_CALLS) == calls
 
@@ -369,8 +369,9 @@ def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(
     # vLLM-Ascend's full-graph path: FIA's batch is the step's requests plus one dummy holding the
     # padded tokens, never an entry of no query tokens. Here: 3 sequences of 6 tokens in bucket 8 get
     # one dummy of 2 tokens; 3 of 100 tokens in bucket 256, two dummies of 78 (at most 128 each), each
-    # its query length as KV length; the block table torch_npu is given has a row per entry (L8223).
-    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    # its query length as KV length; the block table torch_npu is given has a row per entry (L8223). The
+    # cache holds a block for each of the 256 one-token sequences b256's decode graph is captured with.
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=300, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
     fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(8, 256),
                                    kernel_policy="fia")

@@ -376,7 +376,8 @@ def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys)
     graph_dir = tmp_path / os.path.basename(rewritten.graph_dir)
     files = sorted(p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*.py"))
     assert "original/dynamo.py" in files
-    # Each variant once (PA decode; FIA, serving b16's decode and every mixed step), whatever the buckets.
+    # Each variant once (PA decode; FIA, serving b16's decode and mixed steps and every mixed step), whatever
+    # the buckets.
     for variant in ("pa", "fia"):
         assert f"{variant}/1_select_kernels.py" in files and f"{variant}/2_insert_workspaces.py" in files
     assert len(files) == 5
@@ -384,7 +385,7 @@ def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys)
     plan = json.loads((graph_dir / "plan.json").read_text())
     assert plan["variants"] == {"pa": {"kernels": [tiling.PA] * 2, "graphs": ["b1.decode", "b4.decode"]},
                                 "fia": {"kernels": [tiling.FIA] * 2,
-                                        "graphs": ["b1.mixed", "b4.mixed", "b16.decode"]}}
+                                        "graphs": ["b1.mixed", "b4.mixed", "b16.decode", "b16.mixed"]}}
     assert plan["graphs"]["b16.decode"]["variant"] == "fia"
     assert plan["graphs"]["b4.decode"]["kernels"][0]["host_args"] == {
         "context_lens": {"input": "l_seq_lens_", "conversion": "list"}}

@@ -340,7 +340,7 @@ def _body(dest_i: int, write: str, ret: str) -> str:
     return f"BUF = {BUF}\n{line}\n{ret}"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     dest_i=st.integers(0, len(DESTINATIONS) - 1),
     write=st.sampled_from(sorted(WRITES)),

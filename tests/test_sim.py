@@ -808,6 +808,36 @@ def test_a_kernel_captured_on_its_zero_length_fast_path_cannot_be_updated_to_rea
     torch.testing.assert_close(out, prob.dense(), atol=2e-5, rtol=1e-4)
 
 
+def _fia(prob, ends: list[int], kv: list[int], ws, out) -> None:
+    torch.ops.ascend.fused_infer_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_table, ends, kv,
+                                           prob.scale, ws, out)
+
+
+def test_an_update_moving_fia_between_its_one_token_and_prompt_branches_is_refused() -> None:
+    # FIA takes its IncreFlashAttention branch when every sequence has one query token, its
+    # PromptFlashAttention one otherwise (torch_npu 2.14 `_op_plugin_docs.py` L8056): a task captured
+    # in one is not updated into the other; within a branch the lengths may change.
+    rt = _rt()
+    decode = make_problem([5, 9, 3, 7])  # 4 sequences of one query token
+    ws = _static(rt, torch.zeros(1 << 16, dtype=torch.uint8))
+    out = _static(rt, torch.zeros_like(decode.query))
+    graph = rt.graph()
+    with graph.capture():
+        rt.task_group_begin()
+        _fia(decode, [1, 2, 3, 4], [1, 1, 1, 1], ws, out)
+        handle = rt.task_group_end()
+    assert handle.tasks == ("ascend.fused_infer_attention.default[S=1]",)
+    with pytest.raises(TaskUpdateMismatch, match=r"fused_infer_attention.default\[S=1\]"):
+        with rt.task_update(handle):
+            _fia(decode, [2, 3, 3, 4], [5, 9, 3, 7], ws, out)  # query lengths 2, 1, 0, 1: the prompt branch
+    with rt.task_update(handle):
+        _fia(decode, [1, 2, 3, 4], decode.seq_lens, ws, out)
+    rt.synchronize()
+    graph.replay()
+    rt.synchronize()
+    torch.testing.assert_close(out, decode.dense(), atol=2e-5, rtol=1e-4)
+
+
 @torch.library.custom_op("simtest::host_rows", mutates_args=("out",))
 def host_rows(x: torch.Tensor, lens: torch.Tensor, out: torch.Tensor) -> None:
     """Scales row i of x by host tensor lens[i] (a kernel that reads a host tensor when it runs)."""

@@ -27,7 +27,9 @@ int64 each step, its host copies of the lengths not taken or taken unchecked), a
 audit's mutants survived (issue 36: MLA's dummy limit, the overlap of staged and in-place inputs, PA's
 per-step check against another bucket's slot or with a floored table width, vLLM-Ascend's query ends
 one too many, `has_sink` without `impl.sinks`, the vLLM block table not cut, the NPU generator not
-kept, the simulator's static inputs after an update, a uint8 mask index).
+kept, the simulator's static inputs after an update, a uint8 mask index), and issue 33's (an uncapturable op,
+float32 on npu, verify's memory and `verify_every`, the device limits, FIA's decode graphs serving mixed
+steps, its two branches one task kind to the simulator).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -587,6 +589,16 @@ MUTANTS = (
         ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
     ),
     # issue 33
+    Mutant(
+        "FIA decode graphs serve mixed steps", "ascend_compile/targets.py",
+        "frozenset({PA, FIA, MLA})", "frozenset({PA, MLA})",
+        ("tests/test_npu.py::test_fia_decode_graphs_are_captured_as_decode_and_mixed_steps_get_their_own_graph",),
+    ),
+    Mutant(
+        "FIA's branch not a task kind", "ascend_compile/runtime/sim/kernels.py",
+        'kind += "[S=1]" if one_query_token_each(arg(op, args, kwargs, ends)[1]) else "[S>1]"', 'kind += ""',
+        ("tests/test_sim.py::test_an_update_moving_fia_between_its_one_token_and_prompt_branches_is_refused",),
+    ),
     Mutant(
         "uncapturable op re-raised", "ascend_compile/lowering/runner.py",
         "        except UncapturableOp as err:\n            self._serve_eagerly(entry, err)\n            return\n", "",
