@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from ascend_compile import CompileConfig, backend
 from ascend_compile.ops import tiling
 from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.passes.workspaces import KernelSite, node_need
@@ -153,3 +154,25 @@ def test_a_model_with_sinks_and_a_soft_cap_is_captured_and_equals_eager():
     assert sum(a.stats["replays"] for a in artifacts) == len(steps)
     kernels = {k["kernel"] for a in artifacts for g in a.describe()["graphs"].values() for k in g["kernels"]}
     assert kernels == {tiling.FIA}
+
+
+def test_a_soft_cap_dynamo_takes_as_a_host_float_input_is_read_at_each_capture_and_checked_each_step():
+    """Under `torch.compile(dynamic=True)` dynamo passes a module's float attribute (here the soft-cap)
+    as a graph input; the compile refused it ("soft_cap: expected a constant of the layer", found by the
+    differential tester). It is now the input's value at each capture; changed between steps, every step
+    still equals eager (here dynamo compiles the new value; where it does not, the runner's check of host
+    scalars re-captures, `lowering/input_checks.py`)."""
+    cfg = LlamaConfig(num_layers=1, num_blocks=64, soft_cap=5.0)
+    model, reference = build(cfg), build(cfg)
+    artifacts = []
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend=backend(CompileConfig(max_model_len=64, capture_sizes=(4,),
+                                                            sim_overflow="raise"), on_compiled=artifacts.append),
+                       dynamic=True)
+    batch = PagedBatch(cfg, seed=3)
+    with torch.no_grad():
+        for soft_cap, lens in ((5.0, [30, 2, 9]), (5.0, [31, 3, 10]), (0.5, [32, 4, 11]), (0.5, [33, 5])):
+            object.__setattr__(cfg, "soft_cap", soft_cap)  # both models' layers read this (frozen) config
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-5, rtol=1e-4)
+    assert sum(a.stats["replays"] for a in artifacts) == 4 and sum(a.stats["eager_fallbacks"] for a in artifacts) == 0

@@ -67,11 +67,15 @@ class AttentionArgs:
 
     @property
     def features(self) -> AttentionFeatures:
-        """The layer's features (`ops/features.py`), static in the graph."""
-        for name, value in (("window", self.window), ("soft_cap", self.soft_cap)):
-            if value is not None and not isinstance(value, (int, float)):
-                raise ValueError(f"{name}: expected a constant of the layer, got {value} (a value computed in the graph)")
-        return AttentionFeatures(self.window, self.soft_cap, self.sinks is not None)
+        """The layer's features (`ops/features.py`), static in the graph; a soft-cap may be a host float
+        the graph takes as an input (`_traced_float`)."""
+        if self.window is not None and not isinstance(self.window, int):
+            raise ValueError(f"window: expected a constant of the layer, got {self.window} (a value computed in the "
+                             f"graph)")
+        soft_cap = self.soft_cap
+        if soft_cap is not None and not isinstance(soft_cap, (int, float)):
+            soft_cap = _traced_float("soft_cap", soft_cap)
+        return AttentionFeatures(self.window, soft_cap, self.sinks is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,3 +196,16 @@ def adapt_attention(gm: fx.GraphModule) -> list[fx.Node]:
         gm.recompile()
     return attention_nodes(gm)
 
+
+
+def _traced_float(name: str, node: Any) -> float:
+    """The value at trace of a float the graph reads from a host scalar input (dynamo wraps a module's
+    float attribute so under `dynamic=True`): for the plan only. The kernel keeps the node, so each
+    capture reads the input's value, and the runner checks host scalars every step, re-capturing on a
+    change (`lowering/input_checks.py`). Anything else computed in the graph is refused."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    hint = getattr(getattr(value, "node", None), "hint", None) if isinstance(value, torch.SymFloat) else None
+    if hint is None:
+        raise ValueError(f"{name}: expected a constant of the layer or a host float input, got {node} (a value "
+                         f"computed in the graph)")
+    return float(hint)
