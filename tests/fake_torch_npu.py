@@ -507,6 +507,10 @@ class FakeNpu:
         #: The NPU's default generator (`torch.npu.default_generators[0]`), apart from the CPU's as
         #: torch_npu's `NPUGeneratorImpl` is: the device's random kernels draw from it (`_multinomial`).
         self.generator = torch.Generator()
+        #: Whether FIA's band applies to a call whose every sequence has one query token: False as the docs
+        #: say ("Q_S为1时该参数无效", L8110), True as vLLM-Ascend's decode graphs rely on
+        #: (`tests/fake_torch_npu_features.py`).
+        self.band_at_single_query = False
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
@@ -841,10 +845,12 @@ NPU_FUNCTIONS = (
 
 
 def install(
-    monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS
+    monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS,
+    band_at_single_query: bool = False,
 ) -> FakeNpu:
     """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
-    `device_kernels`: the ops besides torch's own that its simulator records as one task each.
+    `device_kernels`: the ops besides torch's own that its simulator records as one task each;
+    `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`).
 
     Its device is the CPU, so NPU tensors are CPU tensors: `NPU_DEVICE_TYPE` reads "cpu" meanwhile.
     """
@@ -852,6 +858,7 @@ def install(
         pytest.skip("a real torch_npu is installed: tests never import it, and the fake would shadow it")
     _define_ops()
     fake = FakeNpu(device_kernels)
+    fake.band_at_single_query = band_at_single_query
     monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
     fake.default_stream = Stream()
 

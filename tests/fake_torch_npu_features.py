@@ -10,10 +10,15 @@ L1645) with `p - pre_tokens <= j <= p + next_tokens` ("next_tockens取值为0 ..
 band of `pre_tokens = next_tokens = 0` is one key, "pre_tockens取值必须大于等于next_tockens的绝对值",
 L1640, "preTokens + nextTokens >= 0", L8200, L8735). The fake computes the windows that end at the
 query's own key (`next_tokens` 0, what a causal sliding window is) and refuses others as not
-implemented. The docs say `pre_tokens` has no effect for Q_S 1 ("Q_S为1时该参数无效", L8110); the fake
-applies the band to every sequence of a TND call, one query token or more, as vLLM-Ascend relies on
-(its decode graphs call FIA in TND with sparse 4, `attention_v1.py` `full_graph_fia`): unverified on a
-device (docs/ascend.md).
+implemented.
+
+At Q_S 1 (a TND call whose every sequence has one query token: the IncreFlashAttention branch, L8056)
+the fake follows the docs by default: `pre_tokens` and `next_tokens` have no effect there ("Q_S为1时该参数
+无效", L8110, L8111; v2 L8629, L8630), nor does `sparse_mode` ("Q_S为1且不带rope输入时该参数无效", L8117, L8635),
+so such a call attends every key. `FakeNpu.band_at_single_query = True` (`install(..., band_at_single_query=
+True)`) applies the band there too, the reading vLLM-Ascend's decode graphs rely on (`attention_v1.py`
+`full_graph_fia` passes `pre_tokens` at one token per sequence). Which one a device computes, the
+binding asks it (`ascend_compile/ops/npu_band_probe.py`).
 """
 from __future__ import annotations
 
@@ -56,6 +61,8 @@ def band_window(kw: dict[str, Any], query_lens: Sequence[int], kv_lens: Sequence
                  f"pre_tokens={pre}, next_tokens={nxt} for query length {q}, KV length {kv}")
     if nxt != 0:
         raise NotImplementedError(f"next_tokens: the fake computes bands ending at the query's own key (0), got {nxt}")
+    if all(q == 1 for q in query_lens) and not getattr(base._ACTIVE, "band_at_single_query", False):
+        return None  # "Q_S为1时该参数无效" (L8110, L8111, L8629, L8630): every key of the sequence attended
     return pre + 1  # keys p - pre_tokens .. p: pre_tokens before the query's own, and its own
 
 

@@ -1,8 +1,13 @@
 """Issue 33, item 7: the attention features on runtime "npu", served as vLLM-Ascend serves them on FIA
 (`ascend_compile/ops/npu_features.py`): a sliding window as FIA's band mode and sinks as FIA v2's
-`learnable_sink`, each replayed step equal to eager against the fake torch_npu, which computes the band
-as its docs define it (`tests/fake_torch_npu_features.py`: a window off by one differs); the logit
-soft-cap, which vLLM-Ascend does not serve on FIA, refused at compile time naming the layer."""
+`learnable_sink`, each step equal to eager against the fake torch_npu, which computes the band as its
+docs define it (`tests/fake_torch_npu_features.py`: a window off by one differs); the logit soft-cap,
+which vLLM-Ascend does not serve on FIA, refused at compile time naming the layer.
+
+Both readings of the band at one query token per sequence run (`ascend_compile/ops/npu_band_probe.py`):
+the docs' (the band has no effect there, the fake's default) and vLLM-Ascend's (it applies). The device's
+probe decides: with the docs' reading, decode steps with a sequence longer than the window run eagerly
+and equal eager; with vLLM-Ascend's, every step replays."""
 from __future__ import annotations
 
 import random
@@ -10,8 +15,10 @@ import random
 import pytest
 import torch
 
+import logging
+
 from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import tiling
+from ascend_compile.ops import npu_band_probe, tiling
 from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
 from examples.llama import LlamaConfig, PagedBatch, build
@@ -27,8 +34,12 @@ SINKS = torch.tensor([0.5, -1.0, 2.0, 0.25])
 V1, V2 = "npu_fused_infer_attention_score.out", "npu_fused_infer_attention_score_v2.out"
 V1_QUERY, V2_QUERY = ("_npu_fused_infer_attention_score_get_max_workspace",
                       "_npu_fused_infer_attention_score_v2_get_max_workspace")
-#: Decode steps in buckets 4 and 8 and mixed ones, sequences shorter and longer than the window.
-STEPS = [[300, 20, 7], [200, 25, 24, 400, 26, 3], [9, 500, 130, 64], ([90, 23, 300], [3, 1, 2]), [31, 33]]
+#: Decode steps in buckets 4 and 8 and mixed ones, sequences shorter and longer than the window (the
+#: last decode step's all within it).
+STEPS = [[300, 20, 7], [200, 25, 24, 400, 26, 3], [9, 500, 130, 64], ([90, 23, 300], [3, 1, 2]), [31, 33],
+         [5, 24, 17, 9, 3]]
+#: The two readings of FIA's band at one query token per sequence: the docs' and vLLM-Ascend's.
+READINGS = {"docs-band-ignored-at-s1": False, "band-applied-at-s1": True}
 
 
 @pytest.fixture
@@ -36,9 +47,30 @@ def fake_npu(monkeypatch):
     return fake_torch_npu.install(monkeypatch)
 
 
-def run_replayed(cfg: LlamaConfig, steps=STEPS):
+@pytest.fixture(params=list(READINGS.values()), ids=list(READINGS))
+def either_reading(request, monkeypatch):
+    """The fake under each reading of the band at S 1 (`tests/fake_torch_npu_features.py`)."""
+    return fake_torch_npu.install(monkeypatch, band_at_single_query=request.param)
+
+
+def eager_steps(steps, band_at_single_query: bool) -> int:
+    """The steps the S=1 band probe's answer sends eagerly where the device does not apply the band: decode
+    steps with a sequence longer than the window, and every decode step of bucket 4, whose graph (with PA,
+    `pa_max_batch=4`) is captured at a KV length past the window (`lowering/inputs.capture_seq_len`), a
+    step the guard refuses, so that graph serves none."""
+    return 0 if band_at_single_query else sum(not isinstance(s, tuple) and (max(s) > WINDOW or len(s) <= 4)
+                                              for s in steps)
+
+
+def served(fake, name: str):
+    """The calls of `name`, the S=1 band probe's own left out."""
+    return [c for c in fake.calls if c.name == name and c.kwargs.get("pre_tokens") != npu_band_probe.PROBE_WINDOW - 1]
+
+
+def run_replayed(cfg: LlamaConfig, steps=STEPS, band_at_single_query: bool = True):
     """The example model compiled on runtime "npu" (without `verify`, so every output is the replay's own)
-    and eager, over `steps`; asserts each step equal and replayed; returns the artifacts."""
+    and eager, over `steps`; asserts each step equal to eager, replayed unless the device's S=1 band
+    probe sent it eagerly (`eager_steps`); returns the artifacts."""
     model, reference = build(cfg), build(cfg)
     for layer in [*model.layers, *reference.layers] if cfg.sinks else []:
         layer.attn.sinks.data.copy_(SINKS.to(cfg.dtype))
@@ -50,19 +82,33 @@ def run_replayed(cfg: LlamaConfig, steps=STEPS):
             lens, qlens = step if isinstance(step, tuple) else (step, None)
             inputs = batch.step(lens, qlens)
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
-    assert sum(a.stats["replays"] for a in artifacts) == len(steps)
+    eager = eager_steps(steps, band_at_single_query)
+    assert sum(a.stats["replays"] for a in artifacts) == len(steps) - eager
+    assert sum(a.stats["eager_fallbacks"] for a in artifacts) == eager
     return artifacts
+
+
+def window_served(artifacts) -> set[str]:
+    return {k["window_served"] for a in artifacts for g in a.describe()["graphs"].values() for k in g["kernels"]
+            if "window_served" in k}
 
 
 def band_of(call) -> tuple:
     return call.kwargs["sparse_mode"], call.kwargs.get("pre_tokens"), call.kwargs.get("next_tokens")
 
 
-def test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode(fake_npu):
+def test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode(either_reading):
+    fake_npu, applies = either_reading, either_reading.band_at_single_query
     cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, layer_types=("full", "sliding"),
                       sliding_window=WINDOW)
-    run_replayed(cfg)
-    calls = [c for c in fake_npu.calls if c.name == V1]
+    artifacts = run_replayed(cfg, band_at_single_query=applies)
+    # The probe asked the device once (one sequence, one query token, KV past its window), and decided.
+    probes = [c for c in fake_npu.calls if c.name == V1 and c.kwargs.get("pre_tokens") == npu_band_probe.PROBE_WINDOW - 1]
+    assert [(c.kwargs["actual_seq_lengths"], c.kwargs["actual_seq_lengths_kv"]) for c in probes] == [
+        ([1], [npu_band_probe.PROBE_KV_LEN])]
+    [how] = window_served(artifacts)
+    assert ("in every step" in how) == applies and ("run eagerly" in how) != applies
+    calls = served(fake_npu, V1)
     # The full layer causal (bucket 8 and mixed steps), the sliding one in band mode: W - 1 keys before the
     # query's own, none after; its workspace asked in the same form.
     assert {band_of(c) for c in calls} == {(3, None, None), (4, WINDOW - 1, 0)}
@@ -73,11 +119,12 @@ def test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode(fake_
         check_call(schemas[call.name], call.args, call.kwargs)
 
 
-def test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager(fake_npu):
+def test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager(either_reading):
+    fake_npu = either_reading
     cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, sinks=True,
                       layer_types=("sliding", "full"), sliding_window=WINDOW)
-    run_replayed(cfg)
-    calls = [c for c in fake_npu.calls if c.name == V2]
+    run_replayed(cfg, band_at_single_query=fake_npu.band_at_single_query)
+    calls = served(fake_npu, V2)
     assert calls and not fake_npu.count(V1, "_npu_paged_attention")  # sinks: FIA v2 in every bucket
     # vLLM-Ascend's call: band mode for the sliding layer, sparse 3 (pre_tokens at its default) for the full one
     assert {band_of(c) for c in calls} == {(4, WINDOW - 1, 0), (3, MAX_TOKENS, 0)}
@@ -97,9 +144,11 @@ def vllm_ascends_band(window):
 
 @pytest.mark.parametrize("sinks", [None, SINKS], ids=["fia", "fia-v2-sinks"])
 @pytest.mark.parametrize("query_lens", [None, [1, 3, 1, 2, 4]], ids=["decode", "mixed"])
-def test_a_window_off_by_one_differs_from_eager(fake_npu, monkeypatch, sinks, query_lens):
+def test_a_window_off_by_one_differs_from_eager(monkeypatch, sinks, query_lens):
     """The binding's window against the dense oracle, then with vLLM-Ascend's `pre_tokens=W`: on the fake,
-    which computes the documented band, that is a window of W + 1 keys, and it differs from eager."""
+    which computes the documented band, that is a window of W + 1 keys, and it differs from eager (decode
+    calls on a fake applying the band at S 1)."""
+    fake_torch_npu.install(monkeypatch, band_at_single_query=True)
     window = 9
     prob = make_problem([300, 23, 10, 9, 130], query_lens, block_size=NPU_BLOCK, dtype=DTYPE, seed=3)
     sinks = None if sinks is None else sinks.to(DTYPE)
@@ -232,4 +281,60 @@ def test_a_window_spanning_the_whole_context_equals_causal_attention(fake_npu):
                                       prob.query_start_loc[1:], prob.seq_lens, prob.scale, workspace, out, window)
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert {band_of(c) for c in fake_npu.calls if c.name == V1} == {(3, None, None), (4, 499, 0), (4, MAX_LEN - 1, 0)}
+    assert {band_of(c) for c in served(fake_npu, V1)} == {(3, None, None), (4, 499, 0), (4, MAX_LEN - 1, 0)}
+
+
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["fia", "fia-v2-sinks"])
+def test_the_fake_follows_the_docs_at_one_query_token_per_sequence_unless_told_otherwise(monkeypatch, sinks):
+    """The docs: at Q_S 1 `pre_tokens` / `next_tokens` have no effect (L8110-8111, v2 L8629-8630): a decode
+    call in band mode attends every key; with `band_at_single_query` the band applies, as vLLM-Ascend reads it."""
+    prob = make_problem([300, 40], block_size=NPU_BLOCK, dtype=DTYPE, seed=1)
+    sinks = None if sinks is None else sinks.to(DTYPE)
+    for applies in (False, True):
+        fake_torch_npu.install(monkeypatch, band_at_single_query=applies)
+        v1, v2 = _valid_calls(prob)
+        (args, kwargs), op = (v1, torch.ops.npu.npu_fused_infer_attention_score.out) if sinks is None else \
+            (v2, torch.ops.npu.npu_fused_infer_attention_score_v2.out)
+        if sinks is not None:
+            kwargs = {**kwargs, "learnable_sink": sinks}
+        out = torch.empty_like(prob.query)
+        op(*args, **kwargs, workspace=None, out=[out, torch.empty(1)])
+        torch.testing.assert_close(out.float(), prob.dense(window=WINDOW if applies else None, sinks=sinks), **TOL)
+
+
+def test_the_s1_band_probe_asks_the_device_once_and_logs_its_answer(either_reading, caplog):
+    applies = either_reading.band_at_single_query
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        answers = [kernels.band_at_single_query(False), kernels.band_at_single_query(False),
+                   npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU).band_at_single_query(False)]
+    assert answers == [applies] * 3
+    assert either_reading.count(V1) == 1  # once per process and device
+    assert [r.getMessage() for r in caplog.records if "S=1 band probe" in r.getMessage()] == [
+        f"ascend_compile: FIA v1 on cpu {'applies' if applies else 'does not apply'} the band (sparse_mode 4, "
+        f"pre_tokens) to a call whose every sequence has one query token (the S=1 band probe): "
+        f"{'windowed layers keep their decode graphs' if applies else 'decode steps with a sequence longer than a layer' + chr(39) + 's window run eagerly'}"]
+    assert npu_band_probe.known(kernels) == {"v1": applies}
+    assert kernels.band_at_single_query(True) == applies and either_reading.count(V2) == 1  # v2 asked apart
+
+
+def test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band(fake_npu):
+    """A backstop behind the step guard: on a device whose probe found the band not applied at S 1, a
+    windowed call of one query token per sequence with one longer than the window is refused, naming why;
+    one whose sequences all fit the window runs (the band cuts nothing there)."""
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    workspace = torch.empty(1 << 22, dtype=torch.uint8)
+    long, short = (make_problem(lens, block_size=NPU_BLOCK, dtype=DTYPE) for lens in ([300, 9], [WINDOW, 9]))
+    for prob, refused in ((long, True), (short, False)):
+        out = torch.empty_like(prob.query)
+        call = lambda: kernels.fused_infer_attention(prob.query, prob.key_cache, prob.value_cache,  # noqa: E731
+                                                     prob.block_table, [1, 2], prob.seq_lens, prob.scale, workspace,
+                                                     out, WINDOW)
+        if refused:
+            with pytest.raises(ValueError, match=r"window: a call of one query token per sequence with one longer "
+                                                 r"than the window of 24 would attend the whole context: .*L8110"):
+                call()
+        else:
+            call()
+            torch.testing.assert_close(out.float(), prob.dense(window=WINDOW), **TOL)
+    assert len(served(fake_npu, V1)) == 1  # the refused call never reached the device

@@ -29,7 +29,9 @@ per-step check against another bucket's slot or with a floored table width, vLLM
 one too many, `has_sink` without `impl.sinks`, the vLLM block table not cut, the NPU generator not
 kept, the simulator's static inputs after an update, a uint8 mask index), and issue 33 item 7's (a
 window or sinks on runtime "npu": the band off by one or sent causal, sinks dropped, their rules not
-refused, the workspace asked without them, the fake's band semantics and constraints).
+refused, the workspace asked without them, the fake's band semantics and constraints; and the band at
+one query token per sequence: the device's probe assumed to answer yes, its answer not guarded per step,
+the binding's backstop dropped, the fake against its docs there).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -828,6 +830,33 @@ MUTANTS = (
         "fake band's constraints unchecked", "tests/fake_torch_npu_features.py",
         "        _require(pre >= -q and nxt >= -kv and pre + nxt >= 0,", "        _require(True,",
         (f"{NPU_FEATURES}::test_the_fake_refuses_band_and_sink_calls_its_docs_forbid",),
+    ),
+    # the band at one query token per sequence: the docs say it has no effect (L8110), vLLM-Ascend relies on
+    # it; the device's probe decides (`ops/npu_band_probe.py`)
+    Mutant(
+        "the S=1 band probe assumed true", "ascend_compile/ops/npu_band_probe.py",
+        "        answers[key] = _probe(kernels, sinks)\n", "        answers[key] = True\n",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[docs-band-ignored-at-s1]",
+         f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager[docs-band-ignored-at-s1]"),
+    ),
+    Mutant(
+        "the S=1 band probe's answer not guarded per step", "ascend_compile/passes/npu_checks.py",
+        "              window_guard(gm, band_at_single_query) if band_at_single_query else None]",
+        "              None]",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[docs-band-ignored-at-s1]",),
+    ),
+    Mutant(
+        "the binding's S=1 band backstop dropped", "ascend_compile/ops/npu.py",
+        "                not self.band_at_single_query(sinks is not None):",
+        "                not self.band_at_single_query(sinks is not None) and False:",
+        (f"{NPU_FEATURES}::test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band",),
+    ),
+    Mutant(
+        "fake applies the band at S=1 against its docs", "tests/fake_torch_npu_features.py",
+        "        return None  # \"Q_S为1时该参数无效\"", "        pass  # \"Q_S为1时该参数无效\"",
+        (f"{NPU_FEATURES}::test_the_fake_follows_the_docs_at_one_query_token_per_sequence_unless_told_otherwise",),
     ),
 )
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import library, npu_features, npu_mla, tiling, validate
+from . import library, npu_band_probe, npu_features, npu_mla, tiling, validate
 from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
@@ -180,7 +180,9 @@ class NpuKernels:
     ) -> None:
         """`ascend.fused_infer_attention` as `torch_npu.npu_fused_infer_attention_score.out`, a window as
         its band mode; with sinks as `npu_fused_infer_attention_score_v2.out` (`learnable_sink`). A soft-cap
-        is refused here as at compile time (`ops/npu_features.py`: torch_npu's FIA has none)."""
+        is refused here as at compile time (`ops/npu_features.py`: torch_npu's FIA has none), and so is a
+        windowed call of one query token per sequence with one longer than the window where the device does
+        not apply the band at S 1 (`ops/npu_band_probe.py`; the step guard sends such steps eagerly first)."""
         library.check_features(query, window, soft_cap, sinks)
         if soft_cap is not None:
             raise ValueError(f"soft_cap: not supported on runtime 'npu': {npu_features.SOFT_CAP_REFUSAL}")
@@ -191,6 +193,23 @@ class NpuKernels:
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv,
             workspace, out, check_data=False,
         )
+        if npu_band_probe.single_query_outside(actual_seq_lengths, actual_seq_lengths_kv, window) and \
+                not self.band_at_single_query(sinks is not None):
+            raise ValueError(f"window: a call of one query token per sequence with one longer than the window of "
+                             f"{window} would attend the whole context: {npu_band_probe.REFUSAL}")
+        self.launch_fia(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
+                        workspace, out, window, sinks)
+
+    def band_at_single_query(self, sinks: bool) -> bool:
+        """Whether this device applies FIA's band when every sequence has one query token (its probe's
+        answer in the form of a layer with or without sinks, asked once per process: `ops/npu_band_probe.py`)."""
+        return npu_band_probe.band_at_single_query(self, sinks)
+
+    def launch_fia(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_table: torch.Tensor, actual_seq_lengths: Sequence[int], actual_seq_lengths_kv: Sequence[int],
+                   scale: float, workspace: torch.Tensor, out: torch.Tensor, window: int | None,
+                   sinks: torch.Tensor | None) -> None:
+        """FIA v1, or v2 with sinks, called on checked arguments (the S=1 band probe calls it directly)."""
         if sinks is not None:
             npu_features.sinks_attention(self.torch_npu, self.atten_mask, self.softmax_lse, query, key_cache,
                                          value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,

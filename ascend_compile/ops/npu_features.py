@@ -7,7 +7,10 @@ below are of the torch_npu 2.14.0 wheel's `torch_npu/_op_plugin_docs.py`).
   atten_mask为下三角", L8214): the same mask as sparse 3, as vLLM-Ascend passes its causal mask
   (`AttentionMaskBuilder.get_splitfuse_attn_mask`, `vllm_ascend/attention/attention_mask.py` L50-54) to
   both. `next_tokens=0` as vLLM-Ascend passes it (`full_graph_fia` L941-943 and the update L891-909;
-  eager L1418-1433), and `pre_tokens=W - 1`, where vLLM-Ascend passes `W` (`band_tokens` says why).
+  eager L1418-1433), and `pre_tokens=W - 1`, where vLLM-Ascend passes `W` (`band_tokens` says why). At one
+  query token per sequence the docs say the band's arguments have no effect (L8110-8111) and vLLM-Ascend
+  relies on them: the device's own probe decides, and windowed decode steps it would not band run
+  eagerly (`ops/npu_band_probe.py`).
 - **sinks**: FIA v2's `learnable_sink`, one bfloat16 logit per query head (L8625), called as vLLM-Ascend's
   sinks path calls it (`full_graph_fia_v2` L1089-1210, its update L689-708, eager L1375-1400):
   `npu_fused_infer_attention_score_v2.out(query, key, value, atten_mask=, actual_seq_qlen=, actual_seq_kvlen=,
