@@ -78,6 +78,8 @@ def render(path: str, plan: dict[str, Any]) -> str:
     out.append("\ngraphs")
     out.append(_table(["graph", "bucket", "steps", "kernel", "nodes", "slot", "captured", "first replay", "reason"],
                       rows))
+    served = {k["window_served"] for graph in plan["graphs"].values() for k in graph["kernels"] if "window_served" in k}
+    out.extend(f"window: {how}" for how in sorted(served))
     for key, graph in plan["graphs"].items():
         for mismatch in (graph.get("verified") or {}).get("mismatches", []):
             out.append(f"WARNING: {key}: first replay differs from eager: {mismatch}")

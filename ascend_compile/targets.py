@@ -23,7 +23,7 @@ from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
 from .ops.tiling import FIA, MLA, PA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
-from .passes.kernel_call import StepGuard, kernel_calls
+from .passes.kernel_call import KernelCall, StepGuard, kernel_calls
 from .passes.find_attention import layer_name
 from .passes.npu_checks import check_npu_graph, npu_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
@@ -94,6 +94,10 @@ class Target:
         every step may."""
         return None
 
+    def describe_kernel(self, call: KernelCall) -> dict[str, str]:
+        """What plan.json says of a kernel node beyond its meta: here nothing."""
+        return {}
+
 
 @dataclasses.dataclass
 class NpuTarget(Target):
@@ -125,13 +129,34 @@ class NpuTarget(Target):
         check_npu_graph(gm, keys, self.mixed_graph_kernels)
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
-        """FIA's and MLA's block count, MLA's query lengths and sparse mode and, with
-        `pa_workspace_check`, PA's workspace need, on each step's padded lengths (`passes/npu_checks.py`)."""
+        """FIA's and MLA's block count, MLA's query lengths and sparse mode, with `pa_workspace_check`
+        PA's workspace need, on each step's padded lengths, and the windowed layers' decode steps where the
+        device does not apply FIA's band at one query token per sequence (`passes/npu_checks.py`)."""
         from .ops.npu_workspace import NpuWorkspaceQuery
 
         kernels = self.runtime.kernels
         return npu_step_guard(gm, key, (lambda dtype: NpuWorkspaceQuery(kernels, dtype)) if config.pa_workspace_check
-                              else None, config.max_model_len)
+                              else None, config.max_model_len, kernels.band_at_single_query)
+
+    def describe_kernel(self, call: KernelCall) -> dict[str, str]:
+        """How a windowed FIA layer's window is served: the band in every step, or not in decode steps with
+        a sequence longer than it, as the device's S=1 band probe answered (`ops/npu_band_probe.py`)."""
+        from .ops import npu_band_probe
+
+        window = call.meta.features.window
+        if call.meta.kernel != FIA or window is None:
+            return {}
+        band = f"FIA band mode (sparse_mode 4, pre_tokens {window - 1}, next_tokens 0)"
+        answer = npu_band_probe.known(self.runtime.kernels).get(npu_band_probe.form(call.meta.features.sinks))
+        if answer is None:
+            return {"window_served": f"{band}; the S=1 band probe not asked yet (it is at this layer's first graph)"}
+        if answer:
+            return {"window_served": f"{band} in every step: the S=1 band probe found the band applied at one "
+                                     f"query token per sequence"}
+        return {"window_served": f"{band} in steps with a sequence of several query tokens and in decode steps "
+                                 f"within the window; decode steps with a sequence longer than {window} run "
+                                 f"eagerly: the S=1 band probe found the band not applied at one query token per "
+                                 f"sequence ('Q_S为1时该参数无效', _op_plugin_docs.py L8110)"}
 
     def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
         """The variant, with each non-contiguous query copied contiguous before its kernel

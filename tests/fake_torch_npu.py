@@ -6,7 +6,8 @@ ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_
 `stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state` / `manual_seed(_all)` /
 `default_generators` (the NPU's own generator, apart from the CPU's), `empty_cache`,
 `host_empty_cache`, `get/set_stream_limit`, ...), `torch_npu._C._weak_ref_tensor`, the attention kernels
-with their workspace queries (FIA v2's MLA form in `tests/fake_torch_npu_mla.py`), and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
+with their workspace queries (FIA v2's MLA form in `tests/fake_torch_npu_mla.py`; FIA's band mode and FIA
+v2's `learnable_sink` in `tests/fake_torch_npu_features.py`), and the KV-cache write `npu_scatter_pa_kv_cache`. The kernels are defined in torch's op registry from the
 wheel's own schema strings, in the real namespaces (`torch.ops.atb`, `torch.ops.npu`), so a call
 with a wrong argument name, order or kind fails here as it does on the device, and the simulator
 records each call as one task: the ops of torch_npu's namespaces are the device's kernels
@@ -67,6 +68,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ascend_compile.ops import library, reference, tiling, validate
+from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.runtime import npu as runtime_npu
 from ascend_compile.runtime.sim import SimRuntime
 
@@ -80,11 +82,12 @@ DEVICE_KERNELS = ("atb", "npu")
 #: FIA arguments the fake computes with; any other optional tensor must be left None.
 _FIA_USED = {
     "atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table", "num_heads", "scale",
-    "input_layout", "num_key_value_heads", "sparse_mode", "block_size", "workspace", "out",
+    "input_layout", "num_key_value_heads", "sparse_mode", "block_size", "workspace", "out", "pre_tokens",
+    "next_tokens",
 }
-#: FIA arguments that do not change the result of the calls the fake accepts (pre/next_tokens are
-#: ignored by sparse_mode 3; the `.out` overload's softmax_lse is reserved, L8534, whatever the flag).
-_FIA_IGNORED = {"pre_tokens", "next_tokens", "inner_precise", "softmax_lse_flag"}
+#: FIA arguments that do not change the result of the calls the fake accepts (the `.out` overload's
+#: softmax_lse is reserved, L8534, whatever the flag).
+_FIA_IGNORED = {"inner_precise", "softmax_lse_flag"}
 
 
 def read_fixture() -> dict[str, list[str]]:
@@ -213,19 +216,23 @@ def _same(value: Any, default: Any) -> bool:
     return value == default
 
 
-def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
-    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens).
+def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int],
+                                               int | None]:
+    """Checks of FIA's TND, paged-KV call; (4-D key cache, value cache, ends, kv lens, query lens, window).
 
     The device's rules, from torch_npu 2.14's `_op_plugin_docs.py` (npu_fused_infer_attention_score):
     TND needs both length lists (L8082-8083); paged attention needs `block_table` (L8222), two-dimensional
     with a row per batch entry (L8223), and a
     block size that is a multiple of 128 in [128, 512] (L8219), and `num_blocks` at least the sum of
-    the blocks each sequence's KV length needs (L8220); sparse_mode 3 takes the (2048, 2048) lower-
-    triangular mask (L8121, L8214). KV lengths are non-negative and at most KV_S (L8211, L8275),
-    which `library.check_fused_infer_attention` checks; nothing asks a KV length to cover the query
-    length in this layout (L8199 and L8248-8249 do for D=192 without paged attention and for int8
-    outputs only). The layout, the argument names and sparse modes 0 / 3 are what the fake computes.
+    the blocks each sequence's KV length needs (L8220); sparse_mode 3 and 4 take the (2048, 2048) lower-
+    triangular mask (L8121-8122, L8214), 4 its band's `pre_tokens` / `next_tokens`
+    (`fake_torch_npu_features.band_window`: the window it computes). KV lengths are non-negative and at
+    most KV_S (L8211, L8275), which `library.check_fused_infer_attention` checks; nothing asks a KV length
+    to cover the query length in this layout (L8199 and L8248-8249 do for D=192 without paged attention
+    and for int8 outputs only). The layout, the argument names and sparse modes 0 / 3 / 4 are what the
+    fake computes.
     """
+    from tests.fake_torch_npu_features import band_window  # it builds on this module's checks
     if kw["input_layout"] != "TND":
         _fail("input_layout", "'TND' (the fake implements the TND layout)", repr(kw["input_layout"]))
     if kw["block_table"] is None:
@@ -262,25 +269,20 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     needed = sum(-(-n // key.shape[1]) for n in kv_lens)
     if key.shape[0] < needed:
         _fail("key", f"at least {needed} blocks (the sum of every sequence's blocks)", f"{key.shape[0]} blocks")
-    if kw["sparse_mode"] == 3:
-        mask = kw["atten_mask"]
-        if mask is None or tuple(mask.shape) != (2048, 2048) or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
-            _fail("atten_mask", "the (2048, 2048) bool/int8/uint8 mask sparse_mode=3 requires",
-                  None if mask is None else f"{mask.dtype} {tuple(mask.shape)}")
-        if not bool(mask[0, 1]) or bool(mask[1, 0]) or bool(mask[0, 0]):
-            _fail("atten_mask", "the causal mask: True (masked) strictly above the diagonal", "another mask")
-    elif kw["sparse_mode"] == 0:
+    window = None
+    if kw["sparse_mode"] == 0:
         if kw["atten_mask"] is not None or any(n > 1 for n in query_lens):
             _fail("sparse_mode", "3 with atten_mask for steps with several query tokens (0 is not causal)", 0)
     else:
-        _fail("sparse_mode", "0 or 3 (the modes the fake implements)", kw["sparse_mode"])
+        window = band_window(kw, query_lens, kv_lens)
     shape4 = (key.shape[0], key.shape[1], kv_heads, dim)
-    return key.view(shape4), value.view(shape4), ends, kv_lens, query_lens
+    return key.view(shape4), value.view(shape4), ends, kv_lens, query_lens, window
 
 
 def _fia_out(query, key, value, **kwargs):
     kw = _fia_arguments(torch.ops.npu.npu_fused_infer_attention_score.out._schema, kwargs)
-    key4, value4, ends, kv_lens, query_lens = _fia_layout(query, key, value, kw)
+    key4, value4, ends, kv_lens, query_lens, window = _fia_layout(query, key, value, kw)
+    features = AttentionFeatures(window)
     out = kw["out"]
     if len(out) != 2:
         _fail("out", "[attention_out, softmax_lse]", f"{len(out)} tensors")
@@ -288,11 +290,12 @@ def _fia_out(query, key, value, **kwargs):
     workspace = kw["workspace"]
     if workspace is None:  # aclnn allocates its own scratch
         shape = tiling.AttentionShape.of(query, key4)
-        workspace = torch.empty(tiling.workspace_nbytes(tiling.FIA, shape, kv_lens, query_lens), dtype=torch.uint8)
+        spans = [features.span(n, q) for n, q in zip(kv_lens, query_lens)]
+        workspace = torch.empty(tiling.workspace_nbytes(tiling.FIA, shape, spans, query_lens), dtype=torch.uint8)
     library.check_fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, workspace, attention_out)
     _executed(tiling.FIA, kv_lens)
     reference.fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, query_lens, kw["scale"],
-                                    workspace, attention_out)
+                                    workspace, attention_out, features)
     return attention_out, softmax_lse
 
 
@@ -507,6 +510,10 @@ class FakeNpu:
         #: The NPU's default generator (`torch.npu.default_generators[0]`), apart from the CPU's as
         #: torch_npu's `NPUGeneratorImpl` is: the device's random kernels draw from it (`_multinomial`).
         self.generator = torch.Generator()
+        #: Whether FIA's band applies to a call whose every sequence has one query token: False as the docs
+        #: say ("Q_S为1时该参数无效", L8110), True as vLLM-Ascend's decode graphs rely on
+        #: (`tests/fake_torch_npu_features.py`).
+        self.band_at_single_query = False
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
@@ -841,10 +848,12 @@ NPU_FUNCTIONS = (
 
 
 def install(
-    monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS
+    monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS,
+    band_at_single_query: bool = False,
 ) -> FakeNpu:
     """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
-    `device_kernels`: the ops besides torch's own that its simulator records as one task each.
+    `device_kernels`: the ops besides torch's own that its simulator records as one task each;
+    `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`).
 
     Its device is the CPU, so NPU tensors are CPU tensors: `NPU_DEVICE_TYPE` reads "cpu" meanwhile.
     """
@@ -852,6 +861,7 @@ def install(
         pytest.skip("a real torch_npu is installed: tests never import it, and the fake would shadow it")
     _define_ops()
     fake = FakeNpu(device_kernels)
+    fake.band_at_single_query = band_at_single_query
     monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
     fake.default_stream = Stream()
 

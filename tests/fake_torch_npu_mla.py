@@ -1,5 +1,6 @@
 """The fake torch_npu's FIA v2 (`npu_fused_infer_attention_score_v2.out` and
-`_npu_fused_infer_attention_score_v2_get_max_workspace`), in its MLA form, for `tests/fake_torch_npu.py`.
+`_npu_fused_infer_attention_score_v2_get_max_workspace`), in its MLA form, for `tests/fake_torch_npu.py`
+(its form with `learnable_sink` and no rope inputs is `tests/fake_torch_npu_features.py`).
 
 The ops are defined from the wheel's schema strings (the fixture), so a call with a wrong name, order
 or kind fails as on the device. They compute the real result with the project's reference MLA kernel
@@ -18,17 +19,19 @@ import torch
 
 from ascend_compile.ops import reference, tiling, validate
 from tests import fake_torch_npu as base
+from tests import fake_torch_npu_features
 
 #: The FIA v2 arguments the fake computes with; any other must keep its default.
 _USED = {
     "query_rope", "key_rope", "atten_mask", "actual_seq_qlen", "actual_seq_kvlen", "block_table",
     "num_query_heads", "num_key_value_heads", "softmax_scale", "input_layout", "sparse_mode", "block_size",
-    "workspace", "out",
+    "workspace", "out", "learnable_sink", "pre_tokens", "next_tokens",
 }
-#: Arguments that do not change the result of the calls the fake accepts: pre/next_tokens are ignored
-#: under sparse_mode 0 without a mask and 3 ("忽略入参pre_tokens、next_tokens", L8771, L8773); the `.out`
-#: overload's softmax_lse is reserved ("当前预留，暂不支持", L9059) whatever the flag.
-_IGNORED = {"pre_tokens", "next_tokens", "inner_precise", "return_softmax_lse"}
+#: Arguments that do not change the result of the calls the fake accepts: the `.out` overload's
+#: softmax_lse is reserved ("当前预留，暂不支持", L9059) whatever the flag. pre/next_tokens are ignored by
+#: the MLA form's sparse_mode 0 without a mask and 3 ("忽略入参pre_tokens、next_tokens", L8771, L8773) and
+#: make the band of the sinks form's sparse 4 (`tests/fake_torch_npu_features.py`).
+_IGNORED = {"inner_precise", "return_softmax_lse"}
 _DOC = "npu_fused_infer_attention_score_v2, torch_npu 2.14 _op_plugin_docs.py"
 _HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
@@ -52,8 +55,8 @@ def _mla_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     """Checks of an MLA call (TND, paged KV); (latent cache, rope cache as `[NB, BS, d]`, ends, KV lens,
     query lens)."""
     query_rope, key_rope = kw["query_rope"], kw["key_rope"]
-    if query_rope is None and key_rope is None:
-        raise NotImplementedError("query_rope/key_rope: the fake implements FIA v2's MLA form only")
+    if kw["learnable_sink"] is not None:
+        raise NotImplementedError("learnable_sink: the fake's MLA form does not compute sinks")
     _require(query_rope is not None and key_rope is not None, "key_rope",
              "query_rope and key_rope together ('要求同时配置或同时不配置', L8693)", "only one of them")
     _require(kw["input_layout"] == "TND", "input_layout", "'TND' (the layout the fake implements; L8722)",
@@ -121,8 +124,16 @@ def _mla_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     return latent, rope, ends, kv_lens, query_lens
 
 
+def _mla_form(kw: dict[str, Any]) -> bool:
+    """Whether a call is the MLA form ("query_rope和key_rope输入时即为MLA场景", L8690); else the fake's other
+    form, `learnable_sink` (`tests/fake_torch_npu_features.py`)."""
+    return kw["query_rope"] is not None or kw["key_rope"] is not None
+
+
 def fia_v2_out(query, key, value, **kwargs):
     kw = _arguments(torch.ops.npu.npu_fused_infer_attention_score_v2.out._schema, kwargs)
+    if not _mla_form(kw):
+        return fake_torch_npu_features.sinks_out(query, key, value, kw)
     latent, rope, ends, kv_lens, query_lens = _mla_layout(query, key, value, kw)
     out = kw["out"]
     _require(len(out) == 2, "out", "[attention_out, softmax_lse]", f"{len(out)} tensors")
@@ -148,6 +159,8 @@ def fia_v2_max_workspace(query, key, value, **kwargs):
     reference tiling's maximum for the query's tokens over every KV length the block table holds, in the
     query's dtype. The lengths must still be valid ones."""
     kw = _arguments(torch.ops.npu._npu_fused_infer_attention_score_v2_get_max_workspace.default._schema, kwargs)
+    if not _mla_form(kw):
+        return fake_torch_npu_features.sinks_max_workspace(query, key, value, kw)
     latent, *_ = _mla_layout(query, key, value, kw)
     shape = tiling.AttentionShape.of_mla(query, kw["query_rope"], latent)
     nbytes = tiling.max_workspace(tiling.MLA, shape, query.shape[0], kw["block_table"].shape[1] * latent.shape[1]).nbytes

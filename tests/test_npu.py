@@ -276,7 +276,7 @@ class FormulaQueries:
         self.asked.append((tiling.PA, len(context_lens), max_blocks))
         return tiling.workspace_nbytes(tiling.PA, shape, context_lens)
 
-    def fused_infer_attention_max(self, shape, tokens, max_blocks):
+    def fused_infer_attention_max(self, shape, tokens, max_blocks, features):
         self.asked.append((tiling.FIA, tokens, max_blocks))
         return tiling.max_workspace(tiling.FIA, shape, tokens, max_blocks * shape.block_size).nbytes
 

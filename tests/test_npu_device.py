@@ -457,15 +457,3 @@ def test_each_steps_pa_query_is_asked_with_the_kernels_own_caches_and_block_tabl
     assert per_step.args[1].shape == model.layers[0].attn.key_cache.shape == run.args[1].shape
     assert per_step.args[6].shape == run.args[6].shape  # the graph's block table: its rows and width
     assert asked[0].args[1].shape[0] == 1  # the compile-time question keeps its probe cache
-
-
-@pytest.mark.parametrize("cfg_features, feature", [
-    (dict(layer_types=("full", "sliding"), sliding_window=64), "window"),
-    (dict(soft_cap=30.0), "soft_cap"),
-    (dict(sinks=True), "sinks"),
-])
-def test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer(fake_npu, cfg_features, feature):
-    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=128, **cfg_features)
-    fn, _ = compiled_model(build(cfg), runtime="npu", max_model_len=512, capture_sizes=(4,))
-    with torch.no_grad(), pytest.raises(Exception, match=rf"layer .*: {feature} is not supported on runtime 'npu'"):
-        fn(**PagedBatch(cfg, seed=0).step([10, 20, 30]))

@@ -17,6 +17,7 @@ from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
 from ascend_compile.integrations import vllm_context, vllm_metadata
 from ascend_compile.integrations.vllm_memory import graph_memory
+from ascend_compile.ops import npu_band_probe
 from tests import fake_torch_npu
 from tests import vllm_standin as v
 
@@ -399,17 +400,31 @@ def test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager
         assert [kernel.get("features") for kernel in graph["kernels"]] == [None, described]
 
 
-@pytest.mark.parametrize("feature", list(SERVED))
-def test_layer_features_are_refused_on_npu_naming_the_layer_and_the_feature(feature, monkeypatch):
-    """torch_npu's FIA binding takes none of them (`passes/npu_checks.py: UNBOUND_FEATURES`)."""
-    if feature == "soft-cap":
-        pytest.skip("vLLM-Ascend's AscendAttentionBackendImpl keeps no logits_soft_cap")
-    fake = fake_torch_npu.install(monkeypatch)
-    pair = Pair("ASCEND", 128, "npu", [], attention_options={1: SERVED[feature][0]})
-    name = {"sliding window": "window", "sinks": "sinks"}[feature]
-    with pytest.raises(Exception, match=rf"layer '{LAYER_1}'\)\): {name} is not supported on runtime 'npu'"):
-        pair.run(pair.step(random.Random(0), 3, False))
-    assert not fake.executed
+@pytest.mark.parametrize("band_at_single_query", [False, True], ids=["docs-band-ignored-at-s1", "band-applied-at-s1"])
+@pytest.mark.parametrize("feature", ["sliding window", "sinks"])
+def test_vllm_ascend_layer_features_are_served_on_npu_as_vllm_ascend_serves_them(feature, band_at_single_query,
+                                                                                   monkeypatch):
+    """On runtime "npu" (the fake torch_npu), a vLLM-Ascend layer's window is FIA's band mode and its sinks
+    (bfloat16, as gpt-oss's are) FIA v2's `learnable_sink` (`ops/npu_features.py`): steps longer than the
+    window, decode and mixed, equal eager, replayed, but for the windowed decode ones on a device whose
+    S=1 band probe finds the band not applied at one query token per sequence (`ops/npu_band_probe.py`),
+    which run eagerly. vLLM-Ascend's impl keeps no soft-cap."""
+    fake = fake_torch_npu.install(monkeypatch, band_at_single_query=band_at_single_query)
+    options = dict(SERVED[feature][0])
+    if "sinks" in options:
+        options["sinks"] = options["sinks"].to(torch.bfloat16)
+    artifacts = []
+    pair = Pair("ASCEND", 128, "npu", artifacts, attention_options={1: options}, verify=False)
+    rng = random.Random(feature)
+    for batch, mixed in [(3, False), (2, True), (4, False)]:
+        got, expected = pair.run(pair.step(rng, batch, mixed, shortest=WINDOW + 4))
+        torch.testing.assert_close(got, expected, **TOL[pair.dtype])
+    assert sum(a.stats["replays"] for a in artifacts) == (3 if band_at_single_query or feature == "sinks" else 1)
+    kernel = "npu_fused_infer_attention_score_v2.out" if feature == "sinks" else "npu_fused_infer_attention_score.out"
+    featured = [c for c in fake.calls if c.name == kernel and (c.kwargs["sparse_mode"] == 4 or feature == "sinks")
+                and c.kwargs.get("pre_tokens") != npu_band_probe.PROBE_WINDOW - 1]  # the probe's call left out
+    assert featured and all(c.kwargs.get("learnable_sink") is not None for c in featured if feature == "sinks")
+    assert all(c.kwargs["pre_tokens"] == WINDOW - 1 for c in featured if feature == "sliding window")
 
 
 class FlashInferBackend(v.FlashAttentionBackend):

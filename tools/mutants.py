@@ -29,7 +29,11 @@ per-step check against another bucket's slot or with a floored table width, vLLM
 one too many, `has_sink` without `impl.sinks`, the vLLM block table not cut, the NPU generator not
 kept, the simulator's static inputs after an update, a uint8 mask index), and issue 33's (an uncapturable op,
 float32 on npu, verify's memory and `verify_every`, the device limits, FIA's decode graphs serving mixed
-steps, its two branches one task kind to the simulator).
+steps, its two branches one task kind to the simulator; a window or sinks on runtime "npu": the band off
+by one or sent causal, sinks dropped, their rules not refused, the workspace asked without them, the
+fake's band semantics and constraints; and the band at one query token per sequence: the device's probe
+assumed to answer yes, its answer not guarded per step, the binding's backstop dropped, the fake against
+its docs there).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
@@ -83,6 +87,7 @@ TRITON_MLA = "tests/test_triton_mla.py"
 DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
+NPU_FEATURES = "tests/test_npu_features.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 AUDIT36 = "tests/test_audit36_survivors.py"
 UNCAPTURABLE = "tests/test_uncapturable.py"
@@ -505,8 +510,8 @@ MUTANTS = (
     ),
     Mutant(
         "NPU attention features not refused", "ascend_compile/passes/npu_checks.py",
-        "    _check_features(call)\n", "    pass\n",
-        ("tests/test_npu_device.py::test_attention_features_the_binding_lacks_are_refused_at_compile_naming_the_layer",),
+        "    _check_features(call, keys)\n", "    pass\n",
+        (f"{NPU_FEATURES}::test_a_soft_cap_stays_refused_at_compile_naming_the_layer_and_why",),
     ),
     Mutant(
         "latent attention not refused under transformers", "ascend_compile/integrations/transformers.py",
@@ -791,6 +796,79 @@ MUTANTS = (
         'getattr(layer, "has_sink", False)', 'getattr(layer, "has_sinks", False)',
         ("tests/test_vllm_real.py::test_a_layer_built_with_sinks_its_impl_does_not_hold_is_refused_at_compile_time",),
         vllm=True,
+    ),
+    # issue 33 item 7: windows and sinks on runtime "npu" as vLLM-Ascend binds them (`ops/npu_features.py`)
+    Mutant(
+        "npu window off by one (vLLM-Ascend's pre_tokens=W)", "ascend_compile/ops/npu_features.py",
+        '{"pre_tokens": int(window) - 1, "next_tokens": 0}', '{"pre_tokens": int(window), "next_tokens": 0}',
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
+    ),
+    Mutant(
+        "npu window sent in causal mode", "ascend_compile/ops/npu.py",
+        '        "sparse_mode": npu_features.sparse_mode(window),\n',
+        '        "sparse_mode": npu_features.sparse_mode(None),\n',
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
+    ),
+    Mutant(
+        "npu sinks' window sent in causal mode", "ascend_compile/ops/npu_features.py",
+        '        "sparse_mode": sparse_mode(window),\n', '        "sparse_mode": CAUSAL_SPARSE_MODE,\n',
+        (f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager",),
+    ),
+    Mutant(
+        "npu sinks dropped (FIA v1 without learnable_sink)", "ascend_compile/ops/npu.py",
+        "        if sinks is not None:\n            npu_features.sinks_attention(",
+        "        if False:\n            npu_features.sinks_attention(",
+        (f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager",),
+    ),
+    Mutant(
+        "npu learnable_sink rules not refused at compile", "ascend_compile/passes/npu_checks.py",
+        "        _refuse(call.node, lambda: npu_rules.check_sinks(",
+        "        (lambda: npu_rules.check_sinks(",
+        (f"{NPU_FEATURES}::test_sinks_fia_v2_does_not_take_are_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "FIA's workspace asked without the layer's window and sinks", "ascend_compile/ops/npu_workspace.py",
+        "                                             window=features.window, sinks=sinks)",
+        "                                             window=None, sinks=None)",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",
+         f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager"),
+    ),
+    Mutant(
+        "fake band's pre_tokens counts the query's own key", "tests/fake_torch_npu_features.py",
+        "    return pre + 1  # keys p - pre_tokens .. p", "    return pre  # keys p - pre_tokens .. p",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
+    ),
+    Mutant(
+        "fake band's constraints unchecked", "tests/fake_torch_npu_features.py",
+        "        _require(pre >= -q and nxt >= -kv and pre + nxt >= 0,", "        _require(True,",
+        (f"{NPU_FEATURES}::test_the_fake_refuses_band_and_sink_calls_its_docs_forbid",),
+    ),
+    # the band at one query token per sequence: the docs say it has no effect (L8110), vLLM-Ascend relies on
+    # it; the device's probe decides (`ops/npu_band_probe.py`)
+    Mutant(
+        "the S=1 band probe assumed true", "ascend_compile/ops/npu_band_probe.py",
+        "        answers[key] = _probe(kernels, sinks)\n", "        answers[key] = True\n",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[docs-band-ignored-at-s1]",
+         f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager[docs-band-ignored-at-s1]"),
+    ),
+    Mutant(
+        "the S=1 band probe's answer not guarded per step", "ascend_compile/passes/npu_checks.py",
+        "              window_guard(gm, band_at_single_query) if band_at_single_query else None]",
+        "              None]",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[docs-band-ignored-at-s1]",),
+    ),
+    Mutant(
+        "the binding's S=1 band backstop dropped", "ascend_compile/ops/npu.py",
+        "                not self.band_at_single_query(sinks is not None):",
+        "                not self.band_at_single_query(sinks is not None) and False:",
+        (f"{NPU_FEATURES}::test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band",),
+    ),
+    Mutant(
+        "fake applies the band at S=1 against its docs", "tests/fake_torch_npu_features.py",
+        "        return None  # \"Q_S为1时该参数无效\"", "        pass  # \"Q_S为1时该参数无效\"",
+        (f"{NPU_FEATURES}::test_the_fake_follows_the_docs_at_one_query_token_per_sequence_unless_told_otherwise",),
     ),
 )
 

@@ -34,7 +34,7 @@ def describe(art: Any) -> dict[str, Any]:
             spec["address_checked"] = spec["index"] in checked  # each step (False: a frozen parameter)
     for key, gm in art.specialized.items():
         for kernel, call in zip(plan["graphs"][str(key)]["kernels"], kernel_calls(gm)):
-            kernel.update(call.meta.describe(), node=call.node.name)
+            kernel.update(call.meta.describe(), node=call.node.name, **art.target.describe_kernel(call))
     for (key, specialization), entry in art.graphs.items():
         if entry.graph is None:
             if entry.eager_reason:  # e.g. an op that cannot be captured: its steps run eagerly

@@ -12,7 +12,8 @@ and order of the schemas in the torch_npu 2.14 wheel (`tests/fixtures/torch_npu_
   `actual_seq_lengths_kv` per-sequence lengths, `sparse_mode=3` (rightDownCausal: each sequence's
   query tokens are the last of its KV, causal among themselves) with the 2048x2048 mask that mode
   requires, `workspace=`, and `out=[attention_out, softmax_lse]` (the registered overload takes `out`
-  as a list).
+  as a list). A layer's window is FIA's band mode (sparse 4 with `pre_tokens`/`next_tokens`) and its
+  sinks FIA v2's `learnable_sink`, as vLLM-Ascend binds them; a soft-cap is refused (`ops/npu_features.py`).
 
 The KV-cache write runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`. MLA's kernel
 and cache write are bound in `ops/npu_mla.py` (FIA v2's `query_rope` / `key_rope` form).
@@ -33,13 +34,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import library, npu_mla, tiling, validate
+from . import library, npu_band_probe, npu_features, npu_mla, tiling, validate
 from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
 
-#: FIA's sparse_mode for causal attention whose queries end their sequence (rightDownCausal).
-FIA_SPARSE_MODE = 3
 #: The side of the optimised causal mask FIA's sparse modes 2-4 take.
 FIA_MASK_SIZE = 2048
 
@@ -86,9 +85,11 @@ def fused_infer_attention_args(
     actual_seq_lengths_kv: Sequence[int],
     scale: float,
     atten_mask: torch.Tensor,
+    window: int | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Positional and keyword arguments of `npu_fused_infer_attention_score` (TND, paged KV), in
-    schema order, shared by the `.out` call and the workspace query."""
+    schema order, shared by the `.out` call and the workspace query; with a `window`, band mode
+    (`npu_features.sparse_mode`, `band_tokens`)."""
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
     check_fia_block_size(int(block_size))
     key = key_cache.view(num_blocks, block_size, kv_heads * head_dim)
@@ -100,9 +101,10 @@ def fused_infer_attention_args(
         "block_table": block_table,
         "num_heads": int(query.shape[1]),
         "scale": float(scale),
+        **npu_features.band_tokens(window),
         "input_layout": "TND",
         "num_key_value_heads": int(kv_heads),
-        "sparse_mode": FIA_SPARSE_MODE,
+        "sparse_mode": npu_features.sparse_mode(window),
         "block_size": int(block_size),
     }
     return (query, key, value), kwargs
@@ -176,11 +178,14 @@ class NpuKernels:
         soft_cap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        """`ascend.fused_infer_attention` as `torch_npu.npu_fused_infer_attention_score.out`. The
-        attention features have no binding yet: layers with them are refused at compile time
-        (`passes/npu_checks.py: UNBOUND_FEATURES`), and a direct call with one is refused here."""
-        if window is not None or soft_cap is not None or sinks is not None:
-            raise ValueError("window/soft_cap/sinks: not supported by the torch_npu FIA binding (see passes/npu_checks.py)")
+        """`ascend.fused_infer_attention` as `torch_npu.npu_fused_infer_attention_score.out`, a window as
+        its band mode; with sinks as `npu_fused_infer_attention_score_v2.out` (`learnable_sink`). A soft-cap
+        is refused here as at compile time (`ops/npu_features.py`: torch_npu's FIA has none), and so is a
+        windowed call of one query token per sequence with one longer than the window where the device does
+        not apply the band at S 1 (`ops/npu_band_probe.py`; the step guard sends such steps eagerly first)."""
+        library.check_features(query, window, soft_cap, sinks)
+        if soft_cap is not None:
+            raise ValueError(f"soft_cap: not supported on runtime 'npu': {npu_features.SOFT_CAP_REFUSAL}")
         # FIA's batch is the lists' length and its block table has exactly that many rows
         # ("block_table...第一维长度需等于B", L8223); a mixed graph's lists change length per step.
         block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))
@@ -188,9 +193,31 @@ class NpuKernels:
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv,
             workspace, out, check_data=False,
         )
+        if npu_band_probe.single_query_outside(actual_seq_lengths, actual_seq_lengths_kv, window) and \
+                not self.band_at_single_query(sinks is not None):
+            raise ValueError(f"window: a call of one query token per sequence with one longer than the window of "
+                             f"{window} would attend the whole context: {npu_band_probe.REFUSAL}")
+        self.launch_fia(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
+                        workspace, out, window, sinks)
+
+    def band_at_single_query(self, sinks: bool) -> bool:
+        """Whether this device applies FIA's band when every sequence has one query token (its probe's
+        answer in the form of a layer with or without sinks, asked once per process: `ops/npu_band_probe.py`)."""
+        return npu_band_probe.band_at_single_query(self, sinks)
+
+    def launch_fia(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_table: torch.Tensor, actual_seq_lengths: Sequence[int], actual_seq_lengths_kv: Sequence[int],
+                   scale: float, workspace: torch.Tensor, out: torch.Tensor, window: int | None,
+                   sinks: torch.Tensor | None) -> None:
+        """FIA v1, or v2 with sinks, called on checked arguments (the S=1 band probe calls it directly)."""
+        if sinks is not None:
+            npu_features.sinks_attention(self.torch_npu, self.atten_mask, self.softmax_lse, query, key_cache,
+                                         value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
+                                         window, sinks, workspace, out)
+            return
         args, kwargs = fused_infer_attention_args(
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
-            self.atten_mask,
+            self.atten_mask, window,
         )
         self.torch_npu.npu_fused_infer_attention_score.out(
             *args, **kwargs, workspace=workspace, out=[out, self.softmax_lse]
@@ -254,8 +281,11 @@ class NpuKernels:
         kv_lens: Sequence[int],
         scale: float,
         out: torch.Tensor,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> int:
-        """Bytes `kernel` needs for these host lengths, from torch_npu's workspace query.
+        """Bytes `kernel` needs for these host lengths, from torch_npu's workspace query; FIA's asked in
+        the form its calls take for a layer of `window` and `sinks` (v2's query with sinks).
 
         Both queries return the workspace itself, a 1-D tensor whose dtype is the op's choice (torch_npu
         passes FIA's answer straight back as `workspace=`: `_npugraph_handlers/ifa_handler.py`), so its
@@ -263,9 +293,12 @@ class NpuKernels:
         if kernel == tiling.PA:
             args = paged_attention_args(query, key_cache, value_cache, block_table, kv_lens, scale, out)
             return _nbytes(self.torch_npu._npu_paged_attention_get_workspace(*args))
+        if kernel == tiling.FIA and sinks is not None:
+            return _nbytes(npu_features.sinks_workspace(self.torch_npu, self.atten_mask, query, key_cache, value_cache,
+                                                        block_table, query_ends, kv_lens, scale, window, sinks))
         if kernel == tiling.FIA:
             args, kwargs = fused_infer_attention_args(
-                query, key_cache, value_cache, block_table, query_ends, kv_lens, scale, self.atten_mask
+                query, key_cache, value_cache, block_table, query_ends, kv_lens, scale, self.atten_mask, window
             )
             return _nbytes(self.torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs))
         raise ValueError(f"kernel: expected {tiling.PA!r} or {tiling.FIA!r}, got {kernel!r}")

@@ -16,6 +16,7 @@ import torch
 PA_KERNEL = "torch_npu._npu_paged_attention (ATB PagedAttention)"
 FIA_KERNEL = "torch_npu.npu_fused_infer_attention_score"
 MLA_KERNEL = "torch_npu.npu_fused_infer_attention_score_v2 (MLA: query_rope/key_rope)"
+SINKS_KERNEL = "torch_npu.npu_fused_infer_attention_score_v2 (learnable_sink)"
 CACHE_WRITE_KERNEL = "torch_npu.npu_scatter_pa_kv_cache"
 
 #: ATB paged attention's block sizes: "因硬件限制，block_size %16 == 0，推荐 block_size = 128。因硬件限制，
@@ -196,10 +197,10 @@ def check_mla_shape(num_heads: int, latent_dim: int, rope_dim: int, block_size: 
             raise ValueError(f"{arg}: {MLA_KERNEL} takes {expected}, got {got}")
 
 
-def check_mla_sequences(count: int) -> None:
+def check_mla_sequences(count: int, kernel: str = MLA_KERNEL) -> None:
     """Refuse a graph of more sequences than FIA v2's length lists may hold (`MLA_MAX_SEQUENCES`)."""
     if count > MLA_MAX_SEQUENCES:
-        raise ValueError(f"capture_sizes: {MLA_KERNEL} takes at most {MLA_MAX_SEQUENCES} sequences per call "
+        raise ValueError(f"capture_sizes: {kernel} takes at most {MLA_MAX_SEQUENCES} sequences per call "
                          f"('actual_seq_qlen和actual_seq_kvlen的元素个数不大于4096', L8738), and a bucket of {count} "
                          f"tokens is captured with {count}; use smaller capture sizes")
 
@@ -223,3 +224,31 @@ def mla_step_refusal(query_lens: Sequence[int], sparse_mode: int) -> str | None:
         return (f"the step's longest sequence has {longest} query tokens, which takes sparse_mode "
                 f"{mla_sparse_mode(query_lens)} (L8697), and the graph's kernels were captured with {sparse_mode}")
     return None
+
+
+# FIA v2 with `learnable_sink` (attention sinks, `ops/npu_features.py`), lines of the same docs.
+
+#: "learnable_sink: ...数据类型支持bfloat16, 数据格式支持ND, shape输入为(Q_N,)" (L8625); the query: the TND
+#: section for a d other than 512 allows "数据类型仅支持BFLOAT16" (L8733), as vLLM-Ascend serves gpt-oss (its
+#: "bf16 version", `docs/source/tutorials/models/gpt-oss-120b.md`). The same section's head dims ("Q_D、K_D、V_D
+#: 等于128", L8730) are not applied: vLLM-Ascend calls this form for gpt-oss, whose head dim is 64.
+SINKS_DTYPE = torch.bfloat16
+#: "learnable_sink的参数约束如下：仅支持TND、NTD_TND；仅支持value的d小于等于128" (L8755-8757).
+SINKS_MAX_HEAD_DIM = 128
+
+
+def check_sinks(query: torch.dtype, sinks: torch.dtype, sinks_shape: Sequence[int], num_heads: int,
+                head_dim: int) -> None:
+    """Refuse sinks FIA v2's `learnable_sink` does not take (`SINKS_DTYPE`, `SINKS_MAX_HEAD_DIM`)."""
+    rules = (
+        ("sinks", sinks == SINKS_DTYPE and tuple(sinks_shape) == (num_heads,),
+         f"a bfloat16 (Q_N,) = ({num_heads},) learnable_sink ('数据类型支持bfloat16...shape输入为(Q_N,)', L8625); keep "
+         f"the sinks in bfloat16", f"{sinks} {tuple(sinks_shape)}"),
+        ("query", query == SINKS_DTYPE, "bfloat16 queries with learnable_sink ('数据类型仅支持BFLOAT16', L8733): run "
+                                        "the model in torch.bfloat16", query),
+        ("value_cache", head_dim <= SINKS_MAX_HEAD_DIM, f"a value head dim of at most {SINKS_MAX_HEAD_DIM} with "
+                                                        f"learnable_sink ('仅支持value的d小于等于128', L8757)", head_dim),
+    )
+    for arg, ok, expected, got in rules:
+        if not ok:
+            raise ValueError(f"{arg}: {SINKS_KERNEL} takes {expected}, got {got}")

@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from . import npu_rules, tiling
+from .features import PLAIN, AttentionFeatures
 from .npu import NpuKernels
 from .tiling import AttentionShape
 
@@ -77,16 +78,22 @@ class NpuWorkspaceQuery:
                                              [], context_lens, shape.head_dim**-0.5,
                                              torch.empty_like(query))  # PA's query takes `out`
 
-    def fused_infer_attention_max(self, shape: AttentionShape, tokens: int, max_blocks: int) -> int:
+    def fused_infer_attention_max(self, shape: AttentionShape, tokens: int, max_blocks: int,
+                                  features: AttentionFeatures = PLAIN) -> int:
         """Bytes FIA needs at most, for any lengths, in a graph of `tokens` query tokens and as many
-        sequences with block tables of `max_blocks` columns."""
+        sequences with block tables of `max_blocks` columns, for a layer of `features`: asked in the form
+        its calls take (band mode for a window, FIA v2's query with a probe `learnable_sink` for sinks),
+        as vLLM-Ascend asks with its call's own arguments (`attention_v1.py`, `full_graph_fia(_v2)`)."""
         query_lens, kv_lens = fia_probe_lengths(tokens, max_blocks * shape.block_size)
         table, used = self._probe_table(tokens, max_blocks, kv_lens, shape.block_size)
         ends = torch.tensor(query_lens).cumsum(0).tolist()
         query = self._query(tokens, shape)
         cache = self._cache(shape, max(used, 1))
+        sinks = torch.zeros(shape.num_heads, dtype=npu_rules.SINKS_DTYPE, device=self.kernels.device) \
+            if features.sinks else None
         return self.kernels.workspace_nbytes(tiling.FIA, query, cache, cache, table, ends, kv_lens,
-                                             shape.head_dim**-0.5, query)  # FIA's query takes no `out`
+                                             shape.head_dim**-0.5, query,  # FIA's query takes no `out`
+                                             window=features.window, sinks=sinks)
 
     def mla_max(self, shape: AttentionShape, tokens: int, max_blocks: int, max_query_len: int) -> int:
         """Bytes the MLA kernel needs at most, for any lengths, in a graph of `tokens` query tokens in as

@@ -4,12 +4,16 @@ At compile time (`check_npu_graph`) every kernel node and KV-cache write of a re
 to `ops/npu_rules.py`: PA's and FIA's block sizes and half-precision dtypes, MLA's shape rules (FIA v2's MLA form: d 512, rope
 64, power-of-two query heads up to 128, blocks of 16 or 128, half precision, at most 4096 sequences),
 contiguous caches, and enough cache blocks for FIA and MLA to count one per sequence of each bucket's
-all-padding capture (`padding.capture_kv_lens`). A violation is refused before torch_npu is called, naming the layer, the kernel
+all-padding capture (`padding.capture_kv_lens`), and the attention features: sinks held to FIA v2's
+`learnable_sink` rules, a soft-cap refused (`REFUSED_FEATURES`; a window is FIA's band mode,
+`ops/npu_features.py`). A violation is refused before torch_npu is called, naming the layer, the kernel
 and the rule: on a device it would fail at the first capture, or worse, run with a copy of the whole
 cache per call. Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
 lengths the step would send, and MLA's query lengths (1-16 per sequence, and the sparse mode the
 graph was captured with: 0 in a decode graph, 3 in a mixed one), and PA's workspace need at those
-lengths against its slot (`pa_workspace_guard`); a step failing any runs eagerly.
+lengths against its slot (`pa_workspace_guard`), and, where the device's S=1 band probe finds FIA's band
+not applied at one query token per sequence, a windowed layer's decode steps past its window
+(`window_guard`, `ops/npu_band_probe.py`); a step failing any runs eagerly.
 A mixed step with a sequence of more than 16 query tokens (a prefill chunk) is such a step: refusing
 it at compile time would refuse every model that prefills, and vLLM-Ascend runs those steps outside
 its graphs too (FULL_DECODE_ONLY).
@@ -21,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
-from ..ops import npu_rules, tiling
+from ..ops import npu_band_probe, npu_features, npu_rules, tiling
 from .fx_utils import example_value, is_op
 from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
 from .padding import capture_kv_lens, dummy_limit, packed_capture
@@ -47,22 +51,24 @@ def _refuse(node: fx.Node, check: Callable[[], None]) -> None:
         raise ValueError(f"{layer_of(node)}: {err}") from None
 
 
-#: Why torch_npu 2.14's FIA binding does not take each attention feature (`ops/features.py`).
-UNBOUND_FEATURES = {
-    "soft_cap": "torch_npu 2.14's npu_fused_infer_attention_score has no logit soft-cap argument (its signature "
-                "in _op_plugin_docs.py), nor has npu_fused_infer_attention_score_v2",
-    "sinks": "attention sinks are npu_fused_infer_attention_score_v2's learnable_sink, and this binding calls "
-             "npu_fused_infer_attention_score (v1), which has none",
-    "window": "FIA's band mode (sparse_mode=4 with pre_tokens/next_tokens, _op_plugin_docs.py) is not bound yet: "
-              "whether pre_tokens counts the query's own key (vLLM-Ascend passes the window itself, "
-              "transformers' and vLLM's windows include it) is unverified without a device",
-}
+#: The attention features (`ops/features.py`) runtime "npu" refuses, and why. A window and sinks are
+#: served as vLLM-Ascend serves them (FIA's band mode, FIA v2's `learnable_sink`: `ops/npu_features.py`).
+REFUSED_FEATURES = {"soft_cap": npu_features.SOFT_CAP_REFUSAL}
 
 
-def _check_features(call: KernelCall) -> None:
-    """A layer with a feature the torch_npu binding does not take, refused naming the layer and the feature."""
-    for name in call.meta.features.names():
-        raise ValueError(f"{layer_of(call.node)}: {name} is not supported on runtime 'npu': {UNBOUND_FEATURES[name]}")
+def _check_features(call: KernelCall, keys: Sequence[GraphKey]) -> None:
+    """A layer with a feature the torch_npu binding does not take, refused naming the layer and the feature;
+    sinks held to FIA v2's `learnable_sink` rules (`npu_rules.check_sinks`, at most 4096 sequences a call)."""
+    features = call.meta.features
+    for name in features.names():
+        if name in REFUSED_FEATURES:
+            raise ValueError(f"{layer_of(call.node)}: {name} is not supported on runtime 'npu': {REFUSED_FEATURES[name]}")
+    if features.sinks:
+        query, sinks, shape = example_value(call.arg("query")), example_value(call.arg("sinks")), call.meta.shape
+        _refuse(call.node, lambda: npu_rules.check_sinks(query.dtype, sinks.dtype, tuple(sinks.shape), shape.num_heads,
+                                                         shape.head_dim))
+        for key in keys:  # "actual_seq_qlen和actual_seq_kvlen的元素个数不大于4096" (L8738, this form's section)
+            _refuse(call.node, lambda: npu_rules.check_mla_sequences(key.bucket, npu_rules.SINKS_KERNEL))
 
 
 def _check_mla(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens) -> None:
@@ -84,7 +90,7 @@ def _check_mla(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capture
 
 
 def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens) -> None:
-    _check_features(call)
+    _check_features(call, keys)
     if call.meta.kernel == tiling.MLA:
         _check_mla(call, keys, capture_lens)
         return
@@ -146,14 +152,50 @@ _BLOCK_COUNTED = {tiling.FIA: ("actual_seq_lengths_kv", "key_cache"), tiling.MLA
 
 
 def npu_step_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[torch.dtype], WorkspaceQueries] | None,
-                   max_model_len: int) -> StepGuard | None:
-    """The length checks of each step (`length_guard`) and, given `pa_queries` (the device's workspace
-    queries on probe tensors of a dtype), PA's workspace need at the step's lengths (`pa_workspace_guard`)."""
-    guards = [length_guard(gm, key), pa_workspace_guard(gm, key, pa_queries, max_model_len) if pa_queries else None]
+                   max_model_len: int, band_at_single_query: Callable[[bool], bool] | None = None) -> StepGuard | None:
+    """The length checks of each step (`length_guard`), given `pa_queries` (the device's workspace
+    queries on probe tensors of a dtype) PA's workspace need at the step's lengths (`pa_workspace_guard`),
+    and given `band_at_single_query` (the device's S=1 band probe) the windowed layers' decode steps
+    (`window_guard`)."""
+    guards = [length_guard(gm, key), pa_workspace_guard(gm, key, pa_queries, max_model_len) if pa_queries else None,
+              window_guard(gm, band_at_single_query) if band_at_single_query else None]
     guards = [g for g in guards if g is not None]
     if len(guards) <= 1:
         return guards[0] if guards else None
     return lambda host, args: next((why for why in (g(host, args) for g in guards) if why), None)
+
+
+def _source(call: KernelCall, kernel_arg: str) -> HostSource:
+    return next(a.source for a in call.meta.host_args if a.kernel_arg == kernel_arg)
+
+
+def windowed_fia_layers(gm: fx.GraphModule) -> dict[str, tuple[int, bool, HostSource, HostSource]]:
+    """Each windowed FIA layer of `gm`: its node's name -> (window, sinks, query-ends source, KV-lengths source)."""
+    return {call.node.name: (call.meta.features.window, call.meta.features.sinks,
+                             _source(call, "actual_seq_lengths"), _source(call, "actual_seq_lengths_kv"))
+            for call in kernel_calls(gm)
+            if call.meta.kernel == tiling.FIA and call.meta.features.window is not None}
+
+
+def window_guard(gm: fx.GraphModule, band_at_single_query: Callable[[bool], bool]) -> StepGuard | None:
+    """A check of each step for `gm`'s windowed FIA layers on a device that does not apply FIA's band when
+    every sequence has one query token (`band_at_single_query`, the device's probe, asked here for the
+    layers' forms: `ops/npu_band_probe.py`); None where it does, or without such layers. A decode step
+    (every sequence one query token: FIA's IncreFlashAttention branch, where "Q_S为1时该参数无效" of
+    `pre_tokens`, torch_npu 2.14 `_op_plugin_docs.py` L8110) with a sequence longer than a layer's window
+    runs eagerly, through the model's own attention: the graph would attend the whole context."""
+    layers = {name: layer for name, layer in windowed_fia_layers(gm).items() if not band_at_single_query(layer[1])}
+    if not layers:
+        return None
+
+    def guard(host: Mapping[HostSource, list[int]], args: Sequence[Any]) -> str | None:
+        for name, (window, _, ends, kv_lens) in layers.items():
+            if npu_band_probe.single_query_outside(host[ends], host[kv_lens], window):
+                return (f"{name}: a decode step with a sequence longer than the layer's window of {window}, whose "
+                        f"band FIA would not apply: {npu_band_probe.REFUSAL}")
+        return None
+
+    return guard
 
 
 def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:

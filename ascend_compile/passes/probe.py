@@ -21,7 +21,8 @@ query, and the two kernels' queries answer different questions (`ops/npu_workspa
   asks PA at every length given instead, keeping the largest answer.
 
 `ProbedWorkspaceNeed` is the `NeedFn` (see `workspaces.py`) doing this; answers are cached per
-(kernel, shape, tokens, length, table width), so the layers of one shape cost one question each.
+(kernel, shape, tokens, length, table width; FIA's per layer features too: a window or sinks change the
+call asked about, `ops/npu_features.py`), so the layers of one shape cost one question each.
 Nothing here runs at replay.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ import collections
 from typing import Callable, Protocol, Sequence
 
 from ..ops import tiling
+from ..ops.features import AttentionFeatures
 from .workspaces import KernelSite, NodeNeed
 
 #: The length vLLM-Ascend pinned PA's workspace to (SEQ_LEN_WITH_MAX_PA_WORKSPACE), and PA graphs
@@ -43,8 +45,10 @@ class WorkspaceQueries(Protocol):
     def paged_attention(self, shape: tiling.AttentionShape, context_lens: Sequence[int], max_blocks: int) -> int:
         """PA's need for one decode token per sequence at `context_lens`."""
 
-    def fused_infer_attention_max(self, shape: tiling.AttentionShape, tokens: int, max_blocks: int) -> int:
-        """FIA's largest need for `tokens` query tokens in as many sequences, at any lengths."""
+    def fused_infer_attention_max(self, shape: tiling.AttentionShape, tokens: int, max_blocks: int,
+                                  features: AttentionFeatures) -> int:
+        """FIA's largest need for `tokens` query tokens in as many sequences, at any lengths, for a layer
+        of `features` (a device asks it in the form that layer's calls take)."""
 
     def mla_max(self, shape: tiling.AttentionShape, tokens: int, max_blocks: int, max_query_len: int) -> int:
         """MLA's largest need for `tokens` query tokens in as many sequences of at most `max_query_len`."""
@@ -79,8 +83,9 @@ class ProbedWorkspaceNeed:
     def __call__(self, site: KernelSite, tokens: int, max_model_len: int, pinned_seq_len: int | None) -> NodeNeed:
         max_blocks = -(-max_model_len // site.shape.block_size)
         if site.kernel == tiling.FIA:
-            nbytes = self._ask((tiling.FIA, site.shape, tokens, max_blocks), lambda: self.device_queries.fused_infer_attention_max(
-                site.shape, tokens, max_blocks))
+            nbytes = self._ask((tiling.FIA, site.shape, tokens, max_blocks, site.features),
+                               lambda: self.device_queries.fused_infer_attention_max(site.shape, tokens, max_blocks,
+                                                                                      site.features))
             return NodeNeed(site.node, site.kernel, nbytes, max_model_len, nbytes, max_model_len)
         if site.kernel == tiling.MLA:
             query_len = site.max_query_len or tokens
