@@ -25,7 +25,7 @@ ones (another backend not refused, the first vLLM graph not traced general, a wi
 sinks not passed to the op, FlashAttention's window off by one, vLLM-Ascend's int32 slots copied to
 int64 each step, its host copies of the lengths not taken or taken unchecked), and the ten a third
 audit's mutants survived (issue 36: MLA's dummy limit, the overlap of staged and in-place inputs, PA's
-per-step check against another bucket's slot or with a floored table width, vLLM-Ascend's query ends
+per-step check against another bucket's slot, vLLM-Ascend's query ends
 one too many, `has_sink` without `impl.sinks`, the vLLM block table not cut, the NPU generator not
 kept, the simulator's static inputs after an update, a uint8 mask index), and issue 33's (an uncapturable op,
 float32 on npu, verify's memory and `verify_every`, the device limits, FIA's decode graphs serving mixed
@@ -567,12 +567,6 @@ MUTANTS = (
         (f"{AUDIT36}::test_each_pa_step_is_checked_against_the_slot_of_its_own_graph",),
     ),
     Mutant(
-        "PA step check's table width floored", "ascend_compile/passes/npu_checks.py",
-        "            max_blocks = -(-max_model_len // call.meta.shape.block_size)\n            dtype",
-        "            max_blocks = max_model_len // call.meta.shape.block_size\n            dtype",
-        (f"{AUDIT36}::test_pa_is_asked_at_each_step_with_tables_as_wide_as_max_model_len_rounded_up",),
-    ),
-    Mutant(
         "MLA's dummy limit only where every kernel is MLA", "ascend_compile/passes/padding.py",
         "    limit = MLA_PADDING_CHUNK if any(call.meta.kernel == tiling.MLA",
         "    limit = MLA_PADDING_CHUNK if all(call.meta.kernel == tiling.MLA",
@@ -903,7 +897,10 @@ def worker() -> int:
     import json
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not in this venv (the vLLM ones have no hypothesis): a child needing it fails as a fresh one would
+            pass
     tools_dir = str(Path(__file__).resolve().parent)
     for line in sys.stdin:
         root, log, tests = json.loads(line)
@@ -950,7 +947,10 @@ class Worker:
         return json.loads(answer), log.read_text()
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it exited already (its error is in the output above)
+            pass
         self.proc.wait()
 
 
