@@ -94,6 +94,10 @@ class Target:
         every step may."""
         return None
 
+    def eager_reason(self, gm: fx.GraphModule, key: GraphKey) -> str | None:
+        """Why `gm`, as `key`'s graph, serves every step eagerly and is never captured, or None."""
+        return None
+
     def describe_kernel(self, call: KernelCall) -> dict[str, str]:
         """What plan.json says of a kernel node beyond its meta: here nothing."""
         return {}
@@ -138,16 +142,37 @@ class NpuTarget(Target):
         return npu_step_guard(gm, key, (lambda dtype: NpuWorkspaceQuery(kernels, dtype)) if config.pa_workspace_check
                               else None, config.max_model_len, kernels.band_at_single_query)
 
+    def eager_reason(self, gm: fx.GraphModule, key: GraphKey) -> str | None:
+        """Where the device's band edge probe found no `pre_tokens` serving a window (`ops/npu_band_probe.py`),
+        every graph with a windowed FIA layer runs its steps eagerly, through the model's own attention."""
+        from .ops import npu_band_probe
+        from .passes.npu_checks import windowed_fia_layers
+
+        for name, (_, sinks, _, _) in windowed_fia_layers(gm).items():
+            why = npu_band_probe.windowed_refusal(self.runtime.kernels, sinks)
+            if why:
+                return f"{key}: not captured, its windowed layer {name} runs eagerly: {why}"
+        return None
+
     def describe_kernel(self, call: KernelCall) -> dict[str, str]:
-        """How a windowed FIA layer's window is served: the band in every step, or not in decode steps with
-        a sequence longer than it, as the device's S=1 band probe answered (`ops/npu_band_probe.py`)."""
+        """How a windowed FIA layer's window is served: the band of the `pre_tokens` the device's edge probe
+        found, in every step, or not in decode steps with a sequence longer than it, as the device's S=1 band
+        probe answered, or not at all (`ops/npu_band_probe.py`)."""
         from .ops import npu_band_probe
 
         window = call.meta.features.window
         if call.meta.kernel != FIA or window is None:
             return {}
-        band = f"FIA band mode (sparse_mode 4, pre_tokens {window - 1}, next_tokens 0)"
-        answer = npu_band_probe.known(self.runtime.kernels).get(npu_band_probe.form(call.meta.features.sinks))
+        kernels, form = self.runtime.kernels, npu_band_probe.form(call.meta.features.sinks)
+        if form not in npu_band_probe.known_edges(kernels):
+            return {"window_served": "FIA band mode; the band edge probe not asked yet (it is at this layer's "
+                                     "first graph)"}
+        edge = npu_band_probe.known_edges(kernels)[form]
+        if edge is None:
+            return {"window_served": f"eagerly, not on FIA: {npu_band_probe.EDGE_REFUSAL}"}
+        band = (f"FIA band mode (sparse_mode 4, pre_tokens {window - edge}, next_tokens 0: the band edge probe "
+                f"found {npu_band_probe.READINGS[edge]})")
+        answer = npu_band_probe.known(kernels).get(form)
         if answer is None:
             return {"window_served": f"{band}; the S=1 band probe not asked yet (it is at this layer's first graph)"}
         if answer:

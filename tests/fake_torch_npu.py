@@ -514,6 +514,9 @@ class FakeNpu:
         #: say ("Q_S为1时该参数无效", L8110), True as vLLM-Ascend's decode graphs rely on
         #: (`tests/fake_torch_npu_features.py`).
         self.band_at_single_query = False
+        #: How many keys a band of pre_tokens P attends: "docs" P + 1 (L1636-1645, L8200), "vllm-ascend" P
+        #: (its pre_tokens = W, attention_v1.py L942), "neither" P + 2 (`tests/fake_torch_npu_features.py`).
+        self.band_reading = "docs"
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
@@ -849,11 +852,12 @@ NPU_FUNCTIONS = (
 
 def install(
     monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS,
-    band_at_single_query: bool = False,
+    band_at_single_query: bool = False, band_reading: str = "docs",
 ) -> FakeNpu:
     """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
     `device_kernels`: the ops besides torch's own that its simulator records as one task each;
-    `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`).
+    `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`);
+    `band_reading`: how many keys a band of pre_tokens P attends ("docs" P + 1, "vllm-ascend" P, "neither").
 
     Its device is the CPU, so NPU tensors are CPU tensors: `NPU_DEVICE_TYPE` reads "cpu" meanwhile.
     """
@@ -862,6 +866,7 @@ def install(
     _define_ops()
     fake = FakeNpu(device_kernels)
     fake.band_at_single_query = band_at_single_query
+    fake.band_reading = band_reading
     monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
     fake.default_stream = Stream()
 

@@ -19,6 +19,10 @@ so such a call attends every key. `FakeNpu.band_at_single_query = True` (`instal
 True)`) applies the band there too, the reading vLLM-Ascend's decode graphs rely on (`attention_v1.py`
 `full_graph_fia` passes `pre_tokens` at one token per sequence). Which one a device computes, the
 binding asks it (`ascend_compile/ops/npu_band_probe.py`).
+
+How many keys a band of `pre_tokens` P attends at all is the fake's other switch, `FakeNpu.band_reading`
+(`install(..., band_reading=)`, `BAND_READINGS`): the docs' P + 1 by default, vLLM-Ascend's P (its
+`pre_tokens = W`), or P + 2 (neither); the binding's edge probe asks the device which.
 """
 from __future__ import annotations
 
@@ -31,6 +35,11 @@ from ascend_compile.ops.features import AttentionFeatures
 from tests import fake_torch_npu as base
 
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+#: The keys a band of `pre_tokens` P attends beyond P, by the fake's reading (`install(..., band_reading=)`):
+#: the docs' (P before the query's own, and its own: L1636-1645, L8200), vLLM-Ascend's (`pre_tokens = W`,
+#: `attention_v1.py` L942: P keys, its own among them), and one neither reading means (P + 2), to test
+#: the refusal.
+BAND_READINGS = {"docs": 1, "vllm-ascend": 0, "neither": 2}
 _DOC = "torch_npu 2.14 _op_plugin_docs.py"
 
 
@@ -63,7 +72,10 @@ def band_window(kw: dict[str, Any], query_lens: Sequence[int], kv_lens: Sequence
         raise NotImplementedError(f"next_tokens: the fake computes bands ending at the query's own key (0), got {nxt}")
     if all(q == 1 for q in query_lens) and not getattr(base._ACTIVE, "band_at_single_query", False):
         return None  # "Q_S为1时该参数无效" (L8110, L8111, L8629, L8630): every key of the sequence attended
-    return pre + 1  # keys p - pre_tokens .. p: pre_tokens before the query's own, and its own
+    keys = pre + BAND_READINGS[getattr(base._ACTIVE, "band_reading", "docs")]
+    if keys < 1:
+        raise NotImplementedError(f"pre_tokens: a band of {pre} attends no key under the fake's reading")
+    return keys  # docs: keys p - pre_tokens .. p, pre_tokens before the query's own, and its own
 
 
 def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int],

@@ -7,7 +7,12 @@ which vLLM-Ascend does not serve on FIA, refused at compile time naming the laye
 Both readings of the band at one query token per sequence run (`ascend_compile/ops/npu_band_probe.py`):
 the docs' (the band has no effect there, the fake's default) and vLLM-Ascend's (it applies). The device's
 probe decides: with the docs' reading, decode steps with a sequence longer than the window run eagerly
-and equal eager; with vLLM-Ascend's, every step replays."""
+and equal eager; with vLLM-Ascend's, every step replays.
+
+Both readings of the band's edge run too (`npu_band_probe.band_edge`): the docs' (a band of `pre_tokens`
+P holds P keys before the query's own and its own: `pre_tokens = W - 1`) and vLLM-Ascend's
+(`pre_tokens = W`), the fake's `band_reading`. The device's edge probe decides which `pre_tokens` the
+binding passes; where it finds neither, windowed layers run eagerly."""
 from __future__ import annotations
 
 import random
@@ -40,6 +45,9 @@ STEPS = [[300, 20, 7], [200, 25, 24, 400, 26, 3], [9, 500, 130, 64], ([90, 23, 3
          [5, 24, 17, 9, 3]]
 #: The two readings of FIA's band at one query token per sequence: the docs' and vLLM-Ascend's.
 READINGS = {"docs-band-ignored-at-s1": False, "band-applied-at-s1": True}
+#: Those with each reading of the band's edge (the fake's `band_reading`): the docs' and vLLM-Ascend's.
+EDGE_READINGS = {**{k: (a, "docs") for k, a in READINGS.items()},
+                 **{f"vllm-edge-{k}": (a, "vllm-ascend") for k, a in READINGS.items()}}
 
 
 @pytest.fixture
@@ -53,6 +61,18 @@ def either_reading(request, monkeypatch):
     return fake_torch_npu.install(monkeypatch, band_at_single_query=request.param)
 
 
+@pytest.fixture(params=list(EDGE_READINGS.values()), ids=list(EDGE_READINGS))
+def any_reading(request, monkeypatch):
+    """The fake under each reading of the band at S 1 and of its edge (`tests/fake_torch_npu_features.py`)."""
+    applies, edge = request.param
+    return fake_torch_npu.install(monkeypatch, band_at_single_query=applies, band_reading=edge)
+
+
+def pre_tokens_of(fake, window: int = WINDOW) -> int:
+    """The `pre_tokens` that serves `window` under the fake's reading of the band's edge."""
+    return window - 1 if fake.band_reading == "docs" else window
+
+
 def eager_steps(steps, band_at_single_query: bool) -> int:
     """The steps the S=1 band probe's answer sends eagerly where the device does not apply the band: decode
     steps with a sequence longer than the window, and every decode step of bucket 4, whose graph (with PA,
@@ -62,15 +82,22 @@ def eager_steps(steps, band_at_single_query: bool) -> int:
                                               for s in steps)
 
 
+def is_probe(call) -> bool:
+    """Whether `call` is one of the band probes' (one sequence of KV `PROBE_KV_LEN`, pre_tokens 15 or 16)."""
+    kv = call.kwargs.get("actual_seq_lengths_kv", call.kwargs.get("actual_seq_kvlen"))
+    return list(kv or []) == [npu_band_probe.PROBE_KV_LEN] and call.kwargs.get("pre_tokens") in (
+        npu_band_probe.PROBE_WINDOW - 1, npu_band_probe.PROBE_WINDOW)
+
+
 def served(fake, name: str):
-    """The calls of `name`, the S=1 band probe's own left out."""
-    return [c for c in fake.calls if c.name == name and c.kwargs.get("pre_tokens") != npu_band_probe.PROBE_WINDOW - 1]
+    """The calls of `name`, the band probes' own left out."""
+    return [c for c in fake.calls if c.name == name and not is_probe(c)]
 
 
-def run_replayed(cfg: LlamaConfig, steps=STEPS, band_at_single_query: bool = True):
+def run_replayed(cfg: LlamaConfig, steps=STEPS, band_at_single_query: bool = True, eager: int | None = None):
     """The example model compiled on runtime "npu" (without `verify`, so every output is the replay's own)
     and eager, over `steps`; asserts each step equal to eager, replayed unless the device's S=1 band
-    probe sent it eagerly (`eager_steps`); returns the artifacts."""
+    probe sent it eagerly (`eager_steps`, or `eager` steps where given); returns the artifacts."""
     model, reference = build(cfg), build(cfg)
     for layer in [*model.layers, *reference.layers] if cfg.sinks else []:
         layer.attn.sinks.data.copy_(SINKS.to(cfg.dtype))
@@ -82,7 +109,7 @@ def run_replayed(cfg: LlamaConfig, steps=STEPS, band_at_single_query: bool = Tru
             lens, qlens = step if isinstance(step, tuple) else (step, None)
             inputs = batch.step(lens, qlens)
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
-    eager = eager_steps(steps, band_at_single_query)
+    eager = eager_steps(steps, band_at_single_query) if eager is None else eager
     assert sum(a.stats["replays"] for a in artifacts) == len(steps) - eager
     assert sum(a.stats["eager_fallbacks"] for a in artifacts) == eager
     return artifacts
@@ -97,37 +124,43 @@ def band_of(call) -> tuple:
     return call.kwargs["sparse_mode"], call.kwargs.get("pre_tokens"), call.kwargs.get("next_tokens")
 
 
-def test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode(either_reading):
-    fake_npu, applies = either_reading, either_reading.band_at_single_query
+def test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode(any_reading):
+    fake_npu, applies = any_reading, any_reading.band_at_single_query
     cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, layer_types=("full", "sliding"),
                       sliding_window=WINDOW)
     artifacts = run_replayed(cfg, band_at_single_query=applies)
-    # The probe asked the device once (one sequence, one query token, KV past its window), and decided.
-    probes = [c for c in fake_npu.calls if c.name == V1 and c.kwargs.get("pre_tokens") == npu_band_probe.PROBE_WINDOW - 1]
-    assert [(c.kwargs["actual_seq_lengths"], c.kwargs["actual_seq_lengths_kv"]) for c in probes] == [
-        ([1], [npu_band_probe.PROBE_KV_LEN])]
+    # The probes asked the device once each (one sequence of 4 query tokens, then of one, KV past the window,
+    # both with the pre_tokens the first found), and decided.
+    probe_pre = pre_tokens_of(fake_npu, npu_band_probe.PROBE_WINDOW)
+    probes = [c for c in fake_npu.calls if c.name == V1 and is_probe(c)]
+    assert [(c.kwargs["actual_seq_lengths"], c.kwargs["actual_seq_lengths_kv"], c.kwargs["pre_tokens"])
+            for c in probes] == [([npu_band_probe.EDGE_QUERY_LEN], [npu_band_probe.PROBE_KV_LEN],
+                                  npu_band_probe.PROBE_WINDOW - 1), ([1], [npu_band_probe.PROBE_KV_LEN], probe_pre)]
     [how] = window_served(artifacts)
     assert ("in every step" in how) == applies and ("run eagerly" in how) != applies
+    assert f"pre_tokens {pre_tokens_of(fake_npu)}," in how
     calls = served(fake_npu, V1)
-    # The full layer causal (bucket 8 and mixed steps), the sliding one in band mode: W - 1 keys before the
-    # query's own, none after; its workspace asked in the same form.
-    assert {band_of(c) for c in calls} == {(3, None, None), (4, WINDOW - 1, 0)}
-    assert (4, WINDOW - 1, 0) in {band_of(c) for c in fake_npu.calls if c.name == V1_QUERY}
+    # The full layer causal (bucket 8 and mixed steps), the sliding one in band mode of the pre_tokens the
+    # edge probe found (W - 1 under the docs' reading, W under vLLM-Ascend's), none after the query's own;
+    # its workspace asked in the same form.
+    pre = pre_tokens_of(fake_npu)
+    assert {band_of(c) for c in calls} == {(3, None, None), (4, pre, 0)}
+    assert (4, pre, 0) in {band_of(c) for c in fake_npu.calls if c.name == V1_QUERY}
     assert all(c.kwargs["atten_mask"].shape == (2048, 2048) for c in calls)
     schemas = fake_torch_npu.schemas()
     for call in fake_npu.calls:
         check_call(schemas[call.name], call.args, call.kwargs)
 
 
-def test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager(either_reading):
-    fake_npu = either_reading
+def test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager(any_reading):
+    fake_npu = any_reading
     cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, sinks=True,
                       layer_types=("sliding", "full"), sliding_window=WINDOW)
     run_replayed(cfg, band_at_single_query=fake_npu.band_at_single_query)
     calls = served(fake_npu, V2)
     assert calls and not fake_npu.count(V1, "_npu_paged_attention")  # sinks: FIA v2 in every bucket
     # vLLM-Ascend's call: band mode for the sliding layer, sparse 3 (pre_tokens at its default) for the full one
-    assert {band_of(c) for c in calls} == {(4, WINDOW - 1, 0), (3, MAX_TOKENS, 0)}
+    assert {band_of(c) for c in calls} == {(4, pre_tokens_of(fake_npu), 0), (3, MAX_TOKENS, 0)}
     assert {(c.kwargs["learnable_sink"].dtype, tuple(c.kwargs["learnable_sink"].shape)) for c in calls} == {
         (torch.bfloat16, (4,))}
     asked = [c for c in fake_npu.calls if c.name == V2_QUERY]
@@ -137,18 +170,15 @@ def test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager(either_reading)
         check_call(schemas[call.name], call.args, call.kwargs)
 
 
-def vllm_ascends_band(window):
-    """vLLM-Ascend's arguments: `pre_tokens=self.sliding_window` (attention_v1.py L942), W itself."""
-    return {} if window is None else {"pre_tokens": window, "next_tokens": 0}
-
-
+@pytest.mark.parametrize("reading", ["docs", "vllm-ascend"])
 @pytest.mark.parametrize("sinks", [None, SINKS], ids=["fia", "fia-v2-sinks"])
 @pytest.mark.parametrize("query_lens", [None, [1, 3, 1, 2, 4]], ids=["decode", "mixed"])
-def test_a_window_off_by_one_differs_from_eager(monkeypatch, sinks, query_lens):
-    """The binding's window against the dense oracle, then with vLLM-Ascend's `pre_tokens=W`: on the fake,
-    which computes the documented band, that is a window of W + 1 keys, and it differs from eager (decode
-    calls on a fake applying the band at S 1)."""
-    fake_torch_npu.install(monkeypatch, band_at_single_query=True)
+def test_a_window_off_by_one_differs_from_eager(monkeypatch, reading, sinks, query_lens):
+    """The binding's window against the dense oracle, then with the other reading's `pre_tokens` forced
+    (`W` where the device's band is the docs', `W - 1` where it is vLLM-Ascend's): on the fake, which
+    computes the band as its reading defines it, that is a window one key wider or narrower, and it differs
+    from eager (decode calls on a fake applying the band at S 1)."""
+    fake = fake_torch_npu.install(monkeypatch, band_at_single_query=True, band_reading=reading)
     window = 9
     prob = make_problem([300, 23, 10, 9, 130], query_lens, block_size=NPU_BLOCK, dtype=DTYPE, seed=3)
     sinks = None if sinks is None else sinks.to(DTYPE)
@@ -166,9 +196,13 @@ def test_a_window_off_by_one_differs_from_eager(monkeypatch, sinks, query_lens):
         return out.float()
 
     torch.testing.assert_close(attend(), prob.dense(window=window, sinks=sinks), **TOL)
-    monkeypatch.setattr("ascend_compile.ops.npu_features.band_tokens", vllm_ascends_band)
+    assert {c.kwargs["pre_tokens"] for c in served(fake, V2 if sinks is not None else V1)} == {
+        pre_tokens_of(fake, window)}
+    other = window if reading == "docs" else window - 1  # the other reading's pre_tokens
+    monkeypatch.setattr(kernels, "pre_tokens", lambda w, s: None if w is None else other)
     off = attend()
-    torch.testing.assert_close(off, prob.dense(window=window + 1, sinks=sinks), **TOL)
+    wrong = window + 1 if reading == "docs" else window - 1
+    torch.testing.assert_close(off, prob.dense(window=wrong, sinks=sinks), **TOL)
     assert (off - prob.dense(window=window, sinks=sinks)).abs().max() > 10 * TOL["atol"]
 
 
@@ -309,13 +343,13 @@ def test_the_s1_band_probe_asks_the_device_once_and_logs_its_answer(either_readi
         answers = [kernels.band_at_single_query(False), kernels.band_at_single_query(False),
                    npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU).band_at_single_query(False)]
     assert answers == [applies] * 3
-    assert either_reading.count(V1) == 1  # once per process and device
+    assert either_reading.count(V1) == 2  # once per process and device, after the edge probe's one call
     assert [r.getMessage() for r in caplog.records if "S=1 band probe" in r.getMessage()] == [
         f"ascend_compile: FIA v1 on cpu {'applies' if applies else 'does not apply'} the band (sparse_mode 4, "
         f"pre_tokens) to a call whose every sequence has one query token (the S=1 band probe): "
         f"{'windowed layers keep their decode graphs' if applies else 'decode steps with a sequence longer than a layer' + chr(39) + 's window run eagerly'}"]
     assert npu_band_probe.known(kernels) == {"v1": applies}
-    assert kernels.band_at_single_query(True) == applies and either_reading.count(V2) == 1  # v2 asked apart
+    assert kernels.band_at_single_query(True) == applies and either_reading.count(V2) == 2  # v2 asked apart
 
 
 def test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band(fake_npu):

@@ -88,6 +88,7 @@ DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
 NPU_FEATURES = "tests/test_npu_features.py"
+NPU_BAND_EDGE = "tests/test_npu_band_edge.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 AUDIT36 = "tests/test_audit36_survivors.py"
 UNCAPTURABLE = "tests/test_uncapturable.py"
@@ -793,19 +794,38 @@ MUTANTS = (
     ),
     # issue 33 item 7: windows and sinks on runtime "npu" as vLLM-Ascend binds them (`ops/npu_features.py`)
     Mutant(
-        "npu window off by one (vLLM-Ascend's pre_tokens=W)", "ascend_compile/ops/npu_features.py",
-        '{"pre_tokens": int(window) - 1, "next_tokens": 0}', '{"pre_tokens": int(window), "next_tokens": 0}',
-        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
+        "npu window off by one (vLLM-Ascend's pre_tokens=W whatever the probe)", "ascend_compile/ops/npu_band_probe.py",
+        "    return None if edge is None else int(window) - edge\n", "    return int(window)\n",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[docs-band-ignored-at-s1]",),
+    ),
+    # the band's edge: the docs' pre_tokens = W - 1 or vLLM-Ascend's W, decided by the device's edge probe
+    Mutant(
+        "pre_tokens fixed at W-1 whatever the probe", "ascend_compile/ops/npu_band_probe.py",
+        "    return None if edge is None else int(window) - edge\n", "    return int(window) - 1\n",
+        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[vllm-edge-band-applied-at-s1]",
+         f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager[vllm-edge-band-applied-at-s1]"),
+    ),
+    Mutant(
+        "the band edge probe's answer of neither reading not refused", "ascend_compile/targets.py",
+        "            if why:\n                return f\"{key}: not captured", "            if False:\n                return f\"{key}: not captured",
+        (f"{NPU_BAND_EDGE}::test_windowed_layers_run_eagerly_where_the_edge_probe_finds_neither_reading",),
+    ),
+    Mutant(
+        "the binding's edge backstop dropped", "ascend_compile/ops/npu.py",
+        "        if window is not None and pre_tokens is None:", "        if False:",
+        (f"{NPU_BAND_EDGE}::test_windowed_layers_run_eagerly_where_the_edge_probe_finds_neither_reading",),
     ),
     Mutant(
         "npu window sent in causal mode", "ascend_compile/ops/npu.py",
-        '        "sparse_mode": npu_features.sparse_mode(window),\n',
+        '        "sparse_mode": npu_features.sparse_mode(pre_tokens),\n',
         '        "sparse_mode": npu_features.sparse_mode(None),\n',
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
     ),
     Mutant(
         "npu sinks' window sent in causal mode", "ascend_compile/ops/npu_features.py",
-        '        "sparse_mode": sparse_mode(window),\n', '        "sparse_mode": CAUSAL_SPARSE_MODE,\n',
+        '        "sparse_mode": sparse_mode(pre_tokens),\n', '        "sparse_mode": CAUSAL_SPARSE_MODE,\n',
         (f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager",),
     ),
     Mutant(
@@ -829,8 +849,10 @@ MUTANTS = (
     ),
     Mutant(
         "fake band's pre_tokens counts the query's own key", "tests/fake_torch_npu_features.py",
-        "    return pre + 1  # keys p - pre_tokens .. p", "    return pre  # keys p - pre_tokens .. p",
-        (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
+        'BAND_READINGS = {"docs": 1,', 'BAND_READINGS = {"docs": 0,',
+        (f"{NPU_FEATURES}::test_the_fake_follows_the_docs_at_one_query_token_per_sequence_unless_told_otherwise",
+         f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
+         f"[docs-band-ignored-at-s1]"),
     ),
     Mutant(
         "fake band's constraints unchecked", "tests/fake_torch_npu_features.py",

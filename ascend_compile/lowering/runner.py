@@ -202,10 +202,11 @@ class CompiledArtifact:
         staging = Staging(self.signature, self.rewritten.write_back, self.runtime, gm, padded)
         entry = GraphEntry(key, specialization_of(self.signature, symbols), gm, staging)
         entry.step_guard = self.target.step_guard(gm, key, self.config)
+        entry.eager_reason = self.target.eager_reason(gm, key)
         entry.packed = packed_capture(gm, key, self.target.mixed_graph_kernels)
         blocked = next((n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in self.uncapturable),
                        None)
-        if blocked is not None:  # not tried again: its capture would fail as the first one did
+        if blocked is not None and entry.eager_reason is None:  # not tried again: its capture would fail as the first one did
             entry.eager_reason = f"{entry.name}: not captured, {self.uncapturable[blocked]}"
         return entry
 

@@ -85,11 +85,12 @@ def fused_infer_attention_args(
     actual_seq_lengths_kv: Sequence[int],
     scale: float,
     atten_mask: torch.Tensor,
-    window: int | None = None,
+    pre_tokens: int | None = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Positional and keyword arguments of `npu_fused_infer_attention_score` (TND, paged KV), in
-    schema order, shared by the `.out` call and the workspace query; with a `window`, band mode
-    (`npu_features.sparse_mode`, `band_tokens`)."""
+    schema order, shared by the `.out` call and the workspace query; with a window, band mode of
+    `pre_tokens` (`npu_features.sparse_mode`, `band_tokens`; the device's edge probe finds it for a window:
+    `NpuKernels.pre_tokens`)."""
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
     check_fia_block_size(int(block_size))
     key = key_cache.view(num_blocks, block_size, kv_heads * head_dim)
@@ -101,10 +102,10 @@ def fused_infer_attention_args(
         "block_table": block_table,
         "num_heads": int(query.shape[1]),
         "scale": float(scale),
-        **npu_features.band_tokens(window),
+        **npu_features.band_tokens(pre_tokens),
         "input_layout": "TND",
         "num_key_value_heads": int(kv_heads),
-        "sparse_mode": npu_features.sparse_mode(window),
+        "sparse_mode": npu_features.sparse_mode(pre_tokens),
         "block_size": int(block_size),
     }
     return (query, key, value), kwargs
@@ -182,7 +183,9 @@ class NpuKernels:
         its band mode; with sinks as `npu_fused_infer_attention_score_v2.out` (`learnable_sink`). A soft-cap
         is refused here as at compile time (`ops/npu_features.py`: torch_npu's FIA has none), and so is a
         windowed call of one query token per sequence with one longer than the window where the device does
-        not apply the band at S 1 (`ops/npu_band_probe.py`; the step guard sends such steps eagerly first)."""
+        not apply the band at S 1 (`ops/npu_band_probe.py`; the step guard sends such steps eagerly first),
+        and every windowed call where the device's edge probe found no `pre_tokens` serving the window (its
+        graphs run eagerly first: `NpuTarget.eager_reason`)."""
         library.check_features(query, window, soft_cap, sinks)
         if soft_cap is not None:
             raise ValueError(f"soft_cap: not supported on runtime 'npu': {npu_features.SOFT_CAP_REFUSAL}")
@@ -193,12 +196,21 @@ class NpuKernels:
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv,
             workspace, out, check_data=False,
         )
+        pre_tokens = self.pre_tokens(window, sinks is not None)
+        if window is not None and pre_tokens is None:
+            raise ValueError(f"window: a window of {window} is not served on FIA: {npu_band_probe.EDGE_REFUSAL}")
         if npu_band_probe.single_query_outside(actual_seq_lengths, actual_seq_lengths_kv, window) and \
                 not self.band_at_single_query(sinks is not None):
             raise ValueError(f"window: a call of one query token per sequence with one longer than the window of "
                              f"{window} would attend the whole context: {npu_band_probe.REFUSAL}")
         self.launch_fia(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
-                        workspace, out, window, sinks)
+                        workspace, out, pre_tokens, sinks)
+
+    def pre_tokens(self, window: int | None, sinks: bool) -> int | None:
+        """FIA's `pre_tokens` for a layer of `window` in the form of a layer with or without sinks: `W - 1`
+        or `W`, as this device's edge probe found (asked once per process: `ops/npu_band_probe.py`); None
+        without a window, or where the probe found neither."""
+        return npu_band_probe.pre_tokens(self, window, sinks)
 
     def band_at_single_query(self, sinks: bool) -> bool:
         """Whether this device applies FIA's band when every sequence has one query token (its probe's
@@ -207,17 +219,18 @@ class NpuKernels:
 
     def launch_fia(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_table: torch.Tensor, actual_seq_lengths: Sequence[int], actual_seq_lengths_kv: Sequence[int],
-                   scale: float, workspace: torch.Tensor, out: torch.Tensor, window: int | None,
+                   scale: float, workspace: torch.Tensor, out: torch.Tensor, pre_tokens: int | None,
                    sinks: torch.Tensor | None) -> None:
-        """FIA v1, or v2 with sinks, called on checked arguments (the S=1 band probe calls it directly)."""
+        """FIA v1, or v2 with sinks, called on checked arguments, band mode of `pre_tokens` where not None
+        (the band probes call it directly)."""
         if sinks is not None:
             npu_features.sinks_attention(self.torch_npu, self.atten_mask, self.softmax_lse, query, key_cache,
                                          value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
-                                         window, sinks, workspace, out)
+                                         pre_tokens, sinks, workspace, out)
             return
         args, kwargs = fused_infer_attention_args(
             query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
-            self.atten_mask, window,
+            self.atten_mask, pre_tokens,
         )
         self.torch_npu.npu_fused_infer_attention_score.out(
             *args, **kwargs, workspace=workspace, out=[out, self.softmax_lse]
@@ -289,19 +302,31 @@ class NpuKernels:
 
         Both queries return the workspace itself, a 1-D tensor whose dtype is the op's choice (torch_npu
         passes FIA's answer straight back as `workspace=`: `_npugraph_handlers/ifa_handler.py`), so its
-        size is `numel * element_size` bytes, not its element count."""
+        size is `numel * element_size` bytes, not its element count. A window whose `pre_tokens` the edge
+        probe found none for is asked as the docs' band (`W - 1`): its calls are refused, the answer sizes
+        nothing that runs."""
         if kernel == tiling.PA:
             args = paged_attention_args(query, key_cache, value_cache, block_table, kv_lens, scale, out)
             return _nbytes(self.torch_npu._npu_paged_attention_get_workspace(*args))
-        if kernel == tiling.FIA and sinks is not None:
-            return _nbytes(npu_features.sinks_workspace(self.torch_npu, self.atten_mask, query, key_cache, value_cache,
-                                                        block_table, query_ends, kv_lens, scale, window, sinks))
         if kernel == tiling.FIA:
-            args, kwargs = fused_infer_attention_args(
-                query, key_cache, value_cache, block_table, query_ends, kv_lens, scale, self.atten_mask, window
-            )
-            return _nbytes(self.torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs))
+            pre = self.pre_tokens(window, sinks is not None)
+            pre = int(window) - 1 if window is not None and pre is None else pre
+            return self.band_workspace_nbytes(query, key_cache, value_cache, block_table, query_ends, kv_lens, scale,
+                                              out, pre, sinks)
         raise ValueError(f"kernel: expected {tiling.PA!r} or {tiling.FIA!r}, got {kernel!r}")
+
+    def band_workspace_nbytes(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              block_table: torch.Tensor, query_ends: Sequence[int], kv_lens: Sequence[int],
+                              scale: float, out: torch.Tensor, pre_tokens: int | None,
+                              sinks: torch.Tensor | None) -> int:
+        """FIA's workspace query (v2's with sinks) in band mode of `pre_tokens` where not None."""
+        if sinks is not None:
+            return _nbytes(npu_features.sinks_workspace(self.torch_npu, self.atten_mask, query, key_cache, value_cache,
+                                                        block_table, query_ends, kv_lens, scale, pre_tokens, sinks))
+        args, kwargs = fused_infer_attention_args(
+            query, key_cache, value_cache, block_table, query_ends, kv_lens, scale, self.atten_mask, pre_tokens
+        )
+        return _nbytes(self.torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs))
 
     def call(self, kernel: str, *args: Any) -> None:
         """Run `kernel` ("paged_attention" or "fused_infer_attention") with the ascend op's arguments."""

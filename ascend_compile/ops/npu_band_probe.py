@@ -1,5 +1,6 @@
 """Whether FIA's band (`ops/npu_features.py`) applies to a call whose every sequence has one query token,
-asked of the device itself: once per process, device and FIA form, at first use.
+and which `pre_tokens` makes it a layer's window (its edge), asked of the device itself: once per process,
+device and FIA form, at first use.
 
 Lines `Lnnnn` are of torch_npu 2.14's `_op_plugin_docs.py`. A call whose query has S 1 is FIA's
 IncreFlashAttention branch ("当Query矩阵的S为1, 进入IncreFlashAttention分支", L8056, v2 L8580); in TND that
@@ -26,6 +27,19 @@ their graphs. The other ways considered are not exact or not sound: giving FIA o
 a block's first key; an explicit mask at S 1 (sparse 0 with `(B, 1, Q_S, KV_S)`, L8077-8078; `(B, KV_S)`
 only in BSH / BSND / BNSD, L8079), rebuilt on the device every step, at least `maxBlockNumPerSeq *
 blockSize` wide with paged KV (L8226), is a second reading no device has checked in place of the first.
+
+The band's edge, asked the same way (`band_edge`, `pre_tokens`): how many keys a band of `pre_tokens` P
+attends at several query tokens per sequence (PromptFlashAttention, where the band's arguments take
+effect). The docs' band holds the keys from P before the query's own to it ("参数起点为右下角", L1645;
+L1636-1645, L8200, L8735): P + 1 keys, so a window of W keys is `pre_tokens = W - 1`. vLLM-Ascend passes
+`pre_tokens = W` (`attention_v1.py` L942, L1127, L1204, L1431): P keys. The two differ by the key exactly
+at the window's edge, silently. So one call of the real kernel (one sequence of 4 query tokens, KV 200, P
+= 15) whose keys are arranged so that the oldest key of each query's window dominates its softmax (its
+logit 4 above the next key's) is compared with the reference for windows 15, 16 and 17: 16 is the docs'
+reading (`pre_tokens = W - 1`), 15 vLLM-Ascend's (`pre_tokens = W`); 17, or none of them, is a band
+neither reading means, and then no windowed layer is served on FIA at all (the binding refuses such a
+call; its graphs run eagerly, `windowed_refusal`), with a WARNING saying why. The offset is taken as the
+same for every window (the docs define the band by `pre_tokens` alone).
 """
 from __future__ import annotations
 
@@ -47,9 +61,23 @@ REFUSAL = ("torch_npu 2.14's docs say FIA's pre_tokens and next_tokens have no e
            "one query token ('Q_S为1时该参数无效', _op_plugin_docs.py L8110, L8111, L8629, L8630), and this device's "
            "probe found its band not applied there (ops/npu_band_probe.py)")
 
+#: The edge probe's query tokens (one sequence of several: PromptFlashAttention, L8056).
+EDGE_QUERY_LEN = 4
+#: The keys a band of `pre_tokens` P attends beyond P, by reading: the docs' (P before the query's own,
+#: and its own) and vLLM-Ascend's (P, its own among them).
+READINGS = {1: "the docs' band, pre_tokens = W - 1 (_op_plugin_docs.py L1636-1645, L8200, L8735)",
+            0: "vLLM-Ascend's, pre_tokens = W (vllm_ascend/attention/attention_v1.py L942, L1127, L1204, L1431)"}
+
+EDGE_REFUSAL = ("this device's FIA band probe at several query tokens (ops/npu_band_probe.py) found a band of "
+                "pre_tokens W - 1 attending neither W keys (the docs' band, _op_plugin_docs.py L1636-1645, L8200) "
+                "nor W - 1 (vLLM-Ascend's pre_tokens = W, attention_v1.py L942): no pre_tokens is known to serve a "
+                "window, so windowed layers are not served on FIA")
+
 #: The answers, per torch_npu module (a process has one; each fake a test installs is another), then
 #: per (device, FIA form: "v2-sinks" or "v1").
 _ANSWERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], bool]]" = weakref.WeakKeyDictionary()
+#: The edge probe's answers, alike: the keys a band of P attends beyond P (`READINGS`), None for neither.
+_EDGES: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int | None]]" = weakref.WeakKeyDictionary()
 
 
 def form(sinks: bool) -> str:
@@ -70,6 +98,44 @@ def known(kernels: Any) -> dict[str, bool]:
     return {f: a for (device, f), a in answers.items() if device == str(kernels.device)}
 
 
+def known_edges(kernels: Any) -> dict[str, int | None]:
+    """The edge probe's answers asked so far on `kernels`' device, by form (for plan.json)."""
+    edges = _EDGES.get(kernels.torch_npu, {})
+    return {f: e for (device, f), e in edges.items() if device == str(kernels.device)}
+
+
+def band_edge(kernels: Any, sinks: bool) -> int | None:
+    """How many keys FIA's band of `pre_tokens` P attends beyond P on `kernels`' device, in the form of a
+    layer with or without `sinks`: 1 (the docs' reading), 0 (vLLM-Ascend's), or None (neither: no window
+    served); the edge probe's answer, asked once and logged (INFO, or WARNING for None)."""
+    edges = _EDGES.setdefault(kernels.torch_npu, {})
+    key = (str(kernels.device), form(sinks))
+    if key not in edges:
+        edges[key] = _edge_probe(kernels, sinks)
+        if edges[key] is None:
+            log.warning("ascend_compile: FIA %s on %s: %s", key[1], key[0], EDGE_REFUSAL)
+        else:
+            log.info("ascend_compile: FIA %s on %s attends %d keys for pre_tokens %d at several query tokens (the "
+                     "band edge probe): %s, windowed layers pass pre_tokens = W%s", key[1], key[0],
+                     PROBE_WINDOW - 1 + edges[key], PROBE_WINDOW - 1, READINGS[edges[key]],
+                     " - 1" if edges[key] else "")
+    return edges[key]
+
+
+def pre_tokens(kernels: Any, window: int | None, sinks: bool) -> int | None:
+    """FIA's `pre_tokens` for a layer of `window` (None without one) on `kernels`' device, as its edge
+    probe found (`band_edge`); None with a window where the probe found neither reading."""
+    if window is None:
+        return None
+    edge = band_edge(kernels, sinks)
+    return None if edge is None else int(window) - edge
+
+
+def windowed_refusal(kernels: Any, sinks: bool) -> str | None:
+    """Why a windowed layer of this form is not served on FIA on `kernels`' device, or None where it is."""
+    return EDGE_REFUSAL if band_edge(kernels, sinks) is None else None
+
+
 def band_at_single_query(kernels: Any, sinks: bool) -> bool:
     """Whether FIA's band applies when every sequence has one query token, on `kernels`' device, in the
     form of a layer with or without `sinks`: the probe's answer, asked once and logged at INFO."""
@@ -86,14 +152,59 @@ def band_at_single_query(kernels: Any, sinks: bool) -> bool:
 
 
 def _reference(query, key_cache, value_cache, table, scale, window, sinks) -> torch.Tensor:
-    out = torch.empty_like(query)
+    out, q = torch.empty_like(query), int(query.shape[0])
     features = AttentionFeatures(window, None, sinks is not None)
-    spans = [features.span(PROBE_KV_LEN, 1)]
+    spans = [features.span(PROBE_KV_LEN, q)]
     workspace = torch.empty(tiling.workspace_nbytes(tiling.FIA, tiling.AttentionShape.of(query, key_cache), spans,
-                                                    [1]), dtype=torch.uint8)
-    reference.fused_infer_attention(query, key_cache, value_cache, table, [1], [PROBE_KV_LEN], [1], scale, workspace,
+                                                    [q]), dtype=torch.uint8)
+    reference.fused_infer_attention(query, key_cache, value_cache, table, [q], [PROBE_KV_LEN], [q], scale, workspace,
                                     out, features, sinks)
     return out.float()
+
+
+def _device_output(kernels, query, key_cache, value_cache, table, scale, pre, sink) -> torch.Tensor:
+    """The device's FIA for the probe's one sequence with `pre_tokens` `pre`, on the host in float32."""
+    device, ends = kernels.device, [int(query.shape[0])]
+    q, k, v, t = (x.to(device) for x in (query, key_cache, value_cache, table))
+    s = None if sink is None else sink.to(device)
+    out = torch.empty_like(q)
+    nbytes = kernels.band_workspace_nbytes(q, k, v, t, ends, [PROBE_KV_LEN], scale, out, pre, s)
+    kernels.launch_fia(q, k, v, t, ends, [PROBE_KV_LEN], scale, torch.empty(nbytes, dtype=torch.uint8, device=device),
+                       out, pre, s)
+    return out.float().cpu()
+
+
+def _edge_probe(kernels: Any, sinks: bool) -> int | None:
+    """One call of the device's FIA at several query tokens with `pre_tokens` W - 1 against the reference
+    for windows W - 1, W and W + 1: the keys it attends beyond `pre_tokens` (1 or 0), None for neither."""
+    gen = torch.Generator().manual_seed(1)
+    heads, dim, blocks, q_len = 2, 64, -(-PROBE_KV_LEN // PROBE_BLOCK), EDGE_QUERY_LEN
+    dtype, scale = torch.bfloat16, dim**-0.5  # 1/8
+    first = PROBE_KV_LEN - q_len - PROBE_WINDOW - 4  # the oldest key any of the three windows holds, less some
+    pos = torch.arange(blocks * PROBE_BLOCK, dtype=torch.float32)
+    # Logit of key j: 4 * (first - j) + 16 for j >= first (older keys dominate), -100 before; its value's first
+    # channel (j - first - 12) / 4: each query's output is about its window's oldest value, 0.25 apart per key
+    # (bfloat16 holds every one of these exactly).
+    logit = torch.where(pos >= first, 4.0 * (first - pos) + 16.0, torch.full_like(pos, -100.0))
+    key_cache = 0.01 * torch.randn(blocks * PROBE_BLOCK, heads, dim, generator=gen)
+    key_cache[:, :, 0] = logit.view(-1, 1)
+    value_cache = 0.1 * torch.randn(blocks * PROBE_BLOCK, heads, dim, generator=gen)
+    value_cache[:, :, 0] = ((pos - first - 12.0) / 4.0).clamp(-4.0, 4.0).view(-1, 1)
+    query = 0.01 * torch.randn(q_len, heads, dim, generator=gen)
+    query[:, :, 0] = 8.0  # times the scale 1/8: the logit above
+    key_cache, value_cache = (x.to(dtype).view(blocks, PROBE_BLOCK, heads, dim) for x in (key_cache, value_cache))
+    query = query.to(dtype)
+    table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+    sink = torch.tensor([0.5, -0.5], dtype=dtype) if sinks else None
+    got = _device_output(kernels, query, key_cache, value_cache, table, scale, PROBE_WINDOW - 1, sink)
+    errs = {w: float((got - _reference(query, key_cache, value_cache, table, scale, w, sink)).abs().max())
+            for w in (PROBE_WINDOW - 1, PROBE_WINDOW, PROBE_WINDOW + 1)}
+    window = min(errs, key=errs.get)
+    if errs[window] > PROBE_TOL or sum(e <= PROBE_TOL for e in errs.values()) > 1 or window == PROBE_WINDOW + 1:
+        log.warning("ascend_compile: the band edge probe's FIA output for pre_tokens %d, against the windows "
+                    "%s (max errors): %s", PROBE_WINDOW - 1, list(errs), [f"{e:.3g}" for e in errs.values()])
+        return None
+    return window - (PROBE_WINDOW - 1)
 
 
 def _probe(kernels: Any, sinks: bool) -> bool:
@@ -110,16 +221,12 @@ def _probe(kernels: Any, sinks: bool) -> bool:
     query = torch.randn(1, heads, dim, generator=gen).to(dtype)
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
     sink = torch.tensor([0.5, -0.5], dtype=dtype) if sinks else None
+    pre = pre_tokens(kernels, PROBE_WINDOW, sinks)  # the edge probe's, so that the band means the window
+    if pre is None:
+        return False  # no window served on FIA at all (`windowed_refusal`)
     band = _reference(query, key_cache, value_cache, table, scale, PROBE_WINDOW, sink)
     full = _reference(query, key_cache, value_cache, table, scale, None, sink)
-    device = kernels.device
-    q, k, v, t = (x.to(device) for x in (query, key_cache, value_cache, table))
-    s = None if sink is None else sink.to(device)
-    out = torch.empty_like(q)
-    nbytes = kernels.workspace_nbytes(tiling.FIA, q, k, v, t, [1], [PROBE_KV_LEN], scale, out, PROBE_WINDOW, s)
-    kernels.launch_fia(q, k, v, t, [1], [PROBE_KV_LEN], scale, torch.empty(nbytes, dtype=torch.uint8, device=device),
-                       out, PROBE_WINDOW, s)
-    got = out.float().cpu()
+    got = _device_output(kernels, query, key_cache, value_cache, table, scale, pre, sink)
     band_err, full_err = float((got - band).abs().max()), float((got - full).abs().max())
     if band_err > PROBE_TOL and full_err > PROBE_TOL:
         log.warning("ascend_compile: the S=1 band probe's FIA output matches neither the windowed reference (max "

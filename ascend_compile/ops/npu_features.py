@@ -7,7 +7,8 @@ below are of the torch_npu 2.14.0 wheel's `torch_npu/_op_plugin_docs.py`).
   atten_mask为下三角", L8214): the same mask as sparse 3, as vLLM-Ascend passes its causal mask
   (`AttentionMaskBuilder.get_splitfuse_attn_mask`, `vllm_ascend/attention/attention_mask.py` L50-54) to
   both. `next_tokens=0` as vLLM-Ascend passes it (`full_graph_fia` L941-943 and the update L891-909;
-  eager L1418-1433), and `pre_tokens=W - 1`, where vLLM-Ascend passes `W` (`band_tokens` says why). At one
+  eager L1418-1433), and `pre_tokens` `W - 1` (the docs' band) or `W` (vLLM-Ascend's), as the device's own
+  edge probe finds (`band_tokens`, `ops/npu_band_probe.py`). At one
   query token per sequence the docs say the band's arguments have no effect (L8110-8111) and vLLM-Ascend
   relies on them: the device's own probe decides, and windowed decode steps it would not band run
   eagerly (`ops/npu_band_probe.py`).
@@ -46,20 +47,22 @@ SOFT_CAP_REFUSAL = (
 )
 
 
-def sparse_mode(window: int | None) -> int:
-    """FIA's sparse mode for a layer of `window`: band (4) with one, rightDownCausal (3) without."""
-    return CAUSAL_SPARSE_MODE if window is None else BAND_SPARSE_MODE
+def sparse_mode(pre_tokens: int | None) -> int:
+    """FIA's sparse mode for a layer whose band is `pre_tokens` (None without a window): band (4) with
+    one, rightDownCausal (3) without."""
+    return CAUSAL_SPARSE_MODE if pre_tokens is None else BAND_SPARSE_MODE
 
 
-def band_tokens(window: int | None) -> dict[str, int]:
-    """FIA's `pre_tokens` and `next_tokens` for a layer of `window`; none without one (sparse 3 ignores them:
-    "sparse_mode=1、2、3的场景忽略入参pre_tokens、next_tokens", L8215, L8773).
+def band_tokens(pre_tokens: int | None) -> dict[str, int]:
+    """FIA's `pre_tokens` and `next_tokens` for a layer whose window is the band of `pre_tokens` (what the
+    device's edge probe found for its window: `ops/npu_band_probe.pre_tokens`); none without one (sparse
+    3 ignores them: "sparse_mode=1、2、3的场景忽略入参pre_tokens、next_tokens", L8215, L8773).
 
     Our window `W` is `W` keys, the query's own included (`ops/features.py`: keys in `(p - W, p]`). FIA's
     band is every key `j` with `p - pre_tokens <= j <= p + next_tokens` for the query at `p`, counted from
     the bottom-right corner ("参数起点为右下角", L1645: a sequence's queries are the last of its keys; the band
     is drawn in npu_fusion_attention's section, L1636-1645, whose sparse modes FIA's list repeats, L8117-8122), so
-    `pre_tokens` counts the keys *before* the query's own and `pre_tokens = W - 1`, `next_tokens = 0`:
+    by the docs `pre_tokens` counts the keys *before* the query's own and `pre_tokens = W - 1`, `next_tokens = 0`:
 
     - causal attention is `next_tokens=0` ("next_tockens取值为0, pre_tockens大于等于Sq, 表示causal场景",
       L1638): the query's own key is inside the band at a distance of 0;
@@ -69,11 +72,12 @@ def band_tokens(window: int | None) -> dict[str, int]:
 
     vLLM-Ascend passes `pre_tokens=self.sliding_window`, vLLM's `W` (attention_v1.py L942, L1127, L1204, L1431),
     which by these lines attends `W + 1` keys: one more than vLLM's own FlashAttention backend
-    (`window_size=(W - 1, 0)`) and transformers' mask. We pass `W - 1`, what the docs' band means by our
-    window; which of the two a device computes is the first device's check (docs/ascend.md)."""
-    if window is None:
+    (`window_size=(W - 1, 0)`) and transformers' mask. Neither reading is assumed: the device's edge probe
+    decides which of `W - 1` and `W` attends `W` keys (`ops/npu_band_probe.py`), and refuses windows where
+    neither does."""
+    if pre_tokens is None:
         return {}
-    return {"pre_tokens": int(window) - 1, "next_tokens": 0}
+    return {"pre_tokens": int(pre_tokens), "next_tokens": 0}
 
 
 def sinks_arguments(
@@ -85,7 +89,7 @@ def sinks_arguments(
     actual_seq_kvlen: Sequence[int],
     scale: float,
     atten_mask: torch.Tensor,
-    window: int | None,
+    pre_tokens: int | None,
     sinks: torch.Tensor,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Positional and keyword arguments of FIA v2 with `learnable_sink` (TND, paged KV), shared by the
@@ -104,9 +108,9 @@ def sinks_arguments(
         "softmax_scale": float(scale),
         "pre_tokens": MAX_TOKENS,  # vLLM-Ascend's SWA_INT_MAX and next_tokens=0 without a window (L1204-1205)
         "next_tokens": 0,
-        **band_tokens(window),
+        **band_tokens(pre_tokens),
         "input_layout": "TND",
-        "sparse_mode": sparse_mode(window),
+        "sparse_mode": sparse_mode(pre_tokens),
         "block_size": int(block_size),
     }
     shape = (num_blocks, block_size, kv_heads * head_dim)
@@ -116,18 +120,18 @@ def sinks_arguments(
 def sinks_attention(torch_npu: ModuleType, atten_mask: torch.Tensor, softmax_lse: torch.Tensor, query: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     actual_seq_qlen: Sequence[int], actual_seq_kvlen: Sequence[int], scale: float,
-                    window: int | None, sinks: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor) -> None:
+                    pre_tokens: int | None, sinks: torch.Tensor, workspace: torch.Tensor, out: torch.Tensor) -> None:
     """FIA with sinks as `npu_fused_infer_attention_score_v2.out`, into `out` (softmax_lse reserved, L9059)."""
     args, kwargs = sinks_arguments(query, key_cache, value_cache, block_table, actual_seq_qlen, actual_seq_kvlen,
-                                   scale, atten_mask, window, sinks)
+                                   scale, atten_mask, pre_tokens, sinks)
     torch_npu.npu_fused_infer_attention_score_v2.out(*args, **kwargs, workspace=workspace, out=[out, softmax_lse])
 
 
 def sinks_workspace(torch_npu: ModuleType, atten_mask: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_table: torch.Tensor, actual_seq_qlen: Sequence[int],
-                    actual_seq_kvlen: Sequence[int], scale: float, window: int | None,
+                    actual_seq_kvlen: Sequence[int], scale: float, pre_tokens: int | None,
                     sinks: torch.Tensor) -> torch.Tensor:
     """The workspace FIA v2's max-workspace query returns for this call's shapes ("获取最大workspace size", L8961)."""
     args, kwargs = sinks_arguments(query, key_cache, value_cache, block_table, actual_seq_qlen, actual_seq_kvlen,
-                                   scale, atten_mask, window, sinks)
+                                   scale, atten_mask, pre_tokens, sinks)
     return torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace(*args, **kwargs)
