@@ -606,7 +606,8 @@ MUTANTS = (
     ),
     Mutant(
         "uncapturable op's graphs tried again", "ascend_compile/lowering/runner.py",
-        "        if blocked is not None:  # not tried again", "        if False:  # not tried again",
+        "        if blocked is not None and entry.eager_reason is None:  # not tried again",
+        "        if False:  # not tried again",
         (UNCAPTURABLE,),
     ),
     Mutant(
