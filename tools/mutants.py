@@ -907,7 +907,12 @@ def apply(mutant: Mutant, root: Path) -> str:
 #: (`python -X importtime`: torch._dynamo and sympy most of it), which 120 fresh interpreters paid each.
 #: Never the package or its tests: each child imports those from its mutated copy. torch imports triton
 #: itself, so the conftest's `TRITON_INTERPRET` is set after triton's import here as in a plain run.
-PRELOAD = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "numpy", "pytest", "hypothesis")
+#: In a vLLM venv, `vllm.platforms` too (about 4 s: vLLM's package, which imports torch._inductor): the
+#: package never imports vLLM at import time, so a fresh run's first vLLM import is the same one, in
+#: `tests/vllm_real.py`, which sets the platform only after it (what vLLM imports after the platform is
+#: set is left to the child, as the tests' monkeypatched platform class must be the one vLLM holds).
+PRELOAD = ("torch", "torch._dynamo", "torch.fx.experimental.symbolic_shapes", "sympy", "numpy", "pytest", "hypothesis",
+           "vllm.platforms")
 LOG = ".mutant-pytest.log"  # in each copy: the output of the last mutant's tests
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
 
@@ -922,7 +927,7 @@ def worker() -> int:
     for name in PRELOAD:
         try:
             importlib.import_module(name)
-        except ImportError:  # not in this venv (the vLLM ones have no hypothesis): a child needing it fails as a fresh one would
+        except ImportError:  # not in this venv (the vLLM ones have no hypothesis, the main one no vLLM): as in a fresh run
             pass
     tools_dir = str(Path(__file__).resolve().parent)
     for line in sys.stdin:
