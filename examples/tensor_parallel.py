@@ -19,6 +19,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import multiprocessing
 import os
 import random
 import sys
@@ -204,10 +205,14 @@ def spawn_ranks(cases: Sequence[Case], world: int = 2, timeout: float = 120.0, w
     """Run `cases` in order on `world` spawned ranks; each rank's results (`run_case`'s dicts, or
     {"failure": traceback}) by case name. Raises TimeoutError (after killing the ranks) when they
     have not all finished within `timeout` seconds, RuntimeError when a rank died."""
+    # forkserver, its server importing this module (torch, dynamo, the package) once: each rank is a
+    # fork of that single-threaded process, not a fresh interpreter paying those imports (seconds
+    # each); later calls reuse the server.
+    multiprocessing.set_forkserver_preload([__spec__.name if __spec__ else __name__])
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         store_path = os.path.join(tmp, "store")
         ctx = mp.start_processes(
-            _worker, args=(world, store_path, tmp, tuple(cases)), nprocs=world, join=False, start_method="spawn"
+            _worker, args=(world, store_path, tmp, tuple(cases)), nprocs=world, join=False, start_method="forkserver"
         )
         deadline = time.monotonic() + timeout
         try:
