@@ -15,8 +15,7 @@ import torch
 from ascend_compile import cli
 from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
-from ascend_compile.integrations import vllm_context, vllm_metadata
-from ascend_compile.integrations.vllm_memory import graph_memory
+from ascend_compile.integrations.vllm.memory import graph_memory
 from ascend_compile.ops import npu_band_probe
 from tests import fake_torch_npu
 from tests import vllm_standin as v
@@ -257,7 +256,7 @@ def test_a_host_copy_of_another_length_than_its_tensor_fails_the_step_naming_the
     """The runner takes a provider's host copies on its word (`Provider.host`), but not one whose
     length is not its tensor's (a provider's bug): the step fails naming the input and both lengths,
     before a kernel blames another argument."""
-    monkeypatch.setattr(vllm_metadata.HostLengths, "problem", staticmethod(lambda *args: None))  # checks nothing
+    monkeypatch.setattr(integration.metadata.HostLengths, "problem", staticmethod(lambda *args: None))  # checks nothing
     pair = Pair("ASCEND", 16, "sim", [])
     step = pair.step(random.Random(5), 3, False)
     metadata, _ = v.build_metadata(pair.models[0], step)
@@ -307,12 +306,12 @@ def test_binder_leaves_other_graphs_and_refuses_unknown_cache_layouts():
     binder = integration.ForwardContextBinder(v.get_forward_context)
     assert binder(gm) is None  # no vLLM attention: nothing to bind
     with pytest.raises(ValueError, match="a \\(key, value\\) pair or a \\[num_blocks, 2, block_size"):
-        vllm_context.split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
+        integration.context.split_cache(torch.zeros(3, 4), "forward_context.no_compile_layers['l'].kv_cache")
 
 
 @pytest.mark.parametrize("release", ["0.30.1", "0.24.0", "0.330.0", "0.2.3", "1.0.0"])
 def test_an_unsupported_vllm_release_is_refused_naming_the_supported_ones(monkeypatch, release):
-    monkeypatch.setattr(integration, "installed_version", lambda: release)
+    monkeypatch.setattr(integration.releases, "installed_version", lambda: release)
     with pytest.raises(RuntimeError, match=rf"vllm {release}: ascend_compile.integrations.vllm supports vLLM "
                                            rf"0\.23\.x, 0\.33\.x \("):
         integration.backend(max_model_len=64)
@@ -320,12 +319,12 @@ def test_an_unsupported_vllm_release_is_refused_naming_the_supported_ones(monkey
 
 @pytest.mark.parametrize("release", ["0.23.0", "0.23.1", "0.33.0", "0.33.2"])
 def test_the_supported_vllm_releases_are_accepted(monkeypatch, release):
-    monkeypatch.setattr(integration, "installed_version", lambda: release)
+    monkeypatch.setattr(integration.releases, "installed_version", lambda: release)
     assert callable(integration.backend(max_model_len=64))
 
 
 def test_qualified_name_backend_takes_its_options_from_the_environment(monkeypatch):
-    monkeypatch.setattr(integration, "installed_version", lambda: "0.23.0")
+    monkeypatch.setattr(integration.releases, "installed_version", lambda: "0.23.0")
     monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"max_model_len": 64, "no_such_option": 1}))
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     with pytest.raises(ValueError, match="unknown option\\(s\\) \\['no_such_option'\\]"):
@@ -513,7 +512,7 @@ def test_non_causal_metadata_is_refused(backend, monkeypatch):
 
 def test_kv_transfer_connector_is_refused_at_compile_time(monkeypatch):
     """vLLM's `maybe_transfer_kv_layer` hooks run in Python around the attention op the rewrite replaces."""
-    monkeypatch.setattr(integration, "kv_transfer_configured", lambda: True)
+    monkeypatch.setattr(integration.binder, "kv_transfer_configured", lambda: True)
     pair = Pair("FLASH_ATTN", 16, "sim", [])
     with pytest.raises(Exception, match=r"a KV-transfer connector"):
         pair.run(pair.step(random.Random(0), 3, False))

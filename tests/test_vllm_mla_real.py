@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
 from ascend_compile.integrations import vllm as integration  # noqa: E402
-from ascend_compile.integrations import vllm_mla  # noqa: E402
 from tests import vllm_mla_real as mla  # noqa: E402
 from tests import vllm_real as real  # noqa: E402
 
@@ -31,7 +30,8 @@ def compiled(monkeypatch, tmp_path):
     compiled through vLLM's own mode-1 call with our backend by qualified name, the second eager."""
     artifacts = []
     original = integration.backend
-    monkeypatch.setattr(integration, "backend", lambda *a, **k: original(*a, on_compiled=artifacts.append, **k))
+    monkeypatch.setattr(integration.dynamo_backend, "backend",  # where configured_backend looks it up
+                        lambda *a, **k: original(*a, on_compiled=artifacts.append, **k))
     monkeypatch.setattr(real.CpuFlashAttnPlatform, "attention_backend", mla.TRITON_MLA)
     monkeypatch.delenv("ASCEND_COMPILE_OPTIONS", raising=False)
     torch._dynamo.reset()
@@ -112,7 +112,7 @@ def test_a_quantized_latent_cache_is_refused_at_compile_time(compiled):
 def test_another_mla_backend_is_refused_by_name(compiled, monkeypatch):
     artifacts, make = compiled
     models = make()
-    monkeypatch.delitem(vllm_mla.SUPPORTED_MLA_BACKENDS, mla.TRITON_MLA)
+    monkeypatch.delitem(integration.mla.SUPPORTED_MLA_BACKENDS, mla.TRITON_MLA)
     with pytest.raises(Exception, match=rf"'{LAYER_0}': MLA attention backend {mla.TRITON_MLA} "
                                         rf"\(get_name\(\) 'TRITON_MLA'\)"):
         real.profile_run(models[0])

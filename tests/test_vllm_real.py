@@ -39,7 +39,7 @@ def compiled(monkeypatch, tmp_path):
             return compile_fn(gm, example_inputs)
         return call
 
-    monkeypatch.setattr(integration, "backend", counting)
+    monkeypatch.setattr(integration.dynamo_backend, "backend", counting)  # where configured_backend looks it up
     monkeypatch.delenv("ASCEND_COMPILE_OPTIONS", raising=False)
     torch._dynamo.reset()
 

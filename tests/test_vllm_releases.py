@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from ascend_compile.integrations import vllm_context
+from ascend_compile.integrations.vllm import context
 from ascend_compile.ops import library  # noqa: F401  (registers torch.ops.ascend)
 
 NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_SIZE = 3, 2, 4, 8
@@ -37,8 +37,8 @@ def test_a_033_page_splits_into_the_views_flash_attention_reads(layout):
     `page[b, h, n, :head_size]` and `page[b, h, n, head_size:]` (FlashAttentionImpl: `(B, H, N, 2*D) ->
     ((B, N, H, D), (B, N, H, D))`)."""
     page = _page(layout)
-    assert vllm_context.has_cache(page)
-    key, value = vllm_context.split_cache(page, WHERE, HEAD_SIZE)
+    assert context.has_cache(page)
+    key, value = context.split_cache(page, WHERE, HEAD_SIZE)
     assert key.shape == value.shape == (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
     for b, n, h in ((0, 0, 0), (1, 3, 1), (2, 1, 0)):
         assert torch.equal(key[b, n, h], page[b, h, n, :HEAD_SIZE])
@@ -49,7 +49,7 @@ def test_a_033_page_splits_into_the_views_flash_attention_reads(layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_cache_write_lands_where_vllm_033_reads_its_page(layout):
     page = _page(layout)
-    key_cache, value_cache = vllm_context.split_cache(page, WHERE, HEAD_SIZE)
+    key_cache, value_cache = context.split_cache(page, WHERE, HEAD_SIZE)
     key = torch.full((2, KV_HEADS, HEAD_SIZE), -1.0)
     value = torch.full((2, KV_HEADS, HEAD_SIZE), -2.0)
     torch.ops.ascend.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([5, -1]))
@@ -63,7 +63,7 @@ def test_a_cache_of_no_known_layout_is_refused_naming_both_releases():
     with pytest.raises(ValueError, match=r"\[num_blocks, 2, block_size, kv_heads, head_dim\] tensor \(vLLM 0\.23's "
                                          r"FLASH_ATTN layout\), or a \[num_blocks, kv_heads, block_size, "
                                          r"2 \* head_size\] page \(vLLM 0\.33's; head_size 6\), got \(3, 2, 4, 16\)"):
-        vllm_context.split_cache(_page("LBNHC"), WHERE, 6)  # a head size the page does not hold
+        context.split_cache(_page("LBNHC"), WHERE, 6)  # a head size the page does not hold
 
 
 @pytest.mark.parametrize("fields, reason", [
@@ -75,10 +75,10 @@ def test_a_cache_of_no_known_layout_is_refused_naming_both_releases():
      "R-SWA (the prompt kept beside a sliding window) (attn_metadata.rswa_prefix_lens)"),
 ])
 def test_metadata_asking_for_other_than_causal_attention_is_named(fields, reason):
-    assert vllm_context.step_semantics(types.SimpleNamespace(**fields)) == reason
+    assert context.step_semantics(types.SimpleNamespace(**fields)) == reason
 
 
 @pytest.mark.parametrize("fields", [{}, {"causal": True}, {"causal": True, "mm_prefix_query_range_tensor": None,
                                                             "rswa_prefix_lens": None}])
 def test_causal_metadata_is_served(fields):
-    assert vllm_context.step_semantics(types.SimpleNamespace(**fields)) is None
+    assert context.step_semantics(types.SimpleNamespace(**fields)) is None

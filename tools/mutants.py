@@ -241,7 +241,7 @@ MUTANTS = (
         (f"{AUDIT}::test_transformers_sequences_up_to_a_max_model_len_off_the_page_size_keep_their_last_page",),
     ),
     Mutant(
-        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm_context.py",
+        "vLLM query_start_loc not narrowed", "ascend_compile/integrations/vllm/context.py",
         "    return metadata.query_start_loc[: metadata.seq_lens.shape[0] + 1]\n",
         "    return metadata.query_start_loc\n",
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
@@ -458,32 +458,32 @@ MUTANTS = (
     ),
     # issue 23: vLLM attention features passed to the op (or refused at compile time where it cannot)
     Mutant(
-        "sliding window ignored", "ascend_compile/integrations/vllm.py",
+        "sliding window ignored", "ascend_compile/integrations/vllm/binder.py",
         '{"window": features.window,', '{"window": None,',
         (VLLM_FEATURES + "[sliding window-FLASH_ATTN]",),
     ),
     Mutant(
-        "soft-cap dropped in vLLM", "ascend_compile/integrations/vllm.py",
+        "soft-cap dropped in vLLM", "ascend_compile/integrations/vllm/binder.py",
         '"soft_cap": features.soft_cap,', '"soft_cap": None,',
         (VLLM_FEATURES + "[soft-cap-FLASH_ATTN]",),
     ),
     Mutant(
-        "sinks dropped in vLLM", "ascend_compile/integrations/vllm.py",
+        "sinks dropped in vLLM", "ascend_compile/integrations/vllm/binder.py",
         '"sinks": sinks})', '"sinks": None})',
         (VLLM_FEATURES + "[sinks-ASCEND]",),
     ),
     Mutant(
-        "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm_metadata.py",
+        "vLLM-Ascend slots converted per step", "ascend_compile/integrations/vllm/metadata.py",
         "lambda ctx: attention_slots(metadata_of(ctx, layer)),", "lambda ctx: attention_slots(metadata_of(ctx, layer)).long(),",
         ("tests/test_vllm.py::test_vllm_ascends_int32_slot_mapping_reaches_the_cache_write_unconverted",),
     ),
     Mutant(
-        "vLLM-Ascend host lengths not taken", "ascend_compile/integrations/vllm_metadata.py",
+        "vLLM-Ascend host lengths not taken", "ascend_compile/integrations/vllm/metadata.py",
         "        return all(hasattr(metadata, field) for field in cls.FIELDS)", "        return False",
         ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
     ),
     Mutant(
-        "vLLM-Ascend host lengths taken unchecked", "ascend_compile/integrations/vllm_metadata.py",
+        "vLLM-Ascend host lengths taken unchecked", "ascend_compile/integrations/vllm/metadata.py",
         "        if problem is None:\n", "        if True:\n",
         ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
     ),
@@ -493,18 +493,18 @@ MUTANTS = (
         ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
     ),
     Mutant(
-        "FlashAttention window taken as its left bound", "ascend_compile/integrations/vllm_layers.py",
+        "FlashAttention window taken as its left bound", "ascend_compile/integrations/vllm/layers.py",
         "return int(window[0]) + 1", "return int(window[0])",
         (VLLM_FEATURES + "[sliding window-FLASH_ATTN]",),
     ),
     Mutant(
-        "other backend not refused", "ascend_compile/integrations/vllm_layers.py",
+        "other backend not refused", "ascend_compile/integrations/vllm/layers.py",
         "    if path not in SUPPORTED_BACKENDS:\n",
         "    if False:\n",
         ("tests/test_vllm.py::test_other_attention_backends_are_refused_by_name_at_compile_time",),
     ),
     Mutant(
-        "vLLM graph not traced general", "ascend_compile/integrations/vllm.py",
+        "vLLM graph not traced general", "ascend_compile/integrations/vllm/dynamo_backend.py",
         "        retrace_general(gm, SHARED_TOKEN_SETTINGS)\n",
         "",
         ("tests/test_vllm.py::test_vllms_compile_call_without_dynamic_gives_one_artifact_for_every_step_shape",),
@@ -519,27 +519,27 @@ MUTANTS = (
         "    _refuse_latent_attention(model)\n", "",
         ("tests/test_transformers_cb.py::test_deepseek_v3s_latent_attention_is_refused_naming_the_layer_and_head_dims",),
     ),
-    # issue 26: vLLM's MLA ops (`integrations/vllm_mla.py`), on vLLM's own DeepSeek-V2 (in the vLLM venv)
+    # issue 26: vLLM's MLA ops (`integrations/vllm/mla.py`), on vLLM's own DeepSeek-V2 (in the vLLM venv)
     Mutant(
-        "MLA prefill context dropped", "ascend_compile/integrations/vllm_mla.py",
+        "MLA prefill context dropped", "ascend_compile/integrations/vllm/mla.py",
         "            lens = lens + context[:n].to(lens.device, non_blocking=True)\n",
         "            pass\n",
         (MLA_REAL,), vllm=True,
     ),
     Mutant(
-        "MLA decodes' block table rows only", "ascend_compile/integrations/vllm_mla.py",
+        "MLA decodes' block table rows only", "ascend_compile/integrations/vllm/mla.py",
         "        parts.append(metadata.prefill.block_table[: metadata.num_prefills])\n",
         "        parts.append(metadata.prefill.block_table[:0] if parts else metadata.prefill.block_table)\n",
         (MLA_REAL,), vllm=True,
     ),
     Mutant(
-        "sparse MLA not refused", "ascend_compile/integrations/vllm_mla.py",
+        "sparse MLA not refused", "ascend_compile/integrations/vllm/mla.py",
         "    if getattr(layer, \"use_sparse\", False) or getattr(layer, \"indexer\", None) is not None:\n",
         "    if False:\n",
         ("tests/test_vllm_mla_real.py::test_a_sparse_mla_layer_is_refused_at_compile_time",), vllm=True,
     ),
     Mutant(
-        "other MLA backend not refused", "ascend_compile/integrations/vllm_mla.py",
+        "other MLA backend not refused", "ascend_compile/integrations/vllm/mla.py",
         "    if path not in SUPPORTED_MLA_BACKENDS:\n",
         "    if False:\n",
         ("tests/test_vllm_mla_real.py::test_another_mla_backend_is_refused_by_name",), vllm=True,
@@ -574,7 +574,7 @@ MUTANTS = (
         (f"{AUDIT36}::test_a_model_mixing_plain_and_latent_attention_packs_mixed_padding_into_dummies_mla_takes",),
     ),
     Mutant(
-        "vLLM block table not cut to num_reqs", "ascend_compile/integrations/vllm_context.py",
+        "vLLM block table not cut to num_reqs", "ascend_compile/integrations/vllm/context.py",
         "    return getattr(metadata, field)[: metadata.seq_lens.shape[0]]\n", "    return getattr(metadata, field)\n",
         ("tests/test_vllm.py::test_query_start_loc_longer_than_the_step_is_cut_to_its_sequences",),
     ),
@@ -584,7 +584,7 @@ MUTANTS = (
         ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_npu_whose_warm_up_runs_the_step",),
     ),
     Mutant(
-        "vLLM-Ascend query ends too many accepted", "ascend_compile/integrations/vllm_metadata.py",
+        "vLLM-Ascend query ends too many accepted", "ascend_compile/integrations/vllm/metadata.py",
         "if len(lens) != seqs or len(ends) != seqs:", "if len(lens) != seqs or len(ends) < seqs:",
         ("tests/test_vllm.py::test_stale_vllm_ascend_host_lengths_are_not_used",),
     ),
@@ -699,34 +699,34 @@ MUTANTS = (
         "\"True\"",
         ("tests/test_direct_soundness.py::test_a_new_object_argument_the_graph_does_not_read",),
     ),
-    # issue 32: vLLM 0.33 beside 0.23 (`integrations/vllm*.py`); the 0.33-only paths' tests in its venv (`VLLM33_PYTHON`)
+    # issue 32: vLLM 0.33 beside 0.23 (`integrations/vllm/`); the 0.33-only paths' tests in its venv (`VLLM33_PYTHON`)
     Mutant(
-        "vLLM release matched by prefix", "ascend_compile/integrations/vllm.py",
+        "vLLM release matched by prefix", "ascend_compile/integrations/vllm/releases.py",
         "    if \".\".join(version.split(\".\")[:2]) not in SUPPORTED:\n",
         "    if not version.startswith(SUPPORTED):\n",
         ("tests/test_vllm.py::test_an_unsupported_vllm_release_is_refused_naming_the_supported_ones",),
     ),
     Mutant(
-        "vLLM 0.33 page not transposed", "ascend_compile/integrations/vllm_context.py",
+        "vLLM 0.33 page not transposed", "ascend_compile/integrations/vllm/context.py",
         "        key, value = kv_cache.transpose(1, 2).split(head_size, dim=-1)\n",
         "        key, value = kv_cache.split(head_size, dim=-1)\n",
         ("tests/test_vllm_releases.py",),
     ),
     Mutant(
-        "per-request causal taken as causal", "ascend_compile/integrations/vllm_context.py",
+        "per-request causal taken as causal", "ascend_compile/integrations/vllm/context.py",
         "    if causal is not True:\n",
         "    if causal is None:\n",
         ("tests/test_vllm_releases.py",),
     ),
     Mutant(
-        "later steps' metadata not checked", "ascend_compile/integrations/vllm_deferred.py",
+        "later steps' metadata not checked", "ascend_compile/integrations/vllm/deferred.py",
         "        if unserved is not None:\n",
         "        if False:\n",
         ("tests/test_vllm_real.py::test_a_step_asking_for_other_than_causal_attention_runs_as_traced_and_says_why_once",),
         vllm=True,
     ),
     Mutant(
-        "vLLM 0.33 MLA prefill context dropped", "ascend_compile/integrations/vllm_mla.py",
+        "vLLM 0.33 MLA prefill context dropped", "ascend_compile/integrations/vllm/mla.py",
         "            context = chunked.context_lens if hasattr(chunked, \"context_lens\") else chunked.seq_lens.sum(dim=0)\n",
         "            context = chunked.context_lens * 0 if hasattr(chunked, \"context_lens\") else chunked.seq_lens.sum(dim=0)\n",
         (MLA_REAL,), vllm33=True,
@@ -788,7 +788,7 @@ MUTANTS = (
         ("tests/test_vllm.py::test_dynamic_batch_3_then_batch_1_with_a_rotary_view_equals_eager",),
     ),
     Mutant(
-        "vLLM has_sink without impl.sinks served plain", "ascend_compile/integrations/vllm_layers.py",
+        "vLLM has_sink without impl.sinks served plain", "ascend_compile/integrations/vllm/layers.py",
         'getattr(layer, "has_sink", False)', 'getattr(layer, "has_sinks", False)',
         ("tests/test_vllm_real.py::test_a_layer_built_with_sinks_its_impl_does_not_hold_is_refused_at_compile_time",),
         vllm=True,

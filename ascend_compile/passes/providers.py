@@ -2,7 +2,7 @@
 
 vLLM's attention ops take only a layer name: the block table, `seq_lens`, `query_start_loc`, slot
 mapping and KV cache come from its global forward context, so the graph it compiles carries none
-of them. A *binder* (an integration's pass, see `integrations/vllm.py`) rewrites such ops onto
+of them. A *binder* (an integration's pass, see `integrations/vllm/binder.py`) rewrites such ops onto
 `ascend.attention` / `ascend.reshape_and_cache` and turns each value they read into a graph input
 of its own, with a `ProvidedInput` saying where it comes from; the returned `Provider` reads them
 once per step. From then on they are inputs like any other: the runner stages them by role (static

@@ -6,7 +6,7 @@ turns every compilation mode but NONE / VLLM_COMPILE into NONE (vllm_ascend/plat
 under mode 1). So this plug-in, a `vllm.general_plugins` entry point (pyproject.toml) that vLLM
 loads in every process, wraps `NPUModelRunner.load_model`: once the model is loaded it makes the
 mode-1 call vLLM's GPU runner makes, `model.compile(fullgraph=True, backend=...)`, with the backend
-configured from the runner's `vllm_config` (`vllm_options`). The platform's mode reset no longer
+configured from the runner's `vllm_config` (`options.py`). The platform's mode reset no longer
 matters: the compile does not depend on the compilation mode.
 
 Opt in with `ASCEND_COMPILE_VLLM_ASCEND=1` and run vLLM-Ascend eagerly (`enforce_eager=True`:
@@ -21,7 +21,7 @@ That vLLM-Ascend declares torch 2.10.0 / torch_npu 2.10.0.post4 (its versioning 
 calls no torch_npu API itself, while the `npu` runtime it compiles for was written against torch_npu
 2.14.0's (torch 2.14; whether torch_npu 2.10 has every API it binds was not determined: docs/ascend.md).
 No vLLM-Ascend for vLLM 0.33 existed when it was written; the backend it installs refuses a vLLM other
-than 0.23 / 0.33 at start-up (`vllm.SUPPORTED`). Tested on
+than 0.23 / 0.33 at start-up (`releases.SUPPORTED`). Tested on
 vLLM's own code with a stand-in `NPUModelRunner` (vLLM-Ascend's does not import on a CPU: docs/vllm.md).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 import os
 from typing import Any
 
-from .vllm_options import options_for
+from .options import options_for
 
 log = logging.getLogger("ascend_compile")
 
@@ -89,7 +89,7 @@ def why_not(vllm_config: Any) -> str | None:
 
 def compile_loaded(runner: Any) -> None:
     """vLLM's mode-1 compile call on the runner's loaded model, or a log line saying why not."""
-    from .vllm import configured_backend
+    from .dynamo_backend import configured_backend
 
     config = runner.vllm_config
     reason = why_not(config)

@@ -1,7 +1,7 @@
 """What the vLLM binder reads from a forward context: a layer's KV cache as key and value, a step's
 metadata cut to its requests, slots as the cache-write op takes them, whether a KV connector is set.
 
-The readers run once per step (they are the provided inputs' `read`, `integrations/vllm.py`);
+The readers run once per step (they are the provided inputs' `read`, `binder.py`);
 layouts and field names are vLLM 0.23.0's, vLLM 0.33.0's and vLLM-Ascend 0.23.0's. The layer caches
 of FLASH_ATTN differ between the vLLM releases (docs/vllm.md, "vLLM 0.23 and 0.33"): 0.23 binds a
 `[num_blocks, 2, block_size, kv_heads, head_dim]` tensor per layer, 0.33 a `[num_blocks, kv_heads,

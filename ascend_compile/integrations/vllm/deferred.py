@@ -6,25 +6,26 @@ and every one of the graph's layers has its cache, then compiles once against it
 step with a sequence longer than the `max_model_len` the workspaces were sized for runs as traced
 too (correct, uncompiled), instead of failing inside vLLM's `execute_model` and with it the engine,
 and so does a step whose metadata asks for other than causal attention (vLLM 0.33's per-request
-`causal`, PrefixLM ranges, R-SWA: `vllm_context.step_semantics`), which the graph would compute wrongly.
+`causal`, PrefixLM ranges, R-SWA: `context.step_semantics`), which the graph would compute wrongly.
 Each reason a step runs as traced is logged once: a model that stays uncompiled says why. After
-each new capture the graph memory outside vLLM's KV-cache budget is logged (`vllm_memory`).
+each new capture the graph memory outside vLLM's KV-cache budget is logged (`memory.py`).
+
+What it asks of the binder is the `StepBinder` protocol below, which `binder.ForwardContextBinder`
+satisfies: this module does not import the binder (the backend, `dynamo_backend.py`, imports both).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from torch import fx
 
-from ..backend import compile_graph
-from ..config import CompileConfig
-from ..lowering.runner import CompiledArtifact
-from ..targets import TargetFactory
-from .vllm_memory import log_graph_memory
-
-if TYPE_CHECKING:
-    from .vllm import ForwardContextBinder
+from ...backend import compile_graph
+from ...config import CompileConfig
+from ...lowering.runner import CompiledArtifact
+from ...passes.providers import Provider
+from ...targets import TargetFactory
+from .memory import log_graph_memory
 
 log = logging.getLogger("ascend_compile")
 
@@ -32,18 +33,34 @@ log = logging.getLogger("ascend_compile")
 EXPECTED = ("no forward context", "no attention metadata (vLLM's profiling run)")
 
 
+class StepBinder(Protocol):
+    """What `DeferredCompile` asks of its binder (`binder.ForwardContextBinder`): the graph's layers,
+    whether a step can be compiled against, and the step checks after; called, the rewrite itself
+    (a `passes/providers.py` Binder, `compile_graph(..., bind=binder)`)."""
+
+    def layer_names(self, gm: fx.GraphModule) -> list[str]: ...
+
+    def not_ready(self, layers: Sequence[str]) -> str | None: ...
+
+    def unserved_step(self) -> str | None: ...
+
+    def longest_sequence(self) -> int | None: ...
+
+    def __call__(self, gm: fx.GraphModule) -> Provider | None: ...
+
+
 class DeferredCompile:
     """A vLLM graph: as traced until a step can be compiled against, then the compiled artifact."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
-                 binder: ForwardContextBinder, target: TargetFactory,
+                 binder: StepBinder, target: TargetFactory,
                  on_compiled: Callable[[CompiledArtifact], None] | None) -> None:
         self.gm, self.example_inputs, self.config = gm, list(example_inputs), config
         self.binder, self.target, self.on_compiled = binder, target, on_compiled
         self.layers = binder.layer_names(gm)
         self.compiled: Callable[..., Any] | None = None
         self.logged: set[str] = set()
-        self.captures = 0  # the artifact's captures last reported (`vllm_memory`)
+        self.captures = 0  # the artifact's captures last reported (`memory.py`)
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is None:

@@ -1,7 +1,7 @@
 """The inputs one vLLM attention-metadata object (a KV-cache group) provides, and their host copies.
 
 Each group gives its `seq_lens`, `query_start_loc[:num_reqs + 1]` and block table (vLLM-Ascend's
-also the attention op's slots) as provided inputs (`integrations/vllm.py`). The runner reads the
+also the attention op's slots) as provided inputs (`binder.py`). The runner reads the
 two length inputs on the host every step (`lowering/inputs.py: read_step`); a device tensor costs a
 device-to-host sync there. vLLM-Ascend's `AscendMetadata` keeps host copies beside them:
 `seq_lens_list` and `actual_seq_lengths_q` (the cumulative query ends, without the leading 0), and
@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from torch import fx
 
-from ..passes.providers import fake_like, fresh_size
-from .vllm_context import attention_slots, block_table, metadata_of, query_start_loc
+from ...passes.providers import fake_like, fresh_size
+from .context import attention_slots, block_table, metadata_of, query_start_loc
 
 log = logging.getLogger("ascend_compile")
 

@@ -1,4 +1,5 @@
-"""`ascend_graph` inside vLLM and vLLM-Ascend: their real attention ops, metadata from the forward context.
+"""`ForwardContextBinder`: vLLM's and vLLM-Ascend's real attention ops onto the `ascend` ops, their
+metadata and caches read from the forward context.
 
 vLLM's model graphs call `vllm::unified_attention_with_output(query, key, value, output, layer_name,
 ...)` and, where the attention backend does not write the cache itself (FLASH_ATTN),
@@ -6,50 +7,33 @@ vLLM's model graphs call `vllm::unified_attention_with_output(query, key, value,
 the layer and its KV cache come from `get_forward_context()` (`attn_metadata[layer_name]`,
 `no_compile_layers[layer_name].kv_cache`, `slot_mapping[layer_name]`). `ForwardContextBinder` is the
 binder (`passes/providers.py`) that rewrites both ops onto `ascend.reshape_and_cache` /
-`ascend.attention` (with the layer's sliding window, soft-cap and sinks, `vllm_layers.layer_features`)
+`ascend.attention` (with the layer's sliding window, soft-cap and sinks, `layers.layer_features`)
 and makes every value they read a provided input, read from the forward context once per step: the
 runner stages it by role like any input, and the update table refreshes PA/FIA host lengths from it
-— what vLLM-Ascend's `update_graph_params` does by hand.
+— what vLLM-Ascend's `update_graph_params` does by hand. MLA layers' ops (`unified_mla_*`) are
+rewritten onto `ascend.mla_attention` / `ascend.mla_cache_write` by `mla.py`; a metadata group's
+inputs are bound by `metadata.py`, the caches read through `context.py`.
 
-Plug it in with `backend(...)` (see `docs/vllm.md`): vLLM's stock-torch.compile mode takes it by
-qualified name, `compilation_config={"mode": 1, "backend": "ascend_compile.integrations.vllm.vllm_backend",
-"cudagraph_mode": "NONE"}`; vLLM-Ascend through the plug-in (`vllm_ascend_plugin.py`). Layers whose
-features the rewrite cannot compute are refused when dynamo hands the graph over (`vllm_layers.py`). MLA
-layers' ops (`unified_mla_*`) are rewritten onto `ascend.mla_attention` / `ascend.mla_cache_write` by
-`vllm_mla.py`. Checked against vLLM 0.23.0 and 0.33.0 / vLLM-Ascend 0.23.0.post1 (`SUPPORTED`); tests run on
-vLLM's own code (`tests/vllm_real.py`, `tests/vllm_mla_real.py`) and a stand-in with the pinned
-source's schemas and names (`tests/vllm_standin.py`).
+This module also finds the graph's vLLM attention and cache-update nodes (`vllm_graph_nodes`), which
+the backend (`dynamo_backend.py`) asks before choosing a binder at all.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 
-from ..backend import compile_graph
-from ..compile_once import SHARED_TOKEN_SETTINGS, retrace_general
-from ..config import CompileConfig
-from ..lowering.runner import CompiledArtifact
-from ..passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
-from ..passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
-from ..targets import TargetFactory, default_target
-from .vllm_context import cache_pair, has_cache, kv_transfer_configured, split_cache, step_semantics
-from .vllm_deferred import DeferredCompile
-from .vllm_metadata import bind_metadata
-from .vllm_layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
-                          refuse_unsupported)
-from .vllm_mla import MLA_CACHE_UPDATE_OP, MlaRewrite, has_latent_cache, mla_graph_nodes, refuse_unsupported as refuse_unsupported_mla
-from .vllm_options import current_vllm_config, options_for
+from ...passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
+from ...passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
+from .context import cache_pair, has_cache, kv_transfer_configured, split_cache, step_semantics
+from .layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
+                     refuse_unsupported)
+from .metadata import bind_metadata
+from .mla import MLA_CACHE_UPDATE_OP, MlaRewrite, has_latent_cache, mla_graph_nodes, refuse_unsupported as refuse_unsupported_mla
 
-log = logging.getLogger("ascend_compile")
-
-#: The vLLM releases (major.minor) whose op schemas, metadata, forward context and KV-cache layouts this
-#: module was written against and tested on (docs/vllm.md, "vLLM 0.23 and 0.33").
-SUPPORTED = ("0.23", "0.33")
 ATTENTION_OP = "unified_attention_with_output"
 CACHE_UPDATE_OP = "unified_kv_cache_update"
 
@@ -60,23 +44,6 @@ def _vllm_op(name: str) -> Any:
         return getattr(torch.ops.vllm, name)
     except (AttributeError, RuntimeError):
         return None
-
-
-def installed_version() -> str:
-    """The installed vLLM release (read from its package metadata, without importing it)."""
-    from importlib.metadata import version
-
-    return version("vllm")
-
-
-def _check_version() -> None:
-    version = installed_version()
-    if ".".join(version.split(".")[:2]) not in SUPPORTED:
-        raise RuntimeError(
-            f"vllm {version}: ascend_compile.integrations.vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED)} "
-            f"(it reads the forward context's attention metadata and KV caches, internals that change between "
-            f"releases); install a supported version"
-        )
 
 
 def _default_forward_context() -> Any:
@@ -154,7 +121,7 @@ class ForwardContextBinder:
 
     def unserved_step(self) -> str | None:
         """Why the current step's metadata asks for attention the compiled graph does not compute
-        (`vllm_context.step_semantics`, over every metadata group the compile bound); None: it does not."""
+        (`context.step_semantics`, over every metadata group the compile bound); None: it does not."""
         ctx = self.get_forward_context()
         for layer in self.group_layers:
             reason = step_semantics(ctx.attn_metadata[layer])
@@ -181,7 +148,7 @@ class ForwardContextBinder:
 
     def refuse_unsupported(self, gm: fx.GraphModule, ctx: Any) -> None:
         """Refuse, naming the layer and the feature, any of the graph's attention layers the rewrite
-        would compute wrongly (`vllm_layers.refusal`), and a configured KV-transfer connector."""
+        would compute wrongly (`layers.refusal`), and a configured KV-transfer connector."""
         names = self.layer_names(gm)
         mla = {self.layer_name(gm, node) for node in mla_graph_nodes(gm)[0]}
         refuse_unsupported({name: ctx.no_compile_layers[name] for name in names if name not in mla})
@@ -313,7 +280,7 @@ class ForwardContextBinder:
     def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
                     ) -> tuple[fx.Node, fx.Node]:
         """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM 0.23's
-        `[num_blocks, 2, ...]` cache unbound on dim 1, vLLM 0.33's page split (`vllm_context.split_cache`),
+        `[num_blocks, 2, ...]` cache unbound on dim 1, vLLM 0.33's page split (`context.split_cache`),
         or vLLM-Ascend's `(key, value)` pair."""
         where = f"forward_context.no_compile_layers[{layer!r}].kv_cache"
         key, value = split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))
@@ -334,53 +301,3 @@ def _host_all(ctx: Any, hosts: Sequence[Callable[[Any], dict[str, list[int]]]]) 
     for host in hosts:
         copies.update(host(ctx))
     return copies
-
-
-def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,
-            get_forward_context: Callable[[], Any] | None = None, target: TargetFactory = default_target,
-            **options: Any) -> Callable[..., Any]:
-    """A dynamo backend for vLLM model graphs (see the module docstring); graphs without vLLM's
-    attention ops compile as with `ascend_compile.backend`. With vLLM's own forward context
-    (`get_forward_context` None) the installed vLLM must be a supported release."""
-    if config is None:
-        config = CompileConfig.from_options(options)
-    elif options:
-        raise ValueError("backend: pass either a CompileConfig or options, not both")
-    if get_forward_context is None:  # vLLM's own forward context: check the release it comes from
-        _check_version()
-    deferred = dataclasses.replace(config, retrace_static=False)  # retraced at dynamo's call, if at all
-
-    def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        if not vllm_graph_nodes(gm)[0] and not mla_graph_nodes(gm)[0]:
-            compiled = compile_graph(gm, example_inputs, config, target)
-            if on_compiled is not None and isinstance(compiled, CompiledArtifact):
-                on_compiled(compiled)
-            return compiled
-        binder = ForwardContextBinder(get_forward_context, example_inputs)
-        ctx = binder.current_context()
-        if ctx is not None:  # vLLM's profile run: the layers are known, refuse what we cannot serve now
-            binder.refuse_unsupported(gm, ctx)
-        # vLLM's model.compile passes no dynamic=: have dynamo trace this first call again with every
-        # step size symbolic (batch 1 included), so that one graph and one artifact serve every step.
-        # Here, inside dynamo's backend call, not at the deferred compile (outside dynamo).
-        retrace_general(gm, SHARED_TOKEN_SETTINGS)
-        return DeferredCompile(gm, example_inputs, deferred, binder, target, on_compiled)
-
-    return compile_fn
-
-
-def configured_backend(vllm_config: Any) -> Callable[..., Any]:
-    """`backend(...)` with the options for `vllm_config` (`vllm_options.options_for`: vLLM's
-    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them)."""
-    return backend(**options_for(vllm_config))
-
-
-def __getattr__(name: str) -> Any:
-    """`vllm_backend`: the backend for vLLM's `compilation_config.backend` (a qualified name, so no
-    arguments). vLLM's runner resolves that name (`init_backend`, `getattr` on this module) while
-    loading the model, under `set_current_vllm_config`, and calls the result later, when vLLM's
-    config is no longer current: this module attribute is made at that lookup, from the config
-    current then (`configured_backend`)."""
-    if name == "vllm_backend":
-        return configured_backend(current_vllm_config())
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ its query length plus its cached context: vLLM 0.23's sum of its chunks (`prefil
 `[num_chunks, num_prefills]`), vLLM 0.33's `prefill.chunked_context.context_lens` (`[num_prefills]`);
 no context when `chunked_context` is None. The block table is the
 decodes' rows then the prefills'. Requests are ordered decodes first (vLLM's builder requires it).
-The readers run once per step (`integrations/vllm.py`'s provided inputs).
+The readers run once per step (`binder.py`'s provided inputs).
 
 Refused at compile time, naming the layer: a backend outside `SUPPORTED_MLA_BACKENDS`, sparse MLA
 (DeepSeek-V3.2's indexer), a quantized cache or computed KV scales, decode or prefill context
@@ -40,10 +40,10 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from ..passes.fx_utils import example_value, is_op, node_arg
-from ..passes.providers import fake_like, fresh_size
-from .vllm_context import step_semantics
-from .vllm_layers import UNQUANTIZED_CACHE_DTYPES, UnsupportedAttention, backend_path, refuse_cache_dtype
+from ...passes.fx_utils import example_value, is_op, node_arg
+from ...passes.providers import fake_like, fresh_size
+from .context import step_semantics
+from .layers import UNQUANTIZED_CACHE_DTYPES, UnsupportedAttention, backend_path, refuse_cache_dtype
 
 MLA_ATTENTION_OP = "unified_mla_attention_with_output"
 MLA_CACHE_UPDATE_OP = "unified_mla_kv_cache_update"
@@ -177,7 +177,7 @@ def latent_caches(kv_cache: torch.Tensor, kv_lora_rank: int, where: str) -> tupl
 
 class MlaRewrite:
     """Rewrites one graph's vLLM MLA nodes (see the module docstring); `provide(name, source, read,
-    fake)` adds a provided input (`integrations/vllm.py`), `layer_name(node)` reads a node's layer and
+    fake)` adds a provided input (`binder.py`), `layer_name(node)` reads a node's layer and
     `slot_mapping(layer, tokens)` binds the layer's cache-write slots."""
 
     def __init__(self, gm: fx.GraphModule, ctx: Any, fake_mode: Any, provide: Callable[..., fx.Node],

@@ -1,7 +1,7 @@
 """Which vLLM attention layers the `ascend.attention` rewrite serves, with which features, and a
 refusal naming the rest.
 
-The rewrite (`integrations/vllm.py`) reads a layer's `impl.scale`, its KV cache, the metadata's
+The rewrite (`binder.py`) reads a layer's `impl.scale`, its KV cache, the metadata's
 lengths and block table, and the layer's attention features (`layer_features`): a causal sliding
 window, a logits soft-cap and attention sinks, which `ascend.attention` computes (`ops/features.py`;
 a target whose kernels lack one refuses it at compile time, naming the layer: `passes/npu_checks.py`).
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..ops.features import AttentionFeatures
-from .vllm_context import step_semantics
+from ...ops.features import AttentionFeatures
+from .context import step_semantics
 
 #: The backends whose metadata and cache layout the rewrite reads, by class (their `get_name()` is
 #: no identity: vLLM-Ascend's MLA, SFA and DSA backends also answer "CUSTOM" or "FLASH_ATTN").
