@@ -1,6 +1,6 @@
 """Protocol mutants: put back, one at a time, a bug the tests must catch, and run the tests that should.
 
-    python tools/mutants.py [--only NAME ...] [--list]
+    python tools/mutants.py [--only NAME ...] [--changed-since BASE] [--list]
 
 Each mutant is one textual edit of the package (in a scratch copy of the repository, never in place)
 and the tests that must fail with it. A mutant is **caught** when those tests fail, **survived**
@@ -1060,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", nargs="*", help="run these tests against every mutant instead of its own (does "
                         "another test, e.g. the differential tester, catch it?); their output is kept in --keep")
     parser.add_argument("--keep", help="a folder to keep each mutant's pytest output in, as <mutant>.log")
+    parser.add_argument("--changed-since", metavar="BASE", help="run only the mutants the change since commit BASE "
+                        "touches (tools/mutants_changed.py says which and why; CI: .ci/mutants-base)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="mutants tried at once, each in its own scratch copy (default: the CPU count)")
@@ -1070,11 +1072,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.only and len(mutants) != len(set(args.only)):
         print(f"no mutant named {sorted(set(args.only) - {m.name for m in mutants})} (--list names them)")
         return 2
+    if args.changed_since:
+        from mutants_changed import select
+
+        mutants, why = select(mutants, ROOT, args.changed_since)
+        print(why)
     if args.tests:
         mutants = [dataclasses.replace(m, tests=tuple(args.tests)) for m in mutants]
     if args.list:
         for m in mutants:
             print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
+        return 0
+    if not mutants:
+        print("0 caught, 0 survived")
         return 0
     caught = 0
     jobs = max(1, min(args.jobs, len(mutants)))
