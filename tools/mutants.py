@@ -59,7 +59,7 @@ VLLM_PYTHON = Path(os.environ.get("ASCEND_COMPILE_VLLM_PYTHON") or ROOT / ".venv
 #: The same for vLLM 0.33 (`.ci/vllm33-venv` builds `.venv-vllm33`; `ASCEND_COMPILE_VLLM33_PYTHON` names another).
 VLLM33_PYTHON = Path(os.environ.get("ASCEND_COMPILE_VLLM33_PYTHON") or ROOT / ".venv-vllm33" / "bin" / "python")
 #: What the scratch copy needs to import the package and run its tests.
-COPIED = ("ascend_compile", "tests", "examples", "pyproject.toml", "setup.py")
+COPIED = ("ascend_compile", "tests", "examples", "tools", "pyproject.toml", "setup.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,21 @@ UNCAPTURABLE = "tests/test_uncapturable.py"
 DIFFERENTIAL = "tests/test_differential.py"
 FAILED_STEPS = "tests/test_failed_steps.py"
 
+MUTANTS_CHANGED = "tests/test_mutants_changed.py"
+
 MUTANTS = (
+    # CI's selection of mutants (tools/mutants_changed.py): a rule dropped lets a change through unchecked
+    Mutant(
+        "mutant selection ignores its tests", "tools/mutants_changed.py",
+        "        elif any(t.split(\"::\")[0] in changed for t in m.tests):\n", "        elif False:\n",
+        (f"{MUTANTS_CHANGED}::test_a_sibling_module_or_a_test_file_changed_runs_its_mutants_only",),
+    ),
+    Mutant(
+        "mutant selection ignores the pins", "tools/mutants_changed.py",
+        "    if path == \"pyproject.toml\":  # its pins, not its entry points or tool settings\n",
+        "    if path == \"pyproject.toml\" and False:\n",
+        (f"{MUTANTS_CHANGED}::test_pyproject_counts_for_its_requirements_not_its_entry_points",),
+    ),
     # issue 36: what the differential tester found (tests/test_differential.py)
     Mutant(
         "reference-fia-zero-query-tokens",

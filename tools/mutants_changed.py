@@ -66,15 +66,11 @@ def _is_shared(path: str, root: Path, base: str) -> bool:
     return path.startswith(".ci/") and (name.endswith("venv") or name.endswith("requirements.txt"))
 
 
-def _base_definitions(root: Path, base: str) -> set[tuple[Any, ...]]:
-    """Every mutant of `tools/mutants.py` as it was at `base`, as a tuple of its fields."""
-    try:
-        source = _git(root, "show", f"{base}:tools/mutants.py")
-    except subprocess.CalledProcessError:  # no mutants at base: every one is new
-        return set()
+def load_mutants(source: str) -> tuple[Any, ...]:
+    """`MUTANTS` of a `tools/mutants.py` given as its source text (another commit's, say)."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location("_mutants_at_base", f.name)
+    spec = importlib.util.spec_from_file_location("_mutants_elsewhere", f.name)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses looks its module up
     try:
@@ -82,7 +78,16 @@ def _base_definitions(root: Path, base: str) -> set[tuple[Any, ...]]:
     finally:
         del sys.modules[spec.name]
         Path(f.name).unlink()
-    return {dataclasses.astuple(m) for m in module.MUTANTS}
+    return module.MUTANTS
+
+
+def _base_definitions(root: Path, base: str) -> set[tuple[Any, ...]]:
+    """Every mutant of `tools/mutants.py` as it was at `base`, as a tuple of its fields."""
+    try:
+        source = _git(root, "show", f"{base}:tools/mutants.py")
+    except subprocess.CalledProcessError:  # no mutants at base: every one is new
+        return set()
+    return {dataclasses.astuple(m) for m in load_mutants(source)}
 
 
 def select(mutants: Sequence[Any], root: Path, base: str) -> tuple[list[Any], str]:
