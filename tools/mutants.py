@@ -110,6 +110,11 @@ MUTANTS = (
         "    if path == \"pyproject.toml\" and False:\n",
         (f"{MUTANTS_CHANGED}::test_pyproject_counts_for_its_requirements_not_its_entry_points",),
     ),
+    Mutant(
+        "mutant selection counts saved examples as code", "tools/mutants_changed.py",
+        "    if path.startswith(HYPOTHESIS_DB):", "    if False:",
+        (f"{MUTANTS_CHANGED}::test_what_every_test_stands_on_runs_every_mutant",),
+    ),
     # issue 36: what the differential tester found (tests/test_differential.py)
     Mutant(
         "reference-fia-zero-query-tokens",

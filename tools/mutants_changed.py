@@ -10,7 +10,7 @@ rules, each naming what it stands in for):
   the passes beside it, a runtime and its simulator's modules);
 - a test file it runs: the test that catches it may have been weakened or removed;
 - what every test stands on: any file under `tests/` that is not a `test_*.py` (conftest, helpers, fakes,
-  stand-ins, fixtures), `examples/` (the models the tests build), the pins (`pyproject.toml`'s
+  stand-ins, fixtures; not `tests/hypothesis-db/`, the examples every run of the tester saves), `examples/` (the models the tests build), the pins (`pyproject.toml`'s
   requirements, `.ci/setup`, `.ci/*venv`, `.ci/*requirements.txt`): then every mutant is run.
 
 A BASE that is not a commit of this history runs every mutant. What this does not see: a change to a
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 SHARED_PINS = (".ci/setup",)
+HYPOTHESIS_DB = "tests/hypothesis-db/"
 
 
 def _git(root: Path, *args: str) -> str:
@@ -57,6 +58,8 @@ def _pins(root: Path, rev: str | None) -> Any:
 
 def _is_shared(path: str, root: Path, base: str) -> bool:
     name = Path(path).name
+    if path.startswith(HYPOTHESIS_DB):  # examples a run of the tester saved (each run adds some), not code
+        return False
     if path.startswith("tests/"):
         return not (path.count("/") == 1 and name.startswith("test_") and name.endswith(".py"))
     if path == "pyproject.toml":  # its pins, not its entry points or tool settings
