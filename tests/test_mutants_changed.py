@@ -14,17 +14,7 @@ sys.path.insert(0, str(TOOLS))
 import mutants_changed  # noqa: E402
 
 MUTANTS = '''
-import dataclasses
-
-@dataclasses.dataclass(frozen=True)
-class Mutant:
-    name: str
-    path: str
-    old: str
-    new: str
-    tests: tuple
-    vllm: bool = False
-    vllm33: bool = False
+from mutants import Mutant  # tools/mutants.py's, on the path above
 
 MUTANTS = (
     Mutant("ops bug", "pkg/ops/a.py", "x", "y", ("tests/test_ops.py::test_one",)),
