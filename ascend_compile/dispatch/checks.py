@@ -213,12 +213,21 @@ def _read_objects(exprs: dict[str, str], read: set[str], namespace: dict[str, An
     return checks
 
 
-def _plain(values: Sequence[Any], sources: Sequence[str]) -> None:
+def _plain(values: Sequence[Any], sources: Sequence[str], state: Sequence[int] = ()) -> None:
     """Tensor subclasses carry metadata dynamo guards besides TENSOR_MATCH (DTensor's spec, a
-    subclass's flattened attributes): not checked here, so not armed."""
-    for value, source in zip(values, sources):
-        if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
-            raise Unarmable(f"{source} is a {type(value).__name__}, a tensor subclass")
+    subclass's flattened attributes): not checked here, so not armed. Excepted: a parameter of a
+    `Parameter` subclass that wraps no other tensor (vLLM's `ModelWeightParameter`: a Parameter with
+    loader methods and a `__torch_function__`), gathered once (`state`): the same object while the
+    module-assignment count stands, so of the same class; dynamo runs such a graph with subclass
+    dispatch off, and so does a direct call (`dynamo_code.CacheEntry`)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for i, (value, source) in enumerate(zip(values, sources)):
+        if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
+            continue
+        if i in state and isinstance(value, torch.nn.Parameter) and not is_traceable_wrapper_subclass(value):
+            continue
+        raise Unarmable(f"{source} is a {type(value).__name__}, a tensor subclass")
 
 
 def _tensors(inputs: GraphInputs, exprs: dict[str, str], per_call: Sequence[int], namespace: dict[str, Any],
@@ -291,7 +300,7 @@ def build(frame: Frame, exprs: dict[str, str], gathering: Gathering, inputs: Gra
     read = {name for source in inputs.sources for name in LOCAL.findall(source)}
     tracked = {source for source, _, _ in inputs.unread}
     checks = _ambient(namespace) + _modules(frame, exprs, gathering.roots, namespace, a, k)
-    _plain(graph_args, inputs.sources)
+    _plain(graph_args, inputs.sources, gathering.state)
     checks += _unread(exprs, read, tracked, namespace, a, k) + _read_objects(exprs, read, namespace, a, k)
     tensors = _per_call_tensors(inputs, exprs, gathering, graph_args, namespace, a, k)
     _plain([value for _, value in tensors], [expr for expr, _ in tensors])

@@ -24,7 +24,7 @@ from ..lowering import served
 from . import epoch
 from .checks import arming_refusal
 from .frame import LayoutKey, frame_of, layout_key
-from .route import Fallback, Refused, Route, arm, read_stores
+from .route import Fallback, GuardPolicy, Refused, Route, arm, read_stores
 
 log = logging.getLogger("ascend_compile")
 
@@ -35,8 +35,9 @@ MAX_UNUSED_ROUTES = 4
 class DirectDispatcher:
     """Routes of one compiled step, per layout of call arguments."""
 
-    def __init__(self, step: Any) -> None:
+    def __init__(self, step: Any, guard_policy: GuardPolicy | None = None) -> None:
         self.frame = frame_of(step)
+        self.guard_policy = guard_policy  # asked of dynamo's guards before a route stands in for them
         self.routes: dict[LayoutKey, Route | str] = {}  # a str: why calls of that layout stay on dynamo's path
         self._stores: dict[LayoutKey, tuple] = {}  # constant stores to read before a layout's next dynamo call
         self._unused: dict[LayoutKey, int] = {}  # arming attempts in a row that no direct call followed
@@ -88,7 +89,8 @@ class DirectDispatcher:
             try:
                 if not before.check():
                     raise Refused(f"the call changed torch's global state ({before.reason()})", permanent=False)
-                self.routes[key] = arm(self.frame, key, calls, args, kwargs, result, stores_before)
+                self.routes[key] = arm(self.frame, key, calls, args, kwargs, result, stores_before,
+                                      self.guard_policy)
                 self._log(f"ascend_compile: dispatch='direct': calls of {self.frame.func.__qualname__} go "
                           f"straight to their graph")
             except Refused as refused:

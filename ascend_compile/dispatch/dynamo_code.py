@@ -12,6 +12,7 @@ where dynamo recorded stores. Anything else refuses the direct call, naming the 
 """
 from __future__ import annotations
 
+import dataclasses
 import dis
 import re
 import types
@@ -49,23 +50,63 @@ def _global_names(code: types.CodeType) -> list[str]:
     return [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
 
 
-def entry_code(code: types.CodeType, globals_: dict[str, Any], artifact: Any) -> types.CodeType | None:
-    """The code dynamo runs in place of `code` when its cached graph is `artifact`, or None."""
+#: The wrapper dynamo puts around a graph when tracing inlined a tensor subclass's
+#: `__torch_function__` (vLLM's parameter classes): the graph runs with subclass dispatch disabled
+#: (`OutputGraph.compile_and_call_fx_graph`, torch 2.13 and 2.14), and so must a direct call.
+TF_DISABLED_WRAPPER = "_tf_disabled_wrapper"
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """Dynamo's cache entry whose graph is an artifact: the code that runs in the frame's place, its
+    guards, and whether the graph runs under `torch._C.DisableTorchFunctionSubclass()`."""
+
+    code: types.CodeType
+    guard_manager: Any
+    torch_function_disabled: bool
+
+
+def _called(compiled: Any) -> tuple[Any, bool]:
+    """What dynamo's compiled function calls, and whether it disables subclass dispatch around it."""
+    called = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if getattr(called, "__name__", None) == TF_DISABLED_WRAPPER and called.__code__.co_freevars == ("real_compiled_fn",):
+        return called.__closure__[0].cell_contents, True
+    return called, False
+
+
+def cache_entry(code: types.CodeType, globals_: dict[str, Any], artifact: Any) -> CacheEntry | None:
+    """Dynamo's cache entry for `code` whose graph is `artifact`, or None."""
     for entry in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code):
         for name in _global_names(entry.code):
             compiled = globals_.get(name) if name.startswith("__compiled_fn") else None
-            if getattr(compiled, "_torchdynamo_orig_callable", None) is artifact:
-                return entry.code
+            called, disabled = _called(compiled)
+            if called is artifact:
+                return CacheEntry(entry.code, entry.guard_manager, disabled)
     return None
 
 
-def unsafe_instruction(code: types.CodeType, sources: Sequence[str], stores: Sequence[ConstantStore]) -> str | None:
+def hoisted_builds(classes: Sequence[type], modules: Sequence[Any]) -> tuple[set[str], set[str]]:
+    """(globals, attributes) dynamo's code reads to build hoisted value-type opaque inputs of
+    `classes` (`graph_inputs.hoisted_value`) from the modules' attributes: each class through its
+    module's import global, and the plain data attributes (str, int, float, bool, None in a module's
+    instance dict, no descriptor of that name on its class: reading one runs no code) of `modules`."""
+    globals_ = {"__import_" + cls.__module__.replace(".", "_dot_") for cls in classes}
+    attributes = {cls.__name__ for cls in classes}
+    if classes:
+        for module in modules:
+            attributes.update(name for name, value in vars(module).items()
+                              if isinstance(value, (str, int, float, bool, type(None))) and not hasattr(type(module), name))
+    return globals_, attributes
+
+
+def unsafe_instruction(code: types.CodeType, sources: Sequence[str], stores: Sequence[ConstantStore],
+                       builds: tuple[set[str], set[str]] = (set(), set())) -> str | None:
     """The first instruction of dynamo's `code` that a direct call would skip (or None), where
-    `sources` are the graph inputs' source expressions and `stores` the constant stores the direct
-    call replays."""
+    `sources` are the graph inputs' source expressions, `stores` the constant stores the direct
+    call replays and `builds` what building hoisted inputs reads (`hoisted_builds`)."""
     named = [*sources, *(store.target for store in stores)]
-    attributes = {name for text in named for name in _ATTRIBUTE.findall(text)} | DYNAMO_UTIL_ATTRS
-    globals_ = {DYNAMO_UTILS} | {name for text in named for name in _GLOBAL.findall(text)}
+    attributes = {name for text in named for name in _ATTRIBUTE.findall(text)} | DYNAMO_UTIL_ATTRS | builds[1]
+    globals_ = {DYNAMO_UTILS} | {name for text in named for name in _GLOBAL.findall(text)} | builds[0]
     if stores:
         attributes.add(STORE_UTIL)
     replays = 0

@@ -42,6 +42,7 @@ class GraphInputs:
             (`A[len(sources) + j]`).
         stores: the constant attribute stores dynamo replays after the graph.
         refusal: why a direct call cannot stand in for dynamo's code (None: it can).
+        hoisted: the placeholders that are hoisted value-type opaque objects (`hoisted_value`).
     """
 
     sources: tuple[str, ...]
@@ -52,6 +53,7 @@ class GraphInputs:
     refusal: str | None
     _fakes: tuple[Any, ...] = dataclasses.field(repr=False, default=())
     _shape_env: Any = dataclasses.field(repr=False, default=None)
+    hoisted: tuple[int, ...] = ()
 
     @functools.cached_property
     def shape_guards(self) -> tuple[str, ...]:
@@ -61,8 +63,32 @@ class GraphInputs:
         if self._shape_env is None:
             return ()
         sources = [torch._dynamo.source.LocalSource(f"t{i}") for i in range(len(self._fakes))]
-        guards = self._shape_env.produce_guards(list(self._fakes), sources, ignore_static=True)
-        return tuple(_ARG.sub(r"A[\1]", guard) for guard in guards)
+        # a hoisted opaque input has no sizes: an int in its place keeps the positions, and the
+        # guard produced on that int is dropped
+        fakes = [0 if i in self.hoisted else fake for i, fake in enumerate(self._fakes)]
+        guards = self._shape_env.produce_guards(fakes, sources, ignore_static=True)
+        return tuple(_ARG.sub(r"A[\1]", guard) for guard in guards
+                     if not any(int(i) in self.hoisted for i in _ARG.findall(guard)))
+
+
+def hoisted_value(arg: Any) -> type | None:
+    """The class of a graph input that is a hoisted value-type opaque object (vLLM's `LayerName`,
+    `register_opaque_type(..., typ="value", hoist=True)`), which dynamo's code builds before each
+    call from values it guards (a layer's name) and passes to the graph; None for any other input.
+    A value type compares by value, so a direct call passes the object dynamo passed when the route
+    was armed: the value is a traced constant, like any module attribute the graph read."""
+    source = getattr(arg, "source", None)
+    if type(source).__name__ != "SyntheticLocalSource":
+        return None
+    try:
+        from torch._library import opaque_object
+        example = arg.example
+    except Exception:  # noqa: BLE001 - no opaque types in this torch, or the example is gone
+        return None
+    cls = type(example)
+    if opaque_object.is_opaque_value_type(cls) and opaque_object.should_hoist(cls):
+        return cls
+    return None
 
 
 def _static(values: Any) -> tuple[int | None, ...]:
@@ -91,11 +117,13 @@ def _unread(sources: list[str]) -> tuple[list[tuple[str, tuple, tuple]], list[An
 
 def record(gm: fx.GraphModule) -> GraphInputs:
     """The inputs of the graph dynamo hands the backend (call while dynamo compiles it)."""
-    sources, sizes, strides, fakes, refusal = [], [], [], [], None
-    for node in gm.graph.find_nodes(op="placeholder"):
+    sources, sizes, strides, fakes, refusal, hoisted = [], [], [], [], None, []
+    for index, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         arg, value = node.meta.get("grapharg"), node.meta.get("example_value")
         source = getattr(getattr(arg, "source", None), "name", None)
-        if arg is None or not isinstance(source, str):
+        if arg is not None and isinstance(source, str) and hoisted_value(arg) is not None:
+            hoisted.append(index)
+        elif arg is None or not isinstance(source, str):
             refusal = refusal or f"placeholder {node.name} has no source dynamo recorded"
             source = ""
         elif arg.pass_arg_as_tensor:
@@ -119,4 +147,4 @@ def record(gm: fx.GraphModule) -> GraphInputs:
     stores, side_effect_refusal = record_side_effects()
     refusal = refusal or side_effect_refusal
     return GraphInputs(tuple(sources), tuple(sizes), tuple(strides), tuple(unread), stores, refusal, tuple(fakes),
-                       shape_env)
+                       shape_env, tuple(hoisted))

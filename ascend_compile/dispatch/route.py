@@ -17,6 +17,7 @@ stays on dynamo's path.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -59,8 +60,11 @@ class Route:
     return value rebuilt from its outputs."""
 
     def __init__(self, artifact: Any, gather: Callable, build: Callable, checks: Sequence[Check],
-                 namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any]) -> None:
+                 namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any],
+                 torch_function_disabled: bool = False) -> None:
         self.artifact = artifact
+        #: dynamo runs this graph under `DisableTorchFunctionSubclass` (`dynamo_code.CacheEntry`): so does a direct call
+        self.torch_function_disabled = torch_function_disabled
         self.used = False  # whether a call has gone straight to the graph
         self._gather = gather
         self._build = build
@@ -76,7 +80,11 @@ class Route:
         if graph_args is None:
             raise self.explain(args, kwargs)
         try:
-            outputs = self.artifact.call_direct(graph_args)
+            if self.torch_function_disabled:
+                with torch._C.DisableTorchFunctionSubclass():
+                    outputs = self.artifact.call_direct(graph_args)
+            else:
+                outputs = self.artifact.call_direct(graph_args)
         except MovedInputs as moved:
             raise Fallback("in-place inputs moved since their graph was captured", ", ".join(moved.args[0])) \
                 from None
@@ -155,24 +163,39 @@ def _check_stores(stores: Sequence[ConstantStore], before: dict[tuple[str, str],
             raise Refused(f"the step changes {store.target}.{store.name} on every call")
 
 
-def _check_code(frame: Frame, artifact: Any, inputs: Any, exprs: dict[str, str]) -> None:
-    code = dynamo_code.entry_code(frame.func.__code__, frame.func.__globals__, artifact)
-    if code is None:
+#: What a caller may ask of the guards of dynamo's cache entry before a route stands in for them:
+#: why they cannot be stood in for, or None (`integrations/vllm/fast_path.py`).
+GuardPolicy = Callable[[Any], "str | None"]
+
+
+def _check_code(frame: Frame, artifact: Any, inputs: Any, exprs: dict[str, str],
+                guard_policy: GuardPolicy | None = None, hoisted: Sequence[type] = ()) -> bool:
+    """Refuse a route where dynamo's code does more than call the graph (or the policy refuses its
+    guards); whether the graph runs with tensor-subclass dispatch disabled."""
+    entry = dynamo_code.cache_entry(frame.func.__code__, frame.func.__globals__, artifact)
+    if entry is None:
         raise Refused(f"dynamo's code calling this graph is not cached for {frame.func.__qualname__}")
-    unsafe = dynamo_code.unsafe_instruction(code, inputs.sources, inputs.stores)
+    if guard_policy is not None:
+        refusal = guard_policy(entry.guard_manager)
+        if refusal:
+            raise Refused(refusal)
+    modules = list(frame.bound.modules()) if hoisted and isinstance(frame.bound, torch.nn.Module) else []
+    unsafe = dynamo_code.unsafe_instruction(entry.code, inputs.sources, inputs.stores,
+                                            dynamo_code.hoisted_builds(hoisted, modules))
     if unsafe:
         raise Refused(f"dynamo's code for {frame.func.__qualname__} does more than call the graph: {unsafe}")
     for source in [*inputs.sources, *(store.target for store in inputs.stores)]:
         for name in LOCAL.findall(source):
             if name not in exprs:
                 raise Refused(f"the source {source} reads {name!r}, not an argument of {frame.func.__qualname__}")
+    return entry.torch_function_disabled
 
 
 def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwargs: dict, result: Any,
-        stores_before: dict[tuple[str, str], Any] | None = None) -> Route:
+        stores_before: dict[tuple[str, str], Any] | None = None, guard_policy: GuardPolicy | None = None) -> Route:
     """The route for calls of layout `key`, from one call that went through dynamo (`calls`: what
     the probe saw run, `result`: what the call returned, `stores_before`: what `read_stores` read
-    before it, for the stores of an earlier refusal)."""
+    before it, for the stores of an earlier refusal; `guard_policy`: asked of the entry's guards)."""
     served = _served(calls)
     artifact, inputs = served.artifact, served.artifact.graph_inputs
     if inputs.refusal:
@@ -180,9 +203,16 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
     exprs = local_expressions(frame, key)
     if isinstance(exprs, str):
         raise Refused(exprs)
-    _check_code(frame, artifact, inputs, exprs)
+    hoisted = {i: served.args[i] for i in inputs.hoisted}
+    if hoisted:  # passed as dynamo passed them when armed (`graph_inputs.hoisted_value`)
+        guards = inputs.shape_guards  # as produced first (dynamo's, not those a later compile added)
+        inputs = dataclasses.replace(inputs, sources=tuple(f"H[{i}]" if i in hoisted else source
+                                                           for i, source in enumerate(inputs.sources)))
+        inputs.__dict__["shape_guards"] = guards
+    torch_function_disabled = _check_code(frame, artifact, inputs, exprs, guard_policy,
+                                          [type(value) for value in hoisted.values()])
     _check_stores(inputs.stores, stores_before)
-    namespace = {"S": frame.bound, "D": frame.defaults, "G": frame.func.__globals__}
+    namespace = {"S": frame.bound, "D": frame.defaults, "G": frame.func.__globals__, "H": hoisted}
     gathering = Gathering.of(inputs.sources, exprs, namespace, args, kwargs)
     build = gathering.build(namespace)
     graph_args = build(args, kwargs)
@@ -198,4 +228,5 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
         raise Refused(str(why)) from None
     log.debug("ascend_compile: dispatch='direct': %s: %d inputs gathered once, %d per call, %d checks",
               frame.func.__qualname__, len(gathering.state), len(gathering.per_call), len(checks))
-    return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild)
+    return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild,
+                 torch_function_disabled)

@@ -36,10 +36,23 @@ def probe() -> Iterator[list[Served]]:
         _local.probes = outer
 
 
+@contextlib.contextmanager
+def unreported() -> Iterator[None]:
+    """Calls inside the block are not reported: a wrapper that dynamo calls in the artifact's place
+    (the vLLM integration's deferred compile) reports itself instead, since the direct dispatcher
+    must call what dynamo calls, with whatever checks that wrapper makes."""
+    outer = getattr(_local, "silent", False)
+    _local.silent = True
+    try:
+        yield
+    finally:
+        _local.silent = outer
+
+
 def report(artifact: Any, args: Sequence[Any], result: Any) -> None:
-    """An artifact was called (a no-op unless a probe is set on this thread)."""
+    """An artifact was called (a no-op unless a probe is set on this thread, outside `unreported`)."""
     probes = getattr(_local, "probes", ())
-    if probes:
+    if probes and not getattr(_local, "silent", False):
         served = Served(artifact, args, result)
         for calls in probes:
             calls.append(served)

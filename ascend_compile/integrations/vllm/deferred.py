@@ -22,9 +22,11 @@ from torch import fx
 
 from ...backend import compile_graph
 from ...config import CompileConfig
+from ...lowering import served
 from ...lowering.runner import CompiledArtifact
 from ...passes.providers import Provider
 from ...targets import TargetFactory
+from . import fast_path
 from .memory import log_graph_memory
 
 log = logging.getLogger("ascend_compile")
@@ -50,19 +52,44 @@ class StepBinder(Protocol):
 
 
 class DeferredCompile:
-    """A vLLM graph: as traced until a step can be compiled against, then the compiled artifact."""
+    """A vLLM graph: as traced until a step can be compiled against, then the compiled artifact.
+
+    It is what dynamo calls, so it is also what the direct dispatcher calls (`fast_path.py`): it
+    reports itself to the dispatcher's probe (`lowering/served.py`) in the artifact's place, and
+    `call_direct` makes the same per-step checks as a call through dynamo. `graph_inputs` (what
+    dynamo passes the graph, and from where) is recorded by the backend while dynamo compiles."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
                  binder: StepBinder, target: TargetFactory,
-                 on_compiled: Callable[[CompiledArtifact], None] | None) -> None:
+                 on_compiled: Callable[[CompiledArtifact], None] | None, recorded_inputs: Any = None,
+                 direct: bool = False) -> None:
         self.gm, self.example_inputs, self.config = gm, list(example_inputs), config
         self.binder, self.target, self.on_compiled = binder, target, on_compiled
+        self.recorded_inputs = recorded_inputs
+        self.direct = direct  # put the direct dispatcher in front of the model at the first compiled step
         self.layers = binder.layer_names(gm)
         self.compiled: Callable[..., Any] | None = None
         self.logged: set[str] = set()
         self.captures = 0  # the artifact's captures last reported (`memory.py`)
 
+    @property
+    def graph_inputs(self) -> Any:
+        """What dynamo passes this graph (None until the graph is compiled: the direct dispatcher arms
+        no route for a graph that still runs as traced, and none where the graph compiled to no artifact)."""
+        return self.recorded_inputs if isinstance(self.compiled, CompiledArtifact) else None
+
     def __call__(self, *args: Any) -> Any:
+        with served.unreported():  # this, not the artifact, is what dynamo called
+            result = self._step(args, direct=False)
+        served.report(self, args, result)
+        return result
+
+    def call_direct(self, args: Sequence[Any]) -> Any:
+        """One step from the direct dispatcher: the same checks as `__call__`, then the artifact's
+        `call_direct` (moved in-place inputs raise `MovedInputs`: the step goes through dynamo)."""
+        return self._step(tuple(args), direct=True)
+
+    def _step(self, args: Sequence[Any], direct: bool) -> Any:
         if self.compiled is None:
             reason = self.binder.not_ready(self.layers)
             if reason is not None:
@@ -70,6 +97,8 @@ class DeferredCompile:
             self.compiled = compile_graph(self.gm, self.example_inputs, self.config, self.target, bind=self.binder)
             if self.on_compiled is not None and isinstance(self.compiled, CompiledArtifact):
                 self.on_compiled(self.compiled)
+            if self.direct and self.graph_inputs is not None:
+                fast_path.install(self)
         unserved = self.binder.unserved_step()
         if unserved is not None:
             return self.as_traced(args, unserved)
@@ -78,7 +107,7 @@ class DeferredCompile:
             return self.as_traced(args, f"a sequence is longer than max_model_len="
                                         f"{self.config.max_model_len}, the longest the graphs' workspaces were "
                                         f"sized for (set max_model_len in ASCEND_COMPILE_OPTIONS or vLLM's config)")
-        result = self.compiled(*args)
+        result = self.compiled.call_direct(args) if direct else self.compiled(*args)
         if isinstance(self.compiled, CompiledArtifact) and self.compiled.stats["captures"] != self.captures:
             self.captures = self.compiled.stats["captures"]
             log_graph_memory(self.compiled)

@@ -22,8 +22,9 @@ from typing import Any, Callable, Sequence
 from torch import fx
 
 from ...backend import compile_graph
-from ...compile_once import SHARED_TOKEN_SETTINGS, retrace_general
+from ...compile_once import DISPATCHES, SHARED_TOKEN_SETTINGS, retrace_general
 from ...config import CompileConfig
+from ...dispatch import graph_inputs
 from ...lowering.runner import CompiledArtifact
 from ...targets import TargetFactory, default_target
 from .binder import ForwardContextBinder, vllm_graph_nodes
@@ -35,10 +36,14 @@ from .releases import check_version
 
 def backend(config: CompileConfig | None = None, on_compiled: Callable[[CompiledArtifact], None] | None = None,
             get_forward_context: Callable[[], Any] | None = None, target: TargetFactory = default_target,
-            **options: Any) -> Callable[..., Any]:
+            dispatch: str = "direct", **options: Any) -> Callable[..., Any]:
     """A dynamo backend for vLLM model graphs (see the module docstring); graphs without vLLM's
     attention ops compile as with `ascend_compile.backend`. With vLLM's own forward context
-    (`get_forward_context` None) the installed vLLM must be a supported release."""
+    (`get_forward_context` None) the installed vLLM must be a supported release. `dispatch`:
+    "direct" (default) puts the direct dispatcher in front of a `Module.compile`d model at its first
+    compiled step (`fast_path.py`); "dynamo" leaves every step to dynamo's guards."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch: expected one of {list(DISPATCHES)}, got {dispatch!r}")
     if config is None:
         config = CompileConfig.from_options(options)
     elif options:
@@ -61,7 +66,11 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
         # step size symbolic (batch 1 included), so that one graph and one artifact serve every step.
         # Here, inside dynamo's backend call, not at the deferred compile (outside dynamo).
         retrace_general(gm, SHARED_TOKEN_SETTINGS)
-        return DeferredCompile(gm, example_inputs, deferred, binder, target, on_compiled)
+        recorded = graph_inputs.record(gm)
+        if dispatch == "direct":
+            recorded.shape_guards  # noqa: B018 - produced now, under the settings dynamo traced with
+        return DeferredCompile(gm, example_inputs, deferred, binder, target, on_compiled, recorded,
+                               direct=dispatch == "direct")
 
     return compile_fn
 

@@ -3,8 +3,13 @@
 vLLM knows the longest sequence it admits (`model_config.max_model_len`) and, where the user set
 them, the batch sizes worth capturing (`compilation_config.cudagraph_capture_sizes`); the workspaces
 sized for a different `max_model_len` than vLLM's would refuse requests vLLM admits. The block size
-needs no option: each layer's KV cache, bound by vLLM, carries it. Options given as JSON in the
-environment variable `ASCEND_COMPILE_OPTIONS` override what comes from vLLM.
+needs no option: each layer's KV cache, bound by vLLM, carries it. Two defaults differ from the
+standalone backend's, since vLLM never moves or replaces a weight once loaded (weight reloading and
+sleep mode write into the same parameters): `frozen_parameters=True` (parameters checked to be the
+same objects, not their addresses, every step; KV caches stay address-checked) and
+`dispatch="direct"` (steps skip dynamo's guards: `fast_path.py` says why that is sound). Options
+given as JSON in the environment variable `ASCEND_COMPILE_OPTIONS` override both and what comes
+from vLLM (`{"dispatch": "dynamo", "frozen_parameters": false}`: the standalone behaviour).
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import os
 from typing import Any
 
 OPTIONS_ENV = "ASCEND_COMPILE_OPTIONS"
+#: What the integrations set before vLLM's config and the environment (see the module docstring).
+DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "direct"}
 
 
 def from_vllm_config(vllm_config: Any) -> dict[str, Any]:
@@ -35,8 +42,8 @@ def from_environment() -> dict[str, Any]:
 
 
 def options_for(vllm_config: Any) -> dict[str, Any]:
-    """vLLM's config, then the environment's options over it."""
-    return {**from_vllm_config(vllm_config), **from_environment()}
+    """The integrations' defaults, vLLM's config over them, then the environment's options over both."""
+    return {**DEFAULTS, **from_vllm_config(vllm_config), **from_environment()}
 
 
 def current_vllm_config() -> Any:
