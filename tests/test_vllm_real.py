@@ -108,6 +108,61 @@ def test_torch_compile_dynamic_batch_3_then_batch_1_equals_eager(monkeypatch, tm
         assert not art.signature.specialized  # input_ids and positions share the token symbol
     assert stats["replays"] == len(steps) and stats["eager_fallbacks"] == 0
 
+def _direct(model):
+    """The direct dispatcher in front of vLLM's compiled model (`fast_path.DirectCall`)."""
+    direct = model.model._compiled_call_impl
+    assert isinstance(direct, integration.fast_path.DirectCall), type(direct)
+    return direct
+
+
+def test_steps_after_the_first_compiled_one_skip_dynamo_and_a_failed_check_goes_through_it(compiled):
+    """The fast path is the default: after the first compiled step (through vLLM's compiled call) and
+    one through dynamo to arm the route, every step goes straight to the graph, equal to eager. A
+    check that fails sends that step through dynamo's guards (a hook registered anywhere moves torch's
+    hook count), and a weight assigned anew (on both models) is seen: the step goes through dynamo and
+    dynamo compiles the frame again, still equal to eager."""
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0], 16)
+    _equal_to_eager(models, STEPS)
+    direct = _direct(models[0])
+    assert direct.dynamo_calls == 1  # the step that armed the route; the first compiled step came before
+    assert artifacts[0].config.frozen_parameters  # the integrations' default
+    handle = torch.nn.Linear(1, 1).register_forward_hook(lambda *args: None)  # not on the model: harmless
+    _equal_to_eager(models, STEPS[:2])
+    assert direct.dynamo_calls == 2  # the first step after it, which armed the route again
+    assert len(artifacts) == 1 and len(calls) == 2  # dynamo's guards passed: nothing compiled again
+    handle.remove()
+    for model in models:
+        norm = model.model.model.norm
+        norm.weight = torch.nn.Parameter(torch.full_like(norm.weight, 0.5), requires_grad=False)
+    _equal_to_eager(models, STEPS[:3])
+    assert direct.dynamo_calls == 3  # dynamo compiled the frame again (its guards on the module tree)
+
+
+def test_dispatch_dynamo_keeps_every_step_on_dynamos_guards(compiled):
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8], "dispatch": "dynamo", "frozen_parameters": False})
+    real.profile_run(models[0], 16)
+    _equal_to_eager(models, STEPS[:3])
+    assert not isinstance(models[0].model._compiled_call_impl, integration.fast_path.DirectCall)
+    assert not artifacts[0].config.frozen_parameters
+
+
+def test_the_guards_of_vllms_frame_are_all_of_kinds_the_fast_path_stands_in_for(compiled):
+    """Every guard dynamo keeps on vLLM's Llama frame is one `fast_path.guard_refusal` accepts, and
+    the same policy refuses the frame's guards once one of them is given another kind."""
+    artifacts, calls, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0], 16)
+    _equal_to_eager(models, STEPS[:2])
+    forward = type(models[0].model).forward
+    (entry,) = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__)
+    assert integration.fast_path.guard_refusal(entry.guard_manager) is None
+    kinds = {kind for kind, _, _ in integration.fast_path.guards_of(entry.guard_manager.root)}
+    assert {"TENSOR_MATCH", "GLOBAL_STATE", "LAMBDA_GUARD", "ID_MATCH"} <= kinds
+
+
 def test_max_model_len_and_capture_sizes_come_from_vllms_config(compiled):
     artifacts, calls, make = compiled
     models = make(max_model_len=128)

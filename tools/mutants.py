@@ -98,6 +98,38 @@ FAILED_STEPS = "tests/test_failed_steps.py"
 MUTANTS_CHANGED = "tests/test_mutants_changed.py"
 
 MUTANTS = (
+    Mutant(
+        "vLLM steps direct by default no more", "ascend_compile/integrations/vllm/options.py",
+        'DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "direct"}',
+        'DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "dynamo"}',
+        ("tests/test_vllm_real.py::test_steps_after_the_first_compiled_one_skip_dynamo_and_a_failed_check_goes_through_it",),
+        vllm=True,
+    ),
+    Mutant(
+        "direct vLLM steps skip the deferred compile's per-step checks", "ascend_compile/integrations/vllm/deferred.py",
+        "        return self._step(tuple(args), direct=True)\n",
+        "        return self.compiled.call_direct(args)\n",
+        ("tests/test_vllm_real.py::test_a_request_longer_than_our_max_model_len_runs_as_traced_not_failing_the_engine",),
+        vllm=True,
+    ),
+    Mutant(
+        "a direct call runs with tensor-subclass dispatch on", "ascend_compile/dispatch/route.py",
+        "            if self.torch_function_disabled:\n",
+        "            if False:\n",
+        ("tests/test_vllm_fast_path.py",),
+    ),
+    Mutant(
+        "a guard on the forward context stood in for", "ascend_compile/integrations/vllm/fast_path.py",
+        "        if PER_STEP.search(source) or PER_STEP.search(code):\n",
+        "        if PER_STEP.search(source):\n",
+        ("tests/test_vllm_fast_path.py",),
+    ),
+    Mutant(
+        "a guard inside a step argument stood in for", "ascend_compile/integrations/vllm/fast_path.py",
+        "        elif source != match.group(0):\n",
+        "        elif False:\n",
+        ("tests/test_vllm_fast_path.py",),
+    ),
     # CI's selection of mutants (tools/mutants_changed.py): a rule dropped lets a change through unchecked
     Mutant(
         "mutant selection ignores its tests", "tools/mutants_changed.py",

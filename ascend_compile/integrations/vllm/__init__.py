@@ -20,12 +20,14 @@ One module a job, each importing only those listed before it (no cycle):
 - `context.py`: what is read from a forward context (a layer's key and value caches, cut metadata,
   whether the step asks for other than causal attention, whether a KV connector is set);
 - `memory.py`: the graph memory outside vLLM's KV-cache budget, logged;
+- `fast_path.py`: the direct dispatcher in front of the `Module.compile`d model, and the guard
+  policy that says why it may stand in for dynamo's guards there;
 - `options.py`: the backend's options from vLLM's config, `ASCEND_COMPILE_OPTIONS` over them;
 - `releases.py`: the supported vLLM releases and the check of the installed one;
 - `layers.py` (context): which attention layers are served, with which features, the rest refused;
 - `metadata.py` (context): a metadata group's provided inputs and vLLM-Ascend's host lengths;
 - `mla.py` (context, layers): the MLA ops' rewrite and refusals;
-- `deferred.py` (memory): as traced until a step can be compiled against, its binder a protocol;
+- `deferred.py` (fast_path, memory): as traced until a step can be compiled against, its binder a protocol;
 - `binder.py` (context, layers, metadata, mla): `ForwardContextBinder` and finding vLLM's op nodes;
 - `dynamo_backend.py` (binder, deferred, mla, options, releases): `backend`, `configured_backend`,
   `vllm_backend`;
@@ -41,7 +43,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import dynamo_backend
+from . import dynamo_backend, fast_path
 from .binder import ATTENTION_OP, CACHE_UPDATE_OP, ForwardContextBinder, vllm_graph_nodes
 from .deferred import DeferredCompile
 from .dynamo_backend import backend, configured_backend

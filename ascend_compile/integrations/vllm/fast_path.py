@@ -96,11 +96,13 @@ class DirectCall:
     def __init__(self, module: torch.nn.Module, compiled_call: Any) -> None:
         self.compiled_call = compiled_call  # torch.compile(module._call_impl): dynamo's path
         self.dispatcher = DirectDispatcher(module, guard_policy=guard_refusal)
+        self.dynamo_calls = 0  # the calls that went through dynamo's frame hook and guards
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.dispatcher(args, kwargs, self._through_dynamo)
 
     def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
+        self.dynamo_calls += 1
         return self.compiled_call(*args, **kwargs)
 
     def recheck(self) -> None:
