@@ -1,6 +1,7 @@
 """Host time per decode step through the documented entry, the device stubbed: what a caller pays.
 
     python benchmarks/host_dispatch.py [--layers 4 32 64] [--rounds 40] [--calls 50] [--json] [--check-costs]
+    python benchmarks/host_dispatch.py --vllm [--layers 64]   # where vLLM is installed (.ci/vllm-venv)
 
 The example model compiled with `ascend_compile.compile`, decode batches 16 down to 9 in turn (one
 bucket, vLLM's fixed block-table width), the device's work stubbed as `cpu_runner.py --runner-only`
@@ -19,6 +20,14 @@ shared machine the time other processes hold the core does not count:
   outputs returned on every call): what dynamo's dispatch alone costs, with the guards on modules'
   hook dicts that `ascend_compile.compile` turns on;
 - floor, torch's guards: the same with torch's default guards (none on hook dicts), to compare.
+
+`--vllm` times, instead, vLLM's own Llama (`tests/vllm_real.py`: vLLM's model, `Attention` layers, ops and
+forward context on the CPU; tiny dims, `--layers` deep) compiled through vLLM's mode-1 call with our
+backend, the same decode batches, each step's forward context entered outside the timed call (it is
+vLLM's cost either way), beside the standalone "direct, frozen_parameters" row in the same process:
+- vLLM, dynamo: `ASCEND_COMPILE_OPTIONS {"dispatch": "dynamo"}`, every step through dynamo's guards;
+- vLLM, direct: the integration's default (`integrations/vllm/fast_path.py`);
+and the ratio of the second to the standalone row (the goal: at most 1.3).
 
 `--check-costs` times, instead, dynamo's own guard manager for the frame (`check(f_locals)`) beside
 the direct path's checks that walk the model (module types, hook registrations, parameters'
@@ -142,6 +151,83 @@ def measure(layers: int, rounds: int, calls: int) -> dict[str, Any]:
     return row
 
 
+def vllm_steps(model: Any, cfg: LlamaConfig) -> list[tuple[Any, ...]]:
+    """The decode steps of `decode_steps` for vLLM's model: (attn_metadata, slot_mapping, input_ids, positions)."""
+    from tests import vllm_real as real
+
+    rng = random.Random(0)
+    steps = []
+    for n in range(BATCH, BATCH - 8, -1):
+        step = real.Step([rng.randint(1, MAX_LEN) for _ in range(n)], [1] * n)
+        metadata, slots = step.metadata(model)
+        steps.append((metadata, slots, step.input_ids(model.config.model_config.get_vocab_size()), step.positions()))
+    return steps
+
+
+def time_vllm(model: Any, steps: list, rounds: int, calls: int) -> tuple[float, float]:
+    """(best, median) us of thread CPU time per call of vLLM's model over `steps` in turn, each inside
+    its forward context entered before the clock starts."""
+    from vllm.forward_context import set_forward_context
+
+    def one(step: tuple) -> float:
+        metadata, slots, ids, positions = step
+        with torch.no_grad(), set_forward_context(metadata, model.config, slot_mapping=slots):
+            start = time.thread_time()
+            model.model(ids, positions)
+            return time.thread_time() - start
+
+    for i in range(50):
+        one(steps[i % len(steps)])
+    gc.collect()
+    gc.disable()
+    try:
+        times = [sum(one(steps[i % len(steps)]) for i in range(calls)) / calls * 1e6 for _ in range(rounds)]
+    finally:
+        gc.enable()
+    return round(min(times), 1), round(statistics.median(times), 1)
+
+
+def measure_vllm(layers: int, rounds: int, calls: int) -> dict[str, Any]:
+    """The standalone direct + frozen row and the two vLLM rows at one depth, us per step (best, median)."""
+    import os
+    import tempfile
+
+    from ascend_compile.integrations import vllm as integration
+    from tests import vllm_real as real
+
+    cfg = LlamaConfig(num_layers=layers, num_blocks=BATCH * MAX_LEN // 16)
+    row: dict[str, Any] = {"layers": layers}
+    with torch.no_grad():
+        direct, _, _ = compiled_pair(cfg, frozen_parameters=True)
+        row.update(time_rounds({"direct_frozen": lambda s: direct(**s)}, {"direct_frozen": decode_steps(cfg)},
+                               rounds, calls))
+        del direct
+    original = integration.dynamo_backend.backend
+    hf_config = {**real.TINY_LLAMA, "num_hidden_layers": layers, "max_position_embeddings": MAX_LEN}
+    try:
+        for name, dispatch in (("vllm_dynamo", "dynamo"), ("vllm_direct", "direct")):
+            torch._dynamo.reset()
+            artifacts: list = []
+            integration.dynamo_backend.backend = lambda *a, **k: original(*a, on_compiled=artifacts.append, **k)
+            os.environ["ASCEND_COMPILE_OPTIONS"] = json.dumps({"capture_sizes": [8, 16], "dispatch": dispatch})
+            config = real.vllm_config(Path(tempfile.mkdtemp()), compile_mode=1, max_model_len=MAX_LEN,
+                                      hf_config=hf_config)
+            model = real.build(config, num_blocks=256)
+            real.compile_as_vllm(model)
+            real.profile_run(model, 16)
+            steps = vllm_steps(model, cfg)
+            time_vllm(model, steps[:2], 1, 2)  # the first compiled step, and the one that arms the route
+            stub_device(artifacts[-1])
+            row[name] = time_vllm(model, steps, rounds, calls)
+            del model
+    finally:
+        integration.dynamo_backend.backend = original
+        os.environ.pop("ASCEND_COMPILE_OPTIONS", None)
+    row["direct/standalone"] = round(row["vllm_direct"][0] / row["direct_frozen"][0], 2)
+    torch._dynamo.reset()
+    return row
+
+
 def check_costs(layers: int) -> dict[str, float]:
     """us per call of dynamo's own guard manager for the frame and of the direct path's checks that
     walk the model (the figures the README's "Calling the graph directly" gives), at one depth."""
@@ -187,12 +273,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--vllm", action="store_true",
+                        help="instead: vLLM's own Llama through the integration, dynamo and direct, beside the standalone row")
     parser.add_argument("--check-costs", action="store_true",
                         help="instead: us per call of dynamo's guard manager and of the direct checks that walk the model")
     args = parser.parse_args()
     if args.check_costs:
         for layers in args.layers:
             print(json.dumps({"layers": layers, **check_costs(layers)}), flush=True)
+        return
+    if args.vllm:
+        print(f"host us per decode step, thread CPU time (batches {BATCH} to {BATCH - 7}, device stubbed), best / median "
+              f"of {args.rounds} rounds of {args.calls} steps; vLLM {__import__('vllm').__version__}, torch "
+              f"{torch.__version__}")
+        measure_vllm(2, 3, 20)  # warm-up
+        for layers in args.layers:
+            row = measure_vllm(layers, args.rounds, args.calls)
+            print(json.dumps(row) if args.json else
+                  f"layers {layers}: standalone direct, frozen_parameters {row['direct_frozen'][0]} / {row['direct_frozen'][1]}"
+                  f"; vLLM, dynamo {row['vllm_dynamo'][0]} / {row['vllm_dynamo'][1]}; vLLM, direct {row['vllm_direct'][0]}"
+                  f" / {row['vllm_direct'][1]}; vLLM direct / standalone direct, frozen {row['direct/standalone']}",
+                  flush=True)
         return
     measure(2, 3, 50)  # warm-up: the first measurement of a process runs slow
     names = {"dynamo": "dynamo (default)", "direct": "direct", "direct_frozen": "direct, frozen_parameters",

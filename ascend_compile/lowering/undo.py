@@ -59,7 +59,7 @@ class UndoPlan:
         if not self.rows and not self.whole:
             return Undo([], [])
         with torch.inference_mode():
-            slots: dict[tuple[int, int], torch.Tensor] = {}
+            slots: dict[tuple[int, ...], Any] = {}
             rows = []
             whole = [(args[i], args[i].clone()) for i in self.whole if isinstance(args[i], torch.Tensor)]
             for cache, slot in self.rows:
@@ -74,8 +74,10 @@ class UndoPlan:
                 if t.stride(0) == t.shape[1] * t.stride(1):  # [num_blocks * block_size, ...] is a view
                     view = t.flatten(0, 1)
                     rows.append((view, index, view.index_select(0, index)))
-                else:  # a view of a larger cache (vLLM's [num_blocks, 2, ...]): by block and offset
-                    where = (index // t.shape[1], index % t.shape[1])
+                else:  # a view of a larger cache (vLLM 0.23's [num_blocks, 2, ...]): by block and offset
+                    where = slots.get((slot, capacity, t.shape[1]))
+                    if where is None:  # shared by every cache of this block size the slots write
+                        where = slots[(slot, capacity, t.shape[1])] = (index // t.shape[1], index % t.shape[1])
                     rows.append((t, where, t[where]))
         return Undo(rows, whole)
 

@@ -28,7 +28,7 @@ from torch import fx
 
 from ...passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ...passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
-from .context import cache_pair, has_cache, kv_transfer_configured, split_cache, step_semantics
+from .context import CacheViews, has_cache, kv_transfer_configured, split_cache, step_semantics
 from .layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
                      refuse_unsupported)
 from .metadata import bind_metadata
@@ -286,9 +286,10 @@ class ForwardContextBinder:
         key, value = split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))
         refuse_cache_dtype(layer, key)
         name = layer.replace(".", "_")
-        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: cache_pair(ctx, layer, where)[0],
+        views = CacheViews(layer, where)  # split once per cache tensor, not every step
+        return (provide(f"vllm_key_cache_{name}", f"{where} (key)", lambda ctx: views(ctx)[0],
                         fake_like(fake_mode, key)),
-                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: cache_pair(ctx, layer, where)[1],
+                provide(f"vllm_value_cache_{name}", f"{where} (value)", lambda ctx: views(ctx)[1],
                         fake_like(fake_mode, value)))
 
 

@@ -96,3 +96,26 @@ def kv_transfer_configured() -> bool:
 def cache_pair(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     attn_layer = ctx.no_compile_layers[layer]
     return split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))
+
+
+class CacheViews:
+    """One layer's key and value views (`cache_pair`), read every step: split again only when the
+    layer's cache is another tensor than the last step's, or the same one moved or resized (a view
+    made earlier would keep the old storage). The views hold that storage, so no other tensor can
+    have its address meanwhile. A (key, value) pair is read as it is."""
+
+    def __init__(self, layer: str, where: str) -> None:
+        self.layer, self.where = layer, where
+        self._cache: Any = None
+        self._address: int | None = None
+        self._shape: Any = None
+        self._pair: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = ctx.no_compile_layers[self.layer].kv_cache
+        if not isinstance(cache, torch.Tensor):
+            return cache_pair(ctx, self.layer, self.where)
+        if cache is not self._cache or cache.data_ptr() != self._address or cache.shape != self._shape:
+            self._pair = cache_pair(ctx, self.layer, self.where)
+            self._cache, self._address, self._shape = cache, cache.data_ptr(), cache.shape
+        return self._pair
