@@ -550,8 +550,8 @@ MUTANTS = (
     ),
     Mutant(
         "other backend not refused", "ascend_compile/integrations/vllm/layers.py",
-        "    if path not in SUPPORTED_BACKENDS:\n",
-        "    if False:\n",
+        '    unsupported = backend_refusal(layer, SUPPORTED_BACKENDS, "attention backend")\n',
+        "    unsupported = None\n",
         ("tests/test_vllm.py::test_other_attention_backends_are_refused_by_name_at_compile_time",),
     ),
     Mutant(
@@ -590,9 +590,15 @@ MUTANTS = (
         ("tests/test_vllm_mla_real.py::test_a_sparse_mla_layer_is_refused_at_compile_time",), vllm=True,
     ),
     Mutant(
+        "the backend check passes every backend", "ascend_compile/integrations/vllm/layers.py",
+        "    if path in supported:\n",
+        "    if True:\n",
+        ("tests/test_vllm.py::test_other_attention_backends_are_refused_by_name_at_compile_time",),
+    ),
+    Mutant(
         "other MLA backend not refused", "ascend_compile/integrations/vllm/mla.py",
-        "    if path not in SUPPORTED_MLA_BACKENDS:\n",
-        "    if False:\n",
+        '    unsupported = backend_refusal(layer, SUPPORTED_MLA_BACKENDS, "MLA attention backend")\n',
+        "    unsupported = None\n",
         ("tests/test_vllm_mla_real.py::test_another_mla_backend_is_refused_by_name",), vllm=True,
     ),
     # issue 36: the mutation audit's survivors

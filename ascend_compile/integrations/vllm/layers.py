@@ -49,14 +49,22 @@ def backend_path(backend: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def refusal(name: str, layer: Any) -> str | None:
-    """Why the rewrite cannot serve vLLM attention layer `layer` (named `name`), or None if it can."""
+def backend_refusal(layer: Any, supported: dict[str, str], what: str) -> str | None:
+    """Why `layer`'s attention backend is none of `supported` (class path -> name), named as `what`
+    (an attention or MLA backend) with its path and `get_name()`; None where it is one of them."""
     backend = getattr(layer, "attn_backend", None)
     path = backend_path(backend) if backend is not None else "none"
-    if path not in SUPPORTED_BACKENDS:
-        label = backend.get_name() if hasattr(backend, "get_name") else "?"
-        return (f"attention backend {path} (get_name() {label!r}); supported: "
-                + ", ".join(SUPPORTED_BACKENDS.values()))
+    if path in supported:
+        return None
+    label = backend.get_name() if hasattr(backend, "get_name") else "?"
+    return f"{what} {path} (get_name() {label!r}); supported: " + ", ".join(supported.values())
+
+
+def refusal(name: str, layer: Any) -> str | None:
+    """Why the rewrite cannot serve vLLM attention layer `layer` (named `name`), or None if it can."""
+    unsupported = backend_refusal(layer, SUPPORTED_BACKENDS, "attention backend")
+    if unsupported:
+        return unsupported
     impl = layer.impl
     if getattr(impl, "alibi_slopes", None) is not None:
         return "ALiBi (impl.alibi_slopes)"

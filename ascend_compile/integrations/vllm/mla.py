@@ -43,7 +43,7 @@ from torch import fx
 from ...passes.fx_utils import example_value, is_op, node_arg
 from ...passes.providers import fake_like, fresh_size
 from .context import step_semantics
-from .layers import UNQUANTIZED_CACHE_DTYPES, UnsupportedAttention, backend_path, refuse_cache_dtype
+from .layers import UNQUANTIZED_CACHE_DTYPES, UnsupportedAttention, backend_refusal, refuse_cache_dtype
 
 MLA_ATTENTION_OP = "unified_mla_attention_with_output"
 MLA_CACHE_UPDATE_OP = "unified_mla_kv_cache_update"
@@ -78,12 +78,9 @@ def mla_graph_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], list[fx.Node]]:
 
 def refusal(layer: Any) -> str | None:
     """Why the rewrite cannot serve vLLM MLA layer `layer`, or None if it can."""
-    backend = getattr(layer, "attn_backend", None)
-    path = backend_path(backend) if backend is not None else "none"
-    if path not in SUPPORTED_MLA_BACKENDS:
-        label = backend.get_name() if hasattr(backend, "get_name") else "?"
-        return (f"MLA attention backend {path} (get_name() {label!r}); supported: "
-                + ", ".join(SUPPORTED_MLA_BACKENDS.values()))
+    unsupported = backend_refusal(layer, SUPPORTED_MLA_BACKENDS, "MLA attention backend")
+    if unsupported:
+        return unsupported
     if getattr(layer, "use_sparse", False) or getattr(layer, "indexer", None) is not None:
         return "sparse MLA (layer.use_sparse: DeepSeek-V3.2's top-k indexer)"
     dtype = getattr(layer, "kv_cache_dtype", "auto")
