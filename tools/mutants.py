@@ -99,6 +99,12 @@ MUTANTS_CHANGED = "tests/test_mutants_changed.py"
 
 MUTANTS = (
     Mutant(
+        "undo reads a layer's halves one element apart", "ascend_compile/lowering/undo.py",
+        "    delta = value.storage_offset() - key.storage_offset()\n",
+        "    delta = min(1, value.storage_offset() - key.storage_offset())\n",
+        ("tests/test_undo_layouts.py",),
+    ),
+    Mutant(
         "vLLM steps direct by default no more", "ascend_compile/integrations/vllm/options.py",
         'DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "direct"}',
         'DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "dynamo"}',

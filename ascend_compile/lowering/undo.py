@@ -62,8 +62,15 @@ class UndoPlan:
             slots: dict[tuple[int, ...], Any] = {}
             rows = []
             whole = [(args[i], args[i].clone()) for i in self.whole if isinstance(args[i], torch.Tensor)]
-            for cache, slot in self.rows:
+            pending = list(self.rows)
+            while pending:
+                cache, slot = pending.pop(0)
                 t = args[cache]
+                if pending and pending[0][1] == slot:
+                    pair = _halves(t, args[pending[0][0]])
+                    if pair is not None:  # a layer's key and value halves of one allocation: one gather
+                        pending.pop(0)
+                        t = pair
                 if t.dim() < 2:
                     whole.append((t, t.clone()))
                     continue
@@ -80,6 +87,23 @@ class UndoPlan:
                         where = slots[(slot, capacity, t.shape[1])] = (index // t.shape[1], index % t.shape[1])
                     rows.append((t, where, t[where]))
         return Undo(rows, whole)
+
+
+def _halves(key: Any, value: Any) -> torch.Tensor | None:
+    """`key` and `value` as one view `[num_blocks, block_size, 2, ...]` where they are two halves of
+    one allocation with the same layout, `value` a fixed distance after `key` (vLLM 0.23's
+    `[num_blocks, 2, ...]` unbound, vLLM 0.33's page split), so that their rows are read and put back
+    in one gather; None otherwise (separate tensors)."""
+    if not (isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)) or key.dim() < 3:
+        return None
+    if (key.shape != value.shape or key.stride() != value.stride() or key.dtype != value.dtype
+            or key.device != value.device or key.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()):
+        return None
+    delta = value.storage_offset() - key.storage_offset()
+    if delta <= 0:
+        return None
+    return key.as_strided((*key.shape[:2], 2, *key.shape[2:]), (*key.stride()[:2], delta, *key.stride()[2:]),
+                          key.storage_offset())
 
 
 class Undo:

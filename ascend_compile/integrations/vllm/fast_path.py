@@ -3,7 +3,7 @@
 vLLM's mode-1 compile (`GPUModelRunner.load_model`, vLLM-Ascend through our plug-in) is
 `model.compile(fullgraph=True, backend=...)`: every step then goes through dynamo's frame hook and
 evaluates every guard of the model's frame (its guard tree prints 876 lines on vLLM 0.23's
-two-layer Llama; about 830 us of a step's host time at 64 layers, `benchmarks/host_dispatch.py
+two-layer Llama; about 960 us of a step's host time at 64 layers, `benchmarks/host_dispatch.py
 --vllm`). At the first compiled step the backend finds that module (`compiled_module`)
 and puts the direct dispatcher (`ascend_compile.dispatch`) in front of its compiled call
 (`install`): each step is then the dispatcher's checks and the artifact. Off with
