@@ -42,7 +42,8 @@ class GraphInputs:
             (`A[len(sources) + j]`).
         stores: the constant attribute stores dynamo replays after the graph.
         refusal: why a direct call cannot stand in for dynamo's code (None: it can).
-        hoisted: the placeholders that are hoisted value-type opaque objects (`hoisted_value`).
+        hoisted: the placeholders that are hoisted value-type opaque objects (`hoisted_value`); their
+            source is `H[<index>]`, the object dynamo passed when the route was armed.
     """
 
     sources: tuple[str, ...]
@@ -123,6 +124,7 @@ def record(gm: fx.GraphModule) -> GraphInputs:
         source = getattr(getattr(arg, "source", None), "name", None)
         if arg is not None and isinstance(source, str) and hoisted_value(arg) is not None:
             hoisted.append(index)
+            source = f"H[{index}]"  # the object dynamo passed when a route is armed (`route.arm`)
         elif arg is None or not isinstance(source, str):
             refusal = refusal or f"placeholder {node.name} has no source dynamo recorded"
             source = ""

@@ -17,7 +17,6 @@ stays on dynamo's path.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -203,12 +202,7 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
     exprs = local_expressions(frame, key)
     if isinstance(exprs, str):
         raise Refused(exprs)
-    hoisted = {i: served.args[i] for i in inputs.hoisted}
-    if hoisted:  # passed as dynamo passed them when armed (`graph_inputs.hoisted_value`)
-        guards = inputs.shape_guards  # as produced first (dynamo's, not those a later compile added)
-        inputs = dataclasses.replace(inputs, sources=tuple(f"H[{i}]" if i in hoisted else source
-                                                           for i, source in enumerate(inputs.sources)))
-        inputs.__dict__["shape_guards"] = guards
+    hoisted = {i: served.args[i] for i in inputs.hoisted}  # as dynamo passed them (`graph_inputs.hoisted_value`)
     torch_function_disabled = _check_code(frame, artifact, inputs, exprs, guard_policy,
                                           [type(value) for value in hoisted.values()])
     _check_stores(inputs.stores, stores_before)
