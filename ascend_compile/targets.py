@@ -82,6 +82,11 @@ class Target:
         """How a kernel node's workspace is sized: the exact formula scan."""
         return node_need
 
+    def workspace_estimate(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
+        """How a kernel node's workspace is sized before anything is compiled or asked of the device
+        (graph memory known before vLLM sizes its KV cache): as `workspace_need`."""
+        return self.workspace_need(config, dtype)
+
     def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
         """The graph `key` captures, from its variant `gm`: the variant itself."""
         return gm
@@ -119,6 +124,12 @@ class NpuTarget(Target):
         runtime = self.runtime
         return lambda kernel, shape, bucket: npu_ops.time_kernel(
             runtime.kernels, runtime.synchronize, kernel, shape, bucket, config.auto_timing_seq_len, dtype)
+
+    def workspace_estimate(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
+        """Before compiling, the simulator's formula for the same kernels (its tiling, `ops/tiling.py`):
+        torch_npu's queries are asked only when the graph compiles; the figure logged after the captures
+        says how far the estimate was."""
+        return node_need
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
         """torch_npu's workspace queries, asked as each answers (`passes/probe.py`)."""

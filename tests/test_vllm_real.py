@@ -467,3 +467,147 @@ def test_the_plugin_without_vllm_ascend_says_so(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="ascend_compile"):
         _plugin()()
     assert "vllm_ascend.worker.model_runner_v1.NPUModelRunner does not import" in caplog.text
+
+
+# ---------------------------------------------------------------- graph memory before the KV cache is sized
+
+BIGGER = {**real.TINY_LLAMA, "hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8,
+          "num_key_value_heads": 4}
+SIZES = [4, 8, 16, 32]
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    """The simulator's pools in 64 KiB segments (not 64 MiB), so that the graph pool's size follows
+    what the captures allocate rather than one segment."""
+    import ascend_compile.runtime.sim as sim
+
+    class SmallSegments(sim.SimRuntime):
+        def __init__(self, **kwargs):
+            super().__init__(segment_bytes=1 << 16, **kwargs)
+
+    monkeypatch.setattr(sim, "SimRuntime", SmallSegments)  # where create_runtime looks it up
+
+
+def _handed_over(since):
+    from ascend_compile.integrations.vllm import memory
+
+    graphs = memory.tracked(since)
+    assert len(graphs) == 1, graphs
+    return graphs[0]
+
+
+def test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes(compiled, small_segments):
+    """The figure made from the profiling run's graph (no metadata, no KV cache, nothing compiled)
+    is at least what every decode graph, captured by `capture_all`, then takes (workspaces, static
+    buffers, the measured simulator pool), and that is at least 0.8x the figure."""
+    from ascend_compile.integrations.vllm import memory
+
+    artifacts, _, make = compiled
+    since = memory.handed_over()
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True})
+    real.profile_run(models[0], 16)
+    graph = _handed_over(since)
+    figure = memory.estimate(graph, models[0].config)
+    assert figure.graphs == 2 * len(SIZES)  # every decode graph, and a mixed one each (their decode kernel is PA)
+    assert figure.pool > 8 * (1 << 16)  # the pool part is more than a rounding
+    _equal_to_eager(models, STEPS[:2])
+    assert artifacts[0].stats["captures"] == len(SIZES)
+    measured = sum(memory.graph_memory(artifacts[0].memory_report()).values())
+    assert 0.8 * figure.total <= measured <= figure.total, (measured, figure)
+
+
+class StandInWorker:
+    """vLLM's `Worker` as far as `determine_available_memory` goes (0.23 / 0.33
+    `vllm/v1/worker/gpu_worker.py`: the explicit `kv_cache_memory_bytes` path runs `profile_run` and
+    returns it; else `profile_run` under the profiler, then `peak_activation_memory` and
+    `available_kv_cache_memory_bytes` = requested - non-KV memory, returned). vLLM's module does not
+    import here (its structured-output imports need xgrammar and tvm_ffi, not installed), so the
+    device figures are made up; the profiling run is vLLM's own forward, where dynamo hands the graph over."""
+
+    requested, non_kv, peak = 72 << 30, 3 << 30, 1 << 30
+
+    def __init__(self, model):
+        self.vllm_config, self.cache_config, self.model = model.config, model.config.cache_config, model
+
+    def determine_available_memory(self) -> int:
+        if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes:
+            real.profile_run(self.model, 16)
+            return kv_cache_memory_bytes
+        real.profile_run(self.model, 16)
+        self.peak_activation_memory = self.peak
+        self.available_kv_cache_memory_bytes = self.requested - self.non_kv
+        return int(self.available_kv_cache_memory_bytes)
+
+
+def _worker_class(monkeypatch, model):
+    """A fresh stand-in worker class, named as vLLM's `parallel_config.worker_cls` (as the CUDA
+    platform names vLLM's `Worker`)."""
+    import sys
+    import types
+
+    module = types.ModuleType("standin_worker")
+    module.Worker = type("Worker", (StandInWorker,), {})
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    model.config.parallel_config.worker_cls = "standin_worker.Worker"
+    return module.Worker
+
+
+def test_the_worker_sizes_the_kv_cache_with_our_graph_memory_taken_out(compiled, small_segments, monkeypatch):
+    """The worker class vLLM runs, wrapped when our backend is configured in it, answers with the
+    figure estimated from its profiling run taken out, and keeps the figures vLLM's `--kv-cache-memory`
+    suggestion and 0.33's startup plan are built from consistent; the captures then take at most it."""
+    from ascend_compile.integrations.vllm import memory
+
+    artifacts, _, make = compiled
+    monkeypatch.delenv(memory.ENV, raising=False)
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True})
+    cls = _worker_class(monkeypatch, models[0])
+    torch._dynamo.reset()
+    models[0].model._compiled_call_impl = None
+    real.compile_as_vllm(models[0])  # init_backend under the config naming the worker class: wrapped
+    since = memory.handed_over()
+    worker = cls(models[0])
+    available = cls.determine_available_memory(worker)
+    figure = memory.estimate(_handed_over(since), models[0].config).total
+    assert figure > 0 and available == cls.requested - cls.non_kv - figure
+    assert worker.available_kv_cache_memory_bytes == available
+    assert worker.peak_activation_memory == cls.peak + figure
+    _equal_to_eager(models, STEPS[:2])
+    assert artifacts[-1].stats["captures"] == len(SIZES)
+    measured = sum(memory.graph_memory(artifacts[-1].memory_report()).values())
+    assert 0.8 * figure <= measured <= figure
+
+
+def test_a_user_set_kv_cache_size_an_override_and_too_little_memory(compiled, small_segments, monkeypatch, caplog):
+    """`kv_cache_memory_bytes` set by the user is answered unchanged (a warning gives our figure);
+    `ASCEND_COMPILE_GRAPH_MEMORY` bytes replace the estimate (0: nothing taken out); a figure above
+    what vLLM has for the KV cache fails start-up naming it."""
+    from ascend_compile.integrations.vllm import kv_budget, memory
+
+    _, _, make = compiled
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES})
+    cls = _worker_class(monkeypatch, models[0])
+    kv_budget.wrap(cls)
+    worker = cls(models[0])
+
+    def answer():
+        torch._dynamo.reset()
+        models[0].model._compiled_call_impl = None
+        real.compile_as_vllm(models[0])
+        return cls.determine_available_memory(worker)
+
+    worker.cache_config.kv_cache_memory_bytes = 5 << 30
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        assert answer() == 5 << 30
+    assert "kv_cache_memory_bytes=5368709120 is set" in caplog.text
+    worker.cache_config.kv_cache_memory_bytes = None
+    for value, taken in (("0", 0), ("1048576", 1 << 20)):
+        monkeypatch.setenv(memory.ENV, value)
+        assert answer() == cls.requested - cls.non_kv - taken
+    monkeypatch.setenv(memory.ENV, str(80 << 30))
+    with pytest.raises(ValueError, match="our graphs need 85899345920 bytes"):
+        answer()
+    monkeypatch.setenv(memory.ENV, "lots")
+    with pytest.raises(ValueError, match="ASCEND_COMPILE_GRAPH_MEMORY: expected 'auto' or a number of bytes"):
+        memory.override()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import fx
@@ -155,6 +155,14 @@ def bucket_choices(layers: list, buckets: tuple[int, ...], policy: KernelPolicy,
     return choices
 
 
+def workspace_plan(choices: dict[GraphKey, tuple[KernelChoice, ...]], sites_of: Callable[[GraphKey], list[KernelSite]],
+                   config: CompileConfig, need_fn: NeedFn) -> WorkspacePlan:
+    """The workspace plan of every graph key in `choices`, each key's kernel nodes `sites_of(key)`
+    (the rewrite's; or, before any rewrite, its layers': `integrations/vllm/memory.py`)."""
+    return plan_workspaces(((key, _sites_for(key, sites_of(key), choices)) for key in choices),
+                           config.max_model_len, config.workspace_seq_len, config.share_workspace, need_fn)
+
+
 def _sites_for(key: GraphKey, sites: list[KernelSite], choices: dict) -> list[KernelSite]:
     """`sites` of `key`'s graph, knowing how many query tokens its sequences may have: one in a
     decode graph whose bucket has a mixed graph of its own, else up to the bucket."""
@@ -222,9 +230,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     for variant in variants.values():
         target.check_graph(variant.gm, variant.keys)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
-    plan = plan_workspaces(((key, _sites_for(key, sites[variant_of[key]], choices)) for key in choices),
-                           config.max_model_len, config.workspace_seq_len, config.share_workspace,
-                           target.workspace_need(config, dtype))
+    plan = workspace_plan(choices, lambda key: sites[variant_of[key]], config, target.workspace_need(config, dtype))
     for warning in plan.warnings():
         log.warning(warning)
     for variant in variants.values():

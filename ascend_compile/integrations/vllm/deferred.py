@@ -7,8 +7,10 @@ step with a sequence longer than the `max_model_len` the workspaces were sized f
 too (correct, uncompiled), instead of failing inside vLLM's `execute_model` and with it the engine,
 and so does a step whose metadata asks for other than causal attention (vLLM 0.33's per-request
 `causal`, PrefixLM ranges, R-SWA: `context.step_semantics`), which the graph would compute wrongly.
-Each reason a step runs as traced is logged once: a model that stays uncompiled says why. After
-each new capture the graph memory outside vLLM's KV-cache budget is logged (`memory.py`).
+Each reason a step runs as traced is logged once: a model that stays uncompiled says why. Each
+graph is tracked until it compiles, so that its memory can be estimated and reserved before vLLM
+sizes its KV cache (`memory.py`, `kv_budget.py`); after each new capture the measured graph memory
+is logged beside the reserved figure.
 
 What it asks of the binder is the `StepBinder` protocol below, which `binder.ForwardContextBinder`
 satisfies: this module does not import the binder (the backend, `dynamo_backend.py`, imports both).
@@ -27,7 +29,7 @@ from ...lowering.runner import CompiledArtifact
 from ...passes.providers import Provider
 from ...targets import TargetFactory
 from . import fast_path
-from .memory import log_graph_memory
+from . import memory
 
 log = logging.getLogger("ascend_compile")
 
@@ -71,6 +73,8 @@ class DeferredCompile:
         self.compiled: Callable[..., Any] | None = None
         self.logged: set[str] = set()
         self.captures = 0  # the artifact's captures last reported (`memory.py`)
+        self.reserved: int | None = None  # bytes taken out of vLLM's KV-cache budget for it (`kv_budget.py`)
+        memory.track(self)
 
     @property
     def graph_inputs(self) -> Any:
@@ -110,7 +114,7 @@ class DeferredCompile:
         result = self.compiled.call_direct(args) if direct else self.compiled(*args)
         if isinstance(self.compiled, CompiledArtifact) and self.compiled.stats["captures"] != self.captures:
             self.captures = self.compiled.stats["captures"]
-            log_graph_memory(self.compiled)
+            memory.log_graph_memory(self.compiled, self.reserved)
         return result
 
     def as_traced(self, args: Sequence[Any], reason: str) -> Any:

@@ -27,6 +27,7 @@ from ...config import CompileConfig
 from ...dispatch import graph_inputs
 from ...lowering.runner import CompiledArtifact
 from ...targets import TargetFactory, default_target
+from . import kv_budget
 from .binder import ForwardContextBinder, vllm_graph_nodes
 from .deferred import DeferredCompile
 from .mla import mla_graph_nodes
@@ -77,8 +78,11 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
 
 def configured_backend(vllm_config: Any) -> Callable[..., Any]:
     """`backend(...)` with the options for `vllm_config` (`options.options_for`: vLLM's
-    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them)."""
-    return backend(**options_for(vllm_config))
+    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them), with our graphs'
+    memory reserved in the KV-cache budget of the worker class vLLM runs (`kv_budget.py`)."""
+    compile_fn = backend(**options_for(vllm_config))
+    kv_budget.install(vllm_config)
+    return compile_fn
 
 
 def __getattr__(name: str) -> Any:

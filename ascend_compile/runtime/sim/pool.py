@@ -24,7 +24,7 @@ import bisect
 import ctypes
 import threading
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -52,7 +52,7 @@ class Segment:
         self.pool = pool
         self.index = index
         self.size = nbytes
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        self.data = torch.empty(nbytes if pool.backed else 0, dtype=torch.uint8, device="cpu")
         self.base = self.data.data_ptr()
 
     def view(
@@ -99,15 +99,21 @@ class SimPool:
     """A pool of simulated device memory: segments grown on demand, best-fit blocks.
 
     `segment_bytes` is the size of each new segment; a request larger than that gets a segment of
-    its own. Frees may arrive at any time (a tensor dying in another thread or in the garbage
-    collector while this pool is allocating), so they are queued while the pool is busy.
+    its own (`segment_size`, given, says instead how large a segment a request of a size gets:
+    `runtime/pool_model.py`'s device allocators). Frees may arrive at any time (a tensor dying in
+    another thread or in the garbage collector while this pool is allocating), so they are queued
+    while the pool is busy. `backed=False` keeps the bookkeeping without the memory: a model of
+    the pool that only counts (`pool_model.py`), whose blocks cannot be made into tensors.
     """
 
-    def __init__(self, name: str, segment_bytes: int) -> None:
+    def __init__(self, name: str, segment_bytes: int, backed: bool = True,
+                 segment_size: Optional[Callable[[int], int]] = None) -> None:
         if segment_bytes <= 0 or segment_bytes % ALIGNMENT:
             raise ValueError(f"segment_bytes must be a positive multiple of {ALIGNMENT}, got {segment_bytes}")
         self.name = name
         self.segment_bytes = segment_bytes
+        self.backed = backed
+        self.segment_size = segment_size or (lambda size: max(segment_bytes, size))
         self.segments: list[Segment] = []
         self._free: list[tuple[int, int, int]] = []
         self._free_blocks: dict[tuple[int, int, int], Block] = {}
@@ -124,7 +130,7 @@ class SimPool:
             try:
                 i = bisect.bisect_left(self._free, (size, -1, -1))
                 if i == len(self._free):
-                    self._add_segment(max(self.segment_bytes, size))
+                    self._add_segment(self.segment_size(size))
                     i = bisect.bisect_left(self._free, (size, -1, -1))
                 block = self._take(self._free[i])
                 if block.size > size:
@@ -153,6 +159,8 @@ class SimPool:
         self, block: Block, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
         """A tensor over `block` that owns it: the block is released when its storage dies."""
+        if not self.backed:
+            raise RuntimeError(f"{self.name}: a pool model without memory (backed=False) makes no tensors")
         buf = (ctypes.c_uint8 * block.size).from_address(block.segment.base + block.offset)
         weakref.finalize(buf, self.release, block).atexit = False
         t = torch.frombuffer(buf, dtype=dtype)

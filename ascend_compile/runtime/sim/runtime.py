@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch
 from ..base import DeviceGraph, TaskHandle, TaskUpdateRuntime, generators_kept
+from ..pool_model import PoolModel, sim_pool_model
 from .dispatch import CaptureMode, UpdateMode
 from .events import SimEvent
 from .inputs import check_unchanged, snapshot, static_inputs
@@ -340,6 +341,14 @@ class SimRuntime(TaskUpdateRuntime):
             raise ValueError("tensor is not in this simulator's memory")
         segment, offset = where
         return segment.pool.name, segment.index, offset
+
+    def one_kernel(self, op: Any) -> bool:
+        """Device kernels are recorded whole; any other op as the ops its body issues (`dispatch.py`)."""
+        return self.device_kernels.is_kernel(op)
+
+    def pool_model(self) -> PoolModel:
+        """This simulator's graph pool as a model: the same allocator, segments and sizes."""
+        return sim_pool_model(self._memory.graph.segment_bytes)
 
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Per pool ("general", "graph"): reserved_bytes, allocated_bytes, segments, free_blocks."""

@@ -1,0 +1,198 @@
+"""What a graph's captures will allocate, known before any: its allocations traced on fake tensors.
+
+A capture allocates from the graph pool every tensor an op of the graph makes (an op's output that
+is not a view of, or written into, memory that exists already) and frees each when the last node
+using it has run (`fx.Interpreter` drops values after their last use); what the graph returns stays
+allocated, held by the captured graph. `trace_allocations` runs the graph once on its fake values
+(dynamo's `example_value`s, sizes symbolic) under a dispatch mode that sees the ops the graph's
+calls decompose into, the ops a capture records, and keeps that order of allocations and frees
+with each size an expression of the graph's size symbols. `AllocationTrace.replay` evaluates it
+at a bucket's token count over a pool model (`runtime/pool_model.py`); the pool a set of captures
+reserves is what the model reserves after all of them, in capture order. Nothing runs on a device.
+
+It is an estimate of the rewritten graphs' captures from the graph as dynamo traced it: attention
+rewritten onto our kernels, inputs hoisted, padding added are not in it, and an op decomposed into
+several counts all its temporaries as live until the op returns (an over-estimate). A graph whose
+fake run fails has no trace (`None`, with the reason logged).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .fx_utils import example_value
+from .size_symbols import evaluate
+
+log = logging.getLogger("ascend_compile")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationTrace:
+    """A graph's allocations in order: `("alloc", id, nbytes)` and `("free", id, None)`; the ids
+    never freed are the graph's outputs. Sizes are ints or expressions of `symbols`."""
+
+    events: tuple[tuple[str, int, Any], ...]
+    symbols: frozenset[sympy.Symbol]
+    #: bytes of each input whose size follows the step (a static buffer per captured graph)
+    staged_inputs: tuple[Any, ...]
+
+    def at(self, tokens: int) -> dict[sympy.Symbol, int]:
+        """Every size symbol at a bucket's token count (vLLM's graphs have only step-size symbols)."""
+        return {sym: tokens for sym in self.symbols}
+
+    def replay(self, model: Any, tokens: int) -> list[Any]:
+        """Make the allocations and frees of one capture at `tokens` on `model`; the handles of what
+        stays allocated (the outputs)."""
+        values, held = self.at(tokens), {}
+        for kind, ident, nbytes in self.events:
+            if kind == "alloc":
+                held[ident] = model.allocate(evaluate(nbytes, values))
+            else:
+                model.release(held.pop(ident))
+        return list(held.values())
+
+    def staged_bytes(self, tokens: int) -> int:
+        """Bytes of the static input buffers of one captured graph at `tokens`."""
+        values = self.at(tokens)
+        return sum(evaluate(n, values) for n in self.staged_inputs)
+
+
+def _symbolic(n: Any) -> Any:
+    return n.node.expr if isinstance(n, torch.SymInt) else int(n)
+
+
+def _storage_bytes(t: torch.Tensor) -> Any:
+    return _symbolic(t.untyped_storage().nbytes())
+
+
+def _keys(value: Any) -> set[StorageWeakRef]:
+    return {StorageWeakRef(t.untyped_storage()) for t in tree_leaves(value) if isinstance(t, torch.Tensor)}
+
+
+#: Where a decomposed op's body is dispatched to: its CPU kernel (the simulator's, `sim/dispatch.py`).
+BODY_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+class _Recorder(TorchDispatchMode):
+    """Notes every storage an op's outputs hold that was not seen before (a fresh allocation). An op
+    the runtime does not run as one kernel (`GraphRuntime.one_kernel`: on the simulator a Python
+    custom op) has its body run with the recorder on, as a capture records it; a body that does not
+    run on fakes (a native kernel) counts the op as one."""
+
+    def __init__(self, known: dict[StorageWeakRef, Any], one_kernel: Callable[[Any], bool]) -> None:
+        super().__init__()
+        self.known, self.fresh, self.one_kernel = known, [], one_kernel
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.one_kernel(func):
+            try:
+                with self:
+                    return func.redispatch(BODY_KEYS, *args, **kwargs)
+            except Exception:  # noqa: BLE001 - a native body: the op counts as one
+                pass
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key = StorageWeakRef(t.untyped_storage())
+                if key not in self.known:
+                    self.known[key] = _storage_bytes(t)
+                    self.fresh.append(key)
+        return out
+
+
+def trace_allocations(gm: fx.GraphModule, one_kernel: Callable[[Any], bool] = lambda op: True
+                      ) -> AllocationTrace | None:
+    """`gm`'s allocation trace (see the module docstring), or None where its fake run fails;
+    `one_kernel(op)`: whether the runtime records `op` as one kernel (else its body's ops)."""
+    from torch._guards import detect_fake_mode
+
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    inputs = [example_value(n) for n in placeholders]
+    fake_mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        log.info("ascend_compile: no graph memory estimate: the graph's inputs carry no fake values")
+        return None
+    try:
+        return _trace(gm, placeholders, inputs, fake_mode, one_kernel)
+    except Exception as err:  # noqa: BLE001 - any op failing on fakes: no estimate, said why
+        log.warning("ascend_compile: no graph memory estimate: the graph does not run on fake tensors (%s: %s)",
+                    type(err).__name__, err)
+        return None
+
+
+def _trace(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[Any], fake_mode: Any,
+           one_kernel: Callable[[Any], bool]) -> AllocationTrace:
+    known: dict[StorageWeakRef, Any] = {}
+    staged, symbols = [], set()
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            key = StorageWeakRef(value.untyped_storage())
+            nbytes = known.setdefault(key, _storage_bytes(value))
+            if not isinstance(nbytes, int):
+                staged.append(value.numel() * value.element_size())
+                symbols |= nbytes.free_symbols
+        elif isinstance(value, torch.SymInt):
+            symbols |= value.node.expr.free_symbols
+    staged = [_symbolic(n) for n in staged]
+    last_use = {}
+    for node in gm.graph.nodes:
+        for arg in node.all_input_nodes:
+            last_use[arg] = node
+    ids: dict[StorageWeakRef, int] = {}
+    users: dict[StorageWeakRef, int] = {}  # storage -> live nodes holding it
+    holds: dict[fx.Node, set[StorageWeakRef]] = {}
+    events: list[tuple[str, int, Any]] = []
+    env: dict[fx.Node, Any] = dict(zip(placeholders, inputs))
+    shape_env = fake_mode.shape_env  # the fake run adds no guard to what dynamo compiled
+    recorder = _Recorder(known, one_kernel)
+    with fake_mode, shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext(), recorder:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                break
+            recorder.fresh = []
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            if node.op == "call_function":
+                value = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_module":
+                value = gm.get_submodule(node.target)(*args, **kwargs)
+            else:  # get_attr
+                value = getattr(gm, node.target)
+            env[node] = value
+            for key in recorder.fresh:
+                ids[key] = len(ids)
+                events.append(("alloc", ids[key], known[key]))
+            holds[node] = {k for k in _keys(value) if k in ids}
+            for key in holds[node]:
+                users[key] = users.get(key, 0) + 1
+            for key in recorder.fresh:  # made and dropped inside the op
+                if key not in holds[node]:
+                    events.append(("free", ids[key], None))
+            for arg in node.all_input_nodes:
+                if last_use.get(arg) is node:
+                    _drop(arg, holds, users, ids, events, env)
+            if not node.users:
+                _drop(node, holds, users, ids, events, env)
+    return AllocationTrace(tuple(events), frozenset(symbols), tuple(staged))
+
+
+def _drop(node: fx.Node, holds: dict, users: dict, ids: dict, events: list, env: dict) -> None:
+    """`node`'s value is dead: free each storage no live node holds any more."""
+    for key in holds.pop(node, ()):
+        users[key] -= 1
+        if users[key] == 0:
+            events.append(("free", ids[key], None))
+    env.pop(node, None)
