@@ -90,6 +90,7 @@ NPU_MLA = "tests/test_mla_npu.py"
 NPU_FEATURES = "tests/test_npu_features.py"
 NPU_BAND_EDGE = "tests/test_npu_band_edge.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
+VLLM_REAL = "tests/test_vllm_real.py"
 AUDIT36 = "tests/test_audit36_survivors.py"
 UNCAPTURABLE = "tests/test_uncapturable.py"
 DIFFERENTIAL = "tests/test_differential.py"
@@ -949,6 +950,32 @@ MUTANTS = (
         "fake applies the band at S=1 against its docs", "tests/fake_torch_npu_features.py",
         "        return None  # \"Q_S为1时该参数无效\"", "        pass  # \"Q_S为1时该参数无效\"",
         (f"{NPU_FEATURES}::test_the_fake_follows_the_docs_at_one_query_token_per_sequence_unless_told_otherwise",),
+    ),
+    Mutant(
+        "the pool estimate keeps every temporary of a graph", "ascend_compile/passes/memory_estimate.py",
+        "                if key not in holds[node]:\n                    events.append((\"free\", ids[key], None))",
+        "                if False:\n                    events.append((\"free\", ids[key], None))",
+        (f"{VLLM_REAL}::test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes",),
+        vllm=True,
+    ),
+    Mutant(
+        "the estimate leaves the mixed graphs out", "ascend_compile/integrations/vllm/memory.py",
+        "        keys = sorted(choices, key=lambda k: (not k.decode, -k.bucket))  # capture order",
+        "        keys = sorted((k for k in choices if k.decode), key=lambda k: -k.bucket)",
+        (f"{VLLM_REAL}::test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes",),
+        vllm=True,
+    ),
+    Mutant(
+        "the KV budget not told to vLLM's suggestion and startup plan", "ascend_compile/integrations/vllm/kv_budget.py",
+        "        worker.peak_activation_memory += nbytes", "        pass",
+        (f"{VLLM_REAL}::test_the_worker_sizes_the_kv_cache_with_our_graph_memory_taken_out",),
+        vllm33=True,
+    ),
+    Mutant(
+        "a user-set KV cache size reduced anyway", "ascend_compile/integrations/vllm/kv_budget.py",
+        "    if user_set:\n", "    if False:\n",
+        (f"{VLLM_REAL}::test_a_user_set_kv_cache_size_an_override_and_too_little_memory",),
+        vllm=True,
     ),
 )
 
