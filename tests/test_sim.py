@@ -96,6 +96,25 @@ def test_block_freed_during_capture_goes_only_to_later_captures() -> None:
     assert addr[0] == "graph"
 
 
+def test_an_empty_operand_of_a_recorded_task_does_not_keep_its_storages_block() -> None:
+    """A task records its operands as addresses; an empty view (no element, so no address: its
+    `data_ptr()` is 0) is no exception: the recorded graph must not hold the block of the tensor it
+    is a view of. Before, the task kept the view itself, and with it the whole block, for the graph's
+    life (vLLM's rotary `query[..., rotary_dim:]` when the rotary dim is the head dim: every layer's
+    qkv projection pinned in the graph pool, which grew with every capture)."""
+    rt = _rt()
+    x = _static(rt, torch.randn(4, 64))
+    g = rt.graph()
+    with g.capture():
+        y = x * 2
+        out = torch.cat((x, y[:, :0]), dim=-1)
+        del y
+    assert rt.memory_stats()["graph"]["allocated_bytes"] == 1024  # `out` alone
+    g.replay()
+    rt.synchronize()
+    torch.testing.assert_close(out, x)
+
+
 def test_general_pool_reuses_and_coalesces_free_blocks() -> None:
     rt = _rt()
     a, b, c = (rt.empty((128,), torch.float32) for _ in range(3))

@@ -500,7 +500,8 @@ def _handed_over(since):
 def test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes(compiled, small_segments):
     """The figure made from the profiling run's graph (no metadata, no KV cache, nothing compiled)
     is at least what every decode graph, captured by `capture_all`, then takes (workspaces, static
-    buffers, the measured simulator pool), and that is at least 0.8x the figure."""
+    buffers, the measured simulator pool), and that is at least 0.8x the figure; so is what every
+    graph takes once the mixed ones are captured too."""
     from ascend_compile.integrations.vllm import memory
 
     artifacts, _, make = compiled
@@ -513,6 +514,11 @@ def test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_al
     assert figure.pool > 8 * (1 << 16)  # the pool part is more than a rounding
     _equal_to_eager(models, STEPS[:2])
     assert artifacts[0].stats["captures"] == len(SIZES)
+    measured = sum(memory.graph_memory(artifacts[0].memory_report()).values())
+    assert 0.8 * figure.total <= measured <= figure.total, (measured, figure)
+    # then every bucket's mixed graph, smallest first (the order least kind to a shared pool)
+    _equal_to_eager(models, [([20] * (b - 1), [2] + [1] * (b - 2)) for b in SIZES])
+    assert artifacts[0].stats["captures"] == 2 * len(SIZES)
     measured = sum(memory.graph_memory(artifacts[0].memory_report()).values())
     assert 0.8 * figure.total <= measured <= figure.total, (measured, figure)
 

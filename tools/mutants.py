@@ -977,6 +977,16 @@ MUTANTS = (
         (f"{VLLM_REAL}::test_a_user_set_kv_cache_size_an_override_and_too_little_memory",),
         vllm=True,
     ),
+    Mutant(
+        "an empty task operand kept as the tensor (its block pinned)", "ascend_compile/runtime/sim/memory.py",
+        "        if x.numel() == 0 and is_cpu_dense(x):", "        if False:",
+        ("tests/test_sim.py::test_an_empty_operand_of_a_recorded_task_does_not_keep_its_storages_block",),
+    ),
+    Mutant(
+        "the pool model keeps each capture's outputs", "ascend_compile/passes/memory_estimate.py",
+        "                model.release(handle)", "                pass",
+        ("tests/test_memory_estimate.py::test_the_traced_pool_is_what_the_simulators_captures_reserve",),
+    ),
 )
 
 

@@ -2,13 +2,15 @@
 
 A capture allocates from the graph pool every tensor an op of the graph makes (an op's output that
 is not a view of, or written into, memory that exists already) and frees each when the last node
-using it has run (`fx.Interpreter` drops values after their last use); what the graph returns stays
-allocated, held by the captured graph. `trace_allocations` runs the graph once on its fake values
-(dynamo's `example_value`s, sizes symbolic) under a dispatch mode that sees the ops the graph's
-calls decompose into, the ops a capture records, and keeps that order of allocations and frees
-with each size an expression of the graph's size symbols. `AllocationTrace.replay` evaluates it
-at a bucket's token count over a pool model (`runtime/pool_model.py`); the pool a set of captures
-reserves is what the model reserves after all of them, in capture order. Nothing runs on a device.
+using it has run (`fx.Interpreter` drops values after their last use); what the graph returns is
+still allocated when the capture's run ends (`replay` hands those back: the runner keeps only weak
+aliases of them, `lowering/graph_entry.py`). `trace_allocations` runs the graph once on its fake
+values (dynamo's `example_value`s, sizes symbolic) under a dispatch mode that sees the ops a
+capture records (a custom op the runtime does not run as one kernel, as the ops of its body), and
+keeps that order of allocations and frees, each size an expression of the graph's size symbols.
+`AllocationTrace.replay` evaluates it at a bucket's token count over a pool model
+(`runtime/pool_model.py`); what a set of captures reserves is what the model reserves after all
+of them, in capture order. Nothing runs on a device.
 
 It is an estimate of the rewritten graphs' captures from the graph as dynamo traced it: attention
 rewritten onto our kernels, inputs hoisted, padding added are not in it, and an op decomposed into
@@ -59,6 +61,15 @@ class AllocationTrace:
             else:
                 model.release(held.pop(ident))
         return list(held.values())
+
+    def pool_reserved(self, model: Any, tokens: Sequence[int]) -> int:
+        """What `model` (a fresh pool model) reserves after one capture at each of `tokens`, in that
+        order, each freeing all it allocated when it ends: a captured graph keeps no block, its
+        outputs being weak aliases read right after each replay (`lowering/graph_entry.py`)."""
+        for n in tokens:
+            for handle in self.replay(model, n):
+                model.release(handle)
+        return model.reserved_bytes()
 
     def staged_bytes(self, tokens: int) -> int:
         """Bytes of the static input buffers of one captured graph at `tokens`."""

@@ -15,7 +15,9 @@ cache existed, #11562: its extra warm-up and capture hung an HCCL collective):
   provided inputs (`metadata.staged_bytes`), at its bucket;
 - the graph pool: the graph's allocations traced on fake tensors (`passes/memory_estimate.py`) and
   replayed, in capture order (decode graphs largest first as `capture_all` does, then mixed ones),
-  over a model of the runtime's pool allocator (`runtime/pool_model.py`).
+  over a model of the runtime's pool allocator (`runtime/pool_model.py`); each capture frees all it
+  allocated when it ends, its outputs too (a captured graph keeps weak aliases of them, read right
+  after each replay: `lowering/graph_entry.py`), so later captures reuse the pool's blocks.
 
 It covers every graph the compile can capture (each bucket's decode graph and, where its decode
 kernel is PA, its mixed graph): what serving reaches, not just `capture_all`. `kv_budget.py` takes
@@ -189,10 +191,8 @@ def estimate(graph: Any, vllm_config: Any) -> GraphMemoryEstimate | None:
             estimates.append(GraphMemoryEstimate(workspaces, 0, 0, 0))
             continue
         keys = sorted(choices, key=lambda k: (not k.decode, -k.bucket))  # capture order
-        model = runtime.pool_model()
-        for key in keys:
-            trace.replay(model, key.bucket)
+        pool = trace.pool_reserved(runtime.pool_model(), [key.bucket for key in keys])
         buffers = sum(trace.staged_bytes(k.bucket) + groups * staged_bytes(k.bucket, k.bucket, max_blocks)
                       for k in keys)
-        estimates.append(GraphMemoryEstimate(workspaces, buffers, model.reserved_bytes(), len(keys)))
+        estimates.append(GraphMemoryEstimate(workspaces, buffers, pool, len(keys)))
     return max(estimates, key=lambda e: e.total)

@@ -88,9 +88,14 @@ class SimMemory:
         return self.general.locate(ptr) or self.graph.locate(ptr)
 
     def describe(self, x: Any) -> Any:
-        """`x` as a task operand: a tensor in simulator memory becomes its address, anything else stays."""
+        """`x` as a task operand: a tensor in simulator memory becomes its address, an empty dense
+        tensor (no element, no address: `data_ptr()` is 0) an empty one of its shape that holds no
+        memory, anything else stays. A device task records addresses, never the tensors: keeping an
+        empty view would keep the block of the tensor it views allocated for the graph's life."""
         if not isinstance(x, torch.Tensor):
             return x
+        if x.numel() == 0 and is_cpu_dense(x):
+            return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype)
         where = self.locate(x)
         if where is None:
             return x

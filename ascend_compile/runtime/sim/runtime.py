@@ -16,7 +16,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateMismatch
 from ..base import DeviceGraph, TaskHandle, TaskUpdateRuntime, generators_kept
-from ..pool_model import PoolModel, sim_pool_model
 from .dispatch import CaptureMode, UpdateMode
 from .events import SimEvent
 from .inputs import check_unchanged, snapshot, static_inputs
@@ -346,8 +345,11 @@ class SimRuntime(TaskUpdateRuntime):
         """Device kernels are recorded whole; any other op as the ops its body issues (`dispatch.py`)."""
         return self.device_kernels.is_kernel(op)
 
-    def pool_model(self) -> PoolModel:
-        """This simulator's graph pool as a model: the same allocator, segments and sizes."""
+    def pool_model(self) -> Any:
+        """This simulator's graph pool as a model (`pool_model.PoolModel`): the same allocator,
+        segments and sizes."""
+        from ..pool_model import sim_pool_model  # it models this package's pool: imported when asked
+
         return sim_pool_model(self._memory.graph.segment_bytes)
 
     def memory_stats(self) -> dict[str, dict[str, int]]:

@@ -1,0 +1,113 @@
+"""Graph memory known before any capture (`passes/memory_estimate.py`, `runtime/pool_model.py`): a
+dynamo graph's allocations traced on its fake values, replayed over a model of a runtime's pool,
+against what the simulator's own captures of the same graph reserve and hold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_compile.passes.memory_estimate import trace_allocations
+from ascend_compile.runtime.pool_model import (CUDA_ROUND_LARGE, LARGE_BUFFER, NPU_ROUND_LARGE, SMALL_BUFFER,
+                                               caching_allocator_model, sim_pool_model)
+from ascend_compile.runtime.sim import SimRuntime
+
+SEGMENT = 1 << 16
+
+
+def _dynamo_graph(fn, x, *weights):
+    """The graph dynamo hands a backend for `fn`, the token dim of `x` symbolic (fake values in meta)."""
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(fn, backend=grab, fullgraph=True)(x, *weights)
+    return graphs[0]
+
+
+def mlp(x, w1, w2):
+    h = torch.nn.functional.silu(x @ w1) * (x @ w1)
+    return torch.nn.functional.rms_norm(h @ w2 + x, (x.shape[-1],))
+
+
+def _weights():
+    torch.manual_seed(0)
+    return torch.randn(64, 192) / 8, torch.randn(192, 64) / 8
+
+
+def _captured(rt, gm, tokens, weights):
+    """What the simulator's pool holds after capturing `gm` once at each of `tokens` (outputs dropped
+    after each, as the runner keeps only weak aliases), and the last capture's output and input."""
+    out = x = None
+    for n in tokens:
+        x = rt.empty((n, 64), torch.float32)
+        x.copy_(torch.randn(n, 64))
+        graph = rt.graph()
+        with graph.capture():
+            out = gm(n, x, *weights)[0]
+        graph.replay()
+        rt.synchronize()
+        torch.testing.assert_close(out, mlp(x, *weights), atol=1e-5, rtol=1e-5)
+        del out
+    return rt.memory_stats()["graph"]
+
+
+@pytest.mark.parametrize("order", [[32, 16, 8, 4], [4, 8, 16, 32], [16, 4, 32, 8]])
+def test_the_traced_pool_is_what_the_simulators_captures_reserve(order):
+    """Replayed over the simulator's pool model, in capture order, the trace reserves exactly what the
+    simulator's captures of the same graph reserve, and hands every block back."""
+    weights = _weights()
+    gm = _dynamo_graph(mlp, torch.randn(8, 64), *weights)
+    rt = SimRuntime(segment_bytes=SEGMENT)
+    trace = trace_allocations(gm, rt.one_kernel)
+    assert trace is not None and trace.symbols
+    model = sim_pool_model(SEGMENT)
+    figure = trace.pool_reserved(model, order)
+    stats = _captured(rt, gm, order, weights)
+    assert figure == stats["reserved_bytes"] > SEGMENT
+    assert model.large.stats()["allocated_bytes"] == 0  # nothing held once the captures end
+
+
+def test_the_trace_sizes_follow_the_bucket_and_the_step_sized_inputs_are_staged():
+    weights = _weights()
+    trace = trace_allocations(_dynamo_graph(mlp, torch.randn(8, 64), *weights))
+    allocs = [e for e in trace.events if e[0] == "alloc"]
+    frees = [e for e in trace.events if e[0] == "free"]
+    assert len(frees) == len(allocs) - 1  # everything but the output is freed within the capture
+    assert trace.staged_bytes(32) == 32 * 64 * 4  # x alone: the weights keep their size
+    small, large = sim_pool_model(1 << 30), sim_pool_model(1 << 30)
+    for handle in trace.replay(small, 4):
+        small.release(handle)
+    trace.replay(large, 40)
+    assert large.large.stats()["allocated_bytes"] == 40 * 64 * 4  # the output, still held by the caller
+
+
+def _no_fake_kernel(*args):
+    raise RuntimeError("no fake kernel")
+
+
+def test_a_graph_that_does_not_run_on_fakes_has_no_trace(caplog):
+    gm = _dynamo_graph(mlp, torch.randn(8, 64), *_weights())
+    next(iter(gm.graph.find_nodes(op="call_function", target=torch.nn.functional.silu))).target = _no_fake_kernel
+    assert trace_allocations(gm) is None
+    assert "does not run on fake tensors (RuntimeError: no fake kernel)" in caplog.text
+
+
+def test_the_caching_allocator_models_segment_sizes_as_c10_and_torch_npu_do():
+    """c10 (`AllocatorConfig.h`) / torch_npu (`NPUAllocatorConfig.h`): up to 1 MiB from 2 MiB small
+    segments, up to 10 MiB from 20 MiB ones, larger rounded up to 2 MiB (torch_npu: 16 KB)."""
+    for round_large in (CUDA_ROUND_LARGE, NPU_ROUND_LARGE):
+        model = caching_allocator_model(round_large)
+        model.allocate(1000)
+        model.allocate(1 << 20)
+        assert model.reserved_bytes() == SMALL_BUFFER
+        model.allocate(5 << 20)
+        assert model.reserved_bytes() == SMALL_BUFFER + LARGE_BUFFER
+        model.allocate(14 << 20)  # a best fit in what the 20 MiB segment has left
+        assert model.reserved_bytes() == SMALL_BUFFER + LARGE_BUFFER
+        big = (12 << 20) + 1
+        model.allocate(big)
+        assert model.reserved_bytes() == SMALL_BUFFER + LARGE_BUFFER + -(-(big + 511) // 512 * 512 // round_large) * round_large
