@@ -617,3 +617,59 @@ def test_a_user_set_kv_cache_size_an_override_and_too_little_memory(compiled, sm
     monkeypatch.setenv(memory.ENV, "lots")
     with pytest.raises(ValueError, match="ASCEND_COMPILE_GRAPH_MEMORY: expected 'auto' or a number of bytes"):
         memory.override()
+
+
+def test_vllm_033s_startup_plan_is_answered_unchanged(compiled, small_segments, monkeypatch, caplog):
+    """vLLM 0.33's `maybe_apply_startup_plan` sets `kv_cache_memory_bytes` from a plan an earlier boot
+    saved, inside `determine_available_memory`: that plan was saved from `peak_activation_memory`,
+    which already counted our graphs, so the answer is not reduced again."""
+    from ascend_compile.integrations.vllm import kv_budget
+
+    _, _, make = compiled
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES})
+
+    class PlannedWorker(StandInWorker):
+        def determine_available_memory(self) -> int:
+            self.cache_config.kv_cache_memory_bytes = 7 << 30  # the saved plan, applied
+            return super().determine_available_memory()
+
+    models[0].config.cache_config.kv_cache_memory_bytes = None
+    kv_budget.wrap(PlannedWorker)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        assert PlannedWorker.determine_available_memory(PlannedWorker(models[0])) == 7 << 30
+    assert "vLLM applied its startup plan (kv_cache_memory_bytes=7516192768)" in caplog.text
+
+
+def test_the_plugin_reserves_graph_memory_in_vllm_ascends_npu_worker(compiled, ascend_runner, small_segments,
+                                                                     monkeypatch, tmp_path):
+    """On vLLM-Ascend the worker class is `NPUWorker` (`parallel_config.worker_cls`, set by
+    NPUPlatform): the plug-in's compile configures our backend, which wraps it; its answer (no
+    `available_kv_cache_memory_bytes`, as NPUWorker's) has our figure taken out."""
+    import sys
+    import types
+
+    from ascend_compile.integrations.vllm import memory
+
+    monkeypatch.setenv("ASCEND_COMPILE_VLLM_ASCEND", "1")
+    monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps({"capture_sizes": SIZES}))
+    module = types.ModuleType("vllm_ascend.worker.worker")
+
+    class NPUWorker(StandInWorker):
+        def determine_available_memory(self) -> int:
+            real.profile_run(self.model, 16)
+            self.peak_activation_memory = self.peak
+            return self.requested - self.non_kv
+
+    module.NPUWorker = NPUWorker
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    _plugin()()
+    config = real.vllm_config(tmp_path, compile_mode=0, hf_config=BIGGER)
+    config.parallel_config.worker_cls = "vllm_ascend.worker.worker.NPUWorker"
+    runner = ascend_runner(config)
+    runner.load_model()
+    since = memory.handed_over()
+    worker = NPUWorker(runner.loaded)
+    available = NPUWorker.determine_available_memory(worker)
+    figure = memory.estimate(_handed_over(since), config).total
+    assert figure > 0 and available == NPUWorker.requested - NPUWorker.non_kv - figure
+    assert worker.peak_activation_memory == NPUWorker.peak + figure

@@ -54,10 +54,12 @@ class AllocationTrace:
     def replay(self, model: Any, tokens: int) -> list[Any]:
         """Make the allocations and frees of one capture at `tokens` on `model`; the handles of what
         stays allocated (the outputs)."""
-        values, held = self.at(tokens), {}
+        values, held, sizes = self.at(tokens), {}, {}
         for kind, ident, nbytes in self.events:
             if kind == "alloc":
-                held[ident] = model.allocate(evaluate(nbytes, values))
+                if nbytes not in sizes:  # a graph's sizes are a few expressions, each evaluated once
+                    sizes[nbytes] = evaluate(nbytes, values)
+                held[ident] = model.allocate(sizes[nbytes])
             else:
                 model.release(held.pop(ident))
         return list(held.values())
