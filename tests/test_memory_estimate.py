@@ -8,7 +8,7 @@ import torch
 
 from ascend_compile.passes.memory_estimate import trace_allocations
 from ascend_compile.runtime.pool_model import (CUDA_ROUND_LARGE, LARGE_BUFFER, NPU_ROUND_LARGE, SMALL_BUFFER,
-                                               caching_allocator_model, sim_pool_model)
+                                               caching_allocator_model, one_kernel, pool_model, sim_pool_model)
 from ascend_compile.runtime.sim import SimRuntime
 
 SEGMENT = 1 << 16
@@ -62,9 +62,9 @@ def test_the_traced_pool_is_what_the_simulators_captures_reserve(order):
     weights = _weights()
     gm = _dynamo_graph(mlp, torch.randn(8, 64), *weights)
     rt = SimRuntime(segment_bytes=SEGMENT)
-    trace = trace_allocations(gm, rt.one_kernel)
+    trace = trace_allocations(gm, one_kernel(rt))
     assert trace is not None and trace.symbols
-    model = sim_pool_model(SEGMENT)
+    model = pool_model(rt)
     figure = trace.pool_reserved(model, order)
     stats = _captured(rt, gm, order, weights)
     assert figure == stats["reserved_bytes"] > SEGMENT

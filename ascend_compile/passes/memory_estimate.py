@@ -97,7 +97,7 @@ BODY_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
 class _Recorder(TorchDispatchMode):
     """Notes every storage an op's outputs hold that was not seen before (a fresh allocation). An op
-    the runtime does not run as one kernel (`GraphRuntime.one_kernel`: on the simulator a Python
+    the runtime does not run as one kernel (`runtime/pool_model.one_kernel`: on the simulator a Python
     custom op) has its body run with the recorder on, as a capture records it; a body that does not
     run on fakes (a native kernel) counts the op as one."""
 

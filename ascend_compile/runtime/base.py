@@ -139,18 +139,6 @@ class GraphRuntime(Runtime):
     def graph(self) -> DeviceGraph:
         """A new, empty graph whose captures share this runtime's graph memory pool."""
 
-    def one_kernel(self, op: Any) -> bool:
-        """Whether a capture records a call of `op` (an op overload) as one kernel: on a device each
-        op launches its kernels itself (the simulator records a custom op's body op by op)."""
-        return True
-
-    def pool_model(self) -> Any:
-        """A fresh host-only model of this runtime's graph pool (`pool_model.PoolModel`), for
-        estimating graph memory before anything is captured."""
-        from .pool_model import DEVICE_POOLS
-
-        return DEVICE_POOLS[self.name]()
-
     def after_replay(self) -> None:
         """After a replay (and its updates): make its results ready for what the host issues next.
         By default `synchronize`; a device whose later work is ordered on the same stream needs nothing."""

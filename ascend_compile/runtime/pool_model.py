@@ -71,3 +71,19 @@ DEVICE_POOLS: dict[str, Callable[[], PoolModel]] = {
     "cuda": lambda: caching_allocator_model(CUDA_ROUND_LARGE),
     "npu": lambda: caching_allocator_model(NPU_ROUND_LARGE),
 }
+
+
+def pool_model(runtime: Any) -> PoolModel | None:
+    """A fresh model of `runtime`'s graph pool (None for a runtime without graphs)."""
+    if runtime.name == "sim":
+        return sim_pool_model(runtime.describe()["segment_bytes"])
+    make = DEVICE_POOLS.get(runtime.name)
+    return make() if make is not None else None
+
+
+def one_kernel(runtime: Any) -> Callable[[Any], bool]:
+    """Whether a capture on `runtime` records a call of an op (overload) as one kernel: on the
+    simulator its device kernels, any other op as the ops its body issues (`sim/dispatch.py`); on a
+    device every op, which launches its kernels itself."""
+    kernels = getattr(runtime, "device_kernels", None)
+    return kernels.is_kernel if kernels is not None else (lambda op: True)

@@ -19,17 +19,19 @@ One module a job, each importing only those listed before it (no cycle):
 
 - `context.py`: what is read from a forward context (a layer's key and value caches, cut metadata,
   whether the step asks for other than causal attention, whether a KV connector is set);
-- `memory.py`: the graph memory outside vLLM's KV-cache budget, logged;
 - `fast_path.py`: the direct dispatcher in front of the `Module.compile`d model, and the guard
   policy that says why it may stand in for dynamo's guards there;
 - `options.py`: the backend's options from vLLM's config, `ASCEND_COMPILE_OPTIONS` over them;
 - `releases.py`: the supported vLLM releases and the check of the installed one;
 - `layers.py` (context): which attention layers are served, with which features, the rest refused;
 - `metadata.py` (context): a metadata group's provided inputs and vLLM-Ascend's host lengths;
+- `memory.py` (layers, metadata): our graphs' memory, estimated at vLLM's profiling run and measured
+  after each capture;
+- `kv_budget.py` (memory): that figure taken out of the KV-cache budget of the worker class vLLM runs;
 - `mla.py` (context, layers): the MLA ops' rewrite and refusals;
 - `deferred.py` (fast_path, memory): as traced until a step can be compiled against, its binder a protocol;
 - `binder.py` (context, layers, metadata, mla): `ForwardContextBinder` and finding vLLM's op nodes;
-- `dynamo_backend.py` (binder, deferred, mla, options, releases): `backend`, `configured_backend`,
+- `dynamo_backend.py` (binder, deferred, kv_budget, mla, options, releases): `backend`, `configured_backend`,
   `vllm_backend`;
 - `ascend_plugin.py` (options; `dynamo_backend` when it compiles): vLLM-Ascend's plug-in, the
   `vllm.general_plugins` entry point.

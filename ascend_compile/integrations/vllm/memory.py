@@ -41,7 +41,7 @@ from ...passes.pipeline import bucket_choices, workspace_plan
 from ...passes.select_kernels import AttentionLayer
 from ...passes.workspaces import KernelSite
 from ...ops.features import PLAIN
-from ...runtime.base import GraphRuntime
+from ...runtime.pool_model import one_kernel, pool_model
 from .layers import layer_features
 from .metadata import staged_bytes
 
@@ -171,8 +171,9 @@ def estimate(graph: Any, vllm_config: Any) -> GraphMemoryEstimate | None:
     # "auto" times kernels on the device: sized for both of its choices instead
     policies = [policy] if policy is not None else [target.kernel_policy(dataclasses.replace(config, kernel_policy=k),
                                                                          dtype) for k in ("pa", "fia")]
-    trace = trace_allocations(gm, runtime.one_kernel) if isinstance(runtime, GraphRuntime) else None
-    if isinstance(runtime, GraphRuntime) and trace is None:
+    graphs = pool_model(runtime) is not None
+    trace = trace_allocations(gm, one_kernel(runtime)) if graphs else None
+    if graphs and trace is None:
         return None
     groups = metadata_groups(layers, vllm_config)
     max_blocks = -(-config.max_model_len // block_size)
@@ -191,7 +192,7 @@ def estimate(graph: Any, vllm_config: Any) -> GraphMemoryEstimate | None:
             estimates.append(GraphMemoryEstimate(workspaces, 0, 0, 0))
             continue
         keys = sorted(choices, key=lambda k: (not k.decode, -k.bucket))  # capture order
-        pool = trace.pool_reserved(runtime.pool_model(), [key.bucket for key in keys])
+        pool = trace.pool_reserved(pool_model(runtime), [key.bucket for key in keys])
         buffers = sum(trace.staged_bytes(k.bucket) + groups * staged_bytes(k.bucket, k.bucket, max_blocks)
                       for k in keys)
         estimates.append(GraphMemoryEstimate(workspaces, buffers, pool, len(keys)))

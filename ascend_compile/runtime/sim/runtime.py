@@ -341,17 +341,6 @@ class SimRuntime(TaskUpdateRuntime):
         segment, offset = where
         return segment.pool.name, segment.index, offset
 
-    def one_kernel(self, op: Any) -> bool:
-        """Device kernels are recorded whole; any other op as the ops its body issues (`dispatch.py`)."""
-        return self.device_kernels.is_kernel(op)
-
-    def pool_model(self) -> Any:
-        """This simulator's graph pool as a model (`pool_model.PoolModel`): the same allocator,
-        segments and sizes."""
-        from ..pool_model import sim_pool_model  # it models this package's pool: imported when asked
-
-        return sim_pool_model(self._memory.graph.segment_bytes)
-
     def memory_stats(self) -> dict[str, dict[str, int]]:
         """Per pool ("general", "graph"): reserved_bytes, allocated_bytes, segments, free_blocks."""
         return self._memory.stats()
