@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascend_compile.passes.memory_estimate import trace_allocations
+from ascend_compile.passes.memory_estimate import pool_reserved, trace_allocations
 from ascend_compile.runtime.pool_model import (CUDA_ROUND_LARGE, LARGE_BUFFER, NPU_ROUND_LARGE, SMALL_BUFFER,
                                                caching_allocator_model, one_kernel, pool_model, sim_pool_model)
 from ascend_compile.runtime.sim import SimRuntime
@@ -63,26 +63,25 @@ def test_the_traced_pool_is_what_the_simulators_captures_reserve(order):
     gm = _dynamo_graph(mlp, torch.randn(8, 64), *weights)
     rt = SimRuntime(segment_bytes=SEGMENT)
     trace = trace_allocations(gm, one_kernel(rt))
-    assert trace is not None and trace.symbols
+    assert trace is not None
+    (tokens,) = {s for kind, _, n in trace.events if kind == "alloc" and not isinstance(n, int) for s in n.free_symbols}
     model = pool_model(rt)
-    figure = trace.pool_reserved(model, order)
+    figure = pool_reserved(model, [(trace, {tokens: n}) for n in order])
     stats = _captured(rt, gm, order, weights)
     assert figure == stats["reserved_bytes"] > SEGMENT
     assert model.large.stats()["allocated_bytes"] == 0  # nothing held once the captures end
 
 
-def test_the_trace_sizes_follow_the_bucket_and_the_step_sized_inputs_are_staged():
+def test_the_trace_sizes_follow_the_symbols_and_only_the_outputs_outlive_the_capture():
     weights = _weights()
     trace = trace_allocations(_dynamo_graph(mlp, torch.randn(8, 64), *weights))
     allocs = [e for e in trace.events if e[0] == "alloc"]
     frees = [e for e in trace.events if e[0] == "free"]
     assert len(frees) == len(allocs) - 1  # everything but the output is freed within the capture
-    assert trace.staged_bytes(32) == 32 * 64 * 4  # x alone: the weights keep their size
-    small, large = sim_pool_model(1 << 30), sim_pool_model(1 << 30)
-    for handle in trace.replay(small, 4):
-        small.release(handle)
-    trace.replay(large, 40)
-    assert large.large.stats()["allocated_bytes"] == 40 * 64 * 4  # the output, still held by the caller
+    (tokens,) = {s for _, _, n in allocs if not isinstance(n, int) for s in n.free_symbols}
+    model = sim_pool_model(1 << 30)
+    trace.replay(model, {tokens: 40})
+    assert model.large.stats()["allocated_bytes"] == 40 * 64 * 4  # the output, still held by the caller
 
 
 def _no_fake_kernel(*args):

@@ -116,3 +116,27 @@ def test_another_mla_backend_is_refused_by_name(compiled, monkeypatch):
     with pytest.raises(Exception, match=rf"'{LAYER_0}': MLA attention backend {mla.TRITON_MLA} "
                                         rf"\(get_name\(\) 'TRITON_MLA'\)"):
         real.profile_run(models[0])
+
+
+def test_the_graph_memory_estimate_bounds_what_the_mla_captures_take(compiled, monkeypatch):
+    """MLA layers' figure (latent shape, one KV head) made at the profiling run bounds what the
+    captures of every decode graph then take, and is at most 1.25x of it (64 KiB simulator segments)."""
+    import ascend_compile.runtime.sim as sim
+    from ascend_compile.integrations.vllm import memory
+
+    class SmallSegments(sim.SimRuntime):
+        def __init__(self, **kwargs):
+            super().__init__(segment_bytes=1 << 16, **kwargs)
+
+    monkeypatch.setattr(sim, "SimRuntime", SmallSegments)
+    artifacts, make = compiled
+    since = memory.handed_over()
+    models = make(options={"capture_sizes": [4, 8, 16], "capture_all": True})
+    real.profile_run(models[0], 16)
+    graphs = memory.tracked(since)
+    assert len(graphs) == 1
+    figure = memory.estimate(graphs[0], models[0].config)
+    _equal_to_eager(models, [([9, 17, 4], [1, 1, 1])])
+    assert len(artifacts) == 1 and artifacts[0].stats["captures"] == 3
+    measured = sum(memory.graph_memory(artifacts[0].memory_report()).values())
+    assert 0.8 * figure.total <= measured <= figure.total, (measured, figure)

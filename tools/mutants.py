@@ -960,8 +960,8 @@ MUTANTS = (
     ),
     Mutant(
         "the estimate leaves the mixed graphs out", "ascend_compile/integrations/vllm/memory.py",
-        "        keys = sorted(choices, key=lambda k: (not k.decode, -k.bucket))  # capture order",
-        "        keys = sorted((k for k in choices if k.decode), key=lambda k: -k.bucket)",
+        "        keys = sorted(rewritten.choices, key=lambda k: (not k.decode, -k.bucket))  # capture order",
+        "        keys = sorted((k for k in rewritten.choices if k.decode), key=lambda k: -k.bucket)",
         (f"{VLLM_REAL}::test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes",),
         vllm=True,
     ),
@@ -984,7 +984,7 @@ MUTANTS = (
     ),
     Mutant(
         "the pool model keeps each capture's outputs", "ascend_compile/passes/memory_estimate.py",
-        "                model.release(handle)", "                pass",
+        "            model.release(handle)\n    return model.reserved_bytes()", "            pass\n    return model.reserved_bytes()",
         ("tests/test_memory_estimate.py::test_the_traced_pool_is_what_the_simulators_captures_reserve",),
     ),
 )

@@ -8,21 +8,22 @@ aliases of them, `lowering/graph_entry.py`). `trace_allocations` runs the graph 
 values (dynamo's `example_value`s, sizes symbolic) under a dispatch mode that sees the ops a
 capture records (a custom op the runtime does not run as one kernel, as the ops of its body), and
 keeps that order of allocations and frees, each size an expression of the graph's size symbols.
-`AllocationTrace.replay` evaluates it at a bucket's token count over a pool model
+`AllocationTrace.replay` evaluates it at a graph's symbol values over a pool model
 (`runtime/pool_model.py`); what a set of captures reserves is what the model reserves after all
-of them, in capture order. Nothing runs on a device.
+of them, in capture order (`pool_reserved`). Workspace nodes are the artifact's slots, not the
+pool's. Nothing runs on a device.
 
-It is an estimate of the rewritten graphs' captures from the graph as dynamo traced it: attention
-rewritten onto our kernels, inputs hoisted, padding added are not in it, and an op decomposed into
-several counts all its temporaries as live until the op returns (an over-estimate). A graph whose
-fake run fails has no trace (`None`, with the reason logged).
+It is an estimate where the target changes the graph at capture (`Target.specialize`: the npu
+target's contiguous queries, CUDA's device lengths or inductor), and an op decomposed into several
+counts all its temporaries as live until the op returns (an over-estimate). A graph whose fake run
+fails has no trace (`None`, with the reason logged).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import sympy
 import torch
@@ -40,21 +41,14 @@ log = logging.getLogger("ascend_compile")
 @dataclasses.dataclass(frozen=True)
 class AllocationTrace:
     """A graph's allocations in order: `("alloc", id, nbytes)` and `("free", id, None)`; the ids
-    never freed are the graph's outputs. Sizes are ints or expressions of `symbols`."""
+    never freed are the graph's outputs. Sizes are ints or expressions of the graph's size symbols."""
 
     events: tuple[tuple[str, int, Any], ...]
-    symbols: frozenset[sympy.Symbol]
-    #: bytes of each input whose size follows the step (a static buffer per captured graph)
-    staged_inputs: tuple[Any, ...]
 
-    def at(self, tokens: int) -> dict[sympy.Symbol, int]:
-        """Every size symbol at a bucket's token count (vLLM's graphs have only step-size symbols)."""
-        return {sym: tokens for sym in self.symbols}
-
-    def replay(self, model: Any, tokens: int) -> list[Any]:
-        """Make the allocations and frees of one capture at `tokens` on `model`; the handles of what
-        stays allocated (the outputs)."""
-        values, held, sizes = self.at(tokens), {}, {}
+    def replay(self, model: Any, values: dict[sympy.Symbol, int]) -> list[Any]:
+        """Make the allocations and frees of one capture with the size symbols at `values` on
+        `model`; the handles of what stays allocated (the outputs)."""
+        held, sizes = {}, {}
         for kind, ident, nbytes in self.events:
             if kind == "alloc":
                 if nbytes not in sizes:  # a graph's sizes are a few expressions, each evaluated once
@@ -64,19 +58,16 @@ class AllocationTrace:
                 model.release(held.pop(ident))
         return list(held.values())
 
-    def pool_reserved(self, model: Any, tokens: Sequence[int]) -> int:
-        """What `model` (a fresh pool model) reserves after one capture at each of `tokens`, in that
-        order, each freeing all it allocated when it ends: a captured graph keeps no block, its
-        outputs being weak aliases read right after each replay (`lowering/graph_entry.py`)."""
-        for n in tokens:
-            for handle in self.replay(model, n):
-                model.release(handle)
-        return model.reserved_bytes()
 
-    def staged_bytes(self, tokens: int) -> int:
-        """Bytes of the static input buffers of one captured graph at `tokens`."""
-        values = self.at(tokens)
-        return sum(evaluate(n, values) for n in self.staged_inputs)
+def pool_reserved(model: Any, captures: Iterable[tuple[AllocationTrace, dict[sympy.Symbol, int]]]) -> int:
+    """What `model` (a fresh pool model) reserves after the `captures` (a graph's trace and its
+    symbol values), in that order, each freeing all it allocated when it ends: a captured graph
+    keeps no block, its outputs being weak aliases read right after each replay
+    (`lowering/graph_entry.py`)."""
+    for trace, values in captures:
+        for handle in trace.replay(model, values):
+            model.release(handle)
+    return model.reserved_bytes()
 
 
 def _symbolic(n: Any) -> Any:
@@ -104,9 +95,14 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, known: dict[StorageWeakRef, Any], one_kernel: Callable[[Any], bool]) -> None:
         super().__init__()
         self.known, self.fresh, self.one_kernel = known, [], one_kernel
+        self.workspace = torch.ops.ascend.workspace.default  # given the artifact's slot at capture, not the pool's
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is self.workspace:  # `lowering/capture.py`: the slot, allocated outside every pool
+            out = func(*args, **kwargs)
+            self.known[StorageWeakRef(out.untyped_storage())] = 0
+            return out
         if not self.one_kernel(func):
             try:
                 with self:
@@ -130,7 +126,8 @@ def trace_allocations(gm: fx.GraphModule, one_kernel: Callable[[Any], bool] = la
     from torch._guards import detect_fake_mode
 
     placeholders = gm.graph.find_nodes(op="placeholder")
-    inputs = [example_value(n) for n in placeholders]
+    # an input without a fake value is a host list the runner passes (a kernel's lengths): any will do
+    inputs = [[] if example_value(n) is None else example_value(n) for n in placeholders]
     fake_mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         log.info("ascend_compile: no graph memory estimate: the graph's inputs carry no fake values")
@@ -146,17 +143,9 @@ def trace_allocations(gm: fx.GraphModule, one_kernel: Callable[[Any], bool] = la
 def _trace(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[Any], fake_mode: Any,
            one_kernel: Callable[[Any], bool]) -> AllocationTrace:
     known: dict[StorageWeakRef, Any] = {}
-    staged, symbols = [], set()
-    for value in inputs:
+    for value in inputs:  # what the graph is given exists already: never the pool's
         if isinstance(value, torch.Tensor):
-            key = StorageWeakRef(value.untyped_storage())
-            nbytes = known.setdefault(key, _storage_bytes(value))
-            if not isinstance(nbytes, int):
-                staged.append(value.numel() * value.element_size())
-                symbols |= nbytes.free_symbols
-        elif isinstance(value, torch.SymInt):
-            symbols |= value.node.expr.free_symbols
-    staged = [_symbolic(n) for n in staged]
+            known.setdefault(StorageWeakRef(value.untyped_storage()), _storage_bytes(value))
     last_use = {}
     for node in gm.graph.nodes:
         for arg in node.all_input_nodes:
@@ -199,7 +188,7 @@ def _trace(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence
                     _drop(arg, holds, users, ids, events, env)
             if not node.users:
                 _drop(node, holds, users, ids, events, env)
-    return AllocationTrace(tuple(events), frozenset(symbols), tuple(staged))
+    return AllocationTrace(tuple(events))
 
 
 def _drop(node: fx.Node, holds: dict, users: dict, ids: dict, events: list, env: dict) -> None:

@@ -25,8 +25,9 @@ One module a job, each importing only those listed before it (no cycle):
 - `releases.py`: the supported vLLM releases and the check of the installed one;
 - `layers.py` (context): which attention layers are served, with which features, the rest refused;
 - `metadata.py` (context): a metadata group's provided inputs and vLLM-Ascend's host lengths;
-- `memory.py` (layers, metadata): our graphs' memory, estimated at vLLM's profiling run and measured
-  after each capture;
+- `planning_context.py`: a forward context of vLLM's layers with stand-in metadata and caches (fakes);
+- `memory.py` (planning_context): our graphs' memory, estimated at vLLM's profiling run (the graph's
+  binder rewriting a copy against that context) and measured after each capture;
 - `kv_budget.py` (memory): that figure taken out of the KV-cache budget of the worker class vLLM runs;
 - `mla.py` (context, layers): the MLA ops' rewrite and refusals;
 - `deferred.py` (fast_path, memory): as traced until a step can be compiled against, its binder a protocol;

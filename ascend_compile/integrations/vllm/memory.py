@@ -4,46 +4,46 @@ its KV cache, and measured after each capture.
 vLLM sizes its KV cache from an eager profiling run, counting 0 bytes for graphs under
 `cudagraph_mode=NONE`; the profiling run has no attention metadata and no caches, so nothing of
 ours can be compiled, let alone captured, before that sizing. What the captures will take is
-therefore estimated from what is known then (`estimate`), by host arithmetic only, nothing run on
-the device, no throwaway capture (vLLM-Ascend reverted an estimator that captured before the KV
-cache existed, #11562: its extra warm-up and capture hung an HCCL collective):
+therefore estimated then (`estimate`), by host arithmetic only: nothing runs on the device, no
+throwaway capture (vLLM-Ascend reverted an estimator that warmed up and captured before the KV cache
+existed, #11562: its extra capture hung an HCCL collective). The graph's own binder rewrites a copy
+of it against a planning context (`planning_context.py`: vLLM's layers, stand-in metadata and caches
+of fake tensors), and the pass pipeline runs over it as the compile will, for the kernels, the
+buckets and the workspace plan. From that:
 
-- the workspace slots: the same workspace plan the compile makes (`passes.pipeline.workspace_plan`),
-  over the kernels the policy picks per bucket for the layers vLLM's forward context holds
-  (their heads, head size, features), vLLM's block size and `max_model_len`;
-- each graph's static input buffers: the graph's step-sized inputs and each metadata group's
-  provided inputs (`metadata.staged_bytes`), at its bucket;
-- the graph pool: the graph's allocations traced on fake tensors (`passes/memory_estimate.py`) and
-  replayed, in capture order (decode graphs largest first as `capture_all` does, then mixed ones),
-  over a model of the runtime's pool allocator (`runtime/pool_model.py`); each capture frees all it
-  allocated when it ends, its outputs too (a captured graph keeps weak aliases of them, read right
-  after each replay: `lowering/graph_entry.py`), so later captures reuse the pool's blocks.
+- the workspace slots: the plan's, exactly (sized with `Target.workspace_estimate`: on `npu` the
+  simulator's formula, torch_npu's queries being asked at the compile);
+- each graph's static input buffers: its copied inputs at its bucket's padded sizes, as staged;
+- the graph pool: each rewritten graph's allocations traced on fake tensors
+  (`passes/memory_estimate.py`) and replayed in capture order (decode graphs largest first as
+  `capture_all` does, then mixed ones) over a model of the runtime's pool allocator
+  (`runtime/pool_model.py`).
 
 It covers every graph the compile can capture (each bucket's decode graph and, where its decode
-kernel is PA, its mixed graph): what serving reaches, not just `capture_all`. `kv_budget.py` takes
-it out of vLLM's KV-cache budget; `ASCEND_COMPILE_GRAPH_MEMORY` overrides it (bytes; 0 reserves
-nothing). After each new capture the measured figure is logged beside the reserved one.
+kernel is PA, its mixed graph): what serving reaches, not just `capture_all`. "auto" kernels are
+sized for both kernels it may pick. `kv_budget.py` takes the figure out of vLLM's KV-cache budget;
+`ASCEND_COMPILE_GRAPH_MEMORY` overrides it (bytes; 0 reserves nothing). After each new capture the
+measured figure is logged beside the reserved one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from ...ops.tiling import AttentionShape
+from ...lowering.inputs import padded_shape
 from ...passes.fx_utils import example_value
-from ...passes.memory_estimate import trace_allocations
-from ...passes.pipeline import bucket_choices, workspace_plan
-from ...passes.select_kernels import AttentionLayer
-from ...passes.workspaces import KernelSite
-from ...ops.features import PLAIN
+from ...passes.memory_estimate import pool_reserved, trace_allocations
+from ...passes.pipeline import rewrite_buckets
+from ...passes.providers import fake_mode_of
 from ...runtime.pool_model import one_kernel, pool_model
-from .layers import layer_features
-from .metadata import staged_bytes
+from .planning_context import planning_context
 
 log = logging.getLogger("ascend_compile")
 MIB = 2 ** 20
@@ -133,67 +133,70 @@ def override() -> int | None:
     return nbytes
 
 
-def attention_layer(name: str, layer: Any, block_size: int) -> AttentionLayer:
-    """A vLLM attention layer's shape and features, as the rewrite will see them: MLA's latent
-    (`kv_lora_rank`, `qk_rope_head_dim`, one KV head) or heads and head size."""
-    if hasattr(layer, "kv_lora_rank"):
-        return AttentionLayer(AttentionShape(int(layer.num_heads), 1, int(layer.kv_lora_rank), block_size,
-                                             rope_dim=int(layer.qk_rope_head_dim)), PLAIN)
-    return AttentionLayer(AttentionShape(int(layer.num_heads), int(layer.num_kv_heads), int(layer.head_size),
-                                         block_size), layer_features(name, layer))
+class _Planning:
+    """`target` as the passes see it when estimating: workspaces sized without asking the device
+    (`Target.workspace_estimate`: torch_npu's queries are asked at the compile)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def workspace_need(self, config: Any, dtype: torch.dtype) -> Any:
+        return self._target.workspace_estimate(config, dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
 
 
-def metadata_groups(layers: dict[str, Any], vllm_config: Any) -> int:
-    """How many metadata objects (KV-cache groups) the layers' steps will carry: one per distinct
-    KV-cache spec, as vLLM groups them."""
-    specs = set()
-    for layer in layers.values():
-        try:
-            specs.add(layer.get_kv_cache_spec(vllm_config))
-        except Exception:  # noqa: BLE001 - a layer without a (hashable) spec: a group of its own
-            specs.add(id(layer))
-    return max(1, len(specs))
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The estimate's rewrite logs nothing below WARNING: it is not the compile."""
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def estimate(graph: Any, vllm_config: Any) -> GraphMemoryEstimate | None:
     """The memory `graph`'s captures will take (see the module docstring), or None where its
     allocations cannot be traced (said why)."""
     gm, config = graph.gm, graph.config
+    fake_mode = fake_mode_of(gm)
     tensors = [v for v in map(example_value, gm.graph.find_nodes(op="placeholder")) if isinstance(v, torch.Tensor)]
-    target = graph.target(tensors[0].device, config)
+    device = tensors[0].device
+    target = graph.target(device, config)
     runtime = target.runtime
-    block_size = int(vllm_config.cache_config.block_size)
-    context = vllm_config.compilation_config.static_forward_context
-    layers = {name: context[name] for name in graph.layers}
-    attention = [attention_layer(name, layer, block_size) for name, layer in layers.items()]
-    dtype = vllm_config.model_config.dtype
-    policy = target.kernel_policy(config, dtype) if config.kernel_policy != "auto" else None
+    max_blocks = -(-config.max_model_len // int(vllm_config.cache_config.block_size))
+    context = planning_context(graph.layers, vllm_config, device, fake_mode, max_blocks)
+    binder = type(graph.binder)(lambda: context, graph.example_inputs)  # the graph's binder, on that context
     # "auto" times kernels on the device: sized for both of its choices instead
-    policies = [policy] if policy is not None else [target.kernel_policy(dataclasses.replace(config, kernel_policy=k),
-                                                                         dtype) for k in ("pa", "fia")]
-    graphs = pool_model(runtime) is not None
-    trace = trace_allocations(gm, one_kernel(runtime)) if graphs else None
-    if graphs and trace is None:
-        return None
-    groups = metadata_groups(layers, vllm_config)
-    max_blocks = -(-config.max_model_len // block_size)
+    kinds = ("pa", "fia") if config.kernel_policy == "auto" else (config.kernel_policy,)
     estimates = []
-    for policy in policies:
-        choices = bucket_choices(attention, config.capture_sizes, policy, target.mixed_graph_kernels)
-        names = list(layers)
-
-        def sites_of(key: Any, choices: Any = choices) -> list[KernelSite]:
-            return [KernelSite(name, choice.kernel, layer.shape, layer.features)
-                    for name, layer, choice in zip(names, attention, choices[key])]
-
-        plan = workspace_plan(choices, sites_of, config, target.workspace_estimate(config, dtype))
-        workspaces = sum(slot.nbytes for slot in plan.slots.values())
-        if trace is None:  # no graphs: the slots only
+    for kind in kinds:
+        planned = dataclasses.replace(config, kernel_policy=kind, dump_dir=None)
+        with _quiet():
+            rewritten = rewrite_buckets(gm, planned, _Planning(target), bind=binder)
+        workspaces = sum(slot.nbytes for slot in rewritten.plan.slots.values())
+        model = pool_model(runtime)
+        if model is None:  # no graphs: the slots only
             estimates.append(GraphMemoryEstimate(workspaces, 0, 0, 0))
             continue
-        keys = sorted(choices, key=lambda k: (not k.decode, -k.bucket))  # capture order
-        pool = trace.pool_reserved(pool_model(runtime), [key.bucket for key in keys])
-        buffers = sum(trace.staged_bytes(k.bucket) + groups * staged_bytes(k.bucket, k.bucket, max_blocks)
-                      for k in keys)
+        keys = sorted(rewritten.choices, key=lambda k: (not k.decode, -k.bucket))  # capture order
+        signature = rewritten.signature
+        if signature.specialized:  # captured per value seen: how many, no one knows before serving
+            log.warning("ascend_compile: no graph memory estimate: the graph keeps sizes %s as seen",
+                        [str(sym) for sym in signature.specialized])
+            return None
+        traces = {name: trace_allocations(v.gm, one_kernel(runtime)) for name, v in rewritten.variants.items()}
+        if any(t is None for t in traces.values()):
+            return None
+        values = {key: signature.padded_symbols(key.bucket, rewritten.max_blocks) for key in keys}
+        pool = pool_reserved(model, [(traces[rewritten.variant_for(key).name], values[key]) for key in keys])
+        placeholders = next(iter(rewritten.variants.values())).gm.graph.find_nodes(op="placeholder")
+        itemsize = {spec.index: example_value(placeholders[spec.index]).dtype.itemsize
+                    for spec in signature.inputs if spec.copied}
+        buffers = sum(math.prod(padded_shape(spec, values[key])) * itemsize[spec.index]
+                      for key in keys for spec in signature.inputs if spec.copied)
         estimates.append(GraphMemoryEstimate(workspaces, buffers, pool, len(keys)))
     return max(estimates, key=lambda e: e.total)

@@ -112,15 +112,3 @@ class HostLengths:
                     f"{metadata.num_actual_tokens} (stale)")
         return None
 
-
-#: Bytes per element of the metadata tensors vLLM's builders make (int32 lengths and block table;
-#: slot mappings int64, as vLLM's `slot_mapping` buffers and vLLM-Ascend's are).
-LENGTH_BYTES, SLOT_BYTES = 4, 8
-
-
-def staged_bytes(seqs: int, tokens: int, max_blocks: int) -> int:
-    """The static buffers one metadata group's provided inputs take in a graph of `seqs` sequences
-    and `tokens` tokens (`bind_metadata`: seq_lens, query_start_loc, a block table `max_blocks`
-    wide; and the group's cache-write slots, one per token), for estimating graph memory before
-    there is metadata (`memory.py`)."""
-    return LENGTH_BYTES * (seqs + (seqs + 1) + seqs * max_blocks) + SLOT_BYTES * tokens
