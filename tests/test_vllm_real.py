@@ -519,7 +519,9 @@ def test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_al
     # then every bucket's mixed graph, smallest first (the order least kind to a shared pool)
     _equal_to_eager(models, [([20] * (b - 1), [2] + [1] * (b - 2)) for b in SIZES])
     assert artifacts[0].stats["captures"] == 2 * len(SIZES)
-    measured = sum(memory.graph_memory(artifacts[0].memory_report()).values())
+    parts = memory.graph_memory(artifacts[0].memory_report())
+    assert (parts["workspaces"], parts["buffers"]) == (figure.workspaces, figure.buffers)  # the compile's own
+    measured = sum(parts.values())
     assert 0.8 * figure.total <= measured <= figure.total, (measured, figure)
 
 

@@ -987,6 +987,19 @@ MUTANTS = (
         "            model.release(handle)\n    return model.reserved_bytes()", "            pass\n    return model.reserved_bytes()",
         ("tests/test_memory_estimate.py::test_the_traced_pool_is_what_the_simulators_captures_reserve",),
     ),
+    Mutant(
+        "the planning context gives each layer its own slot mapping", "ascend_compile/integrations/vllm/planning_context.py",
+        "            metadata[name], slots[name] = groups[spec]",
+        "            metadata[name], slots[name] = groups[spec][0], fake((1,), torch.int64)",
+        (f"{VLLM_REAL}::test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes",),
+        vllm=True,
+    ),
+    Mutant(
+        "the estimate's workspace nodes counted in the pool", "ascend_compile/passes/memory_estimate.py",
+        "        if func is self.workspace:", "        if False:",
+        ("tests/test_vllm_mla_real.py::test_the_graph_memory_estimate_bounds_what_the_mla_captures_take",),
+        vllm=True,
+    ),
 )
 
 

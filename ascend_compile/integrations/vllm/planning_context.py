@@ -6,7 +6,7 @@ is no metadata and no KV cache yet; what the captures allocate is that of the gr
 rewrites it (MLA's absorbed projections, the attention result copied into vLLM's output). So the
 binder's rewrite runs once more, on a copy, against this context: the layers are vLLM's own (their
 heads, features, weights); each metadata group (one per distinct KV-cache spec, as vLLM groups its
-layers) is an object with the fields the rewrite reads, one request long, its block table
+layers) is an object with the fields the rewrite reads, with one slot mapping, one request long, its block table
 `max_blocks` wide (FLASH_ATTN's `block_table`, or vLLM-Ascend's `block_tables` and `slot_mapping`
 where the backend writes the cache inside its attention op; MLA's `decode` part); each layer's cache
 a fake tensor of one block in the layout the binder splits (`[1, 2, block_size, kv_heads,
@@ -57,10 +57,9 @@ def planning_context(names: Sequence[str], vllm_config: Any, device: torch.devic
             else:
                 cache = fake((1, 2, block_size, int(layer.num_kv_heads), int(layer.head_size)), dtype)
             caches[name] = _WithCache(layer, cache)
-            if spec not in groups:
-                groups[spec] = _metadata(layer, fake, max_blocks)
-            metadata[name] = groups[spec]
-            slots[name] = fake((1,), torch.int64)
+            if spec not in groups:  # one metadata object and one slot mapping per group, as vLLM's runner passes
+                groups[spec] = _metadata(layer, fake, max_blocks), fake((1,), torch.int64)
+            metadata[name], slots[name] = groups[spec]
     return types.SimpleNamespace(attn_metadata=metadata, no_compile_layers=caches, slot_mapping=slots)
 
 
