@@ -561,7 +561,7 @@ def _worker_class(monkeypatch, model):
     return module.Worker
 
 
-def test_the_worker_sizes_the_kv_cache_with_our_graph_memory_taken_out(compiled, small_segments, monkeypatch):
+def test_the_worker_sizes_the_kv_cache_with_our_graph_memory_taken_out(compiled, small_segments, monkeypatch, caplog):
     """The worker class vLLM runs, wrapped when our backend is configured in it, answers with the
     figure estimated from its profiling run taken out, and keeps the figures vLLM's `--kv-cache-memory`
     suggestion and 0.33's startup plan are built from consistent; the captures then take at most it."""
@@ -585,6 +585,13 @@ def test_the_worker_sizes_the_kv_cache_with_our_graph_memory_taken_out(compiled,
     assert artifacts[-1].stats["captures"] == len(SIZES)
     measured = sum(memory.graph_memory(artifacts[-1].memory_report()).values())
     assert 0.8 * figure <= measured <= figure
+    # a graph handed over after the KV cache was sized (dynamo compiling again) is in no reservation: said so
+    torch._dynamo.reset()
+    models[0].model._compiled_call_impl = None
+    real.compile_as_vllm(models[0])
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _equal_to_eager(models, STEPS[:1])
+    assert "a vLLM graph handed over after the KV cache was sized" in caplog.text
 
 
 def test_a_user_set_kv_cache_size_an_override_and_too_little_memory(compiled, small_segments, monkeypatch, caplog):

@@ -84,16 +84,19 @@ def reserve(worker: Any, available: int, user_set: int | None, graphs: list[Any]
     forced = memory.override()
     if forced is not None:
         nbytes, how = forced, f"{memory.ENV}={forced}"
+        shares = [forced] * len(graphs)  # the user's figure bounds each
     else:
         estimates = [memory.estimate(g, worker.vllm_config) for g in graphs]
         if any(e is None for e in estimates):
             log.warning("ascend_compile: graph memory not reserved in vLLM's KV-cache budget (no estimate, see "
                         "above): set %s to the bytes to reserve, or lower gpu_memory_utilization", memory.ENV)
             return available
-        nbytes = sum(e.total for e in estimates)
+        shares = [e.total for e in estimates]
+        nbytes = sum(shares)
         how = "estimated: " + "; ".join(e.describe() for e in estimates)
-    for graph in graphs:  # compared with what the captures take (`memory.log_graph_memory`)
-        graph.reserved = nbytes
+    memory.reserved_once()
+    for graph, share in zip(graphs, shares):  # compared with what its captures take (`memory.log_graph_memory`)
+        graph.reserved = share
     if user_set:
         log.warning("ascend_compile: kv_cache_memory_bytes=%d is set: vLLM's KV cache is not reduced for our "
                     "graphs, which will take %.1f MiB more (%s)", user_set, nbytes / memory.MIB, how)

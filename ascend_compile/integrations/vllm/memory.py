@@ -66,6 +66,14 @@ def handed_over() -> int:
     return _HANDED_OVER[0]
 
 
+_RESERVED = [False]  # whether this process took graph memory out of vLLM's KV-cache budget
+
+
+def reserved_once() -> None:
+    """Note that this process reserved graph memory before vLLM sized its KV cache (`kv_budget.py`)."""
+    _RESERVED[0] = True
+
+
 def tracked(since: int = 0) -> list[Any]:
     """The graphs handed over after the first `since` and not compiled yet (what one profiling
     run handed over, for `since` taken before it)."""
@@ -105,7 +113,12 @@ def log_graph_memory(artifact: Any, reserved: int | None = None) -> int:
     total = sum(parts.values())
     detail = (f"(workspaces {parts['workspaces'] / MIB:.1f}, static buffers {parts['buffers'] / MIB:.1f}, "
               f"graph pool {parts['pool'] / MIB:.1f} MiB)")
-    if reserved is None:
+    if reserved is None and _RESERVED[0]:
+        log.warning("ascend_compile: a vLLM graph handed over after the KV cache was sized (dynamo compiled the "
+                    "model again) takes %.1f MiB after %d captures %s outside vLLM's KV-cache budget, none of it "
+                    "reserved: set %s to the total of every graph's figure logged", total / MIB,
+                    artifact.stats["captures"], detail, ENV)
+    elif reserved is None:
         log.info("ascend_compile: vLLM graphs take %.1f MiB outside vLLM's KV-cache budget after %d captures %s: "
                  "reserve it by lowering gpu_memory_utilization or kv_cache_memory_bytes", total / MIB,
                  artifact.stats["captures"], detail)
