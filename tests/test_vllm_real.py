@@ -626,6 +626,15 @@ def test_a_user_set_kv_cache_size_an_override_and_too_little_memory(compiled, sm
     monkeypatch.setenv(memory.ENV, "lots")
     with pytest.raises(ValueError, match="ASCEND_COMPILE_GRAPH_MEMORY: expected 'auto' or a number of bytes"):
         memory.override()
+    monkeypatch.delenv(memory.ENV)
+
+    def broken(graph, vllm_config):
+        raise KeyError("a metadata field the planning context lacks")
+
+    monkeypatch.setattr(memory, "estimate", broken)  # an estimate that fails leaves vLLM's answer, says why
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        assert answer() == cls.requested - cls.non_kv
+    assert "no graph memory estimate (KeyError" in caplog.text and "set ASCEND_COMPILE_GRAPH_MEMORY" in caplog.text
 
 
 def test_vllm_033s_startup_plan_is_answered_unchanged(compiled, small_segments, monkeypatch, caplog):

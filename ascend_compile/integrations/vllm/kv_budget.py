@@ -11,7 +11,9 @@ its `determine_available_memory` wrapped, once, when our backend is configured i
 after the original:
 
 - estimates the graph memory of every graph the profiling run handed over (`memory.estimate`), or
-  takes `ASCEND_COMPILE_GRAPH_MEMORY`'s bytes;
+  takes `ASCEND_COMPILE_GRAPH_MEMORY`'s bytes; an estimate that fails is logged (WARNING: set that
+  variable) and reserves nothing, but a refusal (`ValueError`: a layer or an option the compile would
+  refuse) fails start-up, as the compile would later;
 - returns vLLM's figure unchanged where the user set `kv_cache_memory_bytes` (a warning says how much
   our graphs will take), or where vLLM 0.33 applied its startup plan (a plan saved under this
   wrapper already left our memory out);
@@ -86,7 +88,13 @@ def reserve(worker: Any, available: int, user_set: int | None, graphs: list[Any]
         nbytes, how = forced, f"{memory.ENV}={forced}"
         shares = [forced] * len(graphs)  # the user's figure bounds each
     else:
-        estimates = [memory.estimate(g, worker.vllm_config) for g in graphs]
+        try:
+            estimates = [memory.estimate(g, worker.vllm_config) for g in graphs]
+        except ValueError:  # a refusal (a layer, an option): the compile would fail the same, later
+            raise
+        except Exception as err:  # noqa: BLE001 - an estimate that fails must not fail vLLM's start-up
+            log.warning("ascend_compile: no graph memory estimate (%s: %s)", type(err).__name__, err)
+            estimates = [None]
         if any(e is None for e in estimates):
             log.warning("ascend_compile: graph memory not reserved in vLLM's KV-cache budget (no estimate, see "
                         "above): set %s to the bytes to reserve, or lower gpu_memory_utilization", memory.ENV)
