@@ -20,6 +20,20 @@ def default_capture_sizes() -> tuple[int, ...]:
     return (1, 2, 4) + tuple(range(8, 257, 8))
 
 
+#: The most tokens a piecewise step holds by default: vLLM's default `max_num_batched_tokens` for
+#: online serving on a large GPU (8192, `vllm/engine/arg_utils.py`, `_set_default_args`).
+PIECEWISE_MAX_TOKENS = 8192
+
+
+def default_piecewise_sizes(capture_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The capture sizes, then doubling from the largest up to `PIECEWISE_MAX_TOKENS`."""
+    sizes, size = set(capture_sizes), max(capture_sizes)
+    while size * 2 <= PIECEWISE_MAX_TOKENS:
+        size *= 2
+        sizes.add(size)
+    return tuple(sorted(sizes))
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileConfig:
     """Options of the `ascend_graph` backend (DESIGN.md §6).
@@ -58,6 +72,12 @@ class CompileConfig:
         clone_outputs: return copies of the graph's static outputs (False: views into the graph
             pool all buckets share, which the next step of any bucket overwrites).
         capture_all: capture every bucket's decode graph at the first call instead of on first use.
+        piecewise_sizes: the token counts piecewise graphs are captured for (`lowering/piecewise.py`):
+            a step no full graph serves (above the largest bucket, refused by the target, its graph
+            uncapturable or found differing by `verify`) runs as captured pieces between its
+            attention and uncapturable ops, padded to the smallest size holding it; above the
+            largest it runs eagerly. None: the capture sizes, then doubling up to 8192; [] turns
+            piecewise graphs off.
         sim_overflow: what the simulator does when a kernel needs more workspace than it got:
             "write" past the buffer, like the device, or "raise".
         max_specializations: the most captures one bucket keeps for distinct values of the sizes
@@ -107,6 +127,7 @@ class CompileConfig:
     verify_every: int = 0
     dump_dir: str | None = None
     retrace_static: bool = False
+    piecewise_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         sizes = tuple(self.capture_sizes)
@@ -114,6 +135,11 @@ class CompileConfig:
             raise ValueError(f"capture_sizes: expected a non-empty list of positive ints, got {self.capture_sizes!r}")
         object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
         object.__setattr__(self, "pa_batch_sizes", tuple(sorted(set(self.pa_batch_sizes))))
+        pieces = default_piecewise_sizes(sizes) if self.piecewise_sizes is None else tuple(self.piecewise_sizes)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in pieces):
+            raise ValueError(f"piecewise_sizes: expected a list of positive ints ([] turns piecewise graphs off), "
+                             f"got {self.piecewise_sizes!r}")
+        object.__setattr__(self, "piecewise_sizes", tuple(sorted(set(pieces))))
         _check_optional_positive("max_model_len", self.max_model_len)
         _check_optional_positive("auto_seq_len", self.auto_seq_len)
         _check_optional_positive("workspace_seq_len", self.workspace_seq_len)
@@ -159,7 +185,7 @@ class CompileConfig:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(f"options: unknown option(s) {unknown}; valid options are {valid}")
-        for key in ("capture_sizes", "pa_batch_sizes", "workspace_probe_lens"):
+        for key in ("capture_sizes", "pa_batch_sizes", "workspace_probe_lens", "piecewise_sizes"):
             if key in options and options[key] is not None and not isinstance(options[key], (list, tuple)):
                 raise ValueError(f"{key}: expected a list of ints, got {options[key]!r}")
         return cls(**options)

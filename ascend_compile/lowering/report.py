@@ -16,6 +16,7 @@ def memory_report(art: Any) -> dict[str, Any]:
     report = {
         "workspace_bytes": {name: t.numel() for name, t in art.workspaces.items()},
         "graphs": {g.name: g.memory() for g in art.graphs.values() if g.graph is not None},
+        "piecewise": {g.name: g.memory() for g in art.piecewise.values() if g.pieces},
     }
     stats: Callable[[], Any] | None = getattr(art.runtime, "memory_stats", None)
     if stats is not None:
@@ -48,4 +49,28 @@ def describe(art: Any) -> dict[str, Any]:
             graph.setdefault("specializations", {})[entry.name] = captured
         if not specialization or "update_table" not in graph:
             graph.update(captured)
+    plan["piecewise"] = _piecewise(art)
+    served: dict[str, dict[str, int]] = {}
+    for (kind, path), count in sorted(art.served.items()):
+        served.setdefault(kind, {})[path] = count
+    plan["served"] = {"steps": served, "not_full": dict(art.not_full.most_common())}
     return plan
+
+
+def _piecewise(art: Any) -> dict[str, Any]:
+    """What plan.json says of piecewise graphs: the sizes, or why there are none; each captured key's
+    pieces and eager nodes (and why each node runs eagerly, for the first one split)."""
+    variant = art.rewritten.piecewise
+    if variant is None:
+        return {"enabled": False, "reason": art.rewritten.piecewise_reason}
+    graphs = {g.name: g.describe() for g in art.piecewise.values()}
+    first = next(iter(art.piecewise.values()), None)
+    return {
+        "enabled": True,
+        "sizes": [k.bucket for k in variant.keys],
+        "kernels": sorted(set(variant.kernels)),
+        "workspace_slot": art.rewritten.plan.graph_slot[str(variant.keys[-1])],
+        "graphs": graphs,
+        **({"eager_nodes": {n.name: why for n, why in first.eager.items()}} if first is not None else {}),
+        **({"uncapturable_ops": {str(op): why for op, why in art.uncapturable.items()}} if art.uncapturable else {}),
+    }

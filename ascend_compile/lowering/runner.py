@@ -41,6 +41,7 @@ from .graph_entry import GraphEntry, MovedInputs, specialization_of
 from .inputs import Step, StepPlan, capture_seq_len, choose_bucket, overlapping_inputs, read_step
 from .input_checks import change_summary
 from .outputs import narrowed_outputs, returned_outputs
+from .piecewise import PiecewiseGraph
 from .staging import Staging
 from .undo import UndoPlan
 from .verify import first_replay_check, written_regions
@@ -68,6 +69,14 @@ class CompiledArtifact:
         self._last_change: tuple | None = None  # the last change of in-place inputs logged (`_log_change`)
         #: ops found uncapturable (`errors.UncapturableOp`) -> why: every graph holding one serves eagerly
         self.uncapturable: dict[Any, str] = {}
+        #: the piecewise graphs (`piecewise.py`), per piecewise key and value of the specialized sizes
+        self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = {}
+        #: steps by kind ("decode", "mixed", "prefill") and what served them ("full", "piecewise", "eager")
+        self.served: collections.Counter = collections.Counter()
+        #: why steps a full graph did not serve went piecewise or eager, and how many
+        self.not_full: collections.Counter = collections.Counter()
+        #: host work of piecewise steps: pieces replayed, copies staged, nodes run eagerly
+        self.piecewise_launches: collections.Counter = collections.Counter()
         self.written = rewritten.mutations.written()
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
@@ -125,23 +134,26 @@ class CompiledArtifact:
                          self.rewritten.prologue.host_copies(caller_args))
         self._count(step, 1)
         bucket = choose_bucket(self.rewritten.buckets, step.tokens, step.seqs)
-        if bucket is None:
-            return self._fallback(caller_args, f"no graph for {step.tokens} tokens in {step.seqs} sequences "
-                                               f"(buckets {list(self.rewritten.buckets)})")
         overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, self.copied, args)
         if overlap:
-            return self._fallback(caller_args, f"inputs {overlap} overlap in memory and the graph writes one of them")
+            return self._fallback(caller_args, f"inputs {overlap} overlap in memory and the graph writes one of them",
+                                  step)
+        if bucket is None:
+            return self._not_full(args, caller_args, step, direct, f"no graph for {step.tokens} tokens in "
+                                  f"{step.seqs} sequences (buckets {list(self.rewritten.buckets)})")
         key = self.rewritten.key_for(bucket, step.decode)
         entry = self._entry(key, args, step, direct)
         if entry is None:
             return self._fallback(caller_args, f"{key} already has {self.config.max_specializations} captures "
-                                               f"for other values of {[str(s) for s in self.signature.specialized]}")
+                                               f"for other values of {[str(s) for s in self.signature.specialized]}",
+                                  step)
         if entry.eager_reason:
-            return self._fallback(caller_args, entry.eager_reason)
+            return self._not_full(args, caller_args, step, direct, entry.eager_reason)
         plan = entry.plan(step)
         refusal = entry.step_guard(plan.host, entry.staging.graph_args(args)) if entry.step_guard is not None else None
         if refusal:
-            return self._fallback(caller_args, refusal)
+            return self._not_full(args, caller_args, step, direct, refusal)
+        self.served[(step_kind(step), "full")] += 1
         undo = self.undo.save(args)
         try:
             if not isinstance(self.runtime, GraphRuntime):
@@ -159,6 +171,103 @@ class CompiledArtifact:
             log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", entry.name,
                         type(err).__name__)
             raise
+
+    def _not_full(self, args: Sequence[Any], caller_args: Sequence[Any], step: Step, direct: bool, why: str) -> Any:
+        """A step no full graph serves (`why`): on the piecewise graphs of the smallest piecewise size
+        holding it, else eagerly."""
+        variant = self.rewritten.piecewise
+        if variant is None or not isinstance(self.runtime, GraphRuntime):
+            return self._fallback(caller_args, why if variant is not None else f"{why}; not piecewise: "
+                                  f"{self.rewritten.piecewise_reason or 'the runtime has no graphs'}", step)
+        key = next((k for k in variant.keys if k.bucket >= step.tokens), None)
+        if key is None:
+            return self._fallback(caller_args, f"{why}; above the largest piecewise size "
+                                               f"({variant.keys[-1].bucket} tokens)", step)
+        graph = self._piecewise_graph(key, args, step, direct)
+        if graph is None:
+            return self._fallback(caller_args, f"{why}; {key} already has {self.config.max_specializations} "
+                                               f"captures for other values of the specialized sizes", step)
+        if graph.eager_reason:
+            return self._fallback(caller_args, f"{why}; {graph.eager_reason}", step)
+        self.not_full[why] += 1
+        if why not in self._fallbacks_logged:
+            log.info("ascend_compile: %s: serving it piecewise (%s)", why, graph.name)
+            self._fallbacks_logged.add(why)
+        self.served[(step_kind(step), "piecewise")] += 1
+        self.stats["piecewise_steps"] += 1
+        workspace = self.workspaces[self.rewritten.plan.graph_slot[str(key)]]
+        undo = self.undo.save(args)
+        try:
+            run = lambda: self._piecewise_outputs(graph, step, args, workspace)  # noqa: E731
+            if self.verify and graph.verified is None:
+                regions = written_regions(self.signature, self.written, args)
+                outputs, graph.verified = first_replay_check(
+                    graph.name, regions, args, lambda: self.rewritten.original(*caller_args), run, self.names,
+                    self.runtime.generators_kept)
+                self.stats["verified_replays"] += 1
+                if not graph.verified["ok"]:
+                    self.stats["verify_failures"] += 1
+                    graph.eager_reason = f"its first step differed from eager ({graph.verified['mismatches'][0]})"
+                self.write_plan()
+                return outputs
+            return run()
+        except BaseException as err:
+            undo.restore()
+            self.stats["failed_steps"] += 1
+            log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", graph.name,
+                        type(err).__name__)
+            raise
+
+    def _piecewise_outputs(self, graph: PiecewiseGraph, step: Step, args: Sequence[Any], workspace: Any) -> tuple:
+        outputs = graph.run(self.runtime, step, args, workspace, self.seconds, self.piecewise_launches)
+        write_back = self.rewritten.write_back
+        aliased = dict(zip(write_back.outputs, write_back.views(args)[1])) if write_back.outputs else {}
+        return returned_outputs(outputs, self.config.clone_outputs, aliased)
+
+    def _piecewise_graph(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> PiecewiseGraph | None:
+        """`key`'s piecewise graph at the step's specialized sizes, captured if new (again where its
+        in-place inputs moved); None when the key has used up its captures."""
+        specialization = specialization_of(self.signature, step.symbols)
+        graph = self.piecewise.get((key, specialization))
+        if graph is not None and graph.captured_inputs is not None:
+            moved = graph.moved(args)
+            if moved and direct:
+                self._count(step, -1)
+                raise MovedInputs([self.names[i] for i in moved])
+            if moved:
+                self._log_change(graph, moved, args)
+                self.stats["recaptures"] += 1
+                graph = None
+        if graph is None:
+            if (key, specialization) not in self.piecewise and sum(
+                    1 for k, _ in self.piecewise if k == key) >= self.config.max_specializations:
+                return None
+            graph = self._capture_piecewise(key, specialization, args, step)
+            self.piecewise[(key, specialization)] = graph
+            self.write_plan()
+        return graph
+
+    def _capture_piecewise(self, key: GraphKey, specialization: tuple, args: Sequence[Any], step: Step
+                           ) -> PiecewiseGraph:
+        """Split and capture `key`'s pieces; a piece whose capture an op refuses is split again around
+        that op (every later split too), as many times as ops are found."""
+        variant = self.rewritten.piecewise
+        padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, step.symbols)
+        guard = self.target.step_guard(variant.gm, key, self.config)
+        workspace = self.workspaces[self.rewritten.plan.graph_slot[str(key)]]
+        while True:
+            graph = PiecewiseGraph(key, specialization, variant, self.signature, padded, set(self.uncapturable), guard)
+            try:
+                graph.capture(self.runtime, args, self.checked, self.identified, workspace)
+            except UncapturableOp as err:
+                if err.op in self.uncapturable:
+                    raise
+                self._note_uncapturable(err)
+                continue
+            self.stats["piecewise_captures"] += 1
+            log.info("ascend_compile: captured %s: %d pieces around %d eager nodes in %.3f s", graph.name,
+                     len(graph.pieces), len(graph.segments) - len(graph.pieces), graph.capture_seconds)
+            return graph
 
     def _replay(self, entry: GraphEntry, plan: StepPlan) -> tuple:
         """Replay `entry` for the planned step; its outputs (write-back done)."""
@@ -287,12 +396,19 @@ class CompiledArtifact:
         """`entry`'s capture failed at an op the device cannot capture: it serves its steps eagerly, and so
         does every graph of this artifact holding that op, none of them captured again (one WARNING per
         op; the step runs eagerly, as the graph would have computed it)."""
-        why = f"{err.op} (node {err.node}) cannot be captured: {err.cause}"
+        why = self._note_uncapturable(err)
         entry.eager_reason = f"{entry.name}: not captured, {why}"
         self.stats["uncapturable_graphs"] += 1
+
+    def _note_uncapturable(self, err: UncapturableOp) -> str:
+        """Record the op `err` names as uncapturable (one WARNING per op): no graph holding it is
+        captured again, and piecewise graphs run it eagerly."""
+        why = f"{err.op} (node {err.node}) cannot be captured: {err.cause}"
         if err.op not in self.uncapturable:
-            log.warning("ascend_compile: %s: graphs holding it run their steps eagerly", why)
+            pieces = "; piecewise graphs run it eagerly" if self.rewritten.piecewise is not None else ""
+            log.warning("ascend_compile: %s: graphs holding it run their steps eagerly%s", why, pieces)
         self.uncapturable[err.op] = why
+        return why
 
     def _capture_seq_len(self, entry: GraphEntry) -> int | None:
         return capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
@@ -317,11 +433,14 @@ class CompiledArtifact:
             if entry.graph is None and entry.eager_reason is None:
                 self._capture(entry, args)
 
-    def _fallback(self, args: Sequence[Any], why: str) -> Any:
+    def _fallback(self, args: Sequence[Any], why: str, step: Step | None = None) -> Any:
         if why not in self._fallbacks_logged:
             log.info("ascend_compile: %s: running eagerly", why)
             self._fallbacks_logged.add(why)
         self.stats["eager_fallbacks"] += 1
+        if step is not None:
+            self.served[(step_kind(step), "eager")] += 1
+            self.not_full[why] += 1
         return self.rewritten.original(*args)
 
     def memory_report(self) -> dict[str, Any]:
@@ -334,3 +453,13 @@ class CompiledArtifact:
 
     def write_plan(self) -> None:
         dump.dump_plan(self.rewritten.graph_dir, self.describe)
+
+
+def step_kind(step: Step) -> str:
+    """"decode" (one query token per sequence), "prefill" (none with one) or "mixed"."""
+    if step.decode:
+        return "decode"
+    loc = next(iter(step.query_start_loc.values()), None)
+    if loc is None:
+        return "mixed"
+    return "prefill" if all(b - a > 1 for a, b in zip(loc, loc[1:])) else "mixed"

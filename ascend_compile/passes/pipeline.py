@@ -63,6 +63,19 @@ class Variant:
 
 
 @dataclasses.dataclass
+class PiecewiseVariant:
+    """The graph piecewise steps run (`lowering/piecewise.py`): every attention node on the kernel
+    the policy picks for mixed steps of the largest piecewise size, one workspace node naming each
+    size's slot; `attention` keeps each kernel node's attention call as adapted (its op, args and
+    kwargs over this graph's nodes), run instead where the target refuses the kernel a step's lengths."""
+
+    gm: fx.GraphModule
+    keys: list[GraphKey]
+    kernels: tuple[str, ...]
+    attention: dict[str, tuple[Any, tuple, dict]]
+
+
+@dataclasses.dataclass
 class RewrittenGraphs:
     """Everything lowering needs from the passes."""
 
@@ -78,6 +91,8 @@ class RewrittenGraphs:
     mutations: MutationFacts
     write_back: WriteBack
     prologue: Prologue  # the hoisted metadata inputs, computed from the step's inputs
+    piecewise: PiecewiseVariant | None = None
+    piecewise_reason: str | None = None  # why steps no full graph serves run eagerly, not piecewise
 
     def key_for(self, bucket: int, decode: bool) -> GraphKey:
         """The graph serving a step: a bucket without a mixed graph serves its mixed steps with its decode one."""
@@ -170,6 +185,29 @@ def _sites_for(key: GraphKey, sites: list[KernelSite], choices: dict) -> list[Ke
     return [dataclasses.replace(s, max_query_len=1 if decode_only else key.bucket) for s in sites]
 
 
+def _piecewise_keys(signature: GraphSignature, config: CompileConfig) -> tuple[list[GraphKey], str | None]:
+    """The piecewise graph keys, one per piecewise size (a graph traced with a static token count:
+    that count, if listed), or none and why."""
+    if not config.piecewise_sizes:
+        return [], "piecewise_sizes is empty"
+    if signature.pad_reason:
+        return [], f"steps are not padded ({signature.pad_reason})"
+    sizes = config.piecewise_sizes
+    if isinstance(signature.tokens, int):
+        sizes = tuple(s for s in sizes if s == signature.tokens)
+        if not sizes:
+            return [], f"the graph's token count is static ({signature.tokens}) and not a piecewise size"
+    return [GraphKey(size, False, piecewise=True) for size in sizes], None
+
+
+def _piecewise_variant(gm: fx.GraphModule, keys: list[GraphKey], kernels: tuple[str, ...]) -> PiecewiseVariant:
+    """`gm` with every attention node on `kernels`, keeping each node's call for `PiecewiseVariant.attention`."""
+    piece_gm = clone_graph_module(gm)
+    calls = {n.name: (n.target, n.args, dict(n.kwargs)) for n in attention_nodes(piece_gm)}
+    select_kernels(piece_gm, kernels)
+    return PiecewiseVariant(piece_gm, list(keys), kernels, calls)
+
+
 def _variant_name(kernels: tuple[str, ...], taken: dict[str, tuple[str, ...]]) -> str:
     """`pa`, `fia`, or for layers of both kernels their counts (`pa16+fia16`), made unique among
     the names `taken` by other kernel tuples."""
@@ -213,9 +251,13 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
         dump.dump_graph(prologue.graph, graph_dir, "original", "prologue")
 
     buckets = _buckets(signature, config)
-    choices = bucket_choices(attention_layers(gm), buckets, target.kernel_policy(config, dtype),
-                             target.mixed_graph_kernels)
-    for node, kernel in dict.fromkeys((n, c.kernel) for chosen in choices.values() for n, c in zip(attention, chosen)):
+    policy = target.kernel_policy(config, dtype)
+    choices = bucket_choices(attention_layers(gm), buckets, policy, target.mixed_graph_kernels)
+    pieces, piecewise_reason = _piecewise_keys(signature, config)
+    piece_kernels = tuple(c.kernel for c in choose_kernels(attention_layers(gm), pieces[-1].bucket, policy,
+                                                           decode=False)) if pieces else ()
+    for node, kernel in dict.fromkeys([*((n, c.kernel) for chosen in choices.values() for n, c in zip(attention, chosen)),
+                                       *zip(attention, piece_kernels)]):
         target.check_kernel(kernel, layer_name(node))
     variants: dict[str, Variant] = {}
     variant_of: dict[GraphKey, str] = {}
@@ -230,7 +272,12 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     for variant in variants.values():
         target.check_graph(variant.gm, variant.keys)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
-    plan = workspace_plan(choices, lambda key: sites[variant_of[key]], config, target.workspace_need(config, dtype))
+    piecewise = _piecewise_variant(gm, pieces, piece_kernels) if pieces else None
+    if piecewise is not None:
+        sites["piecewise"] = kernel_sites(piecewise.gm)
+        variant_of.update((key, "piecewise") for key in pieces)
+    planned = {**choices, **{key: () for key in pieces}}
+    plan = workspace_plan(planned, lambda key: sites[variant_of[key]], config, target.workspace_need(config, dtype))
     for warning in plan.warnings():
         log.warning(warning)
     for variant in variants.values():
@@ -238,8 +285,12 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
         insert_workspaces(variant.gm, variant.keys, plan)
         variant.gm.recompile()
         dump.dump_graph(variant.gm, graph_dir, variant.name, "2_insert_workspaces")
+    if piecewise is not None:
+        insert_workspaces(piecewise.gm, pieces, plan)
+        piecewise.gm.recompile()
+        dump.dump_graph(piecewise.gm, graph_dir, "piecewise", "2_insert_workspaces")
     result = RewrittenGraphs(original, signature, variants, choices, plan, buckets, block_size, max_blocks, graph_dir,
-                             mutations, write_back, prologue)
+                             mutations, write_back, prologue, piecewise, piecewise_reason)
     log.info(
         "ascend_compile: %d attention nodes, %d variants (%s) over buckets %s, workspace %s",
         len(attention), len(variants), ", ".join(variants), list(buckets),

@@ -27,12 +27,16 @@ WORKSPACE_BYTES_KEY = "ascend_workspace_bytes"  # the bytes of each of those slo
 
 @dataclasses.dataclass(frozen=True)
 class GraphKey:
-    """Which graph of a compiled artifact: a bucket, for decode-only or for mixed steps."""
+    """Which graph of a compiled artifact: a bucket, for decode-only or for mixed steps; or, with
+    `piecewise`, the pieces of one token count (`lowering/piecewise.py`), serving any step."""
 
     bucket: int
     decode: bool
+    piecewise: bool = False
 
     def __str__(self) -> str:
+        if self.piecewise:
+            return f"p{self.bucket}"
         return f"b{self.bucket}.{'decode' if self.decode else 'mixed'}"
 
 

@@ -1,0 +1,291 @@
+"""Piecewise graphs: a step no full graph serves, run as captured pieces with its attention (and any
+op that cannot be captured) run eagerly between them, on the step's real tensors.
+
+The piecewise variant (`passes/pipeline.py: PiecewiseVariant`) is split once per token count
+(`passes/split_pieces.py`); each piece is captured for that count, as vLLM's piecewise backend does
+(`vllm/compilation/piecewise_backend.py`: one graph per piece and size, attention between), and holds
+no lengths, so one set of pieces serves decode, mixed and prefill steps alike. Per step, in graph order:
+- a piece: the step's values it reads from outside (the caller's inputs, eager nodes' results) copied
+  into its static buffers, the real rows only (one `torch._foreach_copy_`), then its replay and the
+  runtime's `after_replay` (nothing on CUDA, whose eager work is ordered after it on the stream; a
+  synchronize on the simulator and NPU, as after a full graph's replay); values it
+  reads from an earlier piece are that piece's static outputs themselves, in place, and weights and KV
+  caches the caller's tensors, their addresses checked each step as a full graph's are;
+- an eager node: run as the runtime binds its op (`capture.run_bound`), on the real rows of the
+  pieces' outputs (views narrowed to the step's sizes) and the caller's tensors; an attention kernel
+  takes the step's own host lists (no padding) and the artifact's workspace slot, sized at compile
+  time for every step of the piecewise sizes (`passes/workspaces.py`); where the target refuses the
+  kernel the step's lengths (`Target.step_guard`: on NPU, MLA beyond 16 query tokens), every layer's
+  attention op as adapted runs instead, writing the kernel's output rows.
+Padding rows of a piece's buffers hold earlier steps' values (zeros at first): the ops of a piece are
+the padded graph's, whose real rows never read padding rows (`passes/roles.py`, the same condition
+full graphs are padded under).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from ..gc_pause import gc_paused
+from ..passes.fx_utils import example_value, placeholders, shape_exprs
+from ..passes.kernel_call import HOST_META_KEY, HostSource, KernelCall, StepGuard, is_kernel
+from ..passes.pipeline import PiecewiseVariant
+from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role
+from ..passes.size_symbols import evaluate
+from ..passes.split_pieces import EagerNode, Piece, Segment, eager_nodes, piece_module, split
+from ..passes.workspaces import GraphKey
+from ..runtime.base import GraphRuntime
+from . import capture as capture_mod
+from .inputs import Geometry, Step, StepPlan, plan_step
+from .input_checks import CapturedInputs
+from .staging import per_step_shape
+
+
+def real_plan(step: Step, sources: Sequence[HostSource]) -> StepPlan:
+    """The host lists of the step itself, unpadded: what an eager kernel between pieces takes."""
+    return plan_step(step, sources, Geometry(step.tokens, step.seqs))
+
+
+def _narrow(value: Any, example: Any, symbols: dict) -> Any:
+    """`value` (padded) cut to a step's sizes, as `example`'s shape expressions give them."""
+    if isinstance(value, torch.Tensor):
+        shape = shape_exprs(example)
+        if shape is None:
+            return value
+        real = [evaluate(d, symbols) for d in shape]
+        if real == list(value.shape):
+            return value
+        return value[tuple(slice(0, n) for n in real)]
+    if isinstance(value, (tuple, list)) and isinstance(example, (tuple, list)):
+        return type(value)(_narrow(v, e, symbols) for v, e in zip(value, example))
+    if isinstance(example, torch.SymInt):
+        return evaluate(example.node.expr, symbols)
+    return value
+
+
+class _CapturedPiece:
+    """One piece captured: its device graph, static outputs and the buffers it copies each step."""
+
+    def __init__(self, piece: Piece, gm: fx.GraphModule) -> None:
+        self.piece = piece
+        self.gm = gm
+        self.graph: Any = None
+        self.outputs: tuple = ()
+        #: (input node, static buffer): values copied in each step (real rows only)
+        self.copied: list[tuple[fx.Node, torch.Tensor]] = []
+
+
+class PiecewiseGraph:
+    """The pieces of one piecewise key (a token count) at one value of the specialised sizes."""
+
+    def __init__(self, key: GraphKey, specialization: tuple, variant: PiecewiseVariant, signature: GraphSignature,
+                 padded: dict, uncapturable: Any, step_guard: StepGuard | None) -> None:
+        self.key = key
+        self.specialization = specialization
+        self.variant = variant
+        self.signature = signature
+        self.padded = padded
+        gm = variant.gm
+        self.inputs = placeholders(gm)
+        self.index = {node: i for i, node in enumerate(self.inputs)}
+        self.host = {node: node.meta[HOST_META_KEY] for node in self.inputs if HOST_META_KEY in node.meta}
+        self.sources = list(dict.fromkeys(self.host.values()))
+        self.roles = {spec.index: spec.role for spec in signature.inputs}
+        self.step_guard = step_guard
+        self.fallbacks = self._fallbacks()
+        token_symbols = {s for s in padded if padded[s] == key.bucket} | set(signature.specialized)
+        self.eager = eager_nodes(gm, token_symbols, uncapturable)
+        self.segments: list[Segment] = split(gm, self.eager, {n: nodes for n, (_, nodes) in self.fallbacks.items()})
+        self.pieces: list[_CapturedPiece] = []
+        self.produced: dict[fx.Node, tuple[_CapturedPiece, int]] = {}
+        self.captured_inputs: CapturedInputs | None = None
+        self.capture_seconds = 0.0
+        self.verified: dict[str, Any] | None = None
+        self.eager_reason: str | None = None
+        self.replays = 0
+        self._views: dict[tuple, dict] = {}
+        self._dests: dict[tuple, tuple] = {}
+
+    @property
+    def name(self) -> str:
+        return str(self.key) + "".join(f"[{s}={v}]" for s, v in self.specialization)
+
+    def _fallbacks(self) -> dict[fx.Node, tuple[tuple[Any, tuple, dict], list[fx.Node]]]:
+        """Each kernel node's attention call as adapted, where every node it reads is still in the graph."""
+        graph_nodes = set(self.variant.gm.graph.nodes)
+        found = {}
+        for node in self.variant.gm.graph.nodes:
+            if not is_kernel(node):
+                continue
+            call = self.variant.attention.get(KernelCall.of(node).meta.attention)
+            if call is None:
+                continue
+            reads: list[fx.Node] = []
+            fx.node.map_arg((call[1], call[2]), reads.append)
+            if all(n in graph_nodes for n in reads):
+                found[node] = (call, reads)
+        return found
+
+    def describe(self) -> dict[str, Any]:
+        eager = [s for s in self.segments if isinstance(s, EagerNode)]
+        why = collections.Counter(s.why.split(" (")[0] for s in eager)
+        return {
+            "pieces": sum(isinstance(s, Piece) for s in self.segments),
+            "eager_nodes": len(eager),
+            "eager_why": dict(why),
+            "captured": bool(self.pieces) and all(p.graph is not None for p in self.pieces),
+            "capture_seconds": round(self.capture_seconds, 4),
+            "replays": self.replays,
+            **({"verified": self.verified} if self.verified is not None else {}),
+            **({"eager_reason": self.eager_reason} if self.eager_reason else {}),
+        }
+
+    # -- capture -------------------------------------------------------------------------------------
+
+    def capture(self, runtime: GraphRuntime, args: Sequence[Any], checked: Sequence[int], identified: Sequence[int],
+                workspace: torch.Tensor) -> None:
+        """Capture every piece at the padded sizes, in graph order (later pieces read earlier ones'
+        static outputs); raises `errors.UncapturableOp` naming the node a capture refused."""
+        start = time.perf_counter()
+        self.pieces, self.produced = [], {}
+        for segment in self.segments:
+            if isinstance(segment, Piece):
+                self.pieces.append(self._capture_piece(runtime, segment, args, workspace))
+        scalars = [spec.index for spec in self.signature.by_role(Role.SCALAR)]
+        self.captured_inputs = CapturedInputs(args, checked, scalars, identified)
+        self._views, self._dests = {}, {}
+        self.capture_seconds = time.perf_counter() - start
+
+    def _capture_piece(self, runtime: GraphRuntime, piece: Piece, args: Sequence[Any], workspace: torch.Tensor
+                       ) -> _CapturedPiece:
+        captured = _CapturedPiece(piece, piece_module(self.variant.gm, piece))
+        values = []
+        for node in piece.inputs:
+            values.append(self._capture_input(runtime, captured, node, args))
+        with gc_paused():
+            graph, outputs, _ = capture_mod.capture_graph(captured.gm, runtime, values, lambda n: workspace,
+                                                          capture_mod.UpdateSchedule(), capture_mod.WorkspaceLifetime())
+        captured.graph, captured.outputs = graph, tuple(outputs)
+        for i, node in enumerate(piece.outputs):
+            self.produced[node] = (captured, i)
+        return captured
+
+    def _capture_input(self, runtime: GraphRuntime, captured: _CapturedPiece, node: fx.Node, args: Sequence[Any]
+                       ) -> Any:
+        """What a piece is captured with for one input: an earlier piece's static output, the caller's
+        in-place tensor, a padded SymInt, or a static buffer copied into each step."""
+        if node in self.produced:
+            producer, i = self.produced[node]
+            return producer.outputs[i]
+        example = example_value(node)
+        index = self.index.get(node)
+        if index is not None and index < len(args) and self.roles.get(index) in IN_PLACE_ROLES:
+            return args[index]
+        if isinstance(example, torch.SymInt):
+            return evaluate(example.node.expr, self.padded)
+        if not isinstance(example, torch.Tensor):
+            if index is not None and index < len(args):
+                return args[index]
+            raise ValueError(f"{node.name}: a piece reads a non-tensor value made outside it ({type(example).__name__})")
+        shape = tuple(evaluate(d, self.padded) for d in shape_exprs(example))
+        role = self.roles.get(index) if index is not None else None
+        fill = PAD_VALUE.get(role, 0) if role is not None else 0
+        buffer = runtime.empty(shape, example.dtype).fill_(fill) if shape else runtime.empty(shape, example.dtype)
+        captured.copied.append((node, buffer))
+        return buffer
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def moved(self, args: Sequence[Any]) -> list[int]:
+        return self.captured_inputs.changed(args) if self.captured_inputs is not None else []
+
+    def run(self, runtime: GraphRuntime, step: Step, args: Sequence[Any], workspace: torch.Tensor,
+            seconds: collections.Counter, launches: collections.Counter) -> list[Any]:
+        """One step through the pieces; the graph's outputs at the step's sizes (views of static outputs
+        where a piece made them)."""
+        plan = real_plan(step, self.sources)
+        symbols = step.symbols
+        shape_key = tuple(symbols.values())
+        views = per_step_shape(self._views, shape_key, lambda: self._narrowed(symbols))
+        dests = per_step_shape(self._dests, shape_key, lambda: self._destinations(symbols))
+        use_kernels = True
+        if self.step_guard is not None and self.fallbacks:
+            use_kernels = self.step_guard(plan.host, list(args)) is None
+        env: dict[fx.Node, Any] = {}
+
+        def value(node: fx.Node) -> Any:
+            found = views.get(node)
+            if found is not None or node in views:
+                return found
+            if node in env:
+                return env[node]
+            host = self.host.get(node)
+            if host is not None:
+                return plan.host[host]
+            return args[self.index[node]]
+
+        piece_index = 0
+        for segment in self.segments:
+            if isinstance(segment, Piece):
+                captured = self.pieces[piece_index]
+                targets = dests[piece_index]
+                piece_index += 1
+                t0 = time.perf_counter()
+                if targets:
+                    torch._foreach_copy_(list(targets), [value(node) for node, _ in captured.copied])
+                    launches["copies"] += 1
+                t1 = time.perf_counter()
+                captured.graph.replay()
+                t2 = time.perf_counter()
+                runtime.after_replay()  # what the host issues next (the eager nodes) reads its results
+                seconds["copy_in"] += t1 - t0
+                seconds["launch_and_updates"] += t2 - t1
+                seconds["synchronize"] += time.perf_counter() - t2
+                launches["replays"] += 1
+                continue
+            node = segment.node
+            env[node] = self._run_eager(runtime, node, value, workspace, use_kernels)
+            launches["eager_ops"] += 1
+        output = next(n for n in reversed(self.variant.gm.graph.nodes) if n.op == "output")
+        self.replays += 1
+        return list(fx.node.map_arg(output.args[0], value))
+
+    def _run_eager(self, runtime: GraphRuntime, node: fx.Node, value: Callable[[fx.Node], Any],
+                   workspace: torch.Tensor, use_kernels: bool) -> Any:
+        if node.op == "call_function" and node.target is torch.ops.ascend.workspace.default:
+            return workspace
+        args = fx.node.map_arg(node.args, value)
+        kwargs = fx.node.map_arg(node.kwargs, value)
+        if not use_kernels and node in self.fallbacks:
+            (op, call_args, call_kwargs), _ = self.fallbacks[node]
+            result = op(*fx.node.map_arg(call_args, value), **fx.node.map_arg(call_kwargs, value))
+            out = value(KernelCall.of(node).arg("out"))  # the kernel's output is its `out` argument
+            out.copy_(result.view(out.shape))
+            return None
+        if node.op == "call_function":
+            return runtime.kernel(node.target)(*args, **kwargs)
+        if node.op == "call_method":
+            self_obj, *rest = args
+            return getattr(self_obj, node.target)(*rest, **kwargs)
+        raise ValueError(f"{node.name}: a {node.op} node cannot run between pieces")
+
+    def _narrowed(self, symbols: dict) -> dict[fx.Node, Any]:
+        """Every piece output cut to the step's sizes (views of the static outputs, made once per step shape)."""
+        return {node: _narrow(captured.outputs[i], example_value(node), symbols)
+                for node, (captured, i) in self.produced.items()}
+
+    def _destinations(self, symbols: dict) -> list[tuple[torch.Tensor, ...]]:
+        """Per piece, the regions of its static buffers a step's values are copied into."""
+        return [tuple(_narrow(buffer, example_value(node), symbols) for node, buffer in captured.copied)
+                for captured in self.pieces]
+
+    def memory(self) -> dict[str, int]:
+        def nbytes(values: Sequence[Any]) -> int:
+            return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+        return {"static_inputs_bytes": sum(nbytes([b for _, b in p.copied]) for p in self.pieces),
+                "outputs_bytes": sum(nbytes(p.outputs) for p in self.pieces)}

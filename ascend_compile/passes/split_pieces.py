@@ -1,0 +1,209 @@
+"""Where a piecewise graph is split: the nodes that run eagerly, on the step's real tensors, between
+captured pieces (`lowering/piecewise.py`), and the pieces themselves.
+
+A piece is captured once per token count and replayed for any step up to it, so it may hold only
+what depends on nothing but the padded token count. A node runs eagerly, and says why, when:
+- it is a kernel or attention call: its lengths are the step's (the kernels' host lists, or the
+  attention op's metadata), which a piece could only freeze;
+- it writes a graph input (a KV-cache write, a caller's buffer) or a value a piece made: eagerly it
+  writes exactly the real step's rows, into the caller's tensors, and no padding row lands anywhere;
+  the views it writes through are computed eagerly too;
+- a tensor it reads or makes has a size other than the token count (or a specialised size): the
+  sequence count, block-table widths; a piece captured per token count cannot hold them;
+- its op cannot be captured: the artifact found it so (`errors.UncapturableOp`, raised by the
+  simulator's or the device's own capture refusal) in a full graph or in a piece;
+- it unpacks a value made eagerly (`getitem` of an eager node's tuple).
+Every other node is in a piece: maximal runs of consecutive such nodes, in graph order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Collection, Iterable
+
+import sympy
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .fx_utils import example_value, is_op, placeholders, shape_exprs, written_args
+from .kernel_call import is_kernel
+from .roles import CACHE_WRITES
+
+_WORKSPACE = torch.ops.ascend.workspace
+
+
+@dataclasses.dataclass
+class Piece:
+    """Consecutive nodes captured as one graph: what it reads from outside, what later nodes read."""
+
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+
+
+@dataclasses.dataclass
+class EagerNode:
+    """One node run eagerly between pieces, and why."""
+
+    node: fx.Node
+    why: str
+
+
+Segment = Piece | EagerNode
+
+
+def _storage(value: Any) -> StorageWeakRef | None:
+    if isinstance(value, torch.Tensor):
+        try:
+            return StorageWeakRef(value.untyped_storage())
+        except (NotImplementedError, RuntimeError):
+            return None
+    return None
+
+
+def _symbols(value: Any) -> set[sympy.Symbol]:
+    """The size symbols of a tensor's shape, or of a SymInt."""
+    if isinstance(value, torch.SymInt):
+        return set(value.node.expr.free_symbols)
+    shape = shape_exprs(value)
+    return {s for d in shape or () if not isinstance(d, int) for s in d.free_symbols}
+
+
+def _values(node: fx.Node) -> list[Any]:
+    value = example_value(node)
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def eager_nodes(gm: fx.GraphModule, piece_symbols: Collection[sympy.Symbol],
+                uncapturable: Collection[Any] = ()) -> dict[fx.Node, str]:
+    """The nodes of `gm` (a piecewise variant: kernels selected, workspaces inserted) that run eagerly,
+    each with why; `piece_symbols` are the sizes a piece may hold (the token count, specialised sizes),
+    `uncapturable` the ops found uncapturable so far."""
+    inputs = placeholders(gm)
+    input_storages = {_storage(example_value(n)) for n in inputs} - {None}
+    allowed = set(piece_symbols)
+    eager: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        why = _why_eager(node, eager, input_storages, allowed, uncapturable)
+        if why:
+            eager[node] = why
+    for node, why in list(eager.items()):  # a write through a view of an input: the view too
+        if why.startswith("writes"):
+            for written in written_args(node):
+                for view in _view_chain(written, input_storages):
+                    eager.setdefault(view, f"a view {node.name} writes through")
+    return eager
+
+
+def _why_eager(node: fx.Node, eager: dict[fx.Node, str], input_storages: set, allowed: set[sympy.Symbol],
+               uncapturable: Collection[Any]) -> str | None:
+    if is_kernel(node):
+        return "attention kernel: takes the step's lengths"
+    if is_op(node, _WORKSPACE):
+        return "workspace: the artifact's slot"
+    if any(is_op(node, op) for op in CACHE_WRITES):
+        return "writes the KV cache at the step's slots"
+    if node.op == "call_function" and node.target in uncapturable:
+        return f"{node.target} cannot be captured"
+    if node.target is operator.getitem and node.args and node.args[0] in eager:
+        return "unpacks an eager node's result"
+    for written in written_args(node):
+        if isinstance(written, fx.Node) and _storage(example_value(written)) in input_storages:
+            return f"writes graph input storage ({written.name})"
+    for value in [*_values(node), *(example_value(a) for a in node.all_input_nodes)]:
+        extra = _symbols(value) - allowed
+        if extra:
+            return f"holds the size{'s' if len(extra) > 1 else ''} {', '.join(sorted(map(str, extra)))} (not the token count)"
+    return None
+
+
+def _view_chain(value: Any, input_storages: set) -> Iterable[fx.Node]:
+    """The nodes computing `value` that are views of graph inputs, back to the placeholder."""
+    stack = [value] if isinstance(value, fx.Node) else []
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op == "placeholder":
+            continue
+        seen.add(node)
+        if _storage(example_value(node)) in input_storages:
+            yield node
+            stack += node.all_input_nodes
+
+
+def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.Node, list[fx.Node]] | None = None
+          ) -> list[Segment]:
+    """`gm`'s nodes as pieces and eager nodes, in graph order. A node writing a value another segment
+    made (an in-place op on a piece's input) runs eagerly too: a piece's inputs are copies or other
+    pieces' outputs, and the write must land where every later reader looks."""
+    segments: list[Segment] = []
+    current: list[fx.Node] = []
+    where: dict[fx.Node, int] = {}  # node -> index of its segment (placeholders: -1)
+    owner: dict[Any, fx.Node] = {}  # a storage -> the first node holding it
+
+    def close() -> None:
+        if current:
+            segments.append(Piece(list(current), [], []))
+            current.clear()
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            where[node] = -1
+            continue
+        if node.op == "output":
+            break
+        for value in _values(node):
+            storage = _storage(value)
+            if storage is not None:
+                owner.setdefault(storage, node)
+        why = eager.get(node)
+        if why is None:
+            for written in written_args(node):
+                first = owner.get(_storage(example_value(written))) if isinstance(written, fx.Node) else None
+                if first is not None and first not in current:
+                    why = f"writes {written.name}, which another segment made"
+                    eager[node] = why
+        if why is None:
+            where[node] = len(segments)
+            current.append(node)
+            continue
+        close()
+        where[node] = len(segments)
+        segments.append(EagerNode(node, why))
+    close()
+    _wire(gm, segments, where, extra_reads or {})
+    return segments
+
+
+def _wire(gm: fx.GraphModule, segments: list[Segment], where: dict[fx.Node, int],
+          extra_reads: dict[fx.Node, list[fx.Node]]) -> None:
+    """Each piece's inputs (nodes of other segments and placeholders) and outputs (its nodes read by a
+    later segment or by the graph's output)."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    read_by: dict[fx.Node, set[fx.Node]] = {}
+    for reader, nodes in extra_reads.items():
+        for node in nodes:
+            read_by.setdefault(node, set()).add(reader)
+    for index, segment in enumerate(segments):
+        if not isinstance(segment, Piece):
+            continue
+        members = set(segment.nodes)
+        segment.inputs = list(dict.fromkeys(a for n in segment.nodes for a in n.all_input_nodes if a not in members))
+        segment.outputs = [n for n in segment.nodes
+                           if any(u is output or where.get(u, index) != index for u in [*n.users, *read_by.get(n, ())])]
+
+
+def piece_module(gm: fx.GraphModule, piece: Piece) -> fx.GraphModule:
+    """`piece` as a graph module of its own: its inputs as placeholders, its outputs as a tuple."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in piece.inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in piece.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in piece.outputs))
+    return fx.GraphModule(gm, graph)
