@@ -32,6 +32,37 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _render_piecewise(plan: dict[str, Any]) -> list[str]:
+    """The piecewise graphs (sizes, pieces, what runs between them and why) and which path served each
+    step kind."""
+    pieces = plan.get("piecewise")
+    if pieces is None:
+        return []
+    if not pieces["enabled"]:
+        out = [f"\npiecewise graphs: none ({pieces['reason']})"]
+    else:
+        out = [f"\npiecewise graphs: sizes {pieces['sizes']}, kernels {', '.join(pieces['kernels'])}, "
+               f"slot {pieces['workspace_slot']}"]
+        rows = [(name, g["pieces"], g["eager_nodes"], "yes" if g["captured"] else "no", g["replays"],
+                 "-" if "verified" not in g else "ok" if g["verified"]["ok"] else "DIFFERS: eager-only")
+                for name, g in pieces["graphs"].items()]
+        if rows:
+            out.append(_table(["graph", "pieces", "eager nodes", "captured", "steps", "first step"], rows))
+        why: dict[str, list[str]] = {}
+        for node, reason in pieces.get("eager_nodes", {}).items():
+            why.setdefault(reason, []).append(node)
+        out.extend(f"run eagerly between pieces: {reason}: {len(nodes)} ({', '.join(nodes[:4])}"
+                   f"{', ...' if len(nodes) > 4 else ''})" for reason, nodes in why.items())
+    served = plan.get("served", {})
+    if served.get("steps"):
+        out.append("\nsteps served, by kind")
+        paths = ("full", "piecewise", "eager")
+        out.append(_table(["steps", *paths], [(kind, *(counts.get(p, 0) for p in paths))
+                                               for kind, counts in served["steps"].items()]))
+        out.extend(f"not a full graph ({n} steps): {why}" for why, n in served.get("not_full", {}).items())
+    return out
+
+
 def render(path: str, plan: dict[str, Any]) -> str:
     """One compiled graph's plan as text tables."""
     out = [f"== {os.path.dirname(path)}", f"runtime: {plan.get('runtime', {}).get('name', '?')}   "
@@ -83,6 +114,7 @@ def render(path: str, plan: dict[str, Any]) -> str:
     for key, graph in plan["graphs"].items():
         for mismatch in (graph.get("verified") or {}).get("mismatches", []):
             out.append(f"WARNING: {key}: first replay differs from eager: {mismatch}")
+    out.extend(_render_piecewise(plan))
     for key, graph in plan["graphs"].items():
         if "update_table" not in graph:
             continue

@@ -91,6 +91,11 @@ class Target:
         """The graph `key` captures, from its variant `gm`: the variant itself."""
         return gm
 
+    def piecewise_graph(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
+        """The graph `key`'s pieces are split from, from the piecewise variant `gm`
+        (`lowering/piecewise.py`): its kernels run eagerly between pieces as this device takes them."""
+        return gm
+
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Refuse, at compile time, what this device cannot run in `gm` (a variant serving `keys`)."""
 
@@ -201,6 +206,10 @@ class NpuTarget(Target):
 
         return contiguous_queries(gm)
 
+    def piecewise_graph(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
+        """As `specialize`: torch_npu's kernels take contiguous queries, called eagerly too."""
+        return self.specialize(gm, key, config)
+
 
 @dataclasses.dataclass
 class CudaTarget(Target):
@@ -265,6 +274,16 @@ class CudaTarget(Target):
         use_device_lengths(gm, key.bucket, self.splits(config))
         if config.inner_compiler != "eager":
             compile_inner(gm, config.inner_compiler)
+        return gm
+
+    def piecewise_graph(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
+        """The variant's kernels reading lengths on the device, split for `key`'s token count (the
+        slot's fixed-split workspace holds any step up to it); the pieces run op by op (no inner
+        compiler: each piece is captured as traced)."""
+        from .passes.device_lengths import use_device_lengths
+
+        gm = clone_graph_module(gm)
+        use_device_lengths(gm, key.bucket, self.splits(config))
         return gm
 
 

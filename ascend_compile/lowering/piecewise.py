@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from ..gc_pause import gc_paused
-from ..passes.fx_utils import example_value, placeholders, shape_exprs
+from ..passes.fx_utils import example_value, nodes_in, placeholders, shape_exprs
 from ..passes.kernel_call import HOST_META_KEY, HostSource, KernelCall, StepGuard, is_kernel
 from ..passes.pipeline import PiecewiseVariant
 from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role
@@ -82,14 +82,15 @@ class _CapturedPiece:
 class PiecewiseGraph:
     """The pieces of one piecewise key (a token count) at one value of the specialised sizes."""
 
-    def __init__(self, key: GraphKey, specialization: tuple, variant: PiecewiseVariant, signature: GraphSignature,
-                 padded: dict, uncapturable: Any, step_guard: StepGuard | None) -> None:
+    def __init__(self, key: GraphKey, specialization: tuple, variant: PiecewiseVariant, gm: fx.GraphModule,
+                 signature: GraphSignature, padded: dict, uncapturable: Any, step_guard: StepGuard | None) -> None:
+        """`gm`: the piecewise variant as the target runs it (`Target.piecewise_graph`)."""
         self.key = key
         self.specialization = specialization
         self.variant = variant
+        self.gm = gm
         self.signature = signature
         self.padded = padded
-        gm = variant.gm
         self.inputs = placeholders(gm)
         self.index = {node: i for i, node in enumerate(self.inputs)}
         self.host = {node: node.meta[HOST_META_KEY] for node in self.inputs if HOST_META_KEY in node.meta}
@@ -107,6 +108,8 @@ class PiecewiseGraph:
         self.verified: dict[str, Any] | None = None
         self.eager_reason: str | None = None
         self.replays = 0
+        #: why the target refused the kernels a step's lengths (its layers' attention ops ran instead)
+        self.refusals: collections.Counter = collections.Counter()
         self._views: dict[tuple, dict] = {}
         self._dests: dict[tuple, tuple] = {}
 
@@ -115,19 +118,21 @@ class PiecewiseGraph:
         return str(self.key) + "".join(f"[{s}={v}]" for s, v in self.specialization)
 
     def _fallbacks(self) -> dict[fx.Node, tuple[tuple[Any, tuple, dict], list[fx.Node]]]:
-        """Each kernel node's attention call as adapted, where every node it reads is still in the graph."""
-        graph_nodes = set(self.variant.gm.graph.nodes)
+        """Each kernel node's attention call as adapted, over this graph's nodes (by name: the target's
+        form of the variant may be a copy), where every node it reads is still in the graph."""
+        by_name = {n.name: n for n in self.gm.graph.nodes}
         found = {}
-        for node in self.variant.gm.graph.nodes:
+        for node in self.gm.graph.nodes:
             if not is_kernel(node):
                 continue
             call = self.variant.attention.get(KernelCall.of(node).meta.attention)
             if call is None:
                 continue
-            reads: list[fx.Node] = []
-            fx.node.map_arg((call[1], call[2]), reads.append)
-            if all(n in graph_nodes for n in reads):
-                found[node] = (call, reads)
+            op, args, kwargs = call
+            if any(n.name not in by_name for n in nodes_in((args, kwargs))):
+                continue
+            args, kwargs = fx.node.map_arg((args, kwargs), lambda n: by_name[n.name])
+            found[node] = ((op, args, kwargs), nodes_in((args, kwargs)))
         return found
 
     def describe(self) -> dict[str, Any]:
@@ -140,6 +145,7 @@ class PiecewiseGraph:
             "captured": bool(self.pieces) and all(p.graph is not None for p in self.pieces),
             "capture_seconds": round(self.capture_seconds, 4),
             "replays": self.replays,
+            **({"attention_op_steps": dict(self.refusals)} if self.refusals else {}),
             **({"verified": self.verified} if self.verified is not None else {}),
             **({"eager_reason": self.eager_reason} if self.eager_reason else {}),
         }
@@ -162,7 +168,7 @@ class PiecewiseGraph:
 
     def _capture_piece(self, runtime: GraphRuntime, piece: Piece, args: Sequence[Any], workspace: torch.Tensor
                        ) -> _CapturedPiece:
-        captured = _CapturedPiece(piece, piece_module(self.variant.gm, piece))
+        captured = _CapturedPiece(piece, piece_module(self.gm, piece))
         values = []
         for node in piece.inputs:
             values.append(self._capture_input(runtime, captured, node, args))
@@ -214,7 +220,10 @@ class PiecewiseGraph:
         dests = per_step_shape(self._dests, shape_key, lambda: self._destinations(symbols))
         use_kernels = True
         if self.step_guard is not None and self.fallbacks:
-            use_kernels = self.step_guard(plan.host, list(args)) is None
+            refusal = self.step_guard(plan.host, list(args))
+            if refusal:
+                use_kernels = False
+                self.refusals[refusal] += 1
         env: dict[fx.Node, Any] = {}
 
         def value(node: fx.Node) -> Any:
@@ -250,7 +259,7 @@ class PiecewiseGraph:
             node = segment.node
             env[node] = self._run_eager(runtime, node, value, workspace, use_kernels)
             launches["eager_ops"] += 1
-        output = next(n for n in reversed(self.variant.gm.graph.nodes) if n.op == "output")
+        output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
         self.replays += 1
         return list(fx.node.map_arg(output.args[0], value))
 

@@ -71,6 +71,7 @@ class CompiledArtifact:
         self.uncapturable: dict[Any, str] = {}
         #: the piecewise graphs (`piecewise.py`), per piecewise key and value of the specialized sizes
         self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = {}
+        self.piecewise_gms: dict[GraphKey, fx.GraphModule] = {}  # the target's form of the variant, per key
         #: steps by kind ("decode", "mixed", "prefill") and what served them ("full", "piecewise", "eager")
         self.served: collections.Counter = collections.Counter()
         #: why steps a full graph did not serve went piecewise or eager, and how many
@@ -253,10 +254,14 @@ class CompiledArtifact:
         that op (every later split too), as many times as ops are found."""
         variant = self.rewritten.piecewise
         padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, step.symbols)
-        guard = self.target.step_guard(variant.gm, key, self.config)
+        gm = self.piecewise_gms.get(key)
+        if gm is None:
+            gm = self.piecewise_gms[key] = self.target.piecewise_graph(variant.gm, key, self.config)
+        guard = self.target.step_guard(gm, key, self.config)
         workspace = self.workspaces[self.rewritten.plan.graph_slot[str(key)]]
         while True:
-            graph = PiecewiseGraph(key, specialization, variant, self.signature, padded, set(self.uncapturable), guard)
+            graph = PiecewiseGraph(key, specialization, variant, gm, self.signature, padded, set(self.uncapturable),
+                                   guard)
             try:
                 graph.capture(self.runtime, args, self.checked, self.identified, workspace)
             except UncapturableOp as err:

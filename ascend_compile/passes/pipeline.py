@@ -200,6 +200,19 @@ def _piecewise_keys(signature: GraphSignature, config: CompileConfig) -> tuple[l
     return [GraphKey(size, False, piecewise=True) for size in sizes], None
 
 
+def _sizable(keys: list[GraphKey], sites: list[KernelSite], config: CompileConfig, need: NeedFn
+             ) -> tuple[list[GraphKey], str | None]:
+    """The piecewise keys whose every kernel node the target can size a workspace for (a kernel's
+    documented limit, e.g. FIA v2's 4096 sequences, ends them), and what ended the others."""
+    for i, key in enumerate(keys):
+        try:
+            for site in _sites_for(key, sites, {}):
+                need(site, key.bucket, config.max_model_len, config.workspace_seq_len)
+        except ValueError as err:
+            return keys[:i], f"{key.bucket} tokens and above: {err}"
+    return keys, None
+
+
 def _piecewise_variant(gm: fx.GraphModule, keys: list[GraphKey], kernels: tuple[str, ...]) -> PiecewiseVariant:
     """`gm` with every attention node on `kernels`, keeping each node's call for `PiecewiseVariant.attention`."""
     piece_gm = clone_graph_module(gm)
@@ -272,12 +285,20 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     for variant in variants.values():
         target.check_graph(variant.gm, variant.keys)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
-    piecewise = _piecewise_variant(gm, pieces, piece_kernels) if pieces else None
-    if piecewise is not None:
+    need = target.workspace_need(config, dtype)
+    piecewise = None
+    if pieces:
+        piecewise = _piecewise_variant(gm, pieces, piece_kernels)
         sites["piecewise"] = kernel_sites(piecewise.gm)
+        pieces, dropped = _sizable(pieces, sites["piecewise"], config, need)
+        piecewise.keys = pieces
+        if dropped:
+            log.info("ascend_compile: no piecewise graphs for %s", dropped)
+        if not pieces:
+            piecewise, piecewise_reason = None, dropped
         variant_of.update((key, "piecewise") for key in pieces)
     planned = {**choices, **{key: () for key in pieces}}
-    plan = workspace_plan(planned, lambda key: sites[variant_of[key]], config, target.workspace_need(config, dtype))
+    plan = workspace_plan(planned, lambda key: sites[variant_of[key]], config, need)
     for warning in plan.warnings():
         log.warning(warning)
     for variant in variants.values():

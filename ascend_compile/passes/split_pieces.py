@@ -136,46 +136,96 @@ def _view_chain(value: Any, input_storages: set) -> Iterable[fx.Node]:
 
 def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.Node, list[fx.Node]] | None = None
           ) -> list[Segment]:
-    """`gm`'s nodes as pieces and eager nodes, in graph order. A node writing a value another segment
-    made (an in-place op on a piece's input) runs eagerly too: a piece's inputs are copies or other
-    pieces' outputs, and the write must land where every later reader looks."""
-    segments: list[Segment] = []
-    current: list[fx.Node] = []
-    where: dict[fx.Node, int] = {}  # node -> index of its segment (placeholders: -1)
-    owner: dict[Any, fx.Node] = {}  # a storage -> the first node holding it
-
-    def close() -> None:
-        if current:
-            segments.append(Piece(list(current), [], []))
-            current.clear()
-
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            where[node] = -1
-            continue
-        if node.op == "output":
+    """`gm`'s nodes as pieces and eager nodes: the eager nodes in graph order, each piece the nodes
+    placed between two of them. A node that writes nothing, whose value no piece's node writes, is placed in
+    the earliest piece after what it reads (its inputs, and what an earlier eager node writes of the
+    storage it reads), so a view or allocation between a cache write and its attention (the kernel's
+    `out`) does not end a piece; every other node stays between the eager nodes it was between. A
+    node writing a value another piece made (an in-place op on a piece's input) runs eagerly: a
+    piece's inputs are copies or other pieces' outputs, and the write must land where every later
+    reader looks. `extra_reads`: nodes an eager node may read beyond its arguments (a kernel's
+    attention fallback), kept as pieces' outputs."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    position = {n: i for i, n in enumerate(nodes)}
+    while True:
+        slot = _slots(nodes, eager)
+        moved = [n for n in nodes if n not in eager and written_args(n)
+                 and _writes_elsewhere(n, slot, eager, nodes[:position[n]])]
+        if not moved:
             break
-        for value in _values(node):
-            storage = _storage(value)
-            if storage is not None:
-                owner.setdefault(storage, node)
-        why = eager.get(node)
-        if why is None:
-            for written in written_args(node):
-                first = owner.get(_storage(example_value(written))) if isinstance(written, fx.Node) else None
-                if first is not None and first not in current:
-                    why = f"writes {written.name}, which another segment made"
-                    eager[node] = why
-        if why is None:
-            where[node] = len(segments)
-            current.append(node)
-            continue
-        close()
-        where[node] = len(segments)
-        segments.append(EagerNode(node, why))
-    close()
+        for n in moved:
+            eager[n] = f"writes {', '.join(w.name for w in written_args(n) if isinstance(w, fx.Node))}, which " \
+                       f"another piece made"
+    segments: list[Segment] = []
+    where: dict[fx.Node, int] = {n: -1 for n in gm.graph.nodes if n.op == "placeholder"}
+    by_slot: dict[int, list[fx.Node]] = {}
+    for n in nodes:
+        if n not in eager:
+            by_slot.setdefault(slot[n], []).append(n)
+    ranked = [n for n in nodes if n in eager]
+    for rank in range(len(ranked) + 1):
+        members = by_slot.get(rank)
+        if members:
+            for n in members:
+                where[n] = len(segments)
+            segments.append(Piece(members, [], []))
+        if rank < len(ranked):
+            where[ranked[rank]] = len(segments)
+            segments.append(EagerNode(ranked[rank], eager[ranked[rank]]))
     _wire(gm, segments, where, extra_reads or {})
     return segments
+
+
+def _storages(values: Iterable[Any]) -> set:
+    return {s for s in map(_storage, values) if s is not None}
+
+
+def _slots(nodes: list[fx.Node], eager: dict[fx.Node, str]) -> dict[fx.Node, int]:
+    """The piece each node goes to: piece i runs before the i-th eager node (after the last one, i = their
+    count); an eager node's slot is its rank, a piece's node's the earliest its reads allow, or, where it
+    writes or a piece's node writes its value, the piece it was in (a value only eager nodes write, as a
+    kernel's `out`, is made before them either way)."""
+    written = _storages(example_value(w) for n in nodes if n not in eager  # in a piece: keep order with them
+                        for w in written_args(n) if isinstance(w, fx.Node))
+    slot: dict[fx.Node, int] = {}
+    rank = 0
+    writes_so_far: list[tuple[set, int]] = []  # (storages an eager or in-place node wrote, the slot after it)
+    for n in nodes:
+        writes = _storages(example_value(w) for w in written_args(n) if isinstance(w, fx.Node))
+        if n in eager:
+            slot[n] = rank
+            rank += 1
+            writes_so_far.append((writes, rank))
+            continue
+        if writes or _storages(_values(n)) & written:
+            slot[n] = rank  # stays where it was: its order with every write is kept
+            if writes:
+                writes_so_far.append((writes, rank))
+            continue
+        reads = _storages(example_value(a) for a in n.all_input_nodes)
+        earliest = 0
+        for a in n.all_input_nodes:
+            if a in slot:
+                earliest = max(earliest, slot[a] + (1 if a in eager else 0))
+        for storages, after in writes_so_far:
+            if storages & reads:
+                earliest = max(earliest, after)
+        slot[n] = earliest
+    return slot
+
+
+def _writes_elsewhere(n: fx.Node, slot: dict[fx.Node, int], eager: dict[fx.Node, str], earlier: list[fx.Node]
+                      ) -> bool:
+    """Whether piece node `n` writes a storage that no node of its own piece made first (a graph
+    input's, an eager node's, another piece's); `earlier`: the nodes before it, in graph order."""
+    for w in written_args(n):
+        if not isinstance(w, fx.Node):
+            continue
+        storage = _storage(example_value(w))
+        owner = next((m for m in [*earlier, n] if storage in _storages(_values(m))), None)
+        if owner is None or owner in eager or slot[owner] != slot[n]:
+            return True
+    return False
 
 
 def _wire(gm: fx.GraphModule, segments: list[Segment], where: dict[fx.Node, int],
