@@ -28,7 +28,7 @@ from .passes.find_attention import layer_name
 from .passes.npu_checks import check_npu_graph, npu_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
-from .runtime.base import Runtime
+from .runtime.base import GraphRuntime, Runtime
 
 #: Builds the target for a graph's device and config (`backend(target=...)` takes one).
 TargetFactory = Callable[[torch.device, CompileConfig], "Target"]
@@ -90,6 +90,11 @@ class Target:
     def specialize(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
         """The graph `key` captures, from its variant `gm`: the variant itself."""
         return gm
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether steps are captured at all (else no piecewise graphs are planned either)."""
+        return isinstance(self.runtime, GraphRuntime)
 
     def piecewise_graph(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> fx.GraphModule:
         """The graph `key`'s pieces are split from, from the piecewise variant `gm`

@@ -70,7 +70,9 @@ def run_steps(steps, cfg, target=None, **options):
 # ------------------------------------------------------- case 1: workspace sized for max_model_len
 
 CASE1_CFG = LlamaConfig(num_layers=2, num_blocks=512, block_size=128)
-CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa")
+#: Case 1 is about the full graphs' plan: piecewise graphs (which would serve the steps the check sends
+#: away, on FIA) are off, so that the slot is the full graphs' exact maximum and refused steps run eagerly.
+CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa", piecewise_sizes=[])
 
 
 def test_case1_workspace_pinned_at_max_model_len_fails_at_replay():

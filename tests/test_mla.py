@@ -146,7 +146,7 @@ def test_the_deepseek_example_is_replayed_from_captured_graphs_and_equals_eager(
     bucket; the update table refreshes FIA v2's lengths; the slot is the exact maximum."""
     model, reference_model = build(CFG), build(CFG)
     fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=BUCKETS, sim_overflow="raise",
-                                   dump_dir=str(tmp_path))
+                                   dump_dir=str(tmp_path), piecewise_sizes=[])  # the bucket graphs' exact slot
     batch = PagedBatch(CFG, seed=26)
     steps = _steps()
     with torch.no_grad():

@@ -30,6 +30,7 @@ CFG = DeepSeekConfig(num_layers=2, hidden_size=32, kv_lora_rank=512, qk_rope_hea
                      v_head_dim=16, ffn_size=32, block_size=128, num_blocks=96, dtype=torch.bfloat16)
 MAX_LEN = 1024
 BUCKETS = (2, 4, 8)
+CFG_PIECEWISE_LARGEST = 8192  # the default piecewise sizes' largest
 
 
 @pytest.fixture
@@ -140,9 +141,15 @@ def test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals
     # One question per graph (its layers share the answer), the static artifacts' graphs included; a
     # one-token bucket's mixed graph asks what its decode graph asks (one query token per sequence).
     asked = {(id(a), k.bucket, 1 if k.decode else k.bucket) for a in artifacts for k in a.rewritten.choices}
-    assert fake_npu.count(QUERY) == len(asked) >= len(keys)
+    # and one per piecewise size, up to the first FIA v2 cannot size (8192 tokens: more than 4096 sequences)
+    piecewise = [a.rewritten.piecewise for a in artifacts if a.rewritten.piecewise is not None]
+    pieces = {(id(a), k.bucket, k.bucket) for a in artifacts if a.rewritten.piecewise
+              for k in a.rewritten.piecewise.keys} - asked
+    refused = sum(1 for p in piecewise if p.keys[-1].bucket < CFG_PIECEWISE_LARGEST)
+    assert fake_npu.count(QUERY) == len(asked) + len(pieces) + refused and len(asked) >= len(keys)
     shape = tiling.AttentionShape(CFG.num_heads, 1, CFG.kv_lora_rank, CFG.block_size, CFG.qk_rope_head_dim)
-    exact = tiling.max_workspace(tiling.MLA, shape, max(BUCKETS), MAX_LEN).nbytes
+    largest = max(k.bucket for p in piecewise for k in p.keys)  # the slot serves the pieces' MLA calls too
+    exact = tiling.max_workspace(tiling.MLA, shape, max(max(BUCKETS), largest), MAX_LEN).nbytes
     (slot,) = plan["workspace"]["slots"].values()
     assert slot["nbytes"] == -(-exact // 2) * 2
     calls = [c for c in fake_npu.calls if c.name == KERNEL]
@@ -151,13 +158,15 @@ def test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals
     assert {c.kwargs["sparse_mode"] for c in calls} == {0, 3}
 
 
-def test_a_step_of_more_than_16_query_tokens_per_sequence_runs_eagerly_saying_why(fake_npu, caplog):
-    """FIA v2's MLA form takes 1-16 query tokens per sequence: a prefill chunk of 20 is served eagerly
-    (a compile-time refusal would refuse every model that prefills), equal to eager."""
+def test_a_step_of_more_than_16_query_tokens_per_sequence_is_served_piecewise_saying_why(fake_npu, caplog):
+    """FIA v2's MLA form takes 1-16 query tokens per sequence: a prefill chunk of 20 is not served by a
+    full graph (a compile-time refusal would refuse every model that prefills) but piecewise, the
+    layers' MLA attention run between the pieces as the model's op, equal to eager."""
     with caplog.at_level(logging.INFO, logger="ascend_compile"):
         artifacts = _run(CFG, [([40, 600, 7], None), ([25, 3], [20, 1]), ([41, 601, 9, 10], None)],
                          capture_sizes=(2, 32))
-    assert sum(a.stats["eager_fallbacks"] for a in artifacts) == 1 and sum(a.stats["replays"] for a in artifacts) == 2
+    assert sum(a.stats["eager_fallbacks"] for a in artifacts) == 0 and sum(a.stats["replays"] for a in artifacts) == 2
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) == 1
     assert "takes 1-16 query tokens per sequence" in caplog.text and "a sequence of the step has 20" in caplog.text
 
 

@@ -195,7 +195,9 @@ def test_replaying_on_the_update_stream_is_refused(fake_npu):
 
 CASE1_CFG = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=512, block_size=128)
 CASE1_STEPS = ([100, 200, 300], [8000, 7000, 8192], [3900, 3000, 2000])
-CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa")
+#: Case 1 is about the full graphs' plan: piecewise graphs (which would serve the steps the check sends
+#: away, on FIA) are off, so that the slot is the full graphs' exact maximum and refused steps run eagerly.
+CASE1_OPTIONS = dict(max_model_len=8192, capture_sizes=(4,), kernel_policy="pa", piecewise_sizes=[])
 
 
 def test_pa_is_asked_once_per_graph_and_each_step_needing_more_runs_eagerly(fake_npu):

@@ -361,8 +361,10 @@ def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_
         for lens in ([10, 20, 30], [10, 20, 30, 40], [600, 640, 500, 10], [5, 6, 7, 8, 9]):
             inputs = batch.step(lens)
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
-    fallbacks, replays = (sum(a.stats[k] for a in artifacts) for k in ("eager_fallbacks", "replays"))
-    assert (fallbacks, replays) == (1, 3)  # the third step's 15 blocks of real sequences and 4 of padding
+    fallbacks, pieces, replays = (sum(a.stats[k] for a in artifacts) for k in ("eager_fallbacks", "piecewise_steps",
+                                                                               "replays"))
+    # the third step's 15 blocks of real sequences and 4 of padding: served piecewise, FIA taking its own 15
+    assert (fallbacks, pieces, replays) == (0, 1, 3)
 
 
 def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(fake_npu):

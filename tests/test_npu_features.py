@@ -111,7 +111,8 @@ def run_replayed(cfg: LlamaConfig, steps=STEPS, band_at_single_query: bool = Tru
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
     eager = eager_steps(steps, band_at_single_query) if eager is None else eager
     assert sum(a.stats["replays"] for a in artifacts) == len(steps) - eager
-    assert sum(a.stats["eager_fallbacks"] for a in artifacts) == eager
+    # the steps no full graph served: piecewise (the layers' attention run between the pieces), else eagerly
+    assert sum(a.stats["eager_fallbacks"] + a.stats["piecewise_steps"] for a in artifacts) == eager
     return artifacts
 
 

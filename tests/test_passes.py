@@ -380,7 +380,7 @@ def test_dumps_are_written_and_inspect_reads_them(llama_graph, tmp_path, capsys)
     # the buckets.
     for variant in ("pa", "fia"):
         assert f"{variant}/1_select_kernels.py" in files and f"{variant}/2_insert_workspaces.py" in files
-    assert len(files) == 5
+    assert "piecewise/2_insert_workspaces.py" in files and len(files) == 6  # and the piecewise variant
     assert "paged_attention" in (graph_dir / "pa" / "1_select_kernels.py").read_text()
     plan = json.loads((graph_dir / "plan.json").read_text())
     assert plan["variants"] == {"pa": {"kernels": [tiling.PA] * 2, "graphs": ["b1.decode", "b4.decode"]},

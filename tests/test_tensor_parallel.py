@@ -55,7 +55,8 @@ def test_every_step_on_every_rank_matches_the_unsplit_model(ranks, case) -> None
     assert all(res["stats"] == per_rank[0]["stats"] for res in per_rank), [r["stats"] for r in per_rank]
     stats = per_rank[0]["stats"]
     assert stats["steps"] == len(STEPS)
-    assert stats["eager_fallbacks"] >= 2  # the 9- and 12-token steps are above the largest bucket (8)
+    # the 9- and 12-token steps are above the largest bucket (8): piecewise where graphs are captured
+    assert stats.get("eager_fallbacks", 0) + stats.get("piecewise_steps", 0) >= 2
     if case.runtime == "sim":
         assert stats["captures"] >= 4 and stats["replays"] >= 4, stats
 

@@ -62,7 +62,10 @@ def test_stale_lengths_are_caught_at_the_first_replay_and_every_step_stays_right
     assert captured and all(not g.verified["ok"] and g.eager_reason for g in captured)
     assert all("output 0: max |diff|" in g.verified["mismatches"][0] for g in captured)
     stats = sum((a.stats for a in artifacts), start=__import__("collections").Counter())
-    assert stats["verify_failures"] == len(captured) and stats["eager_fallbacks"] == len(STEPS) - len(captured)
+    # the steps the differing graphs would have served run piecewise (no task updates there to skip)
+    assert stats["verify_failures"] == len(captured)
+    assert stats["eager_fallbacks"] + stats["piecewise_steps"] == len(STEPS) - len(captured)
+    assert stats["piecewise_steps"] >= 1
     assert any("first replay differs from eager" in r.message for r in caplog.records)
     assert cli.main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out

@@ -332,3 +332,13 @@ def gather(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
         (index,) = indices
         return lambda args: (args[index],)
     return operator.itemgetter(*indices) if indices else (lambda args: ())
+
+
+def step_kind(step: Step) -> str:
+    """"decode" (one query token per sequence), "prefill" (none with one) or "mixed"."""
+    if step.decode:
+        return "decode"
+    loc = next(iter(step.query_start_loc.values()), None)
+    if loc is None:
+        return "mixed"
+    return "prefill" if all(b - a > 1 for a, b in zip(loc, loc[1:])) else "mixed"

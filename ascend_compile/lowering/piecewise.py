@@ -83,8 +83,12 @@ class PiecewiseGraph:
     """The pieces of one piecewise key (a token count) at one value of the specialised sizes."""
 
     def __init__(self, key: GraphKey, specialization: tuple, variant: PiecewiseVariant, gm: fx.GraphModule,
-                 signature: GraphSignature, padded: dict, uncapturable: Any, step_guard: StepGuard | None) -> None:
-        """`gm`: the piecewise variant as the target runs it (`Target.piecewise_graph`)."""
+                 signature: GraphSignature, padded: dict, uncapturable: Any, step_guard: StepGuard | None,
+                 kernels_refused: str | None = None) -> None:
+        """`gm`: the piecewise variant as the target runs it (`Target.piecewise_graph`); `step_guard`:
+        why the target refuses its kernels a step's lengths, `kernels_refused` why it refuses them every
+        step (`Target.eager_reason`: the layers' attention ops then always run instead). A graph one of
+        whose kernels has no attention op to run instead serves no step either refuses."""
         self.key = key
         self.specialization = specialization
         self.variant = variant
@@ -98,7 +102,14 @@ class PiecewiseGraph:
         self.roles = {spec.index: spec.role for spec in signature.inputs}
         self.step_guard = step_guard
         self.fallbacks = self._fallbacks()
-        token_symbols = {s for s in padded if padded[s] == key.bucket} | set(signature.specialized)
+        self.kernels_refused = kernels_refused
+        #: a kernel node with no attention op to run instead, if any
+        self.unbacked = next((n.name for n in gm.graph.nodes if is_kernel(n) and n not in self.fallbacks), None)
+        self.eager_reason: str | None = None
+        if self.unbacked and kernels_refused:
+            self.eager_reason = f"{key}: {kernels_refused}, and {self.unbacked} has no attention op to run instead"
+        tokens = signature.tokens
+        token_symbols = set(getattr(tokens, "free_symbols", ())) | set(signature.specialized)
         self.eager = eager_nodes(gm, token_symbols, uncapturable)
         self.segments: list[Segment] = split(gm, self.eager, {n: nodes for n, (_, nodes) in self.fallbacks.items()})
         self.pieces: list[_CapturedPiece] = []
@@ -106,7 +117,6 @@ class PiecewiseGraph:
         self.captured_inputs: CapturedInputs | None = None
         self.capture_seconds = 0.0
         self.verified: dict[str, Any] | None = None
-        self.eager_reason: str | None = None
         self.replays = 0
         #: why the target refused the kernels a step's lengths (its layers' attention ops ran instead)
         self.refusals: collections.Counter = collections.Counter()
@@ -189,8 +199,8 @@ class PiecewiseGraph:
             return producer.outputs[i]
         example = example_value(node)
         index = self.index.get(node)
-        if index is not None and index < len(args) and self.roles.get(index) in IN_PLACE_ROLES:
-            return args[index]
+        if index is not None and index < len(args) and self.roles.get(index) in (*IN_PLACE_ROLES, Role.SCALAR):
+            return args[index]  # used in place: its address (a host scalar: its value) is checked each step
         if isinstance(example, torch.SymInt):
             return evaluate(example.node.expr, self.padded)
         if not isinstance(example, torch.Tensor):
@@ -209,21 +219,28 @@ class PiecewiseGraph:
     def moved(self, args: Sequence[Any]) -> list[int]:
         return self.captured_inputs.changed(args) if self.captured_inputs is not None else []
 
-    def run(self, runtime: GraphRuntime, step: Step, args: Sequence[Any], workspace: torch.Tensor,
-            seconds: collections.Counter, launches: collections.Counter) -> list[Any]:
-        """One step through the pieces; the graph's outputs at the step's sizes (views of static outputs
-        where a piece made them)."""
+    def plan(self, step: Step, args: Sequence[Any]) -> tuple[StepPlan, bool, str | None]:
+        """The step's own host lists, whether its kernels run (else the layers' attention ops), and why
+        the step cannot run on these pieces (the target refuses a kernel that has no op to run instead)."""
         plan = real_plan(step, self.sources)
+        if self.kernels_refused is not None:
+            return plan, False, None
+        refusal = self.step_guard(plan.host, list(args)) if self.step_guard is not None else None
+        if refusal is None:
+            return plan, True, None
+        if self.unbacked:
+            return plan, False, f"{refusal}, and {self.unbacked} has no attention op to run instead"
+        self.refusals[refusal] += 1
+        return plan, False, None
+
+    def run(self, runtime: GraphRuntime, step: Step, plan: StepPlan, use_kernels: bool, args: Sequence[Any],
+            workspace: torch.Tensor, seconds: collections.Counter, launches: collections.Counter) -> list[Any]:
+        """One step through the pieces (`plan`, `use_kernels`: as `plan` said); the graph's outputs at
+        the step's sizes (views of static outputs where a piece made them)."""
         symbols = step.symbols
         shape_key = tuple(symbols.values())
         views = per_step_shape(self._views, shape_key, lambda: self._narrowed(symbols))
         dests = per_step_shape(self._dests, shape_key, lambda: self._destinations(symbols))
-        use_kernels = True
-        if self.step_guard is not None and self.fallbacks:
-            refusal = self.step_guard(plan.host, list(args))
-            if refusal:
-                use_kernels = False
-                self.refusals[refusal] += 1
         env: dict[fx.Node, Any] = {}
 
         def value(node: fx.Node) -> Any:

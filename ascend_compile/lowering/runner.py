@@ -38,10 +38,11 @@ from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime
 from . import capture as capture_mod, report, served
 from .graph_entry import GraphEntry, MovedInputs, specialization_of
-from .inputs import Step, StepPlan, capture_seq_len, choose_bucket, overlapping_inputs, read_step
+from .inputs import Step, StepPlan, capture_seq_len, choose_bucket, overlapping_inputs, read_step, step_kind
 from .input_checks import change_summary
 from .outputs import narrowed_outputs, returned_outputs
 from .piecewise import PiecewiseGraph
+from .piecewise_serve import PiecewiseServer
 from .staging import Staging
 from .undo import UndoPlan
 from .verify import first_replay_check, written_regions
@@ -69,15 +70,13 @@ class CompiledArtifact:
         self._last_change: tuple | None = None  # the last change of in-place inputs logged (`_log_change`)
         #: ops found uncapturable (`errors.UncapturableOp`) -> why: every graph holding one serves eagerly
         self.uncapturable: dict[Any, str] = {}
-        #: the piecewise graphs (`piecewise.py`), per piecewise key and value of the specialized sizes
-        self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = {}
-        self.piecewise_gms: dict[GraphKey, fx.GraphModule] = {}  # the target's form of the variant, per key
+        #: the piecewise graphs (`piecewise_serve.py`), and `piecewise`: them by key and specialized sizes
+        self.pieces = PiecewiseServer(self)
+        self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = self.pieces.graphs
         #: steps by kind ("decode", "mixed", "prefill") and what served them ("full", "piecewise", "eager")
         self.served: collections.Counter = collections.Counter()
         #: why steps a full graph did not serve went piecewise or eager, and how many
         self.not_full: collections.Counter = collections.Counter()
-        #: host work of piecewise steps: pieces replayed, copies staged, nodes run eagerly
-        self.piecewise_launches: collections.Counter = collections.Counter()
         self.written = rewritten.mutations.written()
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
@@ -175,104 +174,32 @@ class CompiledArtifact:
 
     def _not_full(self, args: Sequence[Any], caller_args: Sequence[Any], step: Step, direct: bool, why: str) -> Any:
         """A step no full graph serves (`why`): on the piecewise graphs of the smallest piecewise size
-        holding it, else eagerly."""
+        holding it (`piecewise_serve.py`), else eagerly."""
         variant = self.rewritten.piecewise
         if variant is None or not isinstance(self.runtime, GraphRuntime):
             return self._fallback(caller_args, why if variant is not None else f"{why}; not piecewise: "
                                   f"{self.rewritten.piecewise_reason or 'the runtime has no graphs'}", step)
-        key = next((k for k in variant.keys if k.bucket >= step.tokens), None)
-        if key is None:
-            return self._fallback(caller_args, f"{why}; above the largest piecewise size "
-                                               f"({variant.keys[-1].bucket} tokens)", step)
-        graph = self._piecewise_graph(key, args, step, direct)
+        graph, refusal = self.pieces.graph_for(args, step, direct)
         if graph is None:
-            return self._fallback(caller_args, f"{why}; {key} already has {self.config.max_specializations} "
-                                               f"captures for other values of the specialized sizes", step)
-        if graph.eager_reason:
-            return self._fallback(caller_args, f"{why}; {graph.eager_reason}", step)
+            return self._fallback(caller_args, f"{why}; {refusal}", step)
+        served, refusal = self.pieces.serve(graph, step, args)
+        if refusal:
+            return self._fallback(caller_args, f"{why}; {refusal}", step)
         self.not_full[why] += 1
         if why not in self._fallbacks_logged:
             log.info("ascend_compile: %s: serving it piecewise (%s)", why, graph.name)
             self._fallbacks_logged.add(why)
         self.served[(step_kind(step), "piecewise")] += 1
         self.stats["piecewise_steps"] += 1
-        workspace = self.workspaces[self.rewritten.plan.graph_slot[str(key)]]
         undo = self.undo.save(args)
         try:
-            run = lambda: self._piecewise_outputs(graph, step, args, workspace)  # noqa: E731
-            if self.verify and graph.verified is None:
-                regions = written_regions(self.signature, self.written, args)
-                outputs, graph.verified = first_replay_check(
-                    graph.name, regions, args, lambda: self.rewritten.original(*caller_args), run, self.names,
-                    self.runtime.generators_kept)
-                self.stats["verified_replays"] += 1
-                if not graph.verified["ok"]:
-                    self.stats["verify_failures"] += 1
-                    graph.eager_reason = f"its first step differed from eager ({graph.verified['mismatches'][0]})"
-                self.write_plan()
-                return outputs
-            return run()
+            return self.pieces.run(graph, served, step, args, caller_args)
         except BaseException as err:
             undo.restore()
             self.stats["failed_steps"] += 1
             log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", graph.name,
                         type(err).__name__)
             raise
-
-    def _piecewise_outputs(self, graph: PiecewiseGraph, step: Step, args: Sequence[Any], workspace: Any) -> tuple:
-        outputs = graph.run(self.runtime, step, args, workspace, self.seconds, self.piecewise_launches)
-        write_back = self.rewritten.write_back
-        aliased = dict(zip(write_back.outputs, write_back.views(args)[1])) if write_back.outputs else {}
-        return returned_outputs(outputs, self.config.clone_outputs, aliased)
-
-    def _piecewise_graph(self, key: GraphKey, args: Sequence[Any], step: Step, direct: bool) -> PiecewiseGraph | None:
-        """`key`'s piecewise graph at the step's specialized sizes, captured if new (again where its
-        in-place inputs moved); None when the key has used up its captures."""
-        specialization = specialization_of(self.signature, step.symbols)
-        graph = self.piecewise.get((key, specialization))
-        if graph is not None and graph.captured_inputs is not None:
-            moved = graph.moved(args)
-            if moved and direct:
-                self._count(step, -1)
-                raise MovedInputs([self.names[i] for i in moved])
-            if moved:
-                self._log_change(graph, moved, args)
-                self.stats["recaptures"] += 1
-                graph = None
-        if graph is None:
-            if (key, specialization) not in self.piecewise and sum(
-                    1 for k, _ in self.piecewise if k == key) >= self.config.max_specializations:
-                return None
-            graph = self._capture_piecewise(key, specialization, args, step)
-            self.piecewise[(key, specialization)] = graph
-            self.write_plan()
-        return graph
-
-    def _capture_piecewise(self, key: GraphKey, specialization: tuple, args: Sequence[Any], step: Step
-                           ) -> PiecewiseGraph:
-        """Split and capture `key`'s pieces; a piece whose capture an op refuses is split again around
-        that op (every later split too), as many times as ops are found."""
-        variant = self.rewritten.piecewise
-        padded = self.signature.padded_symbols(key.bucket, self.rewritten.max_blocks, step.symbols)
-        gm = self.piecewise_gms.get(key)
-        if gm is None:
-            gm = self.piecewise_gms[key] = self.target.piecewise_graph(variant.gm, key, self.config)
-        guard = self.target.step_guard(gm, key, self.config)
-        workspace = self.workspaces[self.rewritten.plan.graph_slot[str(key)]]
-        while True:
-            graph = PiecewiseGraph(key, specialization, variant, gm, self.signature, padded, set(self.uncapturable),
-                                   guard)
-            try:
-                graph.capture(self.runtime, args, self.checked, self.identified, workspace)
-            except UncapturableOp as err:
-                if err.op in self.uncapturable:
-                    raise
-                self._note_uncapturable(err)
-                continue
-            self.stats["piecewise_captures"] += 1
-            log.info("ascend_compile: captured %s: %d pieces around %d eager nodes in %.3f s", graph.name,
-                     len(graph.pieces), len(graph.segments) - len(graph.pieces), graph.capture_seconds)
-            return graph
 
     def _replay(self, entry: GraphEntry, plan: StepPlan) -> tuple:
         """Replay `entry` for the planned step; its outputs (write-back done)."""
@@ -459,12 +386,3 @@ class CompiledArtifact:
     def write_plan(self) -> None:
         dump.dump_plan(self.rewritten.graph_dir, self.describe)
 
-
-def step_kind(step: Step) -> str:
-    """"decode" (one query token per sequence), "prefill" (none with one) or "mixed"."""
-    if step.decode:
-        return "decode"
-    loc = next(iter(step.query_start_loc.values()), None)
-    if loc is None:
-        return "mixed"
-    return "prefill" if all(b - a > 1 for a, b in zip(loc, loc[1:])) else "mixed"

@@ -50,6 +50,8 @@ class PassTarget(Protocol):
 
     #: the kernels whose decode graph cannot serve mixed steps (`targets.Target.mixed_graph_kernels`)
     mixed_graph_kernels: frozenset[str]
+    #: whether the runtime captures graphs (`targets.Target.captures_graphs`): else no piecewise graphs
+    captures_graphs: bool
 
 
 @dataclasses.dataclass
@@ -266,7 +268,8 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     buckets = _buckets(signature, config)
     policy = target.kernel_policy(config, dtype)
     choices = bucket_choices(attention_layers(gm), buckets, policy, target.mixed_graph_kernels)
-    pieces, piecewise_reason = _piecewise_keys(signature, config)
+    pieces, piecewise_reason = _piecewise_keys(signature, config) if getattr(target, "captures_graphs", True) else (
+        [], "the runtime captures no graphs")
     piece_kernels = tuple(c.kernel for c in choose_kernels(attention_layers(gm), pieces[-1].bucket, policy,
                                                            decode=False)) if pieces else ()
     for node, kernel in dict.fromkeys([*((n, c.kernel) for chosen in choices.values() for n, c in zip(attention, chosen)),

@@ -106,7 +106,7 @@ def _why_eager(node: fx.Node, eager: dict[fx.Node, str], input_storages: set, al
         return "workspace: the artifact's slot"
     if any(is_op(node, op) for op in CACHE_WRITES):
         return "writes the KV cache at the step's slots"
-    if node.op == "call_function" and node.target in uncapturable:
+    if node.op in ("call_function", "call_method") and node.target in uncapturable:
         return f"{node.target} cannot be captured"
     if node.target is operator.getitem and node.args and node.args[0] in eager:
         return "unpacks an eager node's result"

@@ -1,0 +1,124 @@
+"""Which piecewise graph serves a step the runner could not serve with a full graph, captured (again)
+when needed, and its run: checked against eager on its first step where `verify` is on, its outputs
+returned as a full graph's are (`runner.py` owns the undo and the statistics of the step)."""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Sequence
+
+from torch import fx
+
+from ..errors import UncapturableOp
+from ..passes.workspaces import GraphKey
+from .graph_entry import MovedInputs, specialization_of
+from .inputs import Step
+from .outputs import returned_outputs
+from .piecewise import PiecewiseGraph
+from .verify import first_replay_check, written_regions
+
+log = logging.getLogger("ascend_compile")
+
+
+class PiecewiseServer:
+    """The piecewise graphs of one compiled artifact (`runner.CompiledArtifact`), by piecewise key and
+    value of the specialized sizes."""
+
+    def __init__(self, art: Any) -> None:
+        self.art = art
+        self.graphs: dict[tuple[GraphKey, tuple], PiecewiseGraph] = {}
+        self.gms: dict[GraphKey, fx.GraphModule] = {}  # the target's form of the variant, per key
+        #: host work of piecewise steps: pieces replayed, copies staged, nodes run eagerly
+        self.launches: collections.Counter = collections.Counter()
+
+    def graph_for(self, args: Sequence[Any], step: Step, direct: bool) -> tuple[PiecewiseGraph | None, str]:
+        """The graph serving `step` (captured if new, or again where its in-place inputs moved: a direct
+        call raises `MovedInputs` instead), or None and why none does."""
+        art = self.art
+        keys = art.rewritten.piecewise.keys
+        key = next((k for k in keys if k.bucket >= step.tokens), None)
+        if key is None:
+            return None, f"above the largest piecewise size ({keys[-1].bucket} tokens)"
+        specialization = specialization_of(art.signature, step.symbols)
+        graph = self.graphs.get((key, specialization))
+        if graph is not None and graph.captured_inputs is not None:
+            moved = graph.moved(args)
+            if moved and direct:
+                art._count(step, -1)  # the step is not run here: dynamo calls the artifact again
+                raise MovedInputs([art.names[i] for i in moved])
+            if moved:
+                art._log_change(graph, moved, args)
+                art.stats["recaptures"] += 1
+                graph = None
+        if graph is None:
+            if sum(
+                    1 for k, _ in self.graphs if k == key) >= art.config.max_specializations:
+                return None, (f"{key} already has {art.config.max_specializations} captures for other values "
+                              f"of the specialized sizes")
+            graph = self.graphs[(key, specialization)] = self._capture(key, specialization, args, step)
+            art.write_plan()
+        if graph.eager_reason:
+            return None, graph.eager_reason
+        return graph, ""
+
+    def serve(self, graph: PiecewiseGraph, step: Step, args: Sequence[Any]) -> tuple[Any, str | None]:
+        """What `run` needs of the step (its plan and kernel choice), or why `graph` cannot serve it."""
+        plan, use_kernels, why = graph.plan(step, args)
+        return (plan, use_kernels), why
+
+    def _capture(self, key: GraphKey, specialization: tuple, args: Sequence[Any], step: Step) -> PiecewiseGraph:
+        """Split and capture `key`'s pieces; a piece whose capture an op refuses is split again around
+        that op (every later split too), as many times as ops are found."""
+        art = self.art
+        variant = art.rewritten.piecewise
+        padded = art.signature.padded_symbols(key.bucket, art.rewritten.max_blocks, step.symbols)
+        gm = self.gms.get(key)
+        if gm is None:
+            gm = self.gms[key] = art.target.piecewise_graph(variant.gm, key, art.config)
+        guard = art.target.step_guard(gm, key, art.config)
+        refused = art.target.eager_reason(gm, key)
+        while True:
+            graph = PiecewiseGraph(key, specialization, variant, gm, art.signature, padded, set(art.uncapturable),
+                                   guard, refused)
+            try:
+                graph.capture(art.runtime, args, art.checked, art.identified, self.workspace(key))
+            except UncapturableOp as err:
+                if err.op in art.uncapturable:
+                    raise
+                art._note_uncapturable(err)
+                continue
+            art.stats["piecewise_captures"] += 1
+            log.info("ascend_compile: captured %s: %d pieces around %d eager nodes in %.3f s", graph.name,
+                     len(graph.pieces), len(graph.segments) - len(graph.pieces), graph.capture_seconds)
+            return graph
+
+    def workspace(self, key: GraphKey) -> Any:
+        art = self.art
+        return art.workspaces[art.rewritten.plan.graph_slot[str(key)]]
+
+    def run(self, graph: PiecewiseGraph, served: Any, step: Step, args: Sequence[Any], caller_args: Sequence[Any]
+            ) -> tuple:
+        """One step on `graph` (`served`: what `serve` said): its first checked against the step run
+        eagerly (`verify.py`) where `verify` is on; a graph that differs serves no later step."""
+        art = self.art
+        run = lambda: self._outputs(graph, served, step, args)  # noqa: E731
+        if not art.verify or graph.verified is not None:
+            return run()
+        regions = written_regions(art.signature, art.written, args)
+        outputs, graph.verified = first_replay_check(graph.name, regions, args, lambda: art.rewritten.original(*caller_args),
+                                                     run, art.names, art.runtime.generators_kept)
+        art.stats["verified_replays"] += 1
+        if not graph.verified["ok"]:
+            art.stats["verify_failures"] += 1
+            graph.eager_reason = f"{graph.name}: its first step differed from eager ({graph.verified['mismatches'][0]})"
+        art.write_plan()
+        return outputs
+
+    def _outputs(self, graph: PiecewiseGraph, served: Any, step: Step, args: Sequence[Any]) -> tuple:
+        art = self.art
+        plan, use_kernels = served
+        outputs = graph.run(art.runtime, step, plan, use_kernels, args, self.workspace(graph.key), art.seconds,
+                            self.launches)
+        write_back = art.rewritten.write_back
+        aliased = dict(zip(write_back.outputs, write_back.views(args)[1])) if write_back.outputs else {}
+        return returned_outputs(outputs, art.config.clone_outputs, aliased)
