@@ -59,6 +59,25 @@ def _equal_to_eager(models, steps) -> None:
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_vllms_prefill_and_chunked_prefill_steps_above_the_buckets_are_served_piecewise(compiled):
+    """vLLM's Llama, buckets up to 8 tokens: a 64-token prefill, a chunked-prefill mix (a 40-token chunk
+    beside decodes) and a 200-token prefill of three sequences run on captured pieces, vLLM's attention
+    (adapted) and its cache writes eagerly between them, each equal to eager (outputs and caches); the
+    decode steps in the buckets still replay full graphs; plan.json says which served what."""
+    artifacts, _, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0], 16)
+    steps = [([5, 9], [1, 1]), ([64], [64]), ([100, 20, 9], [40, 1, 1]), ([70, 80, 90], [60, 70, 70]), ([6, 7], [1, 1])]
+    _equal_to_eager(models, steps)
+    (art,) = artifacts
+    assert art.stats["replays"] == 2 and art.stats["piecewise_steps"] == 3 and art.stats["eager_fallbacks"] == 0
+    assert {str(k) for k, _ in art.piecewise} == {"p64", "p256"}
+    plan = art.describe()
+    reasons = set(plan["piecewise"]["eager_nodes"].values())
+    assert "attention kernel: takes the step's lengths" in reasons
+    assert plan["served"]["steps"] == {"decode": {"full": 2}, "prefill": {"piecewise": 2}, "mixed": {"piecewise": 1}}
+
+
 def test_vllms_llama_through_vllms_compile_call_equals_eager_with_one_artifact(compiled):
     """The profile run (no metadata, T=16) is handed over static; it is traced again general, so one
     dynamo graph and one artifact serve every step: decode and mixed, batch 1 included."""
@@ -70,8 +89,9 @@ def test_vllms_llama_through_vllms_compile_call_equals_eager_with_one_artifact(c
     assert len(artifacts) == 1
     stats = artifacts[0].stats
     assert stats["steps"] == len(STEPS)
-    # above the largest bucket (8 tokens): the 9-token mixed step runs eagerly; every other step replays
-    assert stats["replays"] == len(STEPS) - 1 and stats["eager_fallbacks"] == 1
+    # above the largest bucket (8 tokens): the 9-token mixed step runs piecewise (vLLM's own attention ops,
+    # adapted, between the pieces); every other step replays
+    assert stats["replays"] == len(STEPS) - 1 and stats["piecewise_steps"] == 1 and stats["eager_fallbacks"] == 0
 
 
 

@@ -83,6 +83,7 @@ AUDIT = "tests/test_audit_survivors.py"
 SEEDED = "tests/test_rng.py::test_seeded_sampling_matches_eager_on_capture_and_replay_steps"
 ONE_SEED = "tests/test_rng.py::test_one_seed_then_steps_at_bucket_sizes_draw_eager_s_stream"
 TRITON = "tests/test_triton_kernels.py"
+PIECEWISE = "tests/test_piecewise.py"
 TRITON_MLA = "tests/test_triton_mla.py"
 DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
@@ -993,6 +994,64 @@ MUTANTS = (
         "            metadata[name], slots[name] = groups[spec][0], fake((1,), torch.int64)",
         (f"{VLLM_REAL}::test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_all_takes",),
         vllm=True,
+    ),
+    Mutant(
+        "piecewise: the eager nodes run before the piece they read has run", "ascend_compile/lowering/piecewise.py",
+        "                runtime.after_replay()  # what the host issues next (the eager nodes) reads its results",
+        "                pass",
+        (f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise",),
+    ),
+    Mutant(
+        "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
+        "                if targets:", "                if False:",
+        (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
+    ),
+    Mutant(
+        "piecewise: a write into a caller's buffer captured in a piece", "ascend_compile/passes/split_pieces.py",
+        '            return f"writes graph input storage ({written.name})"', "            pass",
+        ("tests/test_runtime_graphs.py::test_writes_that_overlap_only_when_padded_run_eagerly",
+         f"{PIECEWISE}::test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before"),
+    ),
+    Mutant(
+        "piecewise: sequence-sized nodes kept in pieces", "ascend_compile/lowering/piecewise.py",
+        '        token_symbols = set(getattr(tokens, "free_symbols", ())) | set(signature.specialized)',
+        "        token_symbols = {s for s in padded if padded[s] == key.bucket} | set(signature.specialized)",
+        ("tests/test_audit_survivors.py::test_random_steps_with_empty_and_chunked_sequences_equal_eager",),
+    ),
+    Mutant(
+        "piecewise: eager nodes given the padded rows", "ascend_compile/lowering/piecewise.py",
+        "        return value[tuple(slice(0, n) for n in real)]", "        return value",
+        (f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise",),
+    ),
+    Mutant(
+        "piecewise: the kernel run where the target refuses its lengths", "ascend_compile/lowering/piecewise.py",
+        "        self.refusals[refusal] += 1\n        return plan, False, None",
+        "        self.refusals[refusal] += 1\n        return plan, True, None",
+        (f"{PIECEWISE}::test_mla_prefill_chunks_on_npu_are_served_piecewise",),
+    ),
+    Mutant(
+        "piecewise: moved inputs not seen", "ascend_compile/lowering/piecewise_serve.py",
+        "            moved = graph.moved(args)", "            moved = []",
+        (f"{PIECEWISE}::test_a_new_kv_cache_captures_the_pieces_again",),
+    ),
+    Mutant(
+        "piecewise: a failed step's writes kept", "ascend_compile/lowering/runner.py",
+        "            return self.pieces.run(graph, served, step, args, caller_args)\n        except BaseException as err:\n"
+        "            undo.restore()",
+        "            return self.pieces.run(graph, served, step, args, caller_args)\n        except BaseException as err:\n"
+        "            pass",
+        (f"{PIECEWISE}::test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before",),
+    ),
+    Mutant(
+        "piecewise: a node hoisted above the eager write it reads", "ascend_compile/passes/split_pieces.py",
+        "            if storages & reads:", "            if False:",
+        (f"{PIECEWISE}::test_pieces_hold_no_attention_cache_write_or_sequence_sized_node",
+         f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise"),
+    ),
+    Mutant(
+        "piecewise: the slot not sized for the pieces' kernels", "ascend_compile/passes/pipeline.py",
+        "    planned = {**choices, **{key: () for key in pieces}}", "    planned = {**choices, **{key: () for key in pieces[:1]}}",
+        (f"{PIECEWISE}::test_the_workspace_slot_is_sized_for_every_piecewise_size_too",),
     ),
     Mutant(
         "the estimate's workspace nodes counted in the pool", "ascend_compile/passes/memory_estimate.py",

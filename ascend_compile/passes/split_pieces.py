@@ -156,6 +156,9 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
         for n in moved:
             eager[n] = f"writes {', '.join(w.name for w in written_args(n) if isinstance(w, fx.Node))}, which " \
                        f"another piece made"
+            for user in n.users:
+                if user.target is operator.getitem:
+                    eager.setdefault(user, "unpacks an eager node's result")
     segments: list[Segment] = []
     where: dict[fx.Node, int] = {n: -1 for n in gm.graph.nodes if n.op == "placeholder"}
     by_slot: dict[int, list[fx.Node]] = {}
