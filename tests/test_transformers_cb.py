@@ -104,6 +104,27 @@ def test_generate_batch_equals_greedy_generate_with_graphs_replayed(family):
         assert mixed, "no step mixed prefill chunks with decodes"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefill_steps_above_the_largest_bucket_are_served_piecewise(family):
+    """Buckets up to 4 tokens, steps of up to 32 (`max_batch_tokens`): every prefill step and the
+    chunked mixes above 4 tokens run on captured pieces, the attention, the cache writes and CB's
+    writes of the sampled tokens into its output buffer eagerly between them; greedy tokens still
+    equal `model.generate`'s, and nothing runs eagerly whole."""
+    model = tiny(family)
+    expected = greedy_tokens(model)
+    artifacts = []
+    torch._dynamo.reset()
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=32)
+    cb = ac_hf.continuous_batching(model, config, on_compiled=artifacts.append, capture_sizes=[1, 2, 4])
+    outputs = in_order(model.generate_batch(prompts(), generation_config=greedy(), continuous_batching_config=cb))
+    assert [o.generated_tokens for o in outputs] == expected
+    stats = sum((a.stats for a in artifacts), start=__import__("collections").Counter())
+    assert stats["eager_fallbacks"] == 0 and stats["piecewise_steps"] >= 2
+    assert stats["replays"] + stats["piecewise_steps"] == stats["steps"]
+    served = {path for a in artifacts for (kind, path) in a.served if kind != "decode"}
+    assert "piecewise" in served
+
+
 @pytest.mark.parametrize("dispatch", ["dynamo", "direct"])
 def test_one_dynamo_graph_serves_every_step(dispatch, monkeypatch):
     """The runner's step is compiled with its step dims named: one dynamo graph for decode and mixed

@@ -50,6 +50,16 @@ def real_plan(step: Step, sources: Sequence[HostSource]) -> StepPlan:
     return plan_step(step, sources, Geometry(step.tokens, step.seqs))
 
 
+def sym_value(example: Any, symbols: dict) -> Any:
+    """A SymInt, SymFloat or SymBool of the graph at given symbol values."""
+    value = example.node.expr.xreplace(symbols)
+    return bool(value) if isinstance(example, torch.SymBool) else float(value) if isinstance(
+        example, torch.SymFloat) else int(value)
+
+
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _narrow(value: Any, example: Any, symbols: dict) -> Any:
     """`value` (padded) cut to a step's sizes, as `example`'s shape expressions give them."""
     if isinstance(value, torch.Tensor):
@@ -62,8 +72,8 @@ def _narrow(value: Any, example: Any, symbols: dict) -> Any:
         return value[tuple(slice(0, n) for n in real)]
     if isinstance(value, (tuple, list)) and isinstance(example, (tuple, list)):
         return type(value)(_narrow(v, e, symbols) for v, e in zip(value, example))
-    if isinstance(example, torch.SymInt):
-        return evaluate(example.node.expr, symbols)
+    if isinstance(example, SYM_TYPES):
+        return sym_value(example, symbols)
     return value
 
 
@@ -201,8 +211,8 @@ class PiecewiseGraph:
         index = self.index.get(node)
         if index is not None and index < len(args) and self.roles.get(index) in (*IN_PLACE_ROLES, Role.SCALAR):
             return args[index]  # used in place: its address (a host scalar: its value) is checked each step
-        if isinstance(example, torch.SymInt):
-            return evaluate(example.node.expr, self.padded)
+        if isinstance(example, SYM_TYPES):
+            return sym_value(example, self.padded)
         if not isinstance(example, torch.Tensor):
             if index is not None and index < len(args):
                 return args[index]

@@ -63,8 +63,8 @@ def _storage(value: Any) -> StorageWeakRef | None:
 
 
 def _symbols(value: Any) -> set[sympy.Symbol]:
-    """The size symbols of a tensor's shape, or of a SymInt."""
-    if isinstance(value, torch.SymInt):
+    """The size symbols of a tensor's shape, or of a SymInt, SymFloat or SymBool."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return set(value.node.expr.free_symbols)
     shape = shape_exprs(value)
     return {s for d in shape or () if not isinstance(d, int) for s in d.free_symbols}
