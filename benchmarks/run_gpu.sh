@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one command that fits one 10-minute call on an H200 (torch and triton already
-# installed, no internet). Three phases, each cut at its time budget (the script then goes on), each
+# installed, no internet). Four phases, each cut at its time budget (the script then goes on), each
 # printing and writing its rows to $OUT as it measures them, so even a cut run returns figures:
 #
 #   1. GPU tests       tests/test_cuda_gpu.py and the Triton kernel tests of tests/test_triton_kernels.py
@@ -10,15 +10,17 @@
 #                      FIA and MLA kernels' bandwidth and the prefill tiles vs FlashAttention (kernels.json)
 #   3. decode table    benchmarks/decode.py --preset h200: one decode step, every compile mode, the
 #                      target comparisons first (decode.json)
+#   4. piecewise       benchmarks/piecewise.py --device cuda: a 512-token prefill step above the buckets,
+#                      eager against CUDA-graph pieces, checked against eager first (piecewise.json)
 #
 # then benchmarks/verdicts.py writes summary.md: the three targets' verdicts and the tables.
 #
 #   bash benchmarks/run_gpu.sh              # everything (default OUT=benchmarks/results)
 #   bash benchmarks/run_gpu.sh --dry-run    # the phases, their commands and budgets; runs nothing, needs no CUDA
-#   PHASES="2 3" bash benchmarks/run_gpu.sh # some phases; P1_S=... P2_S=... P3_S=... change their budgets
+#   PHASES="2 3" bash benchmarks/run_gpu.sh # some phases; P1_S=... P2_S=... P3_S=... P4_S=... change their budgets
 #
-# $OUT receives at most 6 files (the device tool returns 8): run.log, gpu_tests.log, gpu_tests.json,
-# kernels.json, decode.json, summary.md.
+# $OUT receives at most 7 files (the device tool returns 8): run.log, gpu_tests.log, gpu_tests.json,
+# kernels.json, decode.json, piecewise.json, summary.md.
 #
 # Time on an H200 (estimates: the kernels have never run on one). Triton compiles a variant of
 # these kernels in ~1-2 s on one core; inductor compiles a 4-layer model in ~20-30 s with its
@@ -32,9 +34,11 @@
 #   phase 2   ~50 s   ~18 compiles, ~16 timed cases of 20 calls, 1 GiB copy             budget 75 s
 #   phase 3  ~200 s   two 4-layer models; eager modes ~10 s; ascend_graph+inductor (3 bucket graphs)
 #                     ~50 s; reduce-overhead on each variant ~50 s each (batch 1 compiles apart); the
-#                     modes after these start only within the first 130 s                budget 220 s
+#                     modes after these start only within the first 90 s                 budget 180 s
+#   phase 4   ~40 s   an 8-layer model compiled twice (dynamo ~5 s each), 9 pieces captured, 20 timed
+#                     steps each                                                         budget 60 s
 #   summary    ~1 s
-#   total    ~7 min expected; at most 30 + 180 + 75 + 220 + ~5 = ~8.5 min when every phase is cut.
+#   total    ~7 min expected; at most 30 + 180 + 75 + 180 + 60 + ~5 = ~8.8 min when every phase is cut.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,11 +48,12 @@ if [ "$#" -gt 0 ]; then echo "usage: bash benchmarks/run_gpu.sh [--dry-run]" >&2
 
 OUT="${OUT:-benchmarks/results}"
 PY="${PYTHON:-python3}"
-PHASES="${PHASES:-1 2 3}"
+PHASES="${PHASES:-1 2 3 4}"
 SETUP_S=30
 P1_S="${P1_S:-180}"
 P2_S="${P2_S:-75}"
-P3_S="${P3_S:-220}"
+P3_S="${P3_S:-180}"
+P4_S="${P4_S:-60}"
 # Soft budgets inside the phases: no new benchmark case / mode once spent, so a phase ends by itself
 # before its hard budget (a mode's compiles take up to ~90 s).
 P2_SOFT=$((P2_S - 25))
@@ -60,6 +65,7 @@ P1A="$PYTEST tests/test_cuda_gpu.py"
 P1B="$PYTEST tests/test_triton_kernels.py tests/test_triton_mla.py -k 'not (model or inductor or backend)'"
 P2="$PY benchmarks/gpu_kernels.py --json $OUT/kernels.json --budget-s $P2_SOFT"
 P3="$PY benchmarks/decode.py --preset h200 --json $OUT/decode.json --budget-s $P3_SOFT"
+P4="$PY benchmarks/piecewise.py --device cuda --layers 8 --tokens 512 --rounds 20 --json $OUT/piecewise.json"
 SUMMARY="$PY benchmarks/verdicts.py $OUT"
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -72,14 +78,17 @@ if [ "$DRY_RUN" = 1 ]; then
     echo "    $P2"
     echo "phase 3: decode table, budget ${P3_S}s (no new mode after ${P3_SOFT}s), estimate ~200s"
     echo "    $P3"
+    echo "phase 4: piecewise prefill, budget ${P4_S}s, estimate ~40s"
+    echo "    $P4"
     echo "summary: estimate ~1s"
     echo "    $SUMMARY"
-    echo "total: estimate ~7 min, at most $((SETUP_S + P1_S + P2_S + P3_S + 5))s with every phase cut"
+    echo "total: estimate ~7 min, at most $((SETUP_S + P1_S + P2_S + P3_S + P4_S + 5))s with every phase cut"
     exit 0
 fi
 
 mkdir -p "$OUT"
-rm -f "$OUT"/gpu_tests.json "$OUT"/gpu_tests*.log "$OUT"/kernels.json "$OUT"/decode.json "$OUT"/summary.md
+rm -f "$OUT"/gpu_tests.json "$OUT"/gpu_tests*.log "$OUT"/kernels.json "$OUT"/decode.json "$OUT"/piecewise.json \
+    "$OUT"/summary.md
 exec > >(tee -a "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION="${TRITON_DEFAULT_FP_FUSION:-1}"
 export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"  # the checkout, and pytest_rows
@@ -128,6 +137,7 @@ if [[ " $PHASES " == *" 1 "* ]]; then
 fi
 [[ " $PHASES " == *" 2 "* ]] && run_phase "phase 2: kernels" "$P2_S" "$P2"
 [[ " $PHASES " == *" 3 "* ]] && run_phase "phase 3: decode table" "$P3_S" "$P3"
+[[ " $PHASES " == *" 4 "* ]] && run_phase "phase 4: piecewise prefill" "$P4_S" "$P4"
 
 stamp "summary"
 $SUMMARY || status=1

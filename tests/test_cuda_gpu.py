@@ -133,7 +133,8 @@ def test_compiled_on_cuda_matches_eager_over_changing_steps(inner):
             torch.testing.assert_close(got, reference(**to_gpu(inputs)), **tol)
             torch.testing.assert_close(got.cpu(), cpu_reference(**inputs), atol=1e-4, rtol=1e-3)
     stats = sum((a.stats for a in artifacts), start=collections.Counter())
-    assert stats["eager_fallbacks"] >= 1 and stats["replays"] >= 10
+    # 21 and 30 tokens: above the largest bucket, served piecewise
+    assert stats["piecewise_steps"] >= 1 and stats["eager_fallbacks"] == 0 and stats["replays"] >= 10
     captured = sum(1 for a in artifacts for g in a.graphs.values() if g.graph is not None)
     assert stats["captures"] == captured  # one capture per graph used, whatever the lengths
     art = max(artifacts, key=lambda a: len(a.rewritten.buckets))
@@ -142,6 +143,26 @@ def test_compiled_on_cuda_matches_eager_over_changing_steps(inner):
     for graph in plan["graphs"].values():
         assert graph.get("update_table", []) == []
         assert all(k["lengths"] == "device" and k["num_splits"] >= 1 for k in graph["kernels"])
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_prefill_steps_above_the_buckets_run_on_cuda_graph_pieces_and_equal_eager(inner):
+    """A 512-token prefill, a chunked-prefill mix and a prefill of four sequences above the largest
+    bucket: CUDA-graph pieces (op by op, whatever the inner compiler of the full graphs), the
+    device-length kernels run between them on the step's own tensors, equal to eager."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=1024, head_dim=64, num_heads=8, num_kv_heads=2, hidden_size=256)
+    model, reference = build(cfg).to(GPU), build(cfg).to(GPU)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), inner_compiler=inner)
+    batch = PagedBatch(cfg, seed=2)
+    with torch.no_grad():
+        for lens, qlens in [([5, 9], None), ([512], [512]), ([700, 30, 45], [300, 1, 1]), ([90] * 4, [80] * 4)]:
+            inputs = to_gpu(batch.step(lens, qlens))
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=1e-4, rtol=1e-3)
+    art = max(artifacts, key=lambda a: a.stats["steps"])
+    assert art.stats["piecewise_steps"] == 3 and art.stats["eager_fallbacks"] == 0
+    assert {str(k) for k, _ in art.piecewise} == {"p512"}  # 512, 302 and 320 tokens
+    (graph,) = art.piecewise.values()
+    assert len(graph.pieces) == cfg.num_layers + 1 and all(p.graph is not None for p in graph.pieces)
 
 
 def test_cuda_runtime_is_the_auto_choice():

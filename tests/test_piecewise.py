@@ -129,9 +129,9 @@ def test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_
     pieces = plan["piecewise"]
     assert pieces["enabled"] and pieces["kernels"] == ["fused_infer_attention"]
     assert pieces["graphs"]["p512"]["pieces"] == cfg.num_layers + 1 and pieces["graphs"]["p512"]["captured"]
+    # the cache writes (padding-safe, into caches used in place) stay in the pieces
     assert sorted(set(pieces["eager_nodes"].values())) == [
-        "attention kernel: takes the step's lengths", "workspace: the artifact's slot",
-        "writes the KV cache at the step's slots"]
+        "attention kernel: takes the step's lengths", "workspace: the artifact's slot"]
     assert plan["served"]["steps"]["prefill"]["piecewise"] >= 2
     assert any(why.startswith("no graph for 512 tokens") for why in plan["served"]["not_full"])
     if verify:
@@ -273,9 +273,10 @@ def test_mla_prefill_chunks_on_npu_are_served_piecewise(monkeypatch, caplog):
     assert refused and all("takes 1-16 query tokens per sequence" in why for why in refused)
 
 
-def test_pieces_hold_no_attention_cache_write_or_sequence_sized_node():
-    """The split: every attention kernel, cache write and workspace is an eager node; every other node
-    of the example Llama is in a piece; a piece reads only token-sized values and weights."""
+def test_the_split_runs_only_the_attention_kernels_eagerly_and_pads_the_slot_mapping_with_minus_one():
+    """The split of the example Llama: each attention kernel is an eager node (the workspace node stands
+    for the slot); every other node, the cache writes included, is in one piece per layer plus one; after
+    a step, the pieces' slot-mapping buffer holds the step's slots then -1 (the cache writes skip those)."""
     cfg, model, _ = _llama()
     fn, artifacts = _compile(model, runtime="sim")
     batch = PagedBatch(cfg, seed=7)
@@ -287,9 +288,16 @@ def test_pieces_hold_no_attention_cache_write_or_sequence_sized_node():
     pieces = [s for s in graph.segments if isinstance(s, Piece)]
     assert len(pieces) == cfg.num_layers + 1
     eager = {str(n.target) for n in graph.eager}
-    assert eager == {"ascend.fused_infer_attention.default", "ascend.reshape_and_cache", "ascend.workspace.default"}
+    assert eager == {"ascend.fused_infer_attention.default", "ascend.workspace.default"}
     in_pieces = [n for p in pieces for n in p.nodes]
     assert not any(str(n.target) in eager for n in in_pieces)
+    assert sum(str(n.target) == "ascend.reshape_and_cache" for n in in_pieces) == cfg.num_layers
+    (mapping,) = [buffer for p in graph.pieces for node, buffer in p.copied if node.name == "l_slot_mapping_"]
+    inputs = batch.step([300], [100])
+    with torch.no_grad():
+        fn(**inputs)
+    assert mapping.shape == (128,) and mapping[:100].tolist() == inputs["slot_mapping"].tolist()
+    assert mapping[100:].tolist() == [-1] * 28
     assert graph.memory()["outputs_bytes"] > 0 and art.memory_report()["piecewise"]
 
 

@@ -897,10 +897,11 @@ def test_run_gpu_dry_run_lists_the_phases_within_budget():
                            ("phase 1: GPU tests", "tests/test_triton_kernels.py"),
                            ("phase 2: kernel bandwidth", "benchmarks/gpu_kernels.py"),
                            ("phase 3: decode table", "benchmarks/decode.py --preset h200"),
+                           ("phase 4: piecewise prefill", "benchmarks/piecewise.py --device cuda"),
                            ("summary", "benchmarks/verdicts.py")):
         assert phase in text and command in text, text
     budgets = [int(b) for b in __import__("re").findall(r"budget (\d+)s", text)]
-    assert len(budgets) == 4 and all(b <= 240 for b in budgets[1:]), text  # each phase under 4 minutes
+    assert len(budgets) == 5 and all(b <= 240 for b in budgets[1:]), text  # each phase under 4 minutes
     assert sum(budgets) + 5 <= 9 * 60, text
 
 

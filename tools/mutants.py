@@ -1030,6 +1030,13 @@ MUTANTS = (
         (f"{PIECEWISE}::test_mla_prefill_chunks_on_npu_are_served_piecewise",),
     ),
     Mutant(
+        "piecewise: the slot mapping's padding rows left stale", "ascend_compile/lowering/piecewise.py",
+        "                    torch._foreach_copy_(targets + [d for d, _ in padding],\n"
+        "                                         [value(node) for node, _ in captured.copied] + [c for _, c in padding])",
+        "                    torch._foreach_copy_(targets, [value(node) for node, _ in captured.copied])",
+        (f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise",),
+    ),
+    Mutant(
         "piecewise: moved inputs not seen", "ascend_compile/lowering/piecewise_serve.py",
         "            moved = graph.moved(args)", "            moved = []",
         (f"{PIECEWISE}::test_a_new_kv_cache_captures_the_pieces_again",),
@@ -1045,7 +1052,7 @@ MUTANTS = (
     Mutant(
         "piecewise: a node hoisted above the eager write it reads", "ascend_compile/passes/split_pieces.py",
         "            if storages & reads:", "            if False:",
-        (f"{PIECEWISE}::test_pieces_hold_no_attention_cache_write_or_sequence_sized_node",
+        (f"{PIECEWISE}::test_the_split_runs_only_the_attention_kernels_eagerly_and_pads_the_slot_mapping_with_minus_one",
          f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise"),
     ),
     Mutant(

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 from torch import fx
 
 from ..gc_pause import gc_paused
-from ..passes.fx_utils import example_value, nodes_in, placeholders, shape_exprs
+from ..passes.fx_utils import example_value, is_op, nodes_in, placeholders, shape_exprs, written_args
 from ..passes.kernel_call import HOST_META_KEY, HostSource, KernelCall, StepGuard, is_kernel
 from ..passes.pipeline import PiecewiseVariant
 from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role
@@ -77,6 +77,25 @@ def _narrow(value: Any, example: Any, symbols: dict) -> Any:
     return value
 
 
+def _padding_safe_writes(gm: fx.GraphModule, signature: GraphSignature, names: Collection[str]) -> set[fx.Node]:
+    """The padding-safe cache writes of `gm` (by name) whose every slot mapping they read is a graph
+    input of role slot_mapping (padded with -1) and whose every written input is used in place."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    inputs = {n: i for i, n in enumerate(placeholders(gm))}
+    roles = {spec.index: spec.role for spec in signature.inputs}
+    found = set()
+    for name in names:
+        node = by_name.get(name)
+        if node is None:
+            continue
+        written = [w for w in written_args(node) if isinstance(w, fx.Node)]
+        mapping = node.args[-1] if node.args else None
+        if (written and all(roles.get(inputs.get(w)) in IN_PLACE_ROLES for w in written)
+                and isinstance(mapping, fx.Node) and roles.get(inputs.get(mapping)) is Role.SLOT_MAPPING):
+            found.add(node)
+    return found
+
+
 class _CapturedPiece:
     """One piece captured: its device graph, static outputs and the buffers it copies each step."""
 
@@ -94,11 +113,12 @@ class PiecewiseGraph:
 
     def __init__(self, key: GraphKey, specialization: tuple, variant: PiecewiseVariant, gm: fx.GraphModule,
                  signature: GraphSignature, padded: dict, uncapturable: Any, step_guard: StepGuard | None,
-                 kernels_refused: str | None = None) -> None:
+                 kernels_refused: str | None = None, padding_safe: Collection[str] = ()) -> None:
         """`gm`: the piecewise variant as the target runs it (`Target.piecewise_graph`); `step_guard`:
         why the target refuses its kernels a step's lengths, `kernels_refused` why it refuses them every
         step (`Target.eager_reason`: the layers' attention ops then always run instead). A graph one of
-        whose kernels has no attention op to run instead serves no step either refuses."""
+        whose kernels has no attention op to run instead serves no step either refuses. `padding_safe`: the
+        names of the graph's padding-safe input writes (`mutations.InputWrite`), kept in pieces."""
         self.key = key
         self.specialization = specialization
         self.variant = variant
@@ -120,10 +140,14 @@ class PiecewiseGraph:
             self.eager_reason = f"{key}: {kernels_refused}, and {self.unbacked} has no attention op to run instead"
         tokens = signature.tokens
         token_symbols = set(getattr(tokens, "free_symbols", ())) | set(signature.specialized)
-        self.eager = eager_nodes(gm, token_symbols, uncapturable)
-        self.segments: list[Segment] = split(gm, self.eager, {n: nodes for n, (_, nodes) in self.fallbacks.items()})
+        safe = _padding_safe_writes(gm, signature, padding_safe)
+        self.eager = eager_nodes(gm, token_symbols, uncapturable, safe)
+        self.workspace_nodes = [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)]
+        self.segments: list[Segment] = split(gm, self.eager, {n: nodes for n, (_, nodes) in self.fallbacks.items()},
+                                             safe)
         self.pieces: list[_CapturedPiece] = []
         self.produced: dict[fx.Node, tuple[_CapturedPiece, int]] = {}
+        self.buffers: dict[fx.Node, torch.Tensor] = {}  # each value copied in: one static buffer
         self.captured_inputs: CapturedInputs | None = None
         self.capture_seconds = 0.0
         self.verified: dict[str, Any] | None = None
@@ -177,7 +201,7 @@ class PiecewiseGraph:
         """Capture every piece at the padded sizes, in graph order (later pieces read earlier ones'
         static outputs); raises `errors.UncapturableOp` naming the node a capture refused."""
         start = time.perf_counter()
-        self.pieces, self.produced = [], {}
+        self.pieces, self.produced, self.buffers = [], {}, {}
         for segment in self.segments:
             if isinstance(segment, Piece):
                 self.pieces.append(self._capture_piece(runtime, segment, args, workspace))
@@ -217,11 +241,14 @@ class PiecewiseGraph:
             if index is not None and index < len(args):
                 return args[index]
             raise ValueError(f"{node.name}: a piece reads a non-tensor value made outside it ({type(example).__name__})")
+        if node in self.buffers:  # copied in by the first piece reading it, which runs before this one
+            return self.buffers[node]
         shape = tuple(evaluate(d, self.padded) for d in shape_exprs(example))
         role = self.roles.get(index) if index is not None else None
         fill = PAD_VALUE.get(role, 0) if role is not None else 0
         buffer = runtime.empty(shape, example.dtype).fill_(fill) if shape else runtime.empty(shape, example.dtype)
         captured.copied.append((node, buffer))
+        self.buffers[node] = buffer
         return buffer
 
     # -- one step ------------------------------------------------------------------------------------
@@ -251,7 +278,7 @@ class PiecewiseGraph:
         shape_key = tuple(symbols.values())
         views = per_step_shape(self._views, shape_key, lambda: self._narrowed(symbols))
         dests = per_step_shape(self._dests, shape_key, lambda: self._destinations(symbols))
-        env: dict[fx.Node, Any] = {}
+        env: dict[fx.Node, Any] = dict.fromkeys(self.workspace_nodes, workspace)
 
         def value(node: fx.Node) -> Any:
             found = views.get(node)
@@ -268,11 +295,12 @@ class PiecewiseGraph:
         for segment in self.segments:
             if isinstance(segment, Piece):
                 captured = self.pieces[piece_index]
-                targets = dests[piece_index]
+                targets, padding = dests[piece_index]
                 piece_index += 1
                 t0 = time.perf_counter()
                 if targets:
-                    torch._foreach_copy_(list(targets), [value(node) for node, _ in captured.copied])
+                    torch._foreach_copy_(targets + [d for d, _ in padding],
+                                         [value(node) for node, _ in captured.copied] + [c for _, c in padding])
                     launches["copies"] += 1
                 t1 = time.perf_counter()
                 captured.graph.replay()
@@ -292,8 +320,6 @@ class PiecewiseGraph:
 
     def _run_eager(self, runtime: GraphRuntime, node: fx.Node, value: Callable[[fx.Node], Any],
                    workspace: torch.Tensor, use_kernels: bool) -> Any:
-        if node.op == "call_function" and node.target is torch.ops.ascend.workspace.default:
-            return workspace
         args = fx.node.map_arg(node.args, value)
         kwargs = fx.node.map_arg(node.kwargs, value)
         if not use_kernels and node in self.fallbacks:
@@ -314,10 +340,26 @@ class PiecewiseGraph:
         return {node: _narrow(captured.outputs[i], example_value(node), symbols)
                 for node, (captured, i) in self.produced.items()}
 
-    def _destinations(self, symbols: dict) -> list[tuple[torch.Tensor, ...]]:
-        """Per piece, the regions of its static buffers a step's values are copied into."""
-        return [tuple(_narrow(buffer, example_value(node), symbols) for node, buffer in captured.copied)
-                for captured in self.pieces]
+    def _destinations(self, symbols: dict) -> list[tuple[list, list]]:
+        """Per piece, the regions of its static buffers a step's values are copied into, then the
+        padding copies of the inputs padded by role (a slot mapping's -1 past the step's tokens, which
+        the pieces' cache writes skip): (destination, constant) pairs."""
+        out = []
+        for captured in self.pieces:
+            dests, padding = [], []
+            for node, buffer in captured.copied:
+                real = _narrow(buffer, example_value(node), symbols)
+                dests.append(real)
+                index = self.index.get(node)
+                role = self.roles.get(index) if index is not None and index < len(self.signature.inputs) else None
+                if role in PAD_VALUE and real.shape != buffer.shape:
+                    fill = torch.full((), PAD_VALUE[role], dtype=buffer.dtype, device=buffer.device)
+                    for dim, (n, full) in enumerate(zip(real.shape, buffer.shape)):
+                        if n < full:
+                            region = buffer[tuple(slice(0, real.shape[d]) for d in range(dim)) + (slice(n, None),)]
+                            padding.append((region, fill.expand(region.shape)))
+            out.append((dests, padding))
+        return out
 
     def memory(self) -> dict[str, int]:
         def nbytes(values: Sequence[Any]) -> int:

@@ -30,6 +30,8 @@ class PiecewiseServer:
         self.gms: dict[GraphKey, fx.GraphModule] = {}  # the target's form of the variant, per key
         #: host work of piecewise steps: pieces replayed, copies staged, nodes run eagerly
         self.launches: collections.Counter = collections.Counter()
+        #: the graph's padding-safe input writes (the cache writes), which pieces may hold
+        self.padding_safe = {w.node for w in art.rewritten.mutations.writes if w.padding_safe}
 
     def graph_for(self, args: Sequence[Any], step: Step, direct: bool) -> tuple[PiecewiseGraph | None, str]:
         """The graph serving `step` (captured if new, or again where its in-place inputs moved: a direct
@@ -79,7 +81,7 @@ class PiecewiseServer:
         refused = art.target.eager_reason(gm, key)
         while True:
             graph = PiecewiseGraph(key, specialization, variant, gm, art.signature, padded, set(art.uncapturable),
-                                   guard, refused)
+                                   guard, refused, self.padding_safe)
             try:
                 graph.capture(art.runtime, args, art.checked, art.identified, self.workspace(key))
             except UncapturableOp as err:

@@ -5,9 +5,12 @@ A piece is captured once per token count and replayed for any step up to it, so 
 what depends on nothing but the padded token count. A node runs eagerly, and says why, when:
 - it is a kernel or attention call: its lengths are the step's (the kernels' host lists, or the
   attention op's metadata), which a piece could only freeze;
-- it writes a graph input (a KV-cache write, a caller's buffer) or a value a piece made: eagerly it
-  writes exactly the real step's rows, into the caller's tensors, and no padding row lands anywhere;
-  the views it writes through are computed eagerly too;
+- it writes a graph input (a caller's buffer) or a value a piece made: eagerly it writes exactly the
+  real step's rows, into the caller's tensors, and no padding row lands anywhere; the views it writes
+  through are computed eagerly too. A KV-cache write that writes nothing for padding rows (slot -1,
+  `mutations.PADDING_SAFE_WRITES`) into a cache used in place stays in its piece, as in a full graph
+  and as vLLM's piecewise graphs keep `unified_kv_cache_update`: the pieces' slot-mapping buffers get
+  -1 in their padding rows every step;
 - a tensor it reads or makes has a size other than the token count (or a specialised size): the
   sequence count, block-table widths; a piece captured per token count cannot hold them;
 - its op cannot be captured: the artifact found it so (`errors.UncapturableOp`, raised by the
@@ -76,10 +79,11 @@ def _values(node: fx.Node) -> list[Any]:
 
 
 def eager_nodes(gm: fx.GraphModule, piece_symbols: Collection[sympy.Symbol],
-                uncapturable: Collection[Any] = ()) -> dict[fx.Node, str]:
+                uncapturable: Collection[Any] = (), padding_safe: Collection[fx.Node] = ()) -> dict[fx.Node, str]:
     """The nodes of `gm` (a piecewise variant: kernels selected, workspaces inserted) that run eagerly,
     each with why; `piece_symbols` are the sizes a piece may hold (the token count, specialised sizes),
-    `uncapturable` the ops found uncapturable so far."""
+    `uncapturable` the ops found uncapturable so far, `padding_safe` the cache writes that may stay in
+    pieces (padding-safe, into caches used in place)."""
     inputs = placeholders(gm)
     input_storages = {_storage(example_value(n)) for n in inputs} - {None}
     allowed = set(piece_symbols)
@@ -87,7 +91,7 @@ def eager_nodes(gm: fx.GraphModule, piece_symbols: Collection[sympy.Symbol],
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        why = _why_eager(node, eager, input_storages, allowed, uncapturable)
+        why = None if node in padding_safe else _why_eager(node, eager, input_storages, allowed, uncapturable)
         if why:
             eager[node] = why
     for node, why in list(eager.items()):  # a write through a view of an input: the view too
@@ -134,9 +138,10 @@ def _view_chain(value: Any, input_storages: set) -> Iterable[fx.Node]:
             stack += node.all_input_nodes
 
 
-def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.Node, list[fx.Node]] | None = None
-          ) -> list[Segment]:
-    """`gm`'s nodes as pieces and eager nodes: the eager nodes in graph order, each piece the nodes
+def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.Node, list[fx.Node]] | None = None,
+          padding_safe: Collection[fx.Node] = ()) -> list[Segment]:
+    """`gm`'s nodes as pieces and eager nodes (a workspace node is neither: the artifact's slot stands for
+    it): the eager nodes in graph order, each piece the nodes
     placed between two of them. A node that writes nothing, whose value no piece's node writes, is placed in
     the earliest piece after what it reads (its inputs, and what an earlier eager node writes of the
     storage it reads), so a view or allocation between a cache write and its attention (the kernel's
@@ -144,12 +149,12 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
     node writing a value another piece made (an in-place op on a piece's input) runs eagerly: a
     piece's inputs are copies or other pieces' outputs, and the write must land where every later
     reader looks. `extra_reads`: nodes an eager node may read beyond its arguments (a kernel's
-    attention fallback), kept as pieces' outputs."""
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    attention fallback), kept as pieces' outputs; `padding_safe`: the cache writes kept in pieces."""
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and not is_op(n, _WORKSPACE)]
     position = {n: i for i, n in enumerate(nodes)}
     while True:
         slot = _slots(nodes, eager)
-        moved = [n for n in nodes if n not in eager and written_args(n)
+        moved = [n for n in nodes if n not in eager and n not in padding_safe and written_args(n)
                  and _writes_elsewhere(n, slot, eager, nodes[:position[n]])]
         if not moved:
             break
@@ -160,7 +165,7 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
                 if user.target is operator.getitem:
                     eager.setdefault(user, "unpacks an eager node's result")
     segments: list[Segment] = []
-    where: dict[fx.Node, int] = {n: -1 for n in gm.graph.nodes if n.op == "placeholder"}
+    where: dict[fx.Node, int] = {n: -1 for n in gm.graph.nodes if n.op == "placeholder" or is_op(n, _WORKSPACE)}
     by_slot: dict[int, list[fx.Node]] = {}
     for n in nodes:
         if n not in eager:
