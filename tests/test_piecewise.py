@@ -298,7 +298,11 @@ def test_the_split_runs_only_the_attention_kernels_eagerly_and_pads_the_slot_map
         fn(**inputs)
     assert mapping.shape == (128,) and mapping[:100].tolist() == inputs["slot_mapping"].tolist()
     assert mapping[100:].tolist() == [-1] * 28
-    assert graph.memory()["outputs_bytes"] > 0 and art.memory_report()["piecewise"]
+    # the pieces pin nothing of the graph pool between steps: each static output is held weakly once its
+    # last reader is captured (the pieces after it may reuse its memory, as they replay in that order)
+    assert graph.memory() == {"static_inputs_bytes": 3 * 128 * 8, "outputs_bytes": 0}  # ids, positions, slots
+    assert art.runtime.memory_stats()["graph"]["allocated_bytes"] == 0
+    assert art.memory_report()["piecewise"]
 
 
 def test_a_differential_run_of_random_steps_across_full_piecewise_and_eager(monkeypatch):

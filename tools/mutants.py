@@ -1037,6 +1037,18 @@ MUTANTS = (
         (f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise",),
     ),
     Mutant(
+        "piecewise: every static output kept", "ascend_compile/lowering/piecewise.py",
+        "            if isinstance(value, torch.Tensor) and last_use.get(node, -1) < before and i not in captured.released:",
+        "            if False:",
+        (f"{PIECEWISE}::test_the_split_runs_only_the_attention_kernels_eagerly_and_pads_the_slot_mapping_with_minus_one",),
+    ),
+    Mutant(
+        "piecewise: an output released before its last reader is captured", "ascend_compile/lowering/piecewise.py",
+        "                self._release(runtime, last_use, index)\n", "                self._release(runtime, last_use, index + 2)\n",
+        (f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise",
+         f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager"),
+    ),
+    Mutant(
         "piecewise: moved inputs not seen", "ascend_compile/lowering/piecewise_serve.py",
         "            moved = graph.moved(args)", "            moved = []",
         (f"{PIECEWISE}::test_a_new_kv_cache_captures_the_pieces_again",),

@@ -104,6 +104,7 @@ class _CapturedPiece:
         self.gm = gm
         self.graph: Any = None
         self.outputs: tuple = ()
+        self.released: set[int] = set()  # outputs held as weak aliases (`PiecewiseGraph._release`)
         #: (input node, static buffer): values copied in each step (real rows only)
         self.copied: list[tuple[fx.Node, torch.Tensor]] = []
 
@@ -202,13 +203,44 @@ class PiecewiseGraph:
         static outputs); raises `errors.UncapturableOp` naming the node a capture refused."""
         start = time.perf_counter()
         self.pieces, self.produced, self.buffers = [], {}, {}
-        for segment in self.segments:
+        last_use = self._last_uses()
+        for index, segment in enumerate(self.segments):
             if isinstance(segment, Piece):
+                self._release(runtime, last_use, index)
                 self.pieces.append(self._capture_piece(runtime, segment, args, workspace))
+        self._release(runtime, last_use, len(self.segments) + 1)
         scalars = [spec.index for spec in self.signature.by_role(Role.SCALAR)]
         self.captured_inputs = CapturedInputs(args, checked, scalars, identified)
         self._views, self._dests = {}, {}
         self.capture_seconds = time.perf_counter() - start
+
+    def _last_uses(self) -> dict[fx.Node, int]:
+        """Each piece output's last reader: the index of its segment (the graph's output: past the last)."""
+        where = {n: i for i, s in enumerate(self.segments) for n in (s.nodes if isinstance(s, Piece) else [s.node])}
+        reads = {n: set(nodes) for n, (_, nodes) in self.fallbacks.items()}
+        readers: dict[fx.Node, int] = {}
+        for i, segment in enumerate(self.segments):
+            members = segment.nodes if isinstance(segment, Piece) else [segment.node]
+            for m in members:
+                for a in [*m.all_input_nodes, *reads.get(m, ())]:
+                    if where.get(a, i) != i:
+                        readers[a] = max(readers.get(a, -1), i)
+        for a in next(n for n in reversed(self.gm.graph.nodes) if n.op == "output").all_input_nodes:
+            readers[a] = len(self.segments)
+        return readers
+
+    def _release(self, runtime: GraphRuntime, last_use: dict[fx.Node, int], before: int) -> None:
+        """Hold the static outputs no segment from `before` on reads only as weak aliases: the graph pool
+        may hand their memory to the pieces captured next, as replays run in the same order (as vLLM's
+        piecewise backend keeps only each piece's last output; every output, past the last piece: as a
+        full graph's, read right after the step)."""
+        for node, (captured, i) in self.produced.items():
+            value = captured.outputs[i]
+            if isinstance(value, torch.Tensor) and last_use.get(node, -1) < before and i not in captured.released:
+                outputs = list(captured.outputs)
+                outputs[i] = runtime.weak_alias(value)
+                captured.outputs = tuple(outputs)
+                captured.released.add(i)
 
     def _capture_piece(self, runtime: GraphRuntime, piece: Piece, args: Sequence[Any], workspace: torch.Tensor
                        ) -> _CapturedPiece:
@@ -366,4 +398,5 @@ class PiecewiseGraph:
             return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
         return {"static_inputs_bytes": sum(nbytes([b for _, b in p.copied]) for p in self.pieces),
-                "outputs_bytes": sum(nbytes(p.outputs) for p in self.pieces)}
+                "outputs_bytes": sum(nbytes([o for i, o in enumerate(p.outputs) if i not in p.released])
+                                     for p in self.pieces)}
