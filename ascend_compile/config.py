@@ -25,12 +25,15 @@ def default_capture_sizes() -> tuple[int, ...]:
 PIECEWISE_MAX_TOKENS = 8192
 
 
-def default_piecewise_sizes(capture_sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """The capture sizes, then doubling from the largest up to `PIECEWISE_MAX_TOKENS`."""
-    sizes, size = set(capture_sizes), max(capture_sizes)
-    while size * 2 <= PIECEWISE_MAX_TOKENS:
+def default_piecewise_sizes(capture_sizes: tuple[int, ...], largest: int = PIECEWISE_MAX_TOKENS) -> tuple[int, ...]:
+    """The capture sizes up to `largest`, then doubling from the largest of them, then `largest`
+    itself (a runtime's most tokens a step holds: vLLM's `max_num_batched_tokens`)."""
+    sizes = {s for s in capture_sizes if s <= largest}
+    size = max(sizes, default=1)
+    while size * 2 < largest:
         size *= 2
         sizes.add(size)
+    sizes.add(largest)
     return tuple(sorted(sizes))
 
 

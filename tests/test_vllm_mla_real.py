@@ -133,7 +133,7 @@ def test_the_graph_memory_estimate_bounds_what_the_mla_captures_take(compiled, m
     monkeypatch.setattr(sim, "SimRuntime", SmallSegments)
     artifacts, make = compiled
     since = memory.handed_over()
-    models = make(options={"capture_sizes": [4, 8, 16], "capture_all": True})
+    models = make(options={"capture_sizes": [4, 8, 16], "capture_all": True, "piecewise_sizes": []})  # full graphs
     real.profile_run(models[0], 16)
     graphs = memory.tracked(since)
     assert len(graphs) == 1

@@ -71,6 +71,12 @@ def test_vllms_prefill_and_chunked_prefill_steps_above_the_buckets_are_served_pi
     _equal_to_eager(models, steps)
     (art,) = artifacts
     assert art.stats["replays"] == 2 and art.stats["piecewise_steps"] == 3 and art.stats["eager_fallbacks"] == 0
+    # piecewise sizes from the capture sizes in force up to vLLM's max_num_batched_tokens (2048 by default
+    # at this max_model_len), the most tokens its scheduler puts in a step
+    from vllm.config import SchedulerConfig
+
+    largest = SchedulerConfig(max_model_len=256, is_encoder_decoder=False).max_num_batched_tokens
+    assert art.config.piecewise_sizes == (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) and largest == 2048
     assert {str(k) for k, _ in art.piecewise} == {"p64", "p256"}
     plan = art.describe()
     reasons = set(plan["piecewise"]["eager_nodes"].values())
@@ -526,7 +532,8 @@ def test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_al
 
     artifacts, _, make = compiled
     since = memory.handed_over()
-    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True})
+    # full graphs only: the piecewise graphs' part of the figure is the next test's
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True, "piecewise_sizes": []})
     real.profile_run(models[0], 16)
     graph = _handed_over(since)
     figure = memory.estimate(graph, models[0].config)
@@ -543,6 +550,29 @@ def test_the_estimate_made_at_the_profile_run_bounds_the_graph_memory_capture_al
     assert (parts["workspaces"], parts["buffers"]) == (figure.workspaces, figure.buffers)  # the compile's own
     measured = sum(parts.values())
     assert 0.8 * figure.total <= measured <= figure.total, (measured, figure)
+
+
+def test_the_estimate_covers_the_piecewise_graphs_of_the_largest_step_vllm_schedules(compiled, small_segments):
+    """With piecewise graphs, the figure adds the pieces of the largest size (their pool peak) and every
+    size's static buffers: after `capture_all` it bounds what the decode graphs take; after a prefill
+    step of the largest size, whose pieces are captured into the same pool, it bounds what every graph
+    takes, and that is at least 0.8x the figure."""
+    from ascend_compile.integrations.vllm import memory
+
+    artifacts, _, make = compiled
+    since = memory.handed_over()
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True,
+                                             "piecewise_sizes": [64, 1024]})
+    real.profile_run(models[0], 16)
+    figure = memory.estimate(_handed_over(since), models[0].config)
+    _equal_to_eager(models, STEPS[:2])
+    assert sum(memory.graph_memory(artifacts[0].memory_report()).values()) <= figure.total
+    _equal_to_eager(models, [([250] * 4, [250] * 4)])  # 1000 tokens: the largest piecewise size
+    art = artifacts[0]
+    assert art.stats["piecewise_steps"] == 1 and {str(k) for k, _ in art.piecewise} == {"p1024"}
+    parts = memory.graph_memory(art.memory_report())
+    measured = sum(parts.values())
+    assert 0.8 * figure.total <= measured <= figure.total, (parts, figure)
 
 
 class StandInWorker:
@@ -589,7 +619,8 @@ def test_the_worker_sizes_the_kv_cache_with_our_graph_memory_taken_out(compiled,
 
     artifacts, _, make = compiled
     monkeypatch.delenv(memory.ENV, raising=False)
-    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True})
+    # full graphs only: the piecewise graphs' part of the figure is the next test's
+    models = make(hf_config=BIGGER, options={"capture_sizes": SIZES, "capture_all": True, "piecewise_sizes": []})
     cls = _worker_class(monkeypatch, models[0])
     torch._dynamo.reset()
     models[0].model._compiled_call_impl = None

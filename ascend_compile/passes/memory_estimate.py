@@ -44,10 +44,16 @@ class AllocationTrace:
     never freed are the graph's outputs. Sizes are ints or expressions of the graph's size symbols."""
 
     events: tuple[tuple[str, int, Any], ...]
+    #: per output of the graph, the ids of the storages it holds
+    outputs: tuple[tuple[int, ...], ...] = ()
 
     def replay(self, model: Any, values: dict[sympy.Symbol, int]) -> list[Any]:
         """Make the allocations and frees of one capture with the size symbols at `values` on
         `model`; the handles of what stays allocated (the outputs)."""
+        return list(self.replay_held(model, values).values())
+
+    def replay_held(self, model: Any, values: dict[sympy.Symbol, int]) -> dict[int, Any]:
+        """As `replay`; what stays allocated by id (`outputs` names them)."""
         held, sizes = {}, {}
         for kind, ident, nbytes in self.events:
             if kind == "alloc":
@@ -56,7 +62,7 @@ class AllocationTrace:
                 held[ident] = model.allocate(sizes[nbytes])
             else:
                 model.release(held.pop(ident))
-        return list(held.values())
+        return held
 
 
 def pool_reserved(model: Any, captures: Iterable[tuple[AllocationTrace, dict[sympy.Symbol, int]]]) -> int:
@@ -188,7 +194,11 @@ def _trace(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence
                     _drop(arg, holds, users, ids, events, env)
             if not node.users:
                 _drop(node, holds, users, ids, events, env)
-    return AllocationTrace(tuple(events))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    outputs = tuple(tuple(sorted(ids[k] for k in holds.get(n, ()) if k in ids)) if isinstance(n, fx.Node) else ()
+                    for n in returned)
+    return AllocationTrace(tuple(events), outputs)
 
 
 def _drop(node: fx.Node, holds: dict, users: dict, ids: dict, events: list, env: dict) -> None:

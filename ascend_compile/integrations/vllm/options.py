@@ -1,7 +1,8 @@
 """The backend's options for a vLLM engine: vLLM's own config first, `ASCEND_COMPILE_OPTIONS` over it.
 
-vLLM knows the longest sequence it admits (`model_config.max_model_len`) and, where the user set
-them, the batch sizes worth capturing (`compilation_config.cudagraph_capture_sizes`); the workspaces
+vLLM knows the longest sequence it admits (`model_config.max_model_len`), the most tokens a step holds
+(`scheduler_config.max_num_batched_tokens`: the largest piecewise size, `piecewise_sizes` up to it) and,
+where the user set them, the batch sizes worth capturing (`compilation_config.cudagraph_capture_sizes`); the workspaces
 sized for a different `max_model_len` than vLLM's would refuse requests vLLM admits. The block size
 needs no option: each layer's KV cache, bound by vLLM, carries it. Two defaults differ from the
 standalone backend's, since vLLM never moves or replaces a weight once loaded (weight reloading and
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+from ...config import default_capture_sizes, default_piecewise_sizes
 
 OPTIONS_ENV = "ASCEND_COMPILE_OPTIONS"
 #: What the integrations set before vLLM's config and the environment (see the module docstring).
@@ -36,6 +39,16 @@ def from_vllm_config(vllm_config: Any) -> dict[str, Any]:
     return options
 
 
+def _piecewise_sizes(vllm_config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """`piecewise_sizes` up to vLLM's `max_num_batched_tokens` (no step holds more: piecewise graphs and
+    the workspace slot are sized up to it, not beyond), from the capture sizes in force; unless set."""
+    tokens = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    if not tokens or "piecewise_sizes" in options:
+        return {}
+    sizes = tuple(options.get("capture_sizes") or default_capture_sizes())
+    return {"piecewise_sizes": list(default_piecewise_sizes(sizes, int(tokens)))}
+
+
 def from_environment() -> dict[str, Any]:
     """The options in `ASCEND_COMPILE_OPTIONS` (JSON; empty when unset)."""
     return json.loads(os.environ.get(OPTIONS_ENV) or "{}")
@@ -43,7 +56,8 @@ def from_environment() -> dict[str, Any]:
 
 def options_for(vllm_config: Any) -> dict[str, Any]:
     """The integrations' defaults, vLLM's config over them, then the environment's options over both."""
-    return {**DEFAULTS, **from_vllm_config(vllm_config), **from_environment()}
+    options = {**DEFAULTS, **from_vllm_config(vllm_config), **from_environment()}
+    return {**options, **_piecewise_sizes(vllm_config, options)}
 
 
 def current_vllm_config() -> Any:
