@@ -144,9 +144,9 @@ class CaptureInterpreter(fx.Interpreter):
         read the simulator refused (`HostSync`) in an op the runtime does not bind to a kernel, or,
         after an eager warm-up of the same graph on the same inputs ran it, any error of the device's
         own (on a device a capture refuses a host synchronisation with an error of its runtime)."""
-        if n.op == "call_method":  # a tensor method (`.item()`, `.tolist()`): never a bound kernel
-            return isinstance(err, HostSync) or (self.warmed_up and not isinstance(err, AscendCompileError))
-        if n.op != "call_function" or self.runtime.kernel(n.target) is not n.target:
+        if n.op not in ("call_function", "call_method"):  # a tensor method (`.item()`): never a bound kernel
+            return False
+        if n.op == "call_function" and self.runtime.kernel(n.target) is not n.target:
             return False
         return isinstance(err, HostSync) or (self.warmed_up and not isinstance(err, AscendCompileError))
 
