@@ -226,7 +226,7 @@ def main() -> None:
     for name, row in (("eager", eager), ("piecewise", pieces)):
         print(f"{name:>10} {row['best_us']:>10} {row['median_us']:>10} {row['launches']:>9}")
     print(f"pieces per step {pieces['pieces']}; launches piecewise/eager {result['launch_ratio']}")
-    print(f"a 32-sequence decode step (32 tokens), device stubbed: host us per step (best / median), launches")
+    print("a 32-sequence decode step (32 tokens), device stubbed: host us per step (best / median), launches")
     for name, row in (("full graph, updates stubbed", full_32), ("full graph, updates issued", updated_32),
                       ("piecewise", pieces_32)):
         print(f"{name:>27} {row['best_us']:>10} {row['median_us']:>10} {row['launches']:>9}")

@@ -197,7 +197,6 @@ def test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before(
     and a caller's buffer is about to be written: every cache and the buffer are bitwise as before; the
     same step then equals eager."""
     cfg = LlamaConfig(num_layers=3, num_blocks=512)
-    dtype = torch.float32
     if runtime == "npu":
         fake_torch_npu.install(monkeypatch)
         cfg = LlamaConfig(num_layers=3, num_blocks=128, block_size=128, dtype=torch.bfloat16)

@@ -31,12 +31,12 @@ import torch
 from torch import fx
 
 from ..gc_pause import gc_paused
-from ..passes.fx_utils import example_value, is_op, nodes_in, placeholders, shape_exprs, written_args
+from ..passes.fx_utils import example_value, is_op, nodes_in, placeholders, shape_exprs
 from ..passes.kernel_call import HOST_META_KEY, HostSource, KernelCall, StepGuard, is_kernel
 from ..passes.pipeline import PiecewiseVariant
 from ..passes.roles import IN_PLACE_ROLES, PAD_VALUE, GraphSignature, Role
 from ..passes.size_symbols import evaluate
-from ..passes.split_pieces import EagerNode, Piece, Segment, eager_nodes, piece_module, split
+from ..passes.split_pieces import EagerNode, Piece, Segment, eager_nodes, padding_safe_writes, piece_module, split
 from ..passes.workspaces import GraphKey
 from ..runtime.base import GraphRuntime
 from . import capture as capture_mod
@@ -75,25 +75,6 @@ def _narrow(value: Any, example: Any, symbols: dict) -> Any:
     if isinstance(example, SYM_TYPES):
         return sym_value(example, symbols)
     return value
-
-
-def _padding_safe_writes(gm: fx.GraphModule, signature: GraphSignature, names: Collection[str]) -> set[fx.Node]:
-    """The padding-safe cache writes of `gm` (by name) whose every slot mapping they read is a graph
-    input of role slot_mapping (padded with -1) and whose every written input is used in place."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    inputs = {n: i for i, n in enumerate(placeholders(gm))}
-    roles = {spec.index: spec.role for spec in signature.inputs}
-    found = set()
-    for name in names:
-        node = by_name.get(name)
-        if node is None:
-            continue
-        written = [w for w in written_args(node) if isinstance(w, fx.Node)]
-        mapping = node.args[-1] if node.args else None
-        if (written and all(roles.get(inputs.get(w)) in IN_PLACE_ROLES for w in written)
-                and isinstance(mapping, fx.Node) and roles.get(inputs.get(mapping)) is Role.SLOT_MAPPING):
-            found.add(node)
-    return found
 
 
 class _CapturedPiece:
@@ -141,7 +122,7 @@ class PiecewiseGraph:
             self.eager_reason = f"{key}: {kernels_refused}, and {self.unbacked} has no attention op to run instead"
         tokens = signature.tokens
         token_symbols = set(getattr(tokens, "free_symbols", ())) | set(signature.specialized)
-        safe = _padding_safe_writes(gm, signature, padding_safe)
+        safe = padding_safe_writes(gm, signature, padding_safe)
         self.eager = eager_nodes(gm, token_symbols, uncapturable, safe)
         self.workspace_nodes = [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)]
         self.segments: list[Segment] = split(gm, self.eager, {n: nodes for n, (_, nodes) in self.fallbacks.items()},

@@ -154,21 +154,29 @@ class CompiledArtifact:
         if refusal:
             return self._not_full(args, caller_args, step, direct, refusal)
         self.served[(step_kind(step), "full")] += 1
+        return self._transaction(entry.name, args, lambda: self._run_entry(entry, key, plan, args, caller_args))
+
+    def _run_entry(self, entry: GraphEntry, key: GraphKey, plan: StepPlan, args: Sequence[Any],
+                   caller_args: Sequence[Any]) -> Any:
+        step = plan.step
+        if not isinstance(self.runtime, GraphRuntime):
+            outputs = entry.run_eager(plan, self.workspaces_for(key))
+            narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
+            return returned_outputs(narrowed, False, entry.staging.copy_back(step))
+        every = self.config.verify_every
+        if self.verify and (entry.verified is None or (every and entry.replays % every == 0)):
+            return self._verified_replay(entry, plan, args, caller_args)
+        return self._replay(entry, plan)
+
+    def _transaction(self, name: str, args: Sequence[Any], run: Any) -> Any:
+        """`run()`, what the step's graph writes in place saved before: a step that raises puts it back."""
         undo = self.undo.save(args)
         try:
-            if not isinstance(self.runtime, GraphRuntime):
-                outputs = entry.run_eager(plan, self.workspaces_for(key))
-                narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols,
-                                            self.rewritten.write_back.outputs)
-                return returned_outputs(narrowed, False, entry.staging.copy_back(step))
-            every = self.config.verify_every
-            if self.verify and (entry.verified is None or (every and entry.replays % every == 0)):
-                return self._verified_replay(entry, plan, args, caller_args)
-            return self._replay(entry, plan)
+            return run()
         except BaseException as err:
             undo.restore()
             self.stats["failed_steps"] += 1
-            log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", entry.name,
+            log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", name,
                         type(err).__name__)
             raise
 
@@ -191,15 +199,7 @@ class CompiledArtifact:
             self._fallbacks_logged.add(why)
         self.served[(step_kind(step), "piecewise")] += 1
         self.stats["piecewise_steps"] += 1
-        undo = self.undo.save(args)
-        try:
-            return self.pieces.run(graph, served, step, args, caller_args)
-        except BaseException as err:
-            undo.restore()
-            self.stats["failed_steps"] += 1
-            log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", graph.name,
-                        type(err).__name__)
-            raise
+        return self._transaction(graph.name, args, lambda: self.pieces.run(graph, served, step, args, caller_args))
 
     def _replay(self, entry: GraphEntry, plan: StepPlan) -> tuple:
         """Replay `entry` for the planned step; its outputs (write-back done)."""

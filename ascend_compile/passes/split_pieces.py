@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .fx_utils import example_value, is_op, placeholders, shape_exprs, written_args
 from .kernel_call import is_kernel
-from .roles import CACHE_WRITES
+from .roles import CACHE_WRITES, IN_PLACE_ROLES, GraphSignature, Role
 
 _WORKSPACE = torch.ops.ascend.workspace
 
@@ -76,6 +76,25 @@ def _symbols(value: Any) -> set[sympy.Symbol]:
 def _values(node: fx.Node) -> list[Any]:
     value = example_value(node)
     return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def padding_safe_writes(gm: fx.GraphModule, signature: GraphSignature, names: Collection[str]) -> set[fx.Node]:
+    """The padding-safe cache writes of `gm` (by name) whose every slot mapping they read is a graph
+    input of role slot_mapping (padded with -1) and whose every written input is used in place."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    inputs = {n: i for i, n in enumerate(placeholders(gm))}
+    roles = {spec.index: spec.role for spec in signature.inputs}
+    found = set()
+    for name in names:
+        node = by_name.get(name)
+        if node is None:
+            continue
+        written = [w for w in written_args(node) if isinstance(w, fx.Node)]
+        mapping = node.args[-1] if node.args else None
+        if (written and all(roles.get(inputs.get(w)) in IN_PLACE_ROLES for w in written)
+                and isinstance(mapping, fx.Node) and roles.get(inputs.get(mapping)) is Role.SLOT_MAPPING):
+            found.add(node)
+    return found
 
 
 def eager_nodes(gm: fx.GraphModule, piece_symbols: Collection[sympy.Symbol],

@@ -112,9 +112,11 @@ class DeferredCompile:
                                         f"{self.config.max_model_len}, the longest the graphs' workspaces were "
                                         f"sized for (set max_model_len in ASCEND_COMPILE_OPTIONS or vLLM's config)")
         result = self.compiled.call_direct(args) if direct else self.compiled(*args)
-        if isinstance(self.compiled, CompiledArtifact) and self.compiled.stats["captures"] != self.captures:
-            self.captures = self.compiled.stats["captures"]
-            memory.log_graph_memory(self.compiled, self.reserved)
+        if isinstance(self.compiled, CompiledArtifact):
+            captures = self.compiled.stats["captures"] + self.compiled.stats["piecewise_captures"]
+            if captures != self.captures:  # a full graph or a piecewise size captured: what graphs take now
+                self.captures = captures
+                memory.log_graph_memory(self.compiled, self.reserved)
         return result
 
     def as_traced(self, args: Sequence[Any], reason: str) -> Any:

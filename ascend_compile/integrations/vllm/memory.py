@@ -117,6 +117,11 @@ def graph_memory(report: dict[str, Any]) -> dict[str, int]:
     return {"workspaces": sum(report["workspace_bytes"].values()), "buffers": buffers, "pool": pool}
 
 
+def _captures(artifact: Any) -> int:
+    """The artifact's captures so far: its full graphs and its piecewise sizes."""
+    return artifact.stats["captures"] + artifact.stats["piecewise_captures"]
+
+
 def log_graph_memory(artifact: Any, reserved: int | None = None) -> int:
     """Log the artifact's graph memory now (after a capture) beside what was `reserved` before the
     KV cache was sized (None: nothing was); the total in bytes."""
@@ -128,18 +133,18 @@ def log_graph_memory(artifact: Any, reserved: int | None = None) -> int:
         log.warning("ascend_compile: a vLLM graph handed over after the KV cache was sized (dynamo compiled the "
                     "model again) takes %.1f MiB after %d captures %s outside vLLM's KV-cache budget, none of it "
                     "reserved: set %s to the total of every graph's figure logged", total / MIB,
-                    artifact.stats["captures"], detail, ENV)
+                    _captures(artifact), detail, ENV)
     elif reserved is None:
         log.info("ascend_compile: vLLM graphs take %.1f MiB outside vLLM's KV-cache budget after %d captures %s: "
                  "reserve it by lowering gpu_memory_utilization or kv_cache_memory_bytes", total / MIB,
-                 artifact.stats["captures"], detail)
+                 _captures(artifact), detail)
     elif total > reserved:
         log.warning("ascend_compile: vLLM graphs take %.1f MiB after %d captures %s, more than the %.1f MiB "
                     "reserved before the KV cache was sized: set %s to at least %d", total / MIB,
-                    artifact.stats["captures"], detail, reserved / MIB, ENV, total)
+                    _captures(artifact), detail, reserved / MIB, ENV, total)
     else:
         log.info("ascend_compile: vLLM graphs take %.1f MiB after %d captures %s, of the %.1f MiB reserved "
-                 "before the KV cache was sized", total / MIB, artifact.stats["captures"], detail, reserved / MIB)
+                 "before the KV cache was sized", total / MIB, _captures(artifact), detail, reserved / MIB)
     return total
 
 
