@@ -1051,7 +1051,8 @@ MUTANTS = (
     ),
     Mutant(
         "piecewise: moved inputs not seen", "ascend_compile/lowering/piecewise_serve.py",
-        "            moved = graph.moved(args)", "            moved = []",
+        "graph.captured_inputs is not None and art.moved(graph, args, step, direct):",
+        "graph.captured_inputs is not None and False:",
         (f"{PIECEWISE}::test_a_new_kv_cache_captures_the_pieces_again",),
     ),
     Mutant(

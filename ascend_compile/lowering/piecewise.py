@@ -266,9 +266,6 @@ class PiecewiseGraph:
 
     # -- one step ------------------------------------------------------------------------------------
 
-    def moved(self, args: Sequence[Any]) -> list[int]:
-        return self.captured_inputs.changed(args) if self.captured_inputs is not None else []
-
     def plan(self, step: Step, args: Sequence[Any]) -> tuple[StepPlan, bool, str | None]:
         """The step's own host lists, whether its kernels run (else the layers' attention ops), and why
         the step cannot run on these pieces (the target refuses a kernel that has no op to run instead)."""

@@ -11,11 +11,10 @@ from torch import fx
 
 from ..errors import UncapturableOp
 from ..passes.workspaces import GraphKey
-from .graph_entry import MovedInputs, specialization_of
+from .graph_entry import specialization_of
 from .inputs import Step
 from .outputs import returned_outputs
 from .piecewise import PiecewiseGraph
-from .verify import first_replay_check, written_regions
 
 log = logging.getLogger("ascend_compile")
 
@@ -43,15 +42,8 @@ class PiecewiseServer:
             return None, f"above the largest piecewise size ({keys[-1].bucket} tokens)"
         specialization = specialization_of(art.signature, step.symbols)
         graph = self.graphs.get((key, specialization))
-        if graph is not None and graph.captured_inputs is not None:
-            moved = graph.moved(args)
-            if moved and direct:
-                art._count(step, -1)  # the step is not run here: dynamo calls the artifact again
-                raise MovedInputs([art.names[i] for i in moved])
-            if moved:
-                art._log_change(graph, moved, args)
-                art.stats["recaptures"] += 1
-                graph = None
+        if graph is not None and graph.captured_inputs is not None and art.moved(graph, args, step, direct):
+            graph = None
         if graph is None:
             if sum(
                     1 for k, _ in self.graphs if k == key) >= art.config.max_specializations:
@@ -106,12 +98,8 @@ class PiecewiseServer:
         run = lambda: self._outputs(graph, served, step, args)  # noqa: E731
         if not art.verify or graph.verified is not None:
             return run()
-        regions = written_regions(art.signature, art.written, args)
-        outputs, graph.verified = first_replay_check(graph.name, regions, args, lambda: art.rewritten.original(*caller_args),
-                                                     run, art.names, art.runtime.generators_kept)
-        art.stats["verified_replays"] += 1
+        outputs, graph.verified = art.verified_run(graph.name, args, caller_args, run)
         if not graph.verified["ok"]:
-            art.stats["verify_failures"] += 1
             graph.eager_reason = f"{graph.name}: its first step differed from eager ({graph.verified['mismatches'][0]})"
         art.write_plan()
         return outputs

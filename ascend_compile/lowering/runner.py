@@ -214,18 +214,23 @@ class CompiledArtifact:
                          ) -> Any:
         """`entry`'s first replay (and, with `verify_every`, every Nth), checked against the step run
         eagerly (`verify.py`): a graph that differs serves no step, this one included."""
-        regions = written_regions(self.signature, self.written, args)
         replay = entry.replays + 1
-        outputs, entry.verified = first_replay_check(
-            entry.name, regions, args, lambda: self.rewritten.original(*caller_args),
-            lambda: self._replay(entry, plan), self.names, self.runtime.generators_kept)
+        outputs, entry.verified = self.verified_run(entry.name, args, caller_args, lambda: self._replay(entry, plan))
         entry.verified["replay"] = replay
-        self.stats["verified_replays"] += 1
         if not entry.verified["ok"]:
-            self.stats["verify_failures"] += 1
             entry.eager_reason = f"{entry.name}: its replay {replay} differed from eager ({entry.verified['mismatches'][0]})"
         self.write_plan()
         return outputs
+
+    def verified_run(self, name: str, args: Sequence[Any], caller_args: Sequence[Any], run: Any) -> tuple[Any, dict]:
+        """`run()` (a replay, or a piecewise step) checked against the step run eagerly through dynamo's
+        graph (`verify.py`): the step's outputs and the check's record, counted."""
+        regions = written_regions(self.signature, self.written, args)
+        outputs, record = first_replay_check(name, regions, args, lambda: self.rewritten.original(*caller_args), run,
+                                             self.names, self.runtime.generators_kept)
+        self.stats["verified_replays"] += 1
+        self.stats["verify_failures"] += not record["ok"]
+        return outputs, record
 
     def specialize(self, key: GraphKey) -> fx.GraphModule:
         """`key`'s graph: its variant, specialised by the target for the bucket (once per key)."""
@@ -268,15 +273,8 @@ class CompiledArtifact:
             if not entry.staging.written_views and self.rewritten.write_back.located:
                 entry.locate_writes(entry.staging.graph_args(args))
             return entry
-        if entry.graph is not None:
-            moved = entry.captured_inputs.changed(args)
-            if moved and direct:
-                self._count(step, -1)  # the step is not run here: dynamo calls the artifact again
-                raise MovedInputs([self.names[i] for i in moved])
-            if moved:
-                self._log_change(entry, moved, args)
-                self.stats["recaptures"] += 1
-                entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
+        if entry.graph is not None and self.moved(entry, args, step, direct):
+            entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
         if entry.graph is None and entry.eager_reason is None:
             if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:
                 self.capture_all(args, symbols)
@@ -284,6 +282,19 @@ class CompiledArtifact:
                 self._capture(entry, args)
             self.write_plan()
         return self.graphs[(key, specialization)]
+
+    def moved(self, graph: Any, args: Sequence[Any], step: Step, direct: bool) -> bool:
+        """Whether in-place inputs of captured `graph` (a `GraphEntry` or a `PiecewiseGraph`) moved since
+        its capture, so that it must be captured again (logged, counted); a direct call raises
+        `MovedInputs` instead, having run nothing of the step."""
+        moved = graph.captured_inputs.changed(args)
+        if moved and direct:
+            self._count(step, -1)  # the step is not run here: dynamo calls the artifact again
+            raise MovedInputs([self.names[i] for i in moved])
+        if moved:
+            self._log_change(graph, moved, args)
+            self.stats["recaptures"] += 1
+        return bool(moved)
 
     def _log_change(self, entry: GraphEntry, moved: list[int], args: Sequence[Any]) -> None:
         """One short WARNING per change of the in-place inputs (e.g. a new KV cache): how many inputs
