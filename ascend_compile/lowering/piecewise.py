@@ -184,7 +184,7 @@ class PiecewiseGraph:
         static outputs); raises `errors.UncapturableOp` naming the node a capture refused."""
         start = time.perf_counter()
         self.pieces, self.produced, self.buffers = [], {}, {}
-        last_use = self._last_uses()
+        last_use = self.last_uses()
         for index, segment in enumerate(self.segments):
             if isinstance(segment, Piece):
                 self._release(runtime, last_use, index)
@@ -195,7 +195,7 @@ class PiecewiseGraph:
         self._views, self._dests = {}, {}
         self.capture_seconds = time.perf_counter() - start
 
-    def _last_uses(self) -> dict[fx.Node, int]:
+    def last_uses(self) -> dict[fx.Node, int]:
         """Each piece output's last reader: the index of its segment (the graph's output: past the last)."""
         where = {n: i for i, s in enumerate(self.segments) for n in (s.nodes if isinstance(s, Piece) else [s.node])}
         reads = {n: set(nodes) for n, (_, nodes) in self.fallbacks.items()}

@@ -210,7 +210,7 @@ def _piece_pool(rewritten: Any, runtime: Any, model: Any) -> bool:
 
     graph = _piecewise_graph(rewritten, rewritten.piecewise.keys[-1])
     values = graph.padded
-    last_use = graph._last_uses()
+    last_use = graph.last_uses()
     held: dict[Any, int] = {}  # a pool handle -> the last segment reading what it holds
     for index, segment in enumerate(graph.segments):
         if not isinstance(segment, Piece):
