@@ -54,10 +54,11 @@ log = logging.getLogger("ascend_compile")
 MIB = 2 ** 20
 #: Bytes to reserve instead of the estimate (0: reserve nothing); unset or "auto": the estimate.
 ENV = "ASCEND_COMPILE_GRAPH_MEMORY"
-#: The pieces' pool, traced piece by piece, is short of what the simulator's captures of them reserve:
+#: The pieces' pool, modelled piece by piece, is short of what the simulator's captures of them reserve:
 #: by 2.3% for vLLM's Llama (hidden 256, 1024 tokens, 64 KiB segments; pieces alone 17.37 MB measured,
-#: 16.98 traced), an allocation of the MLP piece the fake trace does not see (not found yet). Until it is,
-#: the figure takes 5% more for them.
+#: 16.98 modelled; the example Llama's match to the byte). Each piece's allocations match the simulator's
+#: exactly (counts and bytes); the pool model reuses freed blocks across the pieces' captures more than
+#: the simulator does (not found why yet). Until it is, the figure takes 5% more for them.
 PIECES_MARGIN = 1.05
 
 #: The vLLM graphs of this process (`DeferredCompile`s), each with the order it was handed over in.
