@@ -40,7 +40,7 @@ from ..passes.split_pieces import EagerNode, Piece, Segment, eager_nodes, paddin
 from ..passes.workspaces import GraphKey
 from ..runtime.base import GraphRuntime
 from . import capture as capture_mod
-from .inputs import Geometry, Step, StepPlan, plan_step
+from .inputs import Geometry, Step, StepPlan, padded_copies, plan_step
 from .input_checks import CapturedInputs
 from .staging import per_step_shape
 
@@ -125,6 +125,7 @@ class PiecewiseGraph:
         safe = padding_safe_writes(gm, signature, padding_safe)
         self.eager = eager_nodes(gm, token_symbols, uncapturable, safe)
         self.workspace_nodes = [n for n in gm.graph.nodes if is_op(n, torch.ops.ascend.workspace)]
+        self.output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         self.segments: list[Segment] = split(gm, self.eager, {n: nodes for n, (_, nodes) in self.fallbacks.items()},
                                              safe)
         self.pieces: list[_CapturedPiece] = []
@@ -206,7 +207,7 @@ class PiecewiseGraph:
                 for a in [*m.all_input_nodes, *reads.get(m, ())]:
                     if where.get(a, i) != i:
                         readers[a] = max(readers.get(a, -1), i)
-        for a in next(n for n in reversed(self.gm.graph.nodes) if n.op == "output").all_input_nodes:
+        for a in self.output.all_input_nodes:
             readers[a] = len(self.segments)
         return readers
 
@@ -257,9 +258,7 @@ class PiecewiseGraph:
         if node in self.buffers:  # copied in by the first piece reading it, which runs before this one
             return self.buffers[node]
         shape = tuple(evaluate(d, self.padded) for d in shape_exprs(example))
-        role = self.roles.get(index) if index is not None else None
-        fill = PAD_VALUE.get(role, 0) if role is not None else 0
-        buffer = runtime.empty(shape, example.dtype).fill_(fill) if shape else runtime.empty(shape, example.dtype)
+        buffer = runtime.empty(shape, example.dtype).fill_(PAD_VALUE.get(self.roles.get(index), 0))
         captured.copied.append((node, buffer))
         self.buffers[node] = buffer
         return buffer
@@ -324,9 +323,8 @@ class PiecewiseGraph:
             node = segment.node
             env[node] = self._run_eager(runtime, node, value, workspace, use_kernels)
             launches["eager_ops"] += 1
-        output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
         self.replays += 1
-        return list(fx.node.map_arg(output.args[0], value))
+        return list(fx.node.map_arg(self.output.args[0], value))
 
     def _run_eager(self, runtime: GraphRuntime, node: fx.Node, value: Callable[[fx.Node], Any],
                    workspace: torch.Tensor, use_kernels: bool) -> Any:
@@ -354,20 +352,19 @@ class PiecewiseGraph:
         """Per piece, the regions of its static buffers a step's values are copied into, then the
         padding copies of the inputs padded by role (a slot mapping's -1 past the step's tokens, which
         the pieces' cache writes skip): (destination, constant) pairs."""
+        tokens, inputs = evaluate(self.signature.tokens, symbols), self.signature.inputs
         out = []
         for captured in self.pieces:
             dests, padding = [], []
             for node, buffer in captured.copied:
                 real = _narrow(buffer, example_value(node), symbols)
-                dests.append(real)
                 index = self.index.get(node)
-                role = self.roles.get(index) if index is not None and index < len(self.signature.inputs) else None
-                if role in PAD_VALUE and real.shape != buffer.shape:
-                    fill = torch.full((), PAD_VALUE[role], dtype=buffer.dtype, device=buffer.device)
-                    for dim, (n, full) in enumerate(zip(real.shape, buffer.shape)):
-                        if n < full:
-                            region = buffer[tuple(slice(0, real.shape[d]) for d in range(dim)) + (slice(n, None),)]
-                            padding.append((region, fill.expand(region.shape)))
+                if index is None or index >= len(inputs):  # an eager node's result: its real rows only
+                    dests.append(real)
+                    continue
+                first, *rest = padded_copies(inputs[index], real.shape, buffer, tokens, self.key.bucket)
+                dests.append(first[0])
+                padding += rest
             out.append((dests, padding))
         return out
 

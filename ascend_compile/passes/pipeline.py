@@ -11,6 +11,7 @@ variant gets its workspace node. A bucket is specialised from its variant only w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Protocol
 
@@ -288,7 +289,8 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     for variant in variants.values():
         target.check_graph(variant.gm, variant.keys)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
-    need = target.workspace_need(config, dtype)
+    # each answer kept: the piecewise keys are sized once to find those the target can size, then planned
+    need = functools.cache(target.workspace_need(config, dtype))
     piecewise = None
     if pieces:
         piecewise = _piecewise_variant(gm, pieces, piece_kernels)

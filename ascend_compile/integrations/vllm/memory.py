@@ -239,19 +239,19 @@ def _piece_buffers(rewritten: Any) -> int:
     one per value a piece reads that no piece made and that is not used in place."""
     from ...passes.split_pieces import Piece
 
-    total = 0
-    for key in rewritten.piecewise.keys:
-        graph = _piecewise_graph(rewritten, key)
-        pieces = [s for s in graph.segments if isinstance(s, Piece)]
-        made = {n for p in pieces for n in p.nodes}
-        for node in dict.fromkeys(n for p in pieces for n in p.inputs):
-            index = graph.index.get(node)
-            value = example_value(node)
-            if node in made or not isinstance(value, torch.Tensor) or (
-                    index is not None and graph.roles.get(index) in (*IN_PLACE_ROLES, Role.SCALAR)):
-                continue
-            total += math.prod(evaluate(size_expr(d), graph.padded) for d in value.shape) * value.dtype.itemsize
-    return total
+    graph = _piecewise_graph(rewritten, rewritten.piecewise.keys[-1])  # the split is the same at every size
+    pieces = [s for s in graph.segments if isinstance(s, Piece)]
+    made = {n for p in pieces for n in p.nodes}
+    copied = []
+    for node in dict.fromkeys(n for p in pieces for n in p.inputs):
+        index = graph.index.get(node)
+        value = example_value(node)
+        if node in made or not isinstance(value, torch.Tensor) or (
+                index is not None and graph.roles.get(index) in (*IN_PLACE_ROLES, Role.SCALAR)):
+            continue
+        copied.append(([size_expr(d) for d in value.shape], value.dtype.itemsize))
+    sizes = [rewritten.signature.padded_symbols(k.bucket, rewritten.max_blocks) for k in rewritten.piecewise.keys]
+    return sum(math.prod(evaluate(d, values) for d in shape) * itemsize for values in sizes for shape, itemsize in copied)
 
 
 def estimate(graph: Any, vllm_config: Any) -> GraphMemoryEstimate | None:
