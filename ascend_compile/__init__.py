@@ -5,7 +5,7 @@ Public API: `backend`, `compile` (torch.compile with one backend compile for eve
 """
 from torch._logging._internal import register_log
 
-from . import ops
+from . import ops, torch_support
 from .backend import backend
 from .compile_once import compile, trace_settings
 from .config import CompileConfig
@@ -15,3 +15,4 @@ __all__ = ["backend", "compile", "trace_settings", "CompileConfig", "register_at
 
 # `TORCH_LOGS="ascend_compile"` (or "+ascend_compile" for debug) turns on this package's logs.
 register_log("ascend_compile", "ascend_compile")
+torch_support.warn_if_untested()

@@ -4,6 +4,8 @@ models bring (parameters of a `Parameter` subclass whose `__torch_function__` dy
 dynamo runs the graph with subclass dispatch off). On vLLM's own model: `tests/test_vllm_real.py`."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -102,7 +104,10 @@ def test_parameters_of_a_parameter_subclass_go_direct_with_subclass_dispatch_off
         torch.testing.assert_close(result, reference(**step), atol=2e-5, rtol=1e-4)
     assert went == [True, False, False, False]
     route = next(iter(fn.dispatcher.routes.values()))
-    assert route.torch_function_disabled  # as dynamo's `_tf_disabled_wrapper` runs the graph
+    # as dynamo runs the graph: inside its `_tf_disabled_wrapper` where this torch has one (2.13 on); torch
+    # 2.10 and 2.11 run it with subclass dispatch on
+    wraps = "_tf_disabled_wrapper" in inspect.getsource(torch._dynamo.output_graph)
+    assert route.torch_function_disabled == wraps
     enabled, original = [], type(artifacts[0]).call_direct
 
     def call_direct(self, args):
@@ -112,4 +117,4 @@ def test_parameters_of_a_parameter_subclass_go_direct_with_subclass_dispatch_off
     monkeypatch.setattr(type(artifacts[0]), "call_direct", call_direct)
     step = batch.step([6, 6])
     torch.testing.assert_close(fn(**step), reference(**step), atol=2e-5, rtol=1e-4)
-    assert enabled == [False]  # subclass dispatch off inside the direct step, as inside dynamo's
+    assert enabled == [not wraps]  # subclass dispatch as inside dynamo's call of the graph

@@ -14,6 +14,7 @@ the routes are kept for the calls after.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from typing import Any, Callable
 from torch._C._dynamo.guards import GlobalStateGuard
 
 from ..lowering import served
+from ..torch_support import fast_path_refusal
 from . import epoch
 from .checks import arming_refusal
 from .frame import LayoutKey, frame_of, layout_key
@@ -36,7 +38,10 @@ class DirectDispatcher:
     """Routes of one compiled step, per layout of call arguments."""
 
     def __init__(self, step: Any, guard_policy: GuardPolicy | None = None) -> None:
-        self.frame = frame_of(step)
+        frame = frame_of(step)
+        #: direct calls are armed only on the torches that proved them (`torch_support.FAST_PATHS`)
+        unproven = fast_path_refusal("direct")
+        self.frame = dataclasses.replace(frame, refusal=unproven) if unproven and not frame.refusal else frame
         self.guard_policy = guard_policy  # asked of dynamo's guards before a route stands in for them
         self.routes: dict[LayoutKey, Route | str] = {}  # a str: why calls of that layout stay on dynamo's path
         self._stores: dict[LayoutKey, tuple] = {}  # constant stores to read before a layout's next dynamo call

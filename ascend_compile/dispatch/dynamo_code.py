@@ -22,7 +22,8 @@ import torch
 
 from .side_effects import ConstantStore
 
-#: Instructions that only move values: loads, subscripts, calls, building the result, returning it.
+#: Instructions that only move values: loads, subscripts, calls, building the result, returning it
+#: (and, on torch 2.15, the forward branches around its profiler marks).
 SAFE_OPCODES = frozenset({
     "RESUME", "NOP", "CACHE", "EXTENDED_ARG", "MAKE_CELL", "COPY_FREE_VARS",
     "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_CONST", "LOAD_SMALL_INT",
@@ -31,6 +32,12 @@ SAFE_OPCODES = frozenset({
     "PRECALL", "CALL", "CALL_KW", "KW_NAMES",
     "BUILD_LIST", "BUILD_TUPLE", "LIST_EXTEND", "LIST_APPEND", "UNPACK_SEQUENCE",
     "RETURN_VALUE", "RETURN_CONST",
+    # torch 2.15 gates its profiler marks on `_is_profiler_enabled()` (`PROFILER_GATE`): an `is None`
+    # test and forward jumps, which choose between instructions that are themselves each checked here;
+    # no backward jump (no loop) is allowed
+    "IS_OP", "TO_BOOL", "JUMP_FORWARD", "POP_JUMP_FORWARD_IF_FALSE", "POP_JUMP_FORWARD_IF_TRUE",
+    "POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE", "POP_JUMP_IF_FALSE", "POP_JUMP_IF_TRUE",
+    "POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE",
 })
 #: The module dynamo's code loads its utilities from, and the utilities a plain graph call uses.
 DYNAMO_UTILS = "__import_torch_dot__dynamo_dot_utils"
@@ -38,6 +45,11 @@ DYNAMO_UTIL_ATTRS = frozenset({
     "call_size", "call_stride", "call_storage_offset", "record_pregraph_bytecode_enter",
     "record_pregraph_bytecode_exit",
 })
+#: torch 2.15 records its pre-graph profiler marks (`record_pregraph_bytecode_enter/exit`) only where
+#: `torch.autograd.profiler._is_profiler_enabled` is set: the module global and the flag it reads. A
+#: direct call skips those marks, as it skips the unconditional ones of torch 2.10 to 2.14: they feed
+#: the profiler's trace, not the step.
+PROFILER_GATE = ("__import_torch_dot_autograd_dot_profiler", "_is_profiler_enabled")
 
 #: What dynamo's code calls to replay a constant store.
 STORE_UTIL = "object_setattr_ignore_descriptor"
@@ -105,8 +117,9 @@ def unsafe_instruction(code: types.CodeType, sources: Sequence[str], stores: Seq
     `sources` are the graph inputs' source expressions, `stores` the constant stores the direct
     call replays and `builds` what building hoisted inputs reads (`hoisted_builds`)."""
     named = [*sources, *(store.target for store in stores)]
-    attributes = {name for text in named for name in _ATTRIBUTE.findall(text)} | DYNAMO_UTIL_ATTRS | builds[1]
-    globals_ = {DYNAMO_UTILS} | {name for text in named for name in _GLOBAL.findall(text)} | builds[0]
+    attributes = ({name for text in named for name in _ATTRIBUTE.findall(text)} | DYNAMO_UTIL_ATTRS | builds[1]
+                  | {PROFILER_GATE[1]})
+    globals_ = {DYNAMO_UTILS, PROFILER_GATE[0]} | {name for text in named for name in _GLOBAL.findall(text)} | builds[0]
     if stores:
         attributes.add(STORE_UTIL)
     replays = 0

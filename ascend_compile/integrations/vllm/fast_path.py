@@ -38,6 +38,7 @@ import torch
 
 from ...dispatch import DirectDispatcher
 from ...dispatch import dynamo_code
+from ...torch_support import fast_path_refusal
 
 log = logging.getLogger("ascend_compile")
 
@@ -133,7 +134,8 @@ def compiled_module(deferred: Any) -> torch.nn.Module | str:
 def install(deferred: Any) -> DirectCall | None:
     """Put the direct dispatcher in front of the compiled model calling `deferred` (the first
     compiled step), or log why not; the `DirectCall`, or None."""
-    module = compiled_module(deferred)
+    refusal = fast_path_refusal("vllm_fast_path")
+    module = compiled_module(deferred) if refusal is None else refusal
     if isinstance(module, str):
         log.info("ascend_compile: vLLM model calls go through dynamo's guards: %s", module)
         return None
