@@ -1,8 +1,16 @@
-"""A fake torch_npu 2.14 (and `torch.npu`) on the ACL-graph simulator, so CI runs the NPU path.
+"""A fake torch_npu (and `torch.npu`) on the ACL-graph simulator, so CI runs the NPU path.
 
-It offers, with the real names and signatures (`tests/fixtures/torch_npu_2_14_schemas.txt`), what
-ascend_compile calls: the graph API of `torch.npu` (`NPUGraph`, `graph`, `graph_pool_handle`,
-`graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
+It plays one of the releases the project is bound to (`VERSIONS`): 2.14.0 by default, or 2.10.0.post4
+(vLLM-Ascend's pin), chosen per test (`install(monkeypatch, version=...)`). Each has the fixture read from its
+wheel (`tests/fixtures/torch_npu_2_14_schemas.txt`, `torch_npu_2_10_0_post4_schemas.txt`), and the fake of a
+version offers only what that fixture lists (ops, `torch.npu` functions, `torch_npu._C` names) and reports it
+as `torch_npu.__version__`; where the two wheels' Python differs in what the fake plays, it follows the version
+(`Release`: `torch.npu.graph`'s entry). The `_op_plugin_docs.py` lines its refusals quote are 2.14.0's; 2.10.0.post4
+has the same text 44 lines earlier (37 for npu_fusion_attention's L1636-1645: docs/ascend.md, "torch_npu
+2.10.0.post4 and 2.14.0").
+
+It offers, with the real names and signatures, what ascend_compile calls: the graph API of `torch.npu`
+(`NPUGraph`, `graph`, `graph_pool_handle`, `graph_task_group_begin/end`, `graph_task_update_begin/end`, `Stream`, `Event`, `ExternalEvent`,
 `stream`, `current_stream`, `synchronize`, `get_rng_state` / `set_rng_state` / `manual_seed(_all)` /
 `default_generators` (the NPU's own generator, apart from the CPU's), `empty_cache`,
 `host_empty_cache`, `get/set_stream_limit`, ...), `torch_npu._C._weak_ref_tensor`, the attention kernels
@@ -72,8 +80,29 @@ from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.runtime import npu as runtime_npu
 from ascend_compile.runtime.sim import SimRuntime
 
-FIXTURE = Path(__file__).parent / "fixtures" / "torch_npu_2_14_schemas.txt"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """A torch_npu release the fake plays: its fixture (read from its wheel) and where its Python differs."""
+
+    version: str
+    fixture: Path
+    #: Whether `torch.npu.graph.__enter__` empties the host allocator's cache too: 2.14.0 calls
+    #: `host_empty_cache()` there (`torch_npu/npu/graphs.py` L906), 2.10.0.post4 `empty_cache()` only (L861-868).
+    graph_enter_empties_host_cache: bool
+
+
+#: The releases, by `torch_npu.__version__`.
+VERSIONS: dict[str, Release] = {
+    "2.14.0": Release("2.14.0", FIXTURES / "torch_npu_2_14_schemas.txt", graph_enter_empties_host_cache=True),
+    "2.10.0.post4": Release("2.10.0.post4", FIXTURES / "torch_npu_2_10_0_post4_schemas.txt",
+                            graph_enter_empties_host_cache=False),
+}
+#: The release the fake plays unless told otherwise; its fixture defines the ops (`_define_ops`).
 VERSION = "2.14.0"
+FIXTURE = VERSIONS[VERSION].fixture
 #: The device's kernels besides torch's own: the ops of torch_npu's namespaces. Any other op the
 #: graphs hold (an `ascend` op that has no torch_npu binding) is recorded as the ops its body issues,
 #: so a host read in its body fails the capture, as on the device.
@@ -90,11 +119,12 @@ _FIA_USED = {
 _FIA_IGNORED = {"inner_precise", "softmax_lse_flag"}
 
 
-def read_fixture() -> dict[str, list[str]]:
-    """The fixture's sections ("schema atb", "schema npu", "python torch.npu") and their lines."""
+def read_fixture(version: str = VERSION) -> dict[str, list[str]]:
+    """The sections of `version`'s fixture ("schema atb", "schema npu", "python torch.npu", "names torch_npu._C")
+    and their lines."""
     sections: dict[str, list[str]] = {}
     current = None
-    for line in FIXTURE.read_text().splitlines():
+    for line in release(version).fixture.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         if line.startswith("["):
@@ -104,14 +134,26 @@ def read_fixture() -> dict[str, list[str]]:
     return sections
 
 
-def schemas() -> dict[str, torch.FunctionSchema]:
-    """`name[.overload]` -> parsed schema of every op in the fixture."""
+def release(version: str) -> Release:
+    """The release `version` names, or an error listing the ones the fake plays."""
+    if version not in VERSIONS:
+        raise ValueError(f"version: the fake torch_npu plays {', '.join(VERSIONS)}, not {version!r}")
+    return VERSIONS[version]
+
+
+def schemas(version: str = VERSION) -> dict[str, torch.FunctionSchema]:
+    """`name[.overload]` -> parsed schema of every op in `version`'s fixture."""
     out = {}
     for section in ("schema atb", "schema npu"):
-        for text in read_fixture()[section]:
+        for text in read_fixture(version)[section]:
             schema = torch._C.parse_schema(text)
             out[schema.name + (f".{schema.overload_name}" if schema.overload_name else "")] = schema
     return out
+
+
+def python_names(version: str = VERSION) -> set[str]:
+    """The `torch.npu` names `version`'s fixture lists (a class for each of its methods)."""
+    return {line.split("(")[0].split(".")[0] for line in read_fixture(version)["python torch.npu"]}
 
 
 # ----------------------------------------------------------------------------- the kernels
@@ -369,6 +411,26 @@ def _fia_max_workspace(query, key, value, **kwargs):
 _LIBRARIES: list[torch.library.Library] = []
 
 
+def _fake_defines(schema_text: str) -> bool:
+    """Whether the fake defines this fixture line's op: ours calls FIA's `.out` overloads and the queries only,
+    so the two FIA functional overloads are left undefined."""
+    return not schema_text.startswith(("npu_fused_infer_attention_score(", "npu_fused_infer_attention_score_v2("))
+
+
+def schema_mismatches(version: str) -> list[str]:
+    """The ops of `version`'s fixture whose schema is not the one defined in this process (torch's op registry
+    holds one schema per op, defined once from `VERSION`'s fixture by `_define_ops`), each as `ns::op.overload`."""
+    wrong = []
+    for section, ns in (("schema atb", "atb"), ("schema npu", "npu")):
+        for text in filter(_fake_defines, read_fixture(version)[section]):
+            schema = torch._C.parse_schema(text)
+            overload = schema.overload_name or "default"
+            defined = getattr(getattr(getattr(torch.ops, ns), schema.name, None), overload, None)
+            if defined is None or str(defined._schema) != f"{ns}::{schema}":
+                wrong.append(f"{ns}::{schema.name}.{overload}")
+    return wrong
+
+
 def _define_ops() -> None:
     """Define the kernels from the fixture's schemas (once per process)."""
     if _LIBRARIES:
@@ -377,12 +439,11 @@ def _define_ops() -> None:
         pytest.skip("a real torch_npu is loaded in this process: the fake would shadow its ops")
     atb, npu = torch.library.Library("atb", "DEF"), torch.library.Library("npu", "DEF")
     _LIBRARIES.extend((atb, npu))
-    sections = read_fixture()
+    sections = read_fixture(VERSION)
     for text in sections["schema atb"]:
         atb.define(text)
-    for text in sections["schema npu"]:
-        if not text.startswith(("npu_fused_infer_attention_score(", "npu_fused_infer_attention_score_v2(")):
-            npu.define(text)  # ours calls .out and the queries only
+    for text in filter(_fake_defines, sections["schema npu"]):
+        npu.define(text)
     atb.impl("_npu_paged_attention", _pa, "CPU")
     atb.impl("_npu_paged_attention_get_workspace", _pa_workspace, "CPU")
     npu.impl("npu_fused_infer_attention_score.out", _fia_out, "CPU")
@@ -488,7 +549,8 @@ class Call:
 class FakeNpu:
     """The state of one installed fake: the simulator, streams, launches, and a log of calls."""
 
-    def __init__(self, device_kernels: tuple[str, ...]) -> None:
+    def __init__(self, device_kernels: tuple[str, ...], version: str = VERSION) -> None:
+        self.release = release(version)
         self.sim = SimRuntime(device_kernels=device_kernels)
         pa, fia = torch.ops.atb._npu_paged_attention, torch.ops.npu.npu_fused_infer_attention_score
         self.sim.zero_length_fast_path(pa, "context_lens")
@@ -662,9 +724,11 @@ class graph:  # noqa: N801 - the real name
 
     def __enter__(self):
         fake = _fake()
-        fake.synchronize()  # torch_npu/npu/graphs.py, graph.__enter__: synchronize, empty_cache, host_empty_cache
+        # torch_npu/npu/graphs.py, graph.__enter__: synchronize, empty_cache, and from 2.14.0 on host_empty_cache
+        fake.synchronize()
         empty_cache()
-        host_empty_cache()
+        if fake.release.graph_enter_empties_host_cache:
+            host_empty_cache()
         fake.streams.append(self.capture_stream)
         try:
             self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
@@ -850,56 +914,87 @@ NPU_FUNCTIONS = (
 )
 
 
+#: The torch_npu ops the fake offers, as `torch_npu` attributes: name -> (namespace, overloads it logs;
+#: None: the op itself, logged as a function). Each is offered where the version's fixture has its schemas.
+TORCH_NPU_OPS: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "_npu_paged_attention": ("atb", None),
+    "_npu_paged_attention_get_workspace": ("atb", None),
+    "npu_fused_infer_attention_score": ("npu", ("out",)),
+    "_npu_fused_infer_attention_score_get_max_workspace": ("npu", None),
+    "npu_fused_infer_attention_score_v2": ("npu", ("out",)),
+    "_npu_fused_infer_attention_score_v2_get_max_workspace": ("npu", None),
+    "npu_scatter_pa_kv_cache": ("npu", None),
+}
+#: `torch_npu._C` names the fake offers where the version's fixture lists them.
+C_NAMES = {"_weak_ref_tensor": _weak_ref_tensor, "_NPUTaskGroupHandle": _NPUTaskGroupHandle}
+
+
+def _npu_module(fake: FakeNpu, version: str) -> types.ModuleType:
+    """`torch_npu.npu` (= `torch.npu`) of `version`: the fake's functions its fixture lists."""
+    npu = types.ModuleType("torch_npu.npu")
+    listed = python_names(version)
+    for fn in NPU_FUNCTIONS:
+        if fn.__name__ in listed:
+            setattr(npu, fn.__name__, fn)
+    npu.default_generators = (fake.generator,)
+    return npu
+
+
+def _c_module(version: str) -> types.ModuleType:
+    """`torch_npu._C` of `version`: the names its fixture lists."""
+    c = types.ModuleType("torch_npu._C")
+    for name in read_fixture(version).get("names torch_npu._C", ()):
+        setattr(c, name, C_NAMES[name])
+    return c
+
+
+def _op_exports(version: str) -> dict[str, Any]:
+    """The `torch_npu` attributes of the ops `version`'s fixture has (every overload the fake logs), logged."""
+    have = schemas(version)
+    exports = {}
+    for name, (ns, overloads) in TORCH_NPU_OPS.items():
+        packet = getattr(getattr(torch.ops, ns), name)
+        if overloads is None and name in have:
+            exports[name] = _logged(name, packet)
+        elif overloads is not None and all(f"{name}.{o}" in have for o in overloads):
+            exports[name] = _Packet(name, packet, overloads)
+    return exports
+
+
 def install(
     monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS,
-    band_at_single_query: bool = False, band_reading: str = "docs",
+    band_at_single_query: bool = False, band_reading: str = "docs", version: str = VERSION,
 ) -> FakeNpu:
     """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
     `device_kernels`: the ops besides torch's own that its simulator records as one task each;
     `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`);
-    `band_reading`: how many keys a band of pre_tokens P attends ("docs" P + 1, "vllm-ascend" P, "neither").
+    `band_reading`: how many keys a band of pre_tokens P attends ("docs" P + 1, "vllm-ascend" P, "neither");
+    `version`: the torch_npu release played (`VERSIONS`): only what its fixture lists is offered, and its ops
+    must have the schemas defined in this process (one per op: a version whose schemas differ is refused).
 
     Its device is the CPU, so NPU tensors are CPU tensors: `NPU_DEVICE_TYPE` reads "cpu" meanwhile.
     """
+    release(version)
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("a real torch_npu is installed: tests never import it, and the fake would shadow it")
     _define_ops()
-    fake = FakeNpu(device_kernels)
+    wrong = schema_mismatches(version)
+    if wrong:
+        raise RuntimeError(f"fake torch_npu {version}: {', '.join(wrong)} differ from the schemas defined in this "
+                           f"process ({VERSION}'s): torch's op registry holds one schema per op")
+    fake = FakeNpu(device_kernels, version)
     fake.band_at_single_query = band_at_single_query
     fake.band_reading = band_reading
     monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
     fake.default_stream = Stream()
 
-    npu = types.ModuleType("torch_npu.npu")
-    for fn in NPU_FUNCTIONS:
-        setattr(npu, fn.__name__, fn)
-    npu.default_generators = (fake.generator,)
-    c = types.ModuleType("torch_npu._C")
-    c._weak_ref_tensor = _weak_ref_tensor
-    c._NPUTaskGroupHandle = _NPUTaskGroupHandle
+    npu, c = _npu_module(fake, version), _c_module(version)
     torch_npu = types.ModuleType("torch_npu")
-    torch_npu.__version__ = VERSION
+    torch_npu.__version__ = version
     torch_npu.npu = npu
     torch_npu._C = c
-    torch_npu._npu_paged_attention = _logged("_npu_paged_attention", torch.ops.atb._npu_paged_attention)
-    torch_npu._npu_paged_attention_get_workspace = _logged(
-        "_npu_paged_attention_get_workspace", torch.ops.atb._npu_paged_attention_get_workspace
-    )
-    torch_npu.npu_fused_infer_attention_score = _Packet(
-        "npu_fused_infer_attention_score", torch.ops.npu.npu_fused_infer_attention_score, ("out",)
-    )
-    torch_npu._npu_fused_infer_attention_score_get_max_workspace = _logged(
-        "_npu_fused_infer_attention_score_get_max_workspace",
-        torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace,
-    )
-    torch_npu.npu_fused_infer_attention_score_v2 = _Packet(
-        "npu_fused_infer_attention_score_v2", torch.ops.npu.npu_fused_infer_attention_score_v2, ("out",)
-    )
-    torch_npu._npu_fused_infer_attention_score_v2_get_max_workspace = _logged(
-        "_npu_fused_infer_attention_score_v2_get_max_workspace",
-        torch.ops.npu._npu_fused_infer_attention_score_v2_get_max_workspace,
-    )
-    torch_npu.npu_scatter_pa_kv_cache = _logged("npu_scatter_pa_kv_cache", torch.ops.npu.npu_scatter_pa_kv_cache)
+    for name, export in _op_exports(version).items():
+        setattr(torch_npu, name, export)
     for name, module in (("torch_npu", torch_npu), ("torch_npu.npu", npu), ("torch_npu._C", c)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(torch, "npu", npu, raising=False)
