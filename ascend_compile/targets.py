@@ -129,9 +129,14 @@ class NpuTarget(Target):
     #: torch_npu 2.14 `_op_plugin_docs.py` L8697): each graph keeps its mode.
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
+        """Times torch_npu's PA and FIA; refused before any is timed where the installed torch_npu lacks the
+        functions of either (`ops/npu_api.py`): "auto" compares the two."""
         from .ops import npu as npu_ops
+        from .ops import npu_api
 
         runtime = self.runtime
+        npu_api.require(npu_api.PA_API + npu_api.FIA_API, runtime.api_absent, runtime.torch_npu_version,
+                        "kernel_policy 'auto' (it times PA and FIA)")
         return lambda kernel, shape, bucket: npu_ops.time_kernel(
             runtime.kernels, runtime.synchronize, kernel, shape, bucket, config.auto_timing_seq_len, dtype)
 
@@ -150,8 +155,9 @@ class NpuTarget(Target):
 
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Every kernel and cache write held to the torch_npu kernels' documented constraints
-        (`passes/npu_checks.py`), before torch_npu is asked anything."""
-        check_npu_graph(gm, keys, self.mixed_graph_kernels)
+        (`passes/npu_checks.py`), and to the functions the installed torch_npu offers (`ops/npu_api.py`),
+        before torch_npu is asked anything."""
+        check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent, self.runtime.torch_npu_version)
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
         """FIA's and MLA's block count, MLA's query lengths and sparse mode, with `pa_workspace_check`

@@ -1,8 +1,9 @@
-"""The attention kernels on Ascend: bindings to torch_npu 2.14, and their workspace queries.
+"""The attention kernels on Ascend: bindings to torch_npu 2.10.0.post4 and 2.14.0, and their workspace queries.
 
 PA runs as `torch_npu._npu_paged_attention` (ATB) and FIA as
 `torch_npu.npu_fused_infer_attention_score.out` (aclnn), each called with exactly the argument names
-and order of the schemas in the torch_npu 2.14 wheel (`tests/fixtures/torch_npu_2_14_schemas.txt`):
+and order of the schemas in the torch_npu wheels, the same in both (`tests/fixtures/torch_npu_2_14_schemas.txt`,
+`torch_npu_2_10_0_post4_schemas.txt`; what a torch_npu lacking one gets: `ops/npu_api.py`):
 
 - PA: `(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
   context_lens, out, *, workspace=)`, `context_lens` a CPU int32 tensor (ATB reads it on the host);

@@ -20,12 +20,13 @@ its graphs too (FULL_DECODE_ONLY).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch import fx
 
-from ..ops import npu_band_probe, npu_features, npu_rules, tiling
+from ..errors import AscendCompileError
+from ..ops import npu_api, npu_band_probe, npu_features, npu_rules, tiling
 from .fx_utils import example_value, is_op
 from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
 from .padding import capture_kv_lens, dummy_limit, packed_capture
@@ -129,9 +130,12 @@ CACHE_WRITES = {torch.ops.ascend.reshape_and_cache: ("key_cache", "value_cache")
                 torch.ops.ascend.mla_cache_write: ("kv_c_cache", "k_pe_cache")}
 
 
-def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_kernels: frozenset[str]) -> None:
+def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_kernels: frozenset[str],
+                    api_absent: Collection[npu_api.Api] = frozenset(), torch_npu_version: str = "") -> None:
     """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys` (a key of
-    a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`)."""
+    a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`), and a node
+    whose binding calls a function of `api_absent`, what the installed torch_npu (`torch_npu_version`) lacks
+    (`ops/npu_api.py`)."""
     limit = dummy_limit(gm)
 
     def capture_lens(key: GraphKey) -> Sequence[int]:
@@ -139,12 +143,23 @@ def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_ke
 
     for node in gm.graph.nodes:
         if is_kernel(node):
-            _check_kernel(KernelCall.of(node), keys, capture_lens)
+            call = KernelCall.of(node)
+            _check_api(node, npu_api.kernel_api(call.meta.kernel, bool(call.meta.features.sinks)), api_absent,
+                       torch_npu_version)
+            _check_kernel(call, keys, capture_lens)
         else:
             for op, names in CACHE_WRITES.items():
                 if is_op(node, op):
+                    _check_api(node, npu_api.CACHE_WRITE_API, api_absent, torch_npu_version)
                     caches = dict(zip(names, (example_value(n) for n in node.args[2:4])))
                     _refuse(node, lambda: npu_rules.check_contiguous(npu_rules.CACHE_WRITE_KERNEL, caches))
+
+
+def _check_api(node: fx.Node, needed: Sequence[npu_api.Api], absent: Collection[npu_api.Api], version: str) -> None:
+    """Refuse `node`, naming its layer, where the installed torch_npu lacks a function its binding calls."""
+    why = npu_api.refusal(needed, absent, version)
+    if why:
+        raise AscendCompileError(f"{layer_of(node)}: {why}")
 
 
 #: The KV-length argument and cache of each kernel FIA's block count applies to.

@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from ..errors import AscendCompileError, CaptureError, ReplayError
+from ..ops import npu_api
 from ..ops.npu import NpuKernels, load_torch_npu
 from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime, generators_kept
 
@@ -191,6 +192,11 @@ class NpuRuntime(TaskUpdateRuntime):
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.torch_npu = load_torch_npu()
         self.npu = torch.npu
+        self.torch_npu_version: str = getattr(self.torch_npu, "__version__", "unknown")
+        #: What the installed torch_npu lacks of what this runtime may call, read once (`ops/npu_api.py`): the
+        #: graph API is required here, a kernel's functions by the graphs holding it (`NpuTarget.check_graph`).
+        self.api_absent = npu_api.missing(self.torch_npu, self.npu)
+        npu_api.require(npu_api.GRAPH_API, self.api_absent, self.torch_npu_version, "runtime 'npu'")
         device = torch.device(device) if device is not None else torch.device(NPU_DEVICE_TYPE, self.npu.current_device())
         if device.type != NPU_DEVICE_TYPE:
             raise ValueError(
@@ -288,9 +294,12 @@ class NpuRuntime(TaskUpdateRuntime):
         each replay's `replay_prologue` reads the generator's seed and offset and advances it by
         the graph's total, so replays draw fresh numbers and a capture advances no eager state;
         torch_npu registers "npu" for upstream graph-safe RNG (`register_npu_graphsafe_rng`).
-        What is left to us: the eager warm-up before a capture must not draw from the step's
-        generators, and the capture runs as torch_npu's own recordings do (under
-        `preserve_rng_state`, `torch_npu/npu/_graph_tree.py`)."""
+        torch_npu 2.10.0.post4 (its wheel, read the same way) has the same kernels' arguments and a
+        per-capture state registered by the graph (`NPUGeneratorImpl::register_graph`, a live
+        `register_generator_state`), but neither `replay_prologue`'s strings nor `register_npu_graphsafe_rng`:
+        that its replays advance the generator was not read there (docs/ascend.md). What is left to us:
+        the eager warm-up before a capture must not draw from the step's generators, and the capture
+        runs as torch_npu's own recordings do (under `preserve_rng_state`, `torch_npu/npu/_graph_tree.py`)."""
         return generators_kept(self.npu, self._device)
 
     def synchronize(self) -> None:
@@ -387,7 +396,7 @@ class NpuRuntime(TaskUpdateRuntime):
 
     def describe(self) -> dict[str, Any]:
         """What the dump records about this runtime."""
-        return {**super().describe(), "torch_npu": getattr(self.torch_npu, "__version__", "unknown")}
+        return {**super().describe(), "torch_npu": self.torch_npu_version}
 
     def _require_capture(self, what: str) -> NpuGraph:
         if self.capturing is None:
