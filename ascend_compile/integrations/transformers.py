@@ -28,6 +28,7 @@ from .. import backend as ascend_backend
 from .. import compile_once
 from ..config import CompileConfig as AscendConfig
 from ..ops import library  # noqa: F401  (registers torch.ops.ascend)
+from ..torch_support import torch_release
 
 #: The attention implementation name; continuous batching accepts flash-named implementations.
 ATTENTION = "ascend_paged_flash"
@@ -51,7 +52,21 @@ def installed_version() -> str:
     return transformers.__version__
 
 
+#: The oldest torch whose dynamo traces continuous batching's step: its sampler copies the step's tokens
+#: into a static buffer, `output_ids[0, :tokens].copy_(next_tokens)` (transformers 5.24,
+#: `continuous_batching/model_runner.py` `_sample`); torch 2.10 slices a static dim by a symbolic end
+#: into a new data-dependent size, which the copy then cannot prove equal to the tokens' (measured:
+#: "Could not guard on data-dependent expression Eq(u0, s3)", no step served).
+OLDEST_TORCH = (2, 11)
+
+
 def _check_version() -> None:
+    if torch_release() < OLDEST_TORCH:
+        raise RuntimeError(
+            f"torch {torch.__version__}: ascend_compile.integrations.transformers needs torch "
+            f"{'.'.join(map(str, OLDEST_TORCH))} or later: torch {torch.__version__}'s dynamo cannot trace continuous "
+            f"batching's sampler (`output_ids[0, :tokens].copy_(next_tokens)`: a data-dependent slice); serve "
+            f"through vLLM on this torch, or install torch 2.11 or later")
     version = installed_version()
     if not version.startswith(SUPPORTED_VERSIONS):
         raise RuntimeError(
