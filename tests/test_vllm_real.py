@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
+from ascend_compile import torch_support  # noqa: E402
 from ascend_compile.integrations import vllm as integration  # noqa: E402
 from tests import vllm_real as real  # noqa: E402
 
@@ -151,6 +152,9 @@ def test_steps_after_the_first_compiled_one_skip_dynamo_and_a_failed_check_goes_
     models = make(options={"capture_sizes": [4, 8]})
     real.profile_run(models[0], 16)
     _equal_to_eager(models, STEPS)
+    if not torch_support.armed_fast_paths()["vllm_fast_path"]:  # not proven on this torch: dynamo's path
+        assert not isinstance(models[0].model._compiled_call_impl, integration.fast_path.DirectCall)
+        return
     direct = _direct(models[0])
     assert direct.dynamo_calls == 1  # the step that armed the route; the first compiled step came before
     assert artifacts[0].config.frozen_parameters  # the integrations' default
@@ -184,7 +188,13 @@ def test_the_guards_of_vllms_frame_are_all_of_kinds_the_fast_path_stands_in_for(
     _equal_to_eager(models, STEPS[:2])
     forward = type(models[0].model).forward
     (entry,) = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(forward.__code__)
-    assert integration.fast_path.guard_refusal(entry.guard_manager) is None
+    refusal = integration.fast_path.guard_refusal(entry.guard_manager)
+    print(f"torch {torch.__version__}: the guard policy says {refusal!r}")
+    if torch_support.torch_release() in ((2, 10), (2, 11)):  # why the fast path is not armed there
+        assert refusal == ("dynamo guards L['positions'] with NO_HASATTR, which no check of the direct path "
+                           "stands in for")
+    else:
+        assert refusal is None
     kinds = {kind for kind, _, _ in integration.fast_path.guards_of(entry.guard_manager.root)}
     assert {"TENSOR_MATCH", "GLOBAL_STATE", "LAMBDA_GUARD", "ID_MATCH"} <= kinds
 

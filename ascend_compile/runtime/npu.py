@@ -7,10 +7,8 @@ Only the first capture empties the caching allocators. Each attention kernel is 
 kernel, `graph_task_group_end` -> handle. Each step the runner launches the replay first, then for
 every kernel issues `graph_task_update_begin(update_stream, handle)`, the kernel with the step's
 host lengths, `graph_task_update_end`, and `event.record(update_stream)`, so the updates run while
-the replay is already on the device, which waits at each kernel for its update's event.
-
-torch_npu is imported when a runtime is made, never when this module is.
-"""
+the replay is already on the device, which waits at each kernel for its update's event. torch_npu
+is imported when a runtime is made, never when this module is."""
 from __future__ import annotations
 
 import contextlib
@@ -193,8 +191,8 @@ class NpuRuntime(TaskUpdateRuntime):
         self.torch_npu = load_torch_npu()
         self.npu = torch.npu
         self.torch_npu_version: str = getattr(self.torch_npu, "__version__", "unknown")
-        #: What the installed torch_npu lacks of what this runtime may call, read once (`ops/npu_api.py`): the
-        #: graph API is required here, a kernel's functions by the graphs holding it (`NpuTarget.check_graph`).
+        #: What the installed torch_npu lacks of what this runtime may call (`ops/npu_api.py`): the graph
+        #: API required here, a kernel's functions by the graphs holding it (`NpuTarget.check_graph`).
         self.api_absent = npu_api.missing(self.torch_npu, self.npu)
         npu_api.require(npu_api.GRAPH_API, self.api_absent, self.torch_npu_version, "runtime 'npu'")
         device = torch.device(device) if device is not None else torch.device(NPU_DEVICE_TYPE, self.npu.current_device())
@@ -294,10 +292,8 @@ class NpuRuntime(TaskUpdateRuntime):
         each replay's `replay_prologue` reads the generator's seed and offset and advances it by
         the graph's total, so replays draw fresh numbers and a capture advances no eager state;
         torch_npu registers "npu" for upstream graph-safe RNG (`register_npu_graphsafe_rng`).
-        torch_npu 2.10.0.post4 (its wheel, read the same way) has the same kernels' arguments and a
-        per-capture state registered by the graph (`NPUGeneratorImpl::register_graph`, a live
-        `register_generator_state`), but neither `replay_prologue`'s strings nor `register_npu_graphsafe_rng`:
-        that its replays advance the generator was not read there (docs/ascend.md). What is left to us:
+        torch_npu 2.10.0.post4 has neither `replay_prologue` nor `register_npu_graphsafe_rng`: that its
+        replays advance the generator was not read there (docs/ascend.md). What is left to us:
         the eager warm-up before a capture must not draw from the step's generators, and the capture
         runs as torch_npu's own recordings do (under `preserve_rng_state`, `torch_npu/npu/_graph_tree.py`)."""
         return generators_kept(self.npu, self._device)

@@ -18,8 +18,9 @@ Read against: vLLM-Ascend 0.23.0.post1 (its `releases/v0.23.0` branch, `NPUPlatf
 in `vllm_ascend/platform.py`, `NPUModelRunner.load_model` in `vllm_ascend/worker/model_runner_v1.py`) on
 vLLM 0.23.0 (`GPUModelRunner.load_model`'s mode-1 call, `CompilationConfig.mode` / `cudagraph_mode`).
 That vLLM-Ascend declares torch 2.10.0 / torch_npu 2.10.0.post4 (its versioning policy); this plug-in
-calls no torch_npu API itself, while the `npu` runtime it compiles for was written against torch_npu
-2.14.0's (torch 2.14; whether torch_npu 2.10 has every API it binds was not determined: docs/ascend.md).
+calls no torch_npu API itself; the `npu` runtime it compiles for binds only APIs that torch_npu 2.10.0.post4
+and 2.14.0 both offer with the same schemas (both wheels read: docs/ascend.md), and the whole suite runs on
+torch 2.10.0 in CI.
 No vLLM-Ascend for vLLM 0.33 existed when it was written; the backend it installs refuses a vLLM other
 than 0.23 / 0.33 at start-up (`releases.SUPPORTED`). Tested on
 vLLM's own code with a stand-in `NPUModelRunner` (vLLM-Ascend's does not import on a CPU: docs/vllm.md).
