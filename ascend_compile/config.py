@@ -94,6 +94,12 @@ class CompileConfig:
             every in-place input (parameters included) is checked each step, and one that moved
             (`p.data = t`, a module moved away and back) is captured again. A parameter that moves
             under True feeds the graph stale memory; KV caches and buffers are checked either way.
+        save_cache_rows: before every step, save the KV-cache rows its cache writes will overwrite and
+            put them back if the step raises (one gather per written cache, every step, outside the
+            graph: `lowering/undo.py`). False (the default), as serving runtimes run: a step that raises
+            has written at most its own tokens' slots, the error says which (sequences, slot range), and
+            the same step run again (as vLLM re-schedules it) writes them anew. Inputs a plain op writes
+            whole (a step counter) are saved either way. For tests and the differential tester.
         verify: check each captured graph's first replay against the step run eagerly (outputs and
             every input the step writes, within a tolerance per dtype); a graph that differs is
             logged, recorded in plan.json and serves its steps eagerly. None: on for the devices
@@ -126,6 +132,7 @@ class CompileConfig:
     sim_overflow: str = "write"
     max_specializations: int = 8
     frozen_parameters: bool = False
+    save_cache_rows: bool = False
     verify: bool | None = None
     verify_every: int = 0
     dump_dir: str | None = None
@@ -166,7 +173,8 @@ class CompileConfig:
         _check_choice("runtime", self.runtime, RUNTIMES)
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("sim_overflow", self.sim_overflow, SIM_OVERFLOW)
-        for name in ("share_workspace", "clone_outputs", "capture_all", "retrace_static", "frozen_parameters"):
+        for name in ("share_workspace", "clone_outputs", "capture_all", "retrace_static", "frozen_parameters",
+                     "save_cache_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.verify is not None and not isinstance(self.verify, bool):

@@ -44,7 +44,7 @@ def measure(layers: int, batch: int, layout: str, repeat: int = 50) -> dict[str,
     saves, restores = [], []
     for _ in range(repeat):
         start = time.perf_counter()
-        undo = plan.save(args)
+        undo = plan.save(args, rows_wanted=True)
         saves.append(time.perf_counter() - start)
         start = time.perf_counter()
         undo.restore()

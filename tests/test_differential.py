@@ -105,6 +105,7 @@ def setups(draw) -> Setup:
     options: dict[str, Any] = dict(
         capture_sizes=capture_sizes,
         max_model_len=max_model_len,
+        save_cache_rows=True,  # a step that raises must leave every cache as before (`step`)
         runtime=runtime,
         kernel_policy=policy,
         capture_all=draw(st.booleans()),

@@ -140,31 +140,49 @@ def _written(model: torch.nn.Module, inputs: dict | None = None) -> list[torch.T
             *([inputs["out"]] if inputs and "out" in inputs else [])]
 
 
-def _assert_as_before(model: torch.nn.Module, before: list[torch.Tensor], inputs: dict | None = None) -> None:
+def _assert_as_before(model: torch.nn.Module, before: list[torch.Tensor], inputs: dict | None = None,
+                      own_slots: torch.Tensor | None = None) -> None:
+    """Every cache, the step count and the caller's buffer bitwise as `before`; with `own_slots` (the
+    default, caches' rows not saved) each cache's rows outside those slots only."""
     for got, want in zip(_written(model, inputs), before, strict=True):
-        assert torch.equal(got, want), "the failed step left a cache, the step count or the caller's buffer written"
+        if own_slots is not None and got.dim() >= 3 and got.shape[1] == want.shape[1]:
+            keep = torch.ones(got.shape[0] * got.shape[1], dtype=torch.bool)
+            keep[own_slots[own_slots >= 0].long()] = False
+            got, want = got.flatten(0, 1)[keep], want.flatten(0, 1)[keep]
+        assert torch.equal(got, want), "the failed step left a cache (another row), the step count or the caller's buffer written"
+
+
+def assert_names_its_rows(err: BaseException, inputs: dict, seqs: int) -> None:
+    """The failed step's note: the sequences and the slot range its tokens own, no other row."""
+    slots = sorted(v for v in inputs["slot_mapping"].tolist() if v >= 0)
+    note = " ".join(getattr(err, "__notes__", []))
+    assert f"slots {slots[0]}..{slots[-1]} ({len(set(slots))} slots), for its {seqs} sequences" in note, note
+    assert "no other row; run the same step again" in note, note
 
 
 def _layer(model: torch.nn.Module, i: int) -> torch.nn.Module:
     return (model if isinstance(model, LlamaDecoder) else model.model).layers[i]
 
 
+@pytest.mark.parametrize("save", [False, True], ids=["default", "save_cache_rows"])
 @pytest.mark.parametrize("runtime, verify, make", [("sim", False, build), ("sim", True, WritesLogits),
                                                    ("eager", None, build), ("npu", None, build),
                                                    ("sim", False, Counted)],
                          ids=["sim", "sim-verify", "eager", "npu", "sim-counted"])
-def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, verify, make, fault_in_layer,
+def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, verify, make, save, fault_in_layer,
                                                                       monkeypatch):
     """A graph's kernel raising on layer 1 of 3, after layers 0 and 1 wrote their KV rows: in a
     replay, in a first replay checked against eager (`verify`, the default on npu: eager's writes are
     undone too, a caller's buffer it wrote directly included), in a graph run op by op (runtime
     "eager"), and in a model that also counts its steps in a buffer (saved whole; its graphs are not
-    padded). Every cache (the count, the buffer) is bitwise as before the step; the graph is captured
-    again and the same step then equals eager."""
+    padded). Under `save_cache_rows` every cache (the count, the buffer) is bitwise as before the step;
+    by default (nothing of the caches saved) every row but the step's own slots is, the count and the
+    buffer too, and the error names those slots and the step's sequences. Either way the graph is
+    captured again and the same step then equals eager, and so do the steps after it."""
     cfg = _config(runtime, monkeypatch)
     model, reference = make(cfg), make(cfg)
     fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4,
-                                   runtime=runtime, verify=verify)
+                                   runtime=runtime, verify=verify, save_cache_rows=save)
     batch = PagedBatch(cfg, seed=2)
 
     def step(lens):
@@ -182,17 +200,27 @@ def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, v
             inputs = step(lens)
             before = [t.clone() for t in _written(model, inputs)]
             fault_in_layer(artifacts, _layer(model, 1).attn.key_cache)
-            with pytest.raises(InjectedFault):
+            with pytest.raises(InjectedFault) as raised:
                 fn(**inputs)
             fault_in_layer.disarm()
-            _assert_as_before(model, before, inputs)
+            _assert_as_before(model, before, inputs, None if save else inputs["slot_mapping"])
+            if not save:
+                assert_names_its_rows(raised.value, inputs, len(lens))
             expected = {**inputs, "out": inputs["out"].clone()} if "out" in inputs else inputs
             assert_close(fn(**inputs), reference(**expected))  # the same step, again
             for got, want in zip(_written(model, inputs), _written(reference, expected), strict=True):
                 assert_close(got, want)
+        for lens in ([33, 43, 53], [61, 71, 81, 91, 101]):  # later steps
+            inputs = step(lens)
+            expected = {**inputs, "out": inputs["out"].clone()} if "out" in inputs else inputs
+            assert_close(fn(**inputs), reference(**expected))
+        for got, want in zip(_written(model, inputs), _written(reference, expected), strict=True):
+            assert_close(got, want)
     assert art.stats["failed_steps"] == 2 and art.stats["eager_fallbacks"] == 0
     if runtime != "eager":  # the failed graphs were dropped, captured again, and served the steps again
-        assert art.stats["replays"] == 3 and art.stats["captures"] > captures + 2
+        assert art.stats["replays"] == 5 and art.stats["captures"] > captures + 2
+    # nothing of the caches saved by default: no work outside the graph (the count is saved whole)
+    assert (art.stats["launches_outside_graph"] == 0) == (not save and make is not Counted)
 
 
 @pytest.mark.parametrize("runtime", ["sim", "npu"])

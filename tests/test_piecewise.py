@@ -24,7 +24,8 @@ from examples.deepseek import build as build_mla
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
 from tests import test_uncapturable as uncapturable
-from tests.test_failed_steps import InjectedFault, WritesLogits, assert_close, caches, fault_in_layer  # noqa: F401
+from tests.test_failed_steps import (InjectedFault, WritesLogits, _assert_as_before, assert_close,  # noqa: F401
+                                     assert_names_its_rows, caches, fault_in_layer)
 
 MAX_LEN = 1024
 
@@ -191,17 +192,20 @@ def test_above_the_largest_piecewise_size_the_step_runs_eagerly_saying_why(caplo
     assert "above the largest piecewise size (64 tokens)" in caplog.text
 
 
+@pytest.mark.parametrize("save", [False, True], ids=["default", "save_cache_rows"])
 @pytest.mark.parametrize("runtime", ["sim", "npu"])
-def test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, fault_in_layer, monkeypatch):
+def test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, save, fault_in_layer,
+                                                                                monkeypatch):
     """The attention of layer 1 of 3 raising between pieces, after layers 0 and 1 wrote their KV rows
-    and a caller's buffer is about to be written: every cache and the buffer are bitwise as before; the
-    same step then equals eager."""
+    and a caller's buffer is about to be written: the buffer is as before, and every cache too under
+    `save_cache_rows`, else every row but the step's own slots (named in the error); the same step
+    then equals eager. By default the 50-token prefill saved nothing."""
     cfg = LlamaConfig(num_layers=3, num_blocks=512)
     if runtime == "npu":
         fake_torch_npu.install(monkeypatch)
         cfg = LlamaConfig(num_layers=3, num_blocks=128, block_size=128, dtype=torch.bfloat16)
     model, reference = WritesLogits(cfg), WritesLogits(cfg)
-    fn, artifacts = _compile(model, runtime=runtime)
+    fn, artifacts = _compile(model, runtime=runtime, save_cache_rows=save)
     batch = PagedBatch(cfg, seed=5)
 
     def step(lens, qlens):
@@ -214,11 +218,12 @@ def test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before(
         inputs = step([60, 70], [20, 30])
         before = [t.clone() for t in [*caches(model), inputs["out"]]]
         fault_in_layer(artifacts, model.model.layers[1].attn.key_cache, mark=None)
-        with pytest.raises(InjectedFault):
+        with pytest.raises(InjectedFault) as raised:
             fn(**inputs)
         fault_in_layer.disarm()
-        for got, want in zip([*caches(model), inputs["out"]], before, strict=True):
-            assert torch.equal(got, want)
+        _assert_as_before(model, before, inputs, None if save else inputs["slot_mapping"])
+        if not save:
+            assert_names_its_rows(raised.value, inputs, 2)
         expected = {**inputs, "out": inputs["out"].clone()}
         assert_close(fn(**inputs), reference(**expected))
         assert_close(inputs["out"], expected["out"])
@@ -226,6 +231,7 @@ def test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before(
             assert_close(got, want)
     art = artifacts[-1]
     assert art.stats["failed_steps"] == 1 and art.stats["piecewise_steps"] == 2
+    assert (art.stats["saved_bytes"] == 0) == (not save)
 
 
 def test_a_new_kv_cache_captures_the_pieces_again(caplog):

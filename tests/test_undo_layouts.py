@@ -38,7 +38,7 @@ def test_saved_rows_are_put_back_exactly_and_only_they(layout):
     plan = UndoPlan(rows=((0, 4), (1, 4), (2, 4), (3, 4)), whole=())
     tensors = (whole, other_whole) if whole is not key else (key, value, other_key, other_value)
     before = [t.clone() for t in tensors]
-    undo = plan.save(args)
+    undo = plan.save(args, rows_wanted=True)
     for t in tensors:
         t.fill_(7.0)  # the step wrote everything (more than its slots)
     undo.restore()

@@ -1,20 +1,16 @@
 """The runner: what `torch.compile` calls each step.
 
-Per call: read the step (one host conversion per length input), pick the bucket and its graph
-(decode or mixed), plan the step for that graph (its padded host lists), copy the inputs into the
-graph's static buffers, launch the replay, apply the update table, synchronize, copy back what
-the step writes, unpad and (by default) clone the outputs. Steps larger than every bucket run the
-original graph eagerly. Parameters, buffers and KV caches are used in place; their addresses are
-checked every step (parameters not under `frozen_parameters`) and a graph whose inputs moved is
-re-captured (`input_checks.py`); under `frozen_parameters` parameters are checked to be the same
-objects instead. Host scalars (0-d CPU tensors,
-e.g. dynamo's wrapped floats) are read at capture like any host argument, so their values are
-checked every step too.
+Per call: read the step (one host conversion per length input), pick the bucket and its graph (decode
+or mixed), plan the step for that graph (its padded host lists), copy the inputs into static buffers, launch the replay, apply the update table, synchronize, copy back what
+the step writes, unpad and (by default) clone the outputs; nothing else runs outside the graph (a
+failed step: `undo.py`). Steps no graph holds run piecewise or eagerly. Parameters, buffers and KV
+caches are used in place, their addresses checked every step (parameters: their identity under
+`frozen_parameters`), and a graph whose inputs moved is re-captured (`input_checks.py`). Host
+scalars (0-d CPU tensors, dynamo's wrapped floats) are read at capture, their values checked too.
 
-Dynamo calls the artifact (`__call__`, which reports itself to a probe set by the direct dispatcher,
-`served.py`); the direct dispatcher calls it without dynamo (`call_direct`), where moved inputs are
-not re-captured but raise `MovedInputs`, so that the step goes through dynamo's guards instead.
-Each graph, its capture and its replay, is a `GraphEntry` (`graph_entry.py`).
+Dynamo calls the artifact (`__call__`, reporting itself to the direct dispatcher's probe, `served.py`);
+the direct dispatcher calls `call_direct`, where moved inputs raise `MovedInputs` (not re-captured)
+so that the step goes through dynamo's guards. Each graph is a `GraphEntry` (`graph_entry.py`).
 """
 from __future__ import annotations
 
@@ -96,7 +92,8 @@ class CompiledArtifact:
                            for slot in rewritten.plan.slots.values()}
         #: what dynamo passes this graph, where it gets it (`dispatch/graph_inputs.py`): set by the backend
         self.graph_inputs: Any = None
-        #: what a step's graph may write in place, saved before it runs and put back if it raises (`undo.py`)
+        #: what a step's graph may write in place: inputs written whole saved before it runs and put back if
+        #: it raises, caches' rows only under `save_cache_rows`; a failed step names the rows it wrote (`undo.py`)
         self.undo = UndoPlan.of(next(iter(rewritten.variants.values())).gm, rewritten.mutations,
                                 self.written - self.copied)
         self.write_plan()
@@ -154,7 +151,7 @@ class CompiledArtifact:
         if refusal:
             return self._not_full(args, caller_args, step, direct, refusal)
         self.served[(step_kind(step), "full")] += 1
-        return self._transaction(entry.name, args, lambda: self._run_entry(entry, key, plan, args, caller_args))
+        return self._transaction(entry.name, args, step, lambda: self._run_entry(entry, key, plan, args, caller_args))
 
     def _run_entry(self, entry: GraphEntry, key: GraphKey, plan: StepPlan, args: Sequence[Any],
                    caller_args: Sequence[Any]) -> Any:
@@ -168,16 +165,20 @@ class CompiledArtifact:
             return self._verified_replay(entry, plan, args, caller_args)
         return self._replay(entry, plan)
 
-    def _transaction(self, name: str, args: Sequence[Any], run: Any) -> Any:
-        """`run()`, what the step's graph writes in place saved before: a step that raises puts it back."""
-        undo = self.undo.save(args)
+    def _transaction(self, name: str, args: Sequence[Any], step: Step, run: Any) -> Any:
+        """`run()`, what it may write in place saved before and put back if it raises, the error then
+        noting which cache rows the step may have written (`undo.py`)."""
+        undo = self.undo.save(args, self.config.save_cache_rows)
+        self.stats["launches_outside_graph"] += undo.launches
+        self.stats["saved_bytes"] += undo.nbytes
         try:
             return run()
         except BaseException as err:
             undo.restore()
             self.stats["failed_steps"] += 1
-            log.warning("ascend_compile: %s: the step raised %s; what it wrote in place is put back", name,
-                        type(err).__name__)
+            written = self.undo.failure_note(undo, args, step)
+            log.warning("ascend_compile: %s: the step raised %s; %s", name, type(err).__name__, written)
+            getattr(err, "add_note", lambda _: None)(f"ascend_compile: {name}: {written}")  # Python 3.11+
             raise
 
     def _not_full(self, args: Sequence[Any], caller_args: Sequence[Any], step: Step, direct: bool, why: str) -> Any:
@@ -199,7 +200,7 @@ class CompiledArtifact:
             self._fallbacks_logged.add(why)
         self.served[(step_kind(step), "piecewise")] += 1
         self.stats["piecewise_steps"] += 1
-        return self._transaction(graph.name, args, lambda: self.pieces.run(graph, served, step, args, caller_args))
+        return self._transaction(graph.name, args, step, lambda: self.pieces.run(graph, served, step, args, caller_args))
 
     def _replay(self, entry: GraphEntry, plan: StepPlan) -> tuple:
         """Replay `entry` for the planned step; its outputs (write-back done)."""
