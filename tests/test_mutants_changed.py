@@ -94,3 +94,19 @@ def test_pyproject_counts_for_its_requirements_not_its_entry_points(repo):
 def test_a_base_outside_the_history_runs_every_mutant(repo):
     root, _ = repo
     assert _selected(root, "0" * 40) == ["ops bug", "runner bug", "sim bug"]
+
+
+def test_every_mutants_tests_name_tests_that_exist():
+    """A mutant is caught when its tests' run fails, and pytest fails when a named test does not exist:
+    so a test renamed or re-parametrized (its id changed) would catch its mutants falsely. Every node id
+    the mutants of the main venv name is one pytest collects (the vLLM venvs' files collect nothing here)."""
+    import mutants
+
+    named = sorted({t for m in mutants.MUTANTS if not (m.vllm or m.vllm33) for t in m.tests if "::" in t})
+    files = sorted({t.split("::")[0] for t in named})
+    root = TOOLS.parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                         cwd=root, capture_output=True, text=True).stdout
+    collected = {line.strip() for line in out.splitlines() if "::" in line}
+    missing = [t for t in named if t not in collected and not any(c.startswith(t + "[") for c in collected)]
+    assert not missing, missing

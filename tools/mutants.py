@@ -480,7 +480,7 @@ MUTANTS = (
         "MLA query lengths over 16 served by a graph", "ascend_compile/passes/npu_checks.py",
         "            if refusal:\n                return f\"{name}: {refusal}\"\n",
         "            if False:\n                return f\"{name}: {refusal}\"\n",
-        (f"{NPU_MLA}::test_a_step_of_more_than_16_query_tokens_per_sequence_runs_eagerly_saying_why",),
+        (f"{NPU_MLA}::test_a_step_of_more_than_16_query_tokens_per_sequence_is_served_piecewise_saying_why",),
     ),
     Mutant(
         "MLA head-count rule removed", "ascend_compile/ops/npu_rules.py",
@@ -812,13 +812,13 @@ MUTANTS = (
     Mutant(
         "a failed step's writes not undone", "ascend_compile/lowering/runner.py",
         "            undo.restore()\n", "",
-        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-save_cache_rows]",
          f"{PIECEWISE}::test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before"),
     ),
     Mutant(
         "undo saves the rows of the first slot only", "ascend_compile/lowering/undo.py",
         "args[slot].clamp(0, capacity - 1).long()", "args[slot][:1].clamp(0, capacity - 1).long()",
-        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[eager]",),
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[eager-save_cache_rows]",),
     ),
     Mutant(
         "undo gathers slots past the cache", "ascend_compile/lowering/undo.py",
@@ -829,18 +829,36 @@ MUTANTS = (
         "undo skips inputs written whole", "ascend_compile/lowering/undo.py",
         "            whole = [(args[i], args[i].clone()) for i in self.whole if isinstance(args[i], torch.Tensor)]\n",
         "            whole = []\n",
-        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-counted]",),
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-counted-default]",),
+    ),
+    # issue 45: a step is its graph (no cache rows saved by default; a failed step names its rows)
+    Mutant(
+        "every step saves its cache rows", "ascend_compile/lowering/runner.py",
+        "undo = self.undo.save(args, self.config.save_cache_rows)", "undo = self.undo.save(args, True)",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-default]",),
+    ),
+    Mutant(
+        "a failed step's note claims its rows were put back", "ascend_compile/lowering/undo.py",
+        "        if undo.rows or not self.rows:\n", "        if True:\n",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-default]",
+         f"{PIECEWISE}::test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before"),
+    ),
+    Mutant(
+        "a failed step's note names only the first slot input's slots", "ascend_compile/lowering/undo.py",
+        "        values = sorted({v for _, slot in self.rows for v in args[slot].reshape(-1).tolist() if v >= 0})\n",
+        "        values = sorted({v for v in args[self.rows[0][1]].reshape(-1).tolist()[:1] if v >= 0})\n",
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-default]",),
     ),
     Mutant(
         "a failed replay keeps its graph", "ascend_compile/lowering/graph_entry.py",
         "            self.graph, self.verified = None, None\n", "",
-        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim]",),
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-default]",),
     ),
     Mutant(
         "npu waits for a failed step's end", "ascend_compile/runtime/npu.py",
         'must not wait for it."""\n        self._previous_step = self.npu.Event()\n        self._steps = 0\n',
         'must not wait for it."""\n',
-        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[npu]",),
+        (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[npu-default]",),
     ),
     Mutant(
         "a failed capture keeps what its run wrote", "ascend_compile/lowering/graph_entry.py",
