@@ -96,17 +96,25 @@ def test_a_base_outside_the_history_runs_every_mutant(repo):
     assert _selected(root, "0" * 40) == ["ops bug", "runner bug", "sim bug"]
 
 
-def test_every_mutants_tests_name_tests_that_exist():
-    """A mutant is caught when its tests' run fails, and pytest fails when a named test does not exist:
-    so a test renamed or re-parametrized (its id changed) would catch its mutants falsely. Every node id
-    the mutants of the main venv name is one pytest collects (the vLLM venvs' files collect nothing here)."""
+
+class _Worker:
+    """A mutant worker's answer, as `Worker.run` gives it: pytest's exit status and its output."""
+
+    def __init__(self, code: int, output: str) -> None:
+        self.answer = code, output
+
+    def run(self, root, tests):
+        return self.answer
+
+
+def test_a_mutant_naming_a_test_that_does_not_exist_is_an_error_not_caught():
+    """pytest fails (exit 4) when a named test does not exist: a renamed test would catch its mutants
+    falsely (an MLA mutant did, until this check)."""
     import mutants
 
-    named = sorted({t for m in mutants.MUTANTS if not (m.vllm or m.vllm33) for t in m.tests if "::" in t})
-    files = sorted({t.split("::")[0] for t in named})
-    root = TOOLS.parent
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-                         cwd=root, capture_output=True, text=True).stdout
-    collected = {line.strip() for line in out.splitlines() if "::" in line}
-    missing = [t for t in named if t not in collected and not any(c.startswith(t + "[") for c in collected)]
-    assert not missing, missing
+    with pytest.raises(LookupError, match=r"tests/test_x.py::test_gone\[a\].*update the mutant"):
+        mutants.run_tests(("tests/test_x.py::test_gone[a]",), Path("."),
+                          _Worker(4, "ERROR: not found: /r/tests/test_x.py::test_gone[a]\n(no match in any of [<Module>])"))
+    assert mutants.run_tests(("tests/test_x.py::test_one",), Path("."),
+                             _Worker(1, "FAILED tests/test_x.py::test_one - assert 1 == 2")) == (True, "tests/test_x.py::test_one")
+    assert mutants.run_tests(("tests/test_x.py::test_one",), Path("."), _Worker(0, "1 passed")) == (False, "pytest exit 0")

@@ -63,9 +63,7 @@ def test_import_warns_once_on_an_untested_torch():
     on the package's logger (printed by logging's last-resort handler, no configuration needed)."""
     code = "import torch; torch.__version__ = '2.9.1'; import ascend_compile"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stderr.count("torch 2.9.1 is untested") == 1, out.stderr
-    tested = subprocess.run([sys.executable, "-c", "import ascend_compile"], capture_output=True, text=True, check=True)
-    assert "untested" not in tested.stderr
+    assert out.stderr.count("torch 2.9.1 is untested") == 1, out.stderr  # (a tested torch: no warning, above)
 
 
 def _direct_steps(model):

@@ -1186,8 +1186,13 @@ class Worker:
 
 
 def run_tests(tests: tuple[str, ...], root: Path, worker: Worker) -> tuple[bool, str]:
-    """(whether the tests failed, the first failing test) in the copy under `root`, run by `worker`."""
+    """(whether the tests failed, the first failing test) in the copy under `root`, run by `worker`.
+    A test that does not exist (renamed, re-parametrized) fails pytest too, which would count the mutant
+    caught: that raises `LookupError` naming it instead."""
     code, output = worker.run(root, tests)
+    missing = [line.split("not found:", 1)[1].strip() for line in output.splitlines() if "ERROR: not found:" in line]
+    if missing or code == 4:  # pytest's usage error: a named test it could not collect
+        raise LookupError(f"the tests {missing or tests} do not exist (update the mutant): pytest exit {code}")
     failed = [line.split()[1] for line in output.splitlines()
               if line.startswith(("FAILED tests/", "ERROR tests/"))]  # not a log line ("ERROR 12-01 ...")
     return code != 0, (failed[0] if failed else f"pytest exit {code}")
