@@ -111,14 +111,14 @@ MUTANTS = (
         'DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "direct"}',
         'DEFAULTS: dict[str, Any] = {"frozen_parameters": True, "dispatch": "dynamo"}',
         ("tests/test_vllm_real.py::test_steps_after_the_first_compiled_one_skip_dynamo_and_a_failed_check_goes_through_it",),
-        vllm=True,
+        vllm33=True,  # the fast path is armed on vLLM 0.33's torch 2.14, not on 0.23's 2.11
     ),
     Mutant(
         "direct vLLM steps skip the deferred compile's per-step checks", "ascend_compile/integrations/vllm/deferred.py",
         "        return self._step(tuple(args), direct=True)\n",
         "        return self.compiled.call_direct(args)\n",
         ("tests/test_vllm_real.py::test_a_request_longer_than_our_max_model_len_runs_as_traced_not_failing_the_engine",),
-        vllm=True,
+        vllm33=True,  # the fast path is armed on vLLM 0.33's torch 2.14, not on 0.23's 2.11
     ),
     Mutant(
         "a direct call runs with tensor-subclass dispatch on", "ascend_compile/dispatch/route.py",
