@@ -102,6 +102,7 @@ class _Worker:
 
     def __init__(self, code: int, output: str) -> None:
         self.answer = code, output
+        self.python = sys.executable
 
     def run(self, root, tests):
         return self.answer
@@ -109,12 +110,16 @@ class _Worker:
 
 def test_a_mutant_naming_a_test_that_does_not_exist_is_an_error_not_caught():
     """pytest fails (exit 4) when a named test does not exist: a renamed test would catch its mutants
-    falsely (an MLA mutant did, until this check)."""
+    falsely (an MLA mutant did, until this check). Where the unmutated tree collects the test, the
+    mutant broke its collection: caught."""
     import mutants
 
-    with pytest.raises(LookupError, match=r"tests/test_x.py::test_gone\[a\].*update the mutant"):
-        mutants.run_tests(("tests/test_x.py::test_gone[a]",), Path("."),
-                          _Worker(4, "ERROR: not found: /r/tests/test_x.py::test_gone[a]\n(no match in any of [<Module>])"))
+    gone = "tests/test_mutants_changed.py::test_gone"
+    with pytest.raises(LookupError, match=r"test_mutants_changed.py::test_gone.*update the mutant"):
+        mutants.run_tests((gone,), Path("."), _Worker(4, f"ERROR: not found: /r/{gone}\n(no match in any of [<Module>])"))
+    here = "tests/test_mutants_changed.py::test_nothing_changed_runs_nothing"
+    assert mutants.uncollected((here,), sys.executable) == []
+    assert mutants.run_tests((here,), Path("."), _Worker(4, f"ERROR: not found: /r/{here}")) == (True, "pytest exit 4")
     assert mutants.run_tests(("tests/test_x.py::test_one",), Path("."),
                              _Worker(1, "FAILED tests/test_x.py::test_one - assert 1 == 2")) == (True, "tests/test_x.py::test_one")
     assert mutants.run_tests(("tests/test_x.py::test_one",), Path("."), _Worker(0, "1 passed")) == (False, "pytest exit 0")

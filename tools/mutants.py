@@ -1162,6 +1162,7 @@ class Worker:
     """A `--worker` process of one interpreter, for one scratch copy at a time."""
 
     def __init__(self, python: str) -> None:
+        self.python = python
         self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
@@ -1188,14 +1189,24 @@ class Worker:
 def run_tests(tests: tuple[str, ...], root: Path, worker: Worker) -> tuple[bool, str]:
     """(whether the tests failed, the first failing test) in the copy under `root`, run by `worker`.
     A test that does not exist (renamed, re-parametrized) fails pytest too, which would count the mutant
-    caught: that raises `LookupError` naming it instead."""
+    caught: where pytest found no test of a name, the unmutated tree is asked, and a name it does not
+    collect either raises `LookupError` (a mutant that breaks its tests' collection is caught)."""
     code, output = worker.run(root, tests)
-    missing = [line.split("not found:", 1)[1].strip() for line in output.splitlines() if "ERROR: not found:" in line]
-    if missing or code == 4:  # pytest's usage error: a named test it could not collect
-        raise LookupError(f"the tests {missing or tests} do not exist (update the mutant): pytest exit {code}")
+    if "ERROR: not found:" in output:
+        missing = uncollected(tests, worker.python)
+        if missing:
+            raise LookupError(f"the tests {missing} do not exist (update the mutant)")
     failed = [line.split()[1] for line in output.splitlines()
               if line.startswith(("FAILED tests/", "ERROR tests/"))]  # not a log line ("ERROR 12-01 ...")
     return code != 0, (failed[0] if failed else f"pytest exit {code}")
+
+
+def uncollected(tests: tuple[str, ...], python: str) -> list[str]:
+    """Which of `tests` pytest does not collect in the unmutated tree, run by `python`."""
+    out = subprocess.run([python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *tests],
+                         cwd=ROOT, capture_output=True, text=True)
+    lines = (out.stdout + out.stderr).splitlines()
+    return [line.split("not found:", 1)[1].strip() for line in lines if "ERROR: not found:" in line]
 
 
 def _scratch_copy(root: Path) -> None:
