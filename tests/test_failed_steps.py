@@ -245,13 +245,14 @@ def test_a_capture_failing_on_a_later_layer_leaves_the_inputs_it_wrote_as_before
     assert torch.equal(model.calls, reference.calls) and artifacts[-1].stats["replays"] == 1
 
 
-def test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it():
-    """The undo log reads the step's slots before the graph runs: a slot past the cache is clamped
-    there (a gather would fail first, with no name), so the cache write refuses it by name, and
-    nothing of the step stays written."""
+@pytest.mark.parametrize("save", [False, True], ids=["default", "save_cache_rows"])
+def test_a_slot_past_the_cache_is_refused_by_the_cache_write_naming_it(save):
+    """The cache write refuses a slot past the cache by name, and nothing of the step stays written.
+    Under `save_cache_rows` the undo log reads the step's slots before the graph runs: a slot past the
+    cache is clamped there (a gather would fail first, with no name)."""
     cfg = LlamaConfig(num_layers=2, num_blocks=1024)
     model, reference = build(cfg), build(cfg)
-    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4,))
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4,), save_cache_rows=save)
     batch = PagedBatch(cfg, seed=4)
     with torch.no_grad():
         for lens in ([30, 40], [31, 41, 51]):
