@@ -831,6 +831,13 @@ MUTANTS = (
         "            whole = []\n",
         (FAILED_STEPS + "::test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before[sim-counted-default]",),
     ),
+    # issue 44: torch 2.10's dynamo misses a parameter's requires_grad switched on: the runner checks
+    Mutant(
+        "grad-mode steps replay without autograd", "ascend_compile/lowering/runner.py",
+        '        if torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in args):\n',
+        "        if False:\n",
+        ("tests/test_direct_soundness.py::test_the_runner_itself_runs_a_step_needing_autograd_as_traced",),
+    ),
     # issue 45: a step is its graph (no cache rows saved by default; a failed step names its rows)
     Mutant(
         "every step saves its cache rows", "ascend_compile/lowering/runner.py",

@@ -126,7 +126,10 @@ class CompiledArtifact:
         self.stats.update(steps=sign, host_conversions=sign * step.reads, host_copies=sign * step.copies)
 
     def _step(self, args: Sequence[Any], caller_args: Sequence[Any], direct: bool) -> Any:
-        """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata)."""
+        """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata). Under grad
+        mode with an input requiring grad (which dynamo 2.10's guards miss) it runs as traced, with autograd."""
+        if torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in args):
+            return self._fallback(caller_args, "grad mode is on and an input requires grad (autograd kept)")
         step = read_step(self.signature, args, self.config.max_model_len, self.target.host_lengths,
                          self.rewritten.prologue.host_copies(caller_args))
         self._count(step, 1)
@@ -207,9 +210,8 @@ class CompiledArtifact:
         self.stats["updates"] += entry.replay(self.runtime, plan, self.target.updates, self.seconds)
         self.stats["replays"] += 1
         entry.replays += 1
-        step = plan.step
-        narrowed = entry.output_views(step.symbols, self.rewritten.write_back.outputs)
-        return returned_outputs(narrowed, self.config.clone_outputs, entry.staging.copy_back(step))
+        narrowed = entry.output_views(plan.step.symbols, self.rewritten.write_back.outputs)
+        return returned_outputs(narrowed, self.config.clone_outputs, entry.staging.copy_back(plan.step))
 
     def _verified_replay(self, entry: GraphEntry, plan: StepPlan, args: Sequence[Any], caller_args: Sequence[Any]
                          ) -> Any:
@@ -298,10 +300,8 @@ class CompiledArtifact:
         return bool(moved)
 
     def _log_change(self, entry: GraphEntry, moved: list[int], args: Sequence[Any]) -> None:
-        """One short WARNING per change of the in-place inputs (e.g. a new KV cache): how many inputs
-        of which kind, the graph re-captured, how many other graphs will be; the same change found
-        by those graphs later, and every input's name, at DEBUG only (issue 24: the names of eight
-        KV-cache views once per bucket made each new cache a screenful)."""
+        """One short WARNING per change of the in-place inputs (a new KV cache): how many inputs of which
+        kind, the graph re-captured, how many others will be; the rest at DEBUG (issue 24)."""
         log.debug("ascend_compile: %s: inputs changed since its capture: %s", entry.name, [self.names[i] for i in moved])
         event = entry.captured_inputs.event(args, moved)
         if event == self._last_change:
