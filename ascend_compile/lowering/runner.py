@@ -1,9 +1,9 @@
 """The runner: what `torch.compile` calls each step.
 
 Per call: read the step (one host conversion per length input), pick the bucket and its graph (decode
-or mixed), plan the step for that graph (its padded host lists), copy the inputs into static buffers, launch the replay, apply the update table, synchronize, copy back what
-the step writes, unpad and (by default) clone the outputs; nothing else runs outside the graph (a
-failed step: `undo.py`). Steps no graph holds run piecewise or eagerly. Parameters, buffers and KV
+or mixed), plan the step for that graph (its padded host lists), copy the inputs into static buffers,
+launch the replay, apply the update table, synchronize, copy back what the step writes, unpad and (by
+default) clone the outputs; nothing else runs outside the graph (a failed step: `undo.py`). Steps no graph holds run piecewise or eagerly. Parameters, buffers and KV
 caches are used in place, their addresses checked every step (parameters: their identity under
 `frozen_parameters`), and a graph whose inputs moved is re-captured (`input_checks.py`). Host
 scalars (0-d CPU tensors, dynamo's wrapped floats) are read at capture, their values checked too.
