@@ -2,13 +2,15 @@
 
 Each rank holds a slice of the unsplit `examples.llama` model: its share of the attention heads and
 KV heads (column-parallel QKV, its own slice of the KV cache) and of the MLP (column-parallel
-gate/up); the attention output and MLP down projections are row-parallel and end in a functional
-`all_reduce(x, "sum", group)` (`_c10d_functional.all_reduce` + `wait_tensor` in the traced graph).
+gate/up); the attention output and MLP down projections are row-parallel and end in an all-reduce:
+a functional `all_reduce(x, "sum", group)` (`_c10d_functional.all_reduce` + `wait_tensor` in the
+traced graph), or, with `--custom-op`, a Python custom op whose body calls `dist.all_reduce` in place,
+as vLLM's `torch.ops.vllm.all_reduce` does on CUDA (`c10d.allreduce_` on the device's stream).
 Embedding, norms and head are replicated. Every rank compiles its shard and compares it, at every
 step, with the unsplit model run eagerly in the same process on the same inputs.
 
     python -m examples.tensor_parallel [--runtime sim|eager] [--dynamic] [--new-group] [--plain-tensors]
-                                       [--world 4 --tp 2]
+                                       [--custom-op] [--world 4 --tp 2]
 
 Exit status 0 when every step matches on every rank. `tests/test_tensor_parallel.py` runs the same
 code (`spawn_ranks`, `Case`).
@@ -57,11 +59,46 @@ def schedule(seed: int = 11) -> list[tuple[list[int], list[int]]]:
     return [([rng.randint(q, MAX_LEN) for q in query_lens], list(query_lens)) for query_lens in STEPS]
 
 
+#: The groups `tp_example::all_reduce` reduces over, by name (a custom op takes no process group).
+GROUPS: dict[str, Any] = {}
+
+
+@torch.library.custom_op("tp_example::all_reduce", mutates_args=())
+def custom_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of `x` over the ranks of group `group_name`: a copy reduced in place by
+    `dist.all_reduce`, the shape of vLLM's `torch.ops.vllm.all_reduce` (`_all_reduce_out_place`)."""
+    out = x.clone()
+    dist.all_reduce(out, group=GROUPS[group_name])
+    return out
+
+
+@custom_all_reduce.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def group_name(group: Any) -> str:
+    """`group`'s name for `tp_example::all_reduce`, registered in `GROUPS` (before any trace, as
+    vLLM names its groups when it creates them)."""
+    name = dist.distributed_c10d._get_group_name(group) if group is not dist.group.WORLD else "world"
+    GROUPS[name] = group
+    return name
+
+
+def all_reduce(x: torch.Tensor, group: Any, name: str | None) -> torch.Tensor:
+    """The sum of `x` over `group`'s ranks: functional, or through `tp_example::all_reduce` when
+    the group's `name` is given."""
+    if name is None:
+        return funcol.all_reduce(x, "sum", group)
+    return custom_all_reduce(x, name)
+
+
 class TPLayer(nn.Module):
     """A decoder layer holding `1/world` of the heads, KV heads and MLP of `examples.llama`'s."""
 
-    def __init__(self, cfg: LlamaConfig, world: int, group: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, world: int, group: Any, custom_op: bool = False) -> None:
         super().__init__()
+        self.group_name = group_name(group) if custom_op else None
         assert cfg.num_heads % world == 0 and cfg.num_kv_heads % world == 0 and cfg.ffn_size % world == 0
         self.cfg, self.group = cfg, group
         self.heads, self.kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
@@ -86,24 +123,27 @@ class TPLayer(nn.Module):
         out = torch.ops.ascend.attention(
             q, self.key_cache, self.value_cache, block_table, seq_lens, query_start_loc, cfg.head_dim**-0.5
         )
-        x = x + funcol.all_reduce(self.o(out.reshape(tokens, -1)), "sum", self.group)
+        x = x + all_reduce(self.o(out.reshape(tokens, -1)), self.group, self.group_name)
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + funcol.all_reduce(self.down(nn.functional.silu(gate) * up), "sum", self.group)
+        return x + all_reduce(self.down(nn.functional.silu(gate) * up), self.group, self.group_name)
 
 
 class TPDecoder(LlamaDecoder):
     """Replicated embedding, final norm and head around tensor-parallel layers; same inputs and
     outputs as `examples.llama.LlamaDecoder`."""
 
-    def __init__(self, cfg: LlamaConfig, world: int, group: Any) -> None:
-        super().__init__(cfg, make_layer=lambda: TPLayer(cfg, world, group))
+    def __init__(self, cfg: LlamaConfig, world: int, group: Any, custom_op: bool = False) -> None:
+        super().__init__(cfg, make_layer=lambda: TPLayer(cfg, world, group, custom_op))
 
 
-def shard(full: LlamaDecoder, rank: int, world: int, group: Any, plain_tensors: bool = False) -> TPDecoder:
+def shard(
+    full: LlamaDecoder, rank: int, world: int, group: Any, plain_tensors: bool = False, custom_op: bool = False
+) -> TPDecoder:
     """Rank `rank`'s slice of the unsplit `full` model (weights and KV cache copied, not shared).
-    `plain_tensors`: hold every weight as a plain tensor attribute instead of an `nn.Parameter`."""
+    `plain_tensors`: hold every weight as a plain tensor attribute instead of an `nn.Parameter`;
+    `custom_op`: all-reduce through `tp_example::all_reduce`."""
     cfg = full.cfg
-    tp = TPDecoder(cfg, world, group)
+    tp = TPDecoder(cfg, world, group, custom_op)
     d, f = cfg.head_dim, cfg.ffn_size // world
     h, kv = cfg.num_heads // world, cfg.num_kv_heads // world
     q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -146,6 +186,7 @@ class Case:
     plain_tensors: bool = False
     tp_size: int | None = None  # ranks per TP group (consecutive ranks; new groups); None: the world
     steps: int | None = None  # run only the first `steps` steps of the schedule
+    custom_op: bool = False  # all-reduce through a custom op calling dist.all_reduce (vLLM's shape)
 
 
 def tp_group(case: Case, rank: int, world: int) -> tuple[Any, int, int]:
@@ -164,7 +205,7 @@ def run_case(case: Case, rank: int, world: int, cfg: LlamaConfig) -> dict[str, A
     torch._dynamo.reset()
     group, tp_rank, tp_size = tp_group(case, rank, world)
     full = build(cfg, seed=0)
-    model = shard(full, tp_rank, tp_size, group, case.plain_tensors)
+    model = shard(full, tp_rank, tp_size, group, case.plain_tensors, case.custom_op)
     artifacts: list[Any] = []
     config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=CAPTURE_SIZES, runtime=case.runtime)
     backend = ascend_compile.backend(config, on_compiled=artifacts.append)
@@ -234,10 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
     parser.add_argument("--new-group", action="store_true", help="all_reduce over dist.new_group, not WORLD")
     parser.add_argument("--plain-tensors", action="store_true", help="weights as plain tensors, not Parameters")
+    parser.add_argument("--custom-op", action="store_true", help="all-reduce through a custom op (vLLM's shape)")
     parser.add_argument("--world", type=int, default=2, help="number of ranks")
     parser.add_argument("--tp", type=int, default=None, help="ranks per TP group (default: the world)")
     opts = parser.parse_args(argv)
-    case = Case("example", opts.runtime, opts.dynamic, opts.new_group, opts.plain_tensors, opts.tp)
+    case = Case("example", opts.runtime, opts.dynamic, opts.new_group, opts.plain_tensors, opts.tp,
+                custom_op=opts.custom_op)
     print(f"{opts.world} ranks, {case}")
     ok = True
     for rank, results in enumerate(spawn_ranks([case], world=opts.world)):

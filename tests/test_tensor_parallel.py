@@ -25,6 +25,9 @@ CASES = (
     Case("eager_dynamic", runtime="eager", dynamic=True),
     Case("sim_new_group", runtime="sim", new_group=True),
     Case("sim_dynamic_plain_tensors", runtime="sim", dynamic=True, plain_tensors=True),
+    # vLLM's shape on CUDA: a custom op whose body calls dist.all_reduce in place (c10d.allreduce_);
+    # a replay that does not reduce again returns each rank's partial sums
+    Case("sim_custom_op", runtime="sim", custom_op=True),
 )
 
 

@@ -121,6 +121,12 @@ MUTANTS = (
         vllm33=True,  # the fast path is armed on vLLM 0.33's torch 2.14, not on 0.23's 2.11
     ),
     Mutant(
+        "the simulator runs c10d's collectives at capture only, never at replay", "ascend_compile/runtime/sim/kernels.py",
+        'TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d"})\n',
+        'TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})\n',
+        ("tests/test_tensor_parallel.py::test_every_step_on_every_rank_matches_the_unsplit_model",),
+    ),
+    Mutant(
         "a direct call runs with tensor-subclass dispatch on", "ascend_compile/dispatch/route.py",
         "            if self.torch_function_disabled:\n",
         "            if False:\n",

@@ -35,6 +35,9 @@ HOST_READ_METHODS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy})
 #: Namespace of the functional collectives, and the op that waits for one to complete.
 COLLECTIVES = "_c10d_functional"
 WAIT_TENSOR = "_c10d_functional::wait_tensor"
+#: Namespace of c10d's own collectives (`dist.all_reduce` is `c10d.allreduce_`): in place, and
+#: returning a `Work` the caller waits on.
+C10D = "c10d"
 
 
 def is_view(func: torch._ops.OpOverload) -> bool:
@@ -67,6 +70,11 @@ def completes_at_wait(func: torch._ops.OpOverload) -> bool:
     """True for a functional collective: it returns before its work is done, and c10d keys that work
     by the output's storage, so the output is written, and may be read, only once it is waited on."""
     return func.namespace == COLLECTIVES and not is_wait(func)
+
+
+def is_c10d_collective(func: torch._ops.OpOverload) -> bool:
+    """True for one of c10d's own collectives, which return the `Work` to wait on with their result."""
+    return func.namespace == C10D
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -3,14 +3,18 @@
 Capture runs each recorded op once and a replay runs its tasks again; both go through `Launcher`,
 so the two behave alike: a `wait_tensor` first completes the collective in flight to its operand,
 and a kernel short of workspace overruns it into its neighbours (`overrun.py`) or raises, by the
-runtime's `overflow` option. Its own module so that tasks can run without knowing the runtime.
+runtime's `overflow` option; a c10d collective (`dist.all_reduce`'s `c10d.allreduce_`) completes
+before the next task, as a collective issued on the stream does. Its own module so that tasks can run without knowing the runtime.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ...errors import CaptureError, ReplayError, WorkspaceTooSmall
-from .classify import is_wait
+import torch
+import torch.utils._pytree as pytree
+
+from .classify import is_c10d_collective, is_wait
 from .collectives import InFlight
 from .memory import SimMemory
 from .overrun import widen_workspace
@@ -36,11 +40,22 @@ class Launcher:
         if is_wait(op):
             self.in_flight.complete(args[0] if args else kwargs["tensor"])
         try:
-            return op(*args, **kwargs)
+            return wait_work(op, op(*args, **kwargs))
         except WorkspaceTooSmall as err:
             if self.overflow == "raise":
                 err.args = (f"{err.args[0]} [in {label}]",)
                 raise
             error = CaptureError if capturing else ReplayError
             args, kwargs = widen_workspace(op, args, kwargs, err, label, self.memory.locate, error)
-        return op(*args, **kwargs)
+        return wait_work(op, op(*args, **kwargs))
+
+
+def wait_work(op: Any, result: Any) -> Any:
+    """`result`, once the work a c10d collective returned with it is done: on the device the
+    collective runs on the stream, in order, so the next task reads its result. `dist.all_reduce`
+    waits too, but only on its own call, never on a replay's."""
+    if is_c10d_collective(op):
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, torch.ScriptObject):
+                torch._C._distributed_c10d.Work.unbox(leaf).wait()
+    return result
