@@ -58,6 +58,11 @@ class CpuFlashAttnPlatform(Platform):
         return 1
 
     @classmethod
+    def use_custom_op_collectives(cls) -> bool:
+        """As CUDA's: collectives through `torch.ops.vllm.all_reduce` and its kin."""
+        return True
+
+    @classmethod
     def opaque_attention_op(cls) -> bool:
         """As CUDA's: the model calls `torch.ops.vllm.unified_*` (not the Python functions)."""
         return True
