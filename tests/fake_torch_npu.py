@@ -644,6 +644,10 @@ class Event:
     def wait(self, stream=None):
         self.sim.wait((stream or _fake().current()).sim)
 
+    def query(self):
+        """Whether the device has passed the record (never waits)."""
+        return self.sim.recorded
+
 
 class ExternalEvent:
     """`torch.npu.ExternalEvent`: waited on inside a graph, recorded from outside it."""
@@ -703,9 +707,14 @@ class NPUGraph:
         ctx.__exit__(exc_type, exc, tb)
 
     def replay(self):
+        """Queue the graph on the current stream. A graph with no task group (a piece: its host
+        lengths are none) then runs at once: the eager ops the host issues after it would queue
+        behind it on the device, and the fake runs those on the host as they come."""
         fake = _fake()
         fake.trace.append(("replay", fake.current()))
         self.sim.replay(fake.current().sim)
+        if not self.sim.recording.groups:
+            fake.sim.run_stream(fake.current().sim)
 
     def pool(self):
         return self._pool

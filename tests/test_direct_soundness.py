@@ -244,6 +244,29 @@ def test_parameters_assigned_under_frozen_parameters(dispatch, assign):
         assert went == [True, False, False]  # through dynamo once, then direct with the new weights
 
 
+class Headed(Wrapped):
+    """Takes a parameter as an argument: a per-call position the route does not gather once."""
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, head):
+        return self.logits(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping) @ head
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@torch.no_grad()
+def test_a_parameter_passed_as_an_argument_under_frozen_parameters(dispatch):
+    """The identity check a direct route passes once is remembered only for the objects the route
+    gathered once: a parameter argument swapped for another is seen at the next call."""
+    model, reference = Headed(build(CFG)), Headed(build(CFG))
+    reference.load_state_dict(model.state_dict())
+    heads = [nn.Parameter(torch.randn(CFG.vocab_size, 8, generator=torch.Generator().manual_seed(i)))
+             for i in range(2)]
+    fn, artifacts = compiled(model, dispatch, frozen_parameters=True)
+    batch = PagedBatch(CFG, seed=1)
+    for head in (heads[0], heads[0], heads[0], heads[1], heads[1], heads[0]):
+        step = dict(batch.step([5, 30, 9]), head=head)
+        close(fn(**step), reference(**step))
+
+
 # 8, 12 -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dispatch", DISPATCHES)

@@ -587,6 +587,32 @@ def test_context_lens_tensors_live_until_the_device_has_read_them(fake_npu):
     assert len(graph.host_tensors) == 2 and not rt.kernels.host_tensors  # the graph's; the step's freed at sync
 
 
+def test_a_piecewise_steps_host_tensors_are_held_until_the_stream_passes_its_end(fake_npu):
+    # A piecewise step does not synchronize (its eager kernels queue behind the pieces on the stream), so
+    # the host tensors its eager kernels were given (PA's context_lens; FIA's lists, here, are copied when
+    # called) are held with an event recorded at the step's end, and dropped at a later step's end once
+    # the device has passed that event, never waited for.
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK)
+    # decode steps, then above the bucket (dynamo traces the sizes dynamic at the second)
+    steps = [[10, 20, 30], [11, 21, 31, 41, 51], [12, 22, 32, 42, 52, 62], [13, 23, 33, 43, 53, 63, 73]]
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, runtime="npu", max_model_len=MAX_LEN, capture_sizes=(4,))
+    batch = PagedBatch(cfg, seed=3)
+    held = []
+    with torch.no_grad():
+        for lens in steps:
+            inputs = batch.step(lens)
+            assert_all_close([(fn(**inputs), reference(**inputs))])
+            rt = artifacts[-1].runtime
+            held.append([event for event, _ in rt._held])
+            assert not rt.kernels.host_tensors
+    stats = [a.stats for a in artifacts]
+    assert sum(s["piecewise_steps"] for s in stats) == 3 and sum(s["eager_fallbacks"] for s in stats) == 0, stats
+    assert stats[-1]["piecewise_steps"] == 3 and stats[-1]["synchronizes"] == 0, stats  # no host wait in them
+    # each piecewise step's own event; the earlier step's dropped once passed (the next pieces ran past it)
+    assert [len(h) for h in held[1:]] == [1, 1, 1] and len({id(h[0]) for h in held[1:]}) == 3
+
+
 def test_kernels_are_set_up_eagerly_before_the_first_capture(fake_npu):
     cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=128, block_size=NPU_BLOCK)
     results, _ = run_model([[10, 20, 30]], cfg, max_model_len=MAX_LEN, capture_sizes=(4,), kernel_policy="pa")

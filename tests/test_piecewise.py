@@ -47,23 +47,25 @@ def test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager(mo
     """The model of tests/test_uncapturable.py (a custom op reading device data on the host, in every
     layer): no full graph can be captured, so every step, decode or mixed, is served piecewise; each
     equals eager exactly; the op is split out of the pieces and its body never runs inside a replay
-    (on the simulator a replay runs when the device drains, here inside `synchronize`)."""
+    (on the simulator a replay's tasks run in `SimRuntime._run_tasks`, counted here); no step waits
+    for the device (`synchronizes`: the eager ops queue behind the pieces on the stream)."""
     dtype = torch.float32
     if runtime == "npu":
         fake_torch_npu.install(monkeypatch)
         dtype = torch.bfloat16
-    in_replay = {"calls": 0}
+    in_replay = {"calls": 0, "tasks": 0}
     body = uncapturable.BODY_CALLS
-    sync = SimRuntime.synchronize
+    run_tasks = SimRuntime._run_tasks
 
-    def draining(self):
+    def running(self, tasks, stream):
         before = body["compiled"]
+        in_replay["tasks"] += len(tasks)
         try:
-            return sync(self)
+            return run_tasks(self, tasks, stream)
         finally:
             in_replay["calls"] += body["compiled"] - before
 
-    monkeypatch.setattr(SimRuntime, "synchronize", draining)
+    monkeypatch.setattr(SimRuntime, "_run_tasks", running)
     monkeypatch.setattr(llama.Attention, "attend", uncapturable._attend)
     cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=128, dtype=dtype)
     model, reference = build(cfg), build(cfg)
@@ -94,7 +96,8 @@ def test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager(mo
     assert sum("cannot be captured" in why for why in reasons.values()) == 2  # one per layer
     kinds = {kind for kind, path in art.served if path == "piecewise"}
     assert {"decode", "mixed"} <= kinds
-    assert in_replay["calls"] == 0
+    assert in_replay["calls"] == 0 and in_replay["tasks"] > 0
+    assert art.stats["synchronizes"] == 0, art.stats
     # one token count serves decode and mixed steps alike: the pieces hold no lengths
     assert len({k.bucket for k, _ in art.piecewise}) < art.stats["piecewise_steps"]
 
@@ -140,6 +143,25 @@ def test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_
     text = cli.render(f"{art.rewritten.graph_dir}/plan.json", plan)
     assert "piecewise graphs: sizes" in text and "steps served, by kind" in text
     assert "run eagerly between pieces: attention kernel" in text
+
+
+def test_an_8192_token_prefill_on_pieces_saves_nothing_and_waits_for_nothing():
+    """A step is its graph, at the largest piecewise size too: an 8,192-token prefill (eight sequences
+    of 1,024) runs on the p8192 pieces with no cache row saved, no launch outside the pieces and
+    their eager nodes, and no synchronize; equal to eager in outputs and every KV cache."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=8 * 1024 // 16, block_size=16)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = _compile(model, runtime="sim", max_model_len=1024)
+    batch = PagedBatch(cfg, seed=8)
+    with torch.no_grad():
+        inputs = batch.step([1024] * 8, [1024] * 8)
+        assert_close(fn(**inputs), reference(**inputs))
+    for got, want in zip(caches(model), caches(reference), strict=True):
+        assert_close(got, want)
+    art = artifacts[-1]
+    assert {str(k) for k, _ in art.piecewise} == {"p8192"} and art.stats["piecewise_steps"] == 1
+    assert art.stats["saved_bytes"] == 0 and art.stats["launches_outside_graph"] == 0, art.stats
+    assert art.stats["synchronizes"] == 0, art.stats
 
 
 def test_the_workspace_slot_is_sized_for_every_piecewise_size_too(monkeypatch):

@@ -141,7 +141,7 @@ def test_one_dynamo_graph_serves_every_step(dispatch, monkeypatch):
     on continuous batching's own thread: direct calls are counted at the artifact."""
     direct = []
     call_direct = CompiledArtifact.call_direct
-    monkeypatch.setattr(CompiledArtifact, "call_direct", lambda self, args: (direct.append(1), call_direct(self, args))[1])
+    monkeypatch.setattr(CompiledArtifact, "call_direct", lambda self, args, fixed=None: (direct.append(1), call_direct(self, args, fixed))[1])
     model = tiny("llama")
     expected = greedy_tokens(model)
     artifacts = []

@@ -110,9 +110,9 @@ def test_parameters_of_a_parameter_subclass_go_direct_with_subclass_dispatch_off
     assert route.torch_function_disabled == wraps
     enabled, original = [], type(artifacts[0]).call_direct
 
-    def call_direct(self, args):
+    def call_direct(self, args, fixed=None):
         enabled.append(torch._C._is_torch_function_enabled())
-        return original(self, args)
+        return original(self, args, fixed)
 
     monkeypatch.setattr(type(artifacts[0]), "call_direct", call_direct)
     step = batch.step([6, 6])

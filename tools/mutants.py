@@ -1029,9 +1029,55 @@ MUTANTS = (
     ),
     Mutant(
         "piecewise: the eager nodes run before the piece they read has run", "ascend_compile/lowering/piecewise.py",
-        "                runtime.after_replay()  # what the host issues next (the eager nodes) reads its results",
+        "                runtime.after_piece()  # what the host issues next (the eager nodes) reads its results",
         "                pass",
         (f"{PIECEWISE}::test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_are_served_piecewise",),
+    ),
+    Mutant(
+        "piecewise: the simulator runs nothing of the stream before the eager nodes", "ascend_compile/runtime/sim/runtime.py",
+        "        run that stream first (`run_stream`).\"\"\"\n        self.run_stream()\n",
+        "        run that stream first (`run_stream`).\"\"\"\n",
+        (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
+    ),
+    Mutant(
+        "piecewise: a synchronize after every piece", "ascend_compile/runtime/base.py",
+        "        The simulator, which runs eager ops on the host as they are issued, runs the stream first.\"\"\"\n",
+        "        The simulator, which runs eager ops on the host as they are issued, runs the stream first.\"\"\"\n"
+        "        self.synchronize()\n",
+        (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
+    ),
+    Mutant(
+        "npu: a piecewise step's held host tensors never let go", "ascend_compile/runtime/npu.py",
+        "        self._held = [(event, held) for event, held in self._held if not event.query()]\n",
+        "",
+        ("tests/test_npu.py::test_a_piecewise_steps_host_tensors_are_held_until_the_stream_passes_its_end",),
+    ),
+    Mutant(
+        "update table: a task not re-issued is not released either (its event unrecorded)",
+        "ascend_compile/lowering/capture.py",
+        "                count += 1\n            if entry.event is not None:\n                entry.event.record()\n",
+        "                count += 1\n                if entry.event is not None:\n                    entry.event.record()\n",
+        ("tests/test_backend.py::test_a_task_whose_host_lists_did_not_change_since_the_last_replay_is_not_issued_again",),
+    ),
+    Mutant(
+        "update table: no task re-issued after the first replay, changed lengths or not",
+        "ascend_compile/lowering/capture.py",
+        "            if not persist or not entry.sources.isdisjoint(changed):\n",
+        "            if not persist:\n",
+        ("tests/test_backend.py::test_a_task_whose_host_lists_did_not_change_since_the_last_replay_is_not_issued_again",),
+    ),
+    Mutant(
+        "direct: the parameters' identity taken as checked for any route", "ascend_compile/lowering/input_checks.py",
+        "        if fixed is not None and fixed is self._verified:\n",
+        "        if fixed is not None:\n",
+        ("tests/test_direct_soundness.py::test_two_models_of_one_class_sharing_submodules",),
+    ),
+    Mutant(
+        "direct: a route's identity check remembered for a route holding only some of the objects",
+        "ascend_compile/lowering/input_checks.py",
+        "        elif fixed is not None and self._identified <= fixed:\n",
+        "        elif fixed is not None:\n",
+        ("tests/test_direct_soundness.py::test_a_parameter_passed_as_an_argument_under_frozen_parameters",),
     ),
     Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",

@@ -60,8 +60,10 @@ class Route:
 
     def __init__(self, artifact: Any, gather: Callable, build: Callable, checks: Sequence[Check],
                  namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any],
-                 torch_function_disabled: bool = False) -> None:
+                 torch_function_disabled: bool = False, fixed: frozenset[int] = frozenset()) -> None:
         self.artifact = artifact
+        #: the positions gathered once, the same objects at every call: the artifact's token for them
+        self.fixed = fixed
         #: dynamo runs this graph under `DisableTorchFunctionSubclass` (`dynamo_code.CacheEntry`): so does a direct call
         self.torch_function_disabled = torch_function_disabled
         self.used = False  # whether a call has gone straight to the graph
@@ -81,9 +83,9 @@ class Route:
         try:
             if self.torch_function_disabled:
                 with torch._C.DisableTorchFunctionSubclass():
-                    outputs = self.artifact.call_direct(graph_args)
+                    outputs = self.artifact.call_direct(graph_args, self.fixed)
             else:
-                outputs = self.artifact.call_direct(graph_args)
+                outputs = self.artifact.call_direct(graph_args, self.fixed)
         except MovedInputs as moved:
             raise Fallback("in-place inputs moved since their graph was captured", ", ".join(moved.args[0])) \
                 from None
@@ -223,4 +225,4 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
     log.debug("ascend_compile: dispatch='direct': %s: %d inputs gathered once, %d per call, %d checks",
               frame.func.__qualname__, len(gathering.state), len(gathering.per_call), len(checks))
     return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild,
-                 torch_function_disabled)
+                 torch_function_disabled, frozenset(gathering.state))

@@ -77,6 +77,19 @@ class UpdateEntry:
     frozen: dict[str, list[int]]  # host arguments as captured
     host_args: tuple[HostArg, ...]  # which host list refreshes each host argument
 
+    def __post_init__(self) -> None:
+        #: (position in `args`, host list) of each host argument, found once (not per step)
+        refreshed = with_host_lengths(self.op, list(range(len(self.args))), {a.kernel_arg: a for a in self.host_args})
+        self.positions = [(i, a.source) for i, a in enumerate(refreshed) if isinstance(a, HostArg)]
+        self.sources = frozenset(source for _, source in self.positions)
+
+    def arguments(self, host: Mapping[HostSource, list[int]]) -> list[Any]:
+        """The kernel's arguments with the step's host lists in place of the captured ones."""
+        args = list(self.args)
+        for i, source in self.positions:
+            args[i] = host[source]
+        return args
+
     def describe(self) -> dict[str, Any]:
         return {
             "node": self.node,
@@ -89,10 +102,12 @@ class UpdateEntry:
 
 
 class UpdateTable:
-    """The update entries of one captured graph, keyed by kernel node name."""
+    """The update entries of one captured graph, keyed by kernel node name, and the host lists their
+    tasks were last updated with (`issued`)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, UpdateEntry] = {}
+        self.issued: dict[HostSource, list[int]] = {}
 
     def add(self, entry: UpdateEntry) -> None:
         if entry.node in self.entries:
@@ -100,14 +115,25 @@ class UpdateTable:
         self.entries[entry.node] = entry
 
     def apply(self, runtime: TaskUpdateRuntime, host: Mapping[HostSource, list[int]]) -> int:
-        """Re-issue every entry with the step's host lists; returns the count."""
+        """Re-issue each entry with the step's host lists, and record its event; returns how many were
+        re-issued. Where the runtime's task updates persist (`TaskUpdateRuntime.task_updates_persist`),
+        an entry whose host lists all equal those last issued is not re-issued: its task already holds
+        them (each list is compared once per step, not per layer). Soundness: `issued` is set only
+        after every entry was issued, the table lives and dies with its captured graph (a capture or a
+        failed replay makes a new one), and the event is recorded either way, so the replay waits for
+        exactly what it waited for before."""
+        changed = {s for s in {s for e in self.entries.values() for s in e.sources} if self.issued.get(s) != host[s]}
+        persist = runtime.task_updates_persist and bool(self.issued)
+        count = 0
         for entry in self.entries.values():
-            args = with_host_lengths(entry.op, entry.args, {a.kernel_arg: host[a.source] for a in entry.host_args})
-            with runtime.task_update(entry.handle):
-                entry.impl(*args)
+            if not persist or not entry.sources.isdisjoint(changed):
+                with runtime.task_update(entry.handle):
+                    entry.impl(*entry.arguments(host))
+                count += 1
             if entry.event is not None:
                 entry.event.record()
-        return len(self.entries)
+        self.issued = {s: list(host[s]) for s in {s for e in self.entries.values() for s in e.sources}}
+        return count
 
     def describe(self) -> list[dict[str, Any]]:
         return [e.describe() for e in self.entries.values()]

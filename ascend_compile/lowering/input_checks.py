@@ -10,6 +10,13 @@ served by the same graph (dynamo's guards do not tell instances apart), or param
 anew (`load_state_dict(assign=True)`, a swapped submodule), are then captured again. Under plain
 `torch.compile(dynamic=True)` every norm's epsilon is such a scalar, under `ascend_compile.compile`
 (floats specialised) none is.
+
+A direct route (`dispatch/route.py`) fills the positions it gathered once (modules' parameters and
+buffers, `dispatch/gathering.py`) with the same objects on every call, from tuples made when it was
+built; it passes those positions as `fixed`, one frozenset per route, whose identity stands for them.
+Once every identified object is found at such a position and the identity check passed for a route,
+that route's later calls skip it: the objects there cannot change while the route lives (a new route
+makes a new `fixed`, a new capture a new `CapturedInputs`). Addresses and scalars are checked always.
 """
 from __future__ import annotations
 
@@ -36,18 +43,24 @@ class CapturedInputs:
         self._pointers = (gather(list(self.addresses)), list(self.addresses.values()))
         self._values = (gather(list(self.scalars)), list(self.scalars.values()))
         self._objects = (gather(list(self.objects)), tuple(self.objects.values()))
+        self._identified = frozenset(self.objects)
+        self._verified: frozenset[int] | None = None  # the `fixed` of the route whose objects were found identical
 
-    def changed(self, args: Sequence[Any]) -> list[int]:
+    def changed(self, args: Sequence[Any], fixed: frozenset[int] | None = None) -> list[int]:
         """Positions of the in-place inputs at another address, of the scalars of another value and
-        of the other objects than at capture."""
+        of the other objects than at capture (`fixed`: a direct route's, see the module docstring)."""
         (pick, pointers), (pick_scalars, values), (pick_objects, objects) = self._pointers, self._values, self._objects
         moved = []
         if list(map(torch.Tensor.data_ptr, pick(args))) != pointers:
             moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]
         if list(map(torch.Tensor.item, pick_scalars(args))) != values:
             moved += [i for i, v in self.scalars.items() if args[i].item() != v]
+        if fixed is not None and fixed is self._verified:
+            return moved
         if not all(map(operator.is_, pick_objects(args), objects)):
             moved += [i for i, obj in self.objects.items() if args[i] is not obj]
+        elif fixed is not None and self._identified <= fixed:
+            self._verified = fixed
         return moved
 
     def event(self, args: Sequence[Any], changed: Sequence[int]) -> tuple:

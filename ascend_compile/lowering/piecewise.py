@@ -7,8 +7,8 @@ The piecewise variant (`passes/pipeline.py: PiecewiseVariant`) is split once per
 no lengths, so one set of pieces serves decode, mixed and prefill steps alike. Per step, in graph order:
 - a piece: the step's values it reads from outside (the caller's inputs, eager nodes' results) copied
   into its static buffers, the real rows only (one `torch._foreach_copy_`), then its replay and the
-  runtime's `after_replay` (nothing on CUDA, whose eager work is ordered after it on the stream; a
-  synchronize on the simulator and NPU, as after a full graph's replay); values it
+  runtime's `after_piece` (nothing on a device, whose eager work queues after it on the same stream:
+  no synchronize; the simulator runs that stream's queue, as the device would have); values it
   reads from an earlier piece are that piece's static outputs themselves, in place, and weights and KV
   caches the caller's tensors, their addresses checked each step as a full graph's are;
 - an eager node: run as the runtime binds its op (`capture.run_bound`), on the real rows of the
@@ -17,6 +17,9 @@ no lengths, so one set of pieces serves decode, mixed and prefill steps alike. P
   time for every step of the piecewise sizes (`passes/workspaces.py`); where the target refuses the
   kernel the step's lengths (`Target.step_guard`: on NPU, MLA beyond 16 query tokens), every layer's
   attention op as adapted runs instead, writing the kernel's output rows.
+At the step's end, `after_piecewise_step` (NPU: the host tensors its eager kernels read are held
+until an event the stream records there has passed, never waited for). Everything the step's
+eager nodes read stays referenced until the step returns.
 Padding rows of a piece's buffers hold earlier steps' values (zeros at first): the ops of a piece are
 the padded graph's, whose real rows never read padding rows (`passes/roles.py`, the same condition
 full graphs are padded under).
@@ -314,7 +317,7 @@ class PiecewiseGraph:
                 t1 = time.perf_counter()
                 captured.graph.replay()
                 t2 = time.perf_counter()
-                runtime.after_replay()  # what the host issues next (the eager nodes) reads its results
+                runtime.after_piece()  # what the host issues next (the eager nodes) reads its results
                 seconds["copy_in"] += t1 - t0
                 seconds["launch_and_updates"] += t2 - t1
                 seconds["synchronize"] += time.perf_counter() - t2
@@ -323,6 +326,7 @@ class PiecewiseGraph:
             node = segment.node
             env[node] = self._run_eager(runtime, node, value, workspace, use_kernels)
             launches["eager_ops"] += 1
+        runtime.after_piecewise_step()
         self.replays += 1
         return list(fx.node.map_arg(self.output.args[0], value))
 

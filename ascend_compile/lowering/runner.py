@@ -1,12 +1,11 @@
 """The runner: what `torch.compile` calls each step.
 
-Per call: read the step (one host conversion per length input), pick the bucket and its graph (decode
-or mixed), plan the step for that graph (its padded host lists), copy the inputs into static buffers,
-launch the replay, apply the update table, synchronize, copy back what the step writes, unpad and (by
-default) clone the outputs; nothing else runs outside the graph (a failed step: `undo.py`). Steps no graph holds run piecewise or eagerly. Parameters, buffers and KV
-caches are used in place, their addresses checked every step (parameters: their identity under
-`frozen_parameters`), and a graph whose inputs moved is re-captured (`input_checks.py`). Host
-scalars (0-d CPU tensors, dynamo's wrapped floats) are read at capture, their values checked too.
+Per call: read the step (one host conversion per length input), pick the bucket and its graph, plan
+it (padded host lists), copy the inputs into static buffers, replay, apply the update table, the
+runtime's `after_replay`, copy back what the step writes, unpad and clone the outputs; nothing else
+runs outside the graph (a failed step: `undo.py`). Steps no graph holds run piecewise or eagerly.
+Parameters, buffers, KV caches and host scalars are used in place, checked every step, and a graph
+whose inputs moved is re-captured (`input_checks.py`).
 
 Dynamo calls the artifact (`__call__`, reporting itself to the direct dispatcher's probe, `served.py`);
 the direct dispatcher calls `call_direct`, where moved inputs raise `MovedInputs` (not re-captured)
@@ -55,7 +54,7 @@ class CompiledArtifact:
         self.target = target
         self.runtime: Runtime = target.runtime
         self.config = config
-        self.lock = threading.Lock()
+        self.lock, self.fixed = threading.Lock(), None  # fixed: the direct call's (`call_direct`)
         self.graphs: dict[tuple[GraphKey, tuple], GraphEntry] = {}
         self.specialized: dict[GraphKey, fx.GraphModule] = {}
         self.stats: collections.Counter = collections.Counter()
@@ -107,16 +106,16 @@ class CompiledArtifact:
         served.report(self, args, result)
         return result
 
-    def call_direct(self, args: Sequence[Any]) -> Any:
+    def call_direct(self, args: Sequence[Any], fixed: frozenset[int] | None = None) -> Any:
         """One step called by the direct dispatcher, not by dynamo: as `__call__`, but a graph whose
         in-place inputs moved raises `MovedInputs` instead of being captured again, so that the step
         goes through dynamo, whose guards see what else changed with them (a module converted to
-        another dtype)."""
-        return self._call(args, direct=True)
+        another dtype). `fixed`: the route's positions holding the same objects every call (`input_checks.py`)."""
+        return self._call(args, direct=True, fixed=fixed)
 
-    def _call(self, args: Sequence[Any], direct: bool) -> Any:
+    def _call(self, args: Sequence[Any], direct: bool, fixed: frozenset[int] | None = None) -> Any:
         with self.lock:
-            start = time.perf_counter()
+            self.fixed, start = fixed, time.perf_counter()
             phases = sum(self.seconds.values())
             result = self._step(self.rewritten.prologue.extend(args), args, direct)
             self.seconds["host"] += time.perf_counter() - start - (sum(self.seconds.values()) - phases)
@@ -170,10 +169,11 @@ class CompiledArtifact:
 
     def _transaction(self, name: str, args: Sequence[Any], step: Step, run: Any) -> Any:
         """`run()`, what it may write in place saved before and put back if it raises, the error then
-        noting which cache rows the step may have written (`undo.py`)."""
+        noting which cache rows the step may have written (`undo.py`); the host's waits counted."""
         undo = self.undo.save(args, self.config.save_cache_rows)
         self.stats["launches_outside_graph"] += undo.launches
         self.stats["saved_bytes"] += undo.nbytes
+        waits = self.runtime.synchronizes
         try:
             return run()
         except BaseException as err:
@@ -183,6 +183,8 @@ class CompiledArtifact:
             log.warning("ascend_compile: %s: the step raised %s; %s", name, type(err).__name__, written)
             getattr(err, "add_note", lambda _: None)(f"ascend_compile: {name}: {written}")  # Python 3.11+
             raise
+        finally:
+            self.stats["synchronizes"] += self.runtime.synchronizes - waits
 
     def _not_full(self, args: Sequence[Any], caller_args: Sequence[Any], step: Step, direct: bool, why: str) -> Any:
         """A step no full graph serves (`why`): on the piecewise graphs of the smallest piecewise size
@@ -253,8 +255,7 @@ class CompiledArtifact:
         entry.step_guard = self.target.step_guard(gm, key, self.config)
         entry.eager_reason = self.target.eager_reason(gm, key)
         entry.packed = packed_capture(gm, key, self.target.mixed_graph_kernels)
-        blocked = next((n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in self.uncapturable),
-                       None)
+        blocked = next((n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in self.uncapturable), None)
         if blocked is not None and entry.eager_reason is None:  # not tried again: its capture would fail as the first one did
             entry.eager_reason = f"{entry.name}: not captured, {self.uncapturable[blocked]}"
         return entry
@@ -269,8 +270,7 @@ class CompiledArtifact:
             if sum(1 for k, _ in self.graphs if k == key) >= self.config.max_specializations:
                 return None
             if specialization:
-                log.info("ascend_compile: %s: new value %s of the specialized sizes: capturing it", key,
-                         ", ".join(f"{s}={v}" for s, v in specialization))
+                log.info("ascend_compile: %s: new specialized sizes %s: capturing it", key, dict(specialization))
             entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
         if not isinstance(self.runtime, GraphRuntime):
             if not entry.staging.written_views and self.rewritten.write_back.located:
@@ -290,7 +290,7 @@ class CompiledArtifact:
         """Whether in-place inputs of captured `graph` (a `GraphEntry` or a `PiecewiseGraph`) moved since
         its capture, so that it must be captured again (logged, counted); a direct call raises
         `MovedInputs` instead, having run nothing of the step."""
-        moved = graph.captured_inputs.changed(args)
+        moved = graph.captured_inputs.changed(args, self.fixed if direct else None)
         if moved and direct:
             self._count(step, -1)  # the step is not run here: dynamo calls the artifact again
             raise MovedInputs([self.names[i] for i in moved])

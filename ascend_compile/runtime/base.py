@@ -99,9 +99,12 @@ class Runtime(abc.ABC):
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Static memory owned by the caller for as long as it holds the tensor."""
 
+    #: How many times the host waited for the device (`synchronize`): the runner's `synchronizes` stat.
+    synchronizes: int = 0
+
     @abc.abstractmethod
     def synchronize(self) -> None:
-        """Wait for all launched work, replays included."""
+        """Wait for all launched work, replays included (and count it in `synchronizes`)."""
 
     def kernel(self, op: Any) -> Callable[..., Any]:
         """The callable that runs an op of a graph on this runtime (warmed up, captured, and for
@@ -144,6 +147,17 @@ class GraphRuntime(Runtime):
         By default `synchronize`; a device whose later work is ordered on the same stream needs nothing."""
         self.synchronize()
 
+    def after_piece(self) -> None:
+        """After a piece's replay, before the host issues what reads its results (the eager nodes
+        between pieces): nothing on a device, where that work queues behind the replay on the same
+        stream (vLLM-Ascend's PIECEWISE replays do not synchronize either:
+        `need_sync = self.runtime_mode == CUDAGraphMode.FULL`, vllm_ascend/compilation/acl_graph.py).
+        The simulator, which runs eager ops on the host as they are issued, runs the stream first."""
+
+    def after_piecewise_step(self) -> None:
+        """At the end of a piecewise step, before the caller reads its outputs: `after_piece`."""
+        self.after_piece()
+
     def replay_failed(self) -> None:
         """After a replay, its updates or the wait for it raised (the runner drops that graph): forget
         what the runtime carries from one replay to the next. By default nothing."""
@@ -152,6 +166,13 @@ class GraphRuntime(Runtime):
 class TaskUpdateRuntime(GraphRuntime):
     """A graph runtime whose kernels take host-side lengths frozen at capture, refreshed before each
     replay by task updates, ordered by external events (Ascend's ACL graphs; the simulator)."""
+
+    #: Whether a task update stays in the graph for every later replay, so that a task whose host
+    #: arguments are unchanged need not be re-issued. ACL graphs: torch_npu re-issues the op between
+    #: `graph_task_update_begin` and `graph_task_update_end` (`npu/graphs.py`), which rewrites the
+    #: captured task's parameters (`aclmdlRICaptureTaskUpdateBegin/End`), not one replay's; the
+    #: simulator rebinds the task's operands (`tasks.OpTask.rebind`).
+    task_updates_persist: bool = True
 
     @abc.abstractmethod
     def event(self, name: str) -> ExternalEvent:

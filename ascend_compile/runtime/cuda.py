@@ -103,6 +103,7 @@ class CudaRuntime(GraphRuntime):
         return generators_kept(torch.cuda, self._device)
 
     def synchronize(self) -> None:
+        self.synchronizes += 1
         torch.cuda.synchronize(self._device)
 
     def after_replay(self) -> None:

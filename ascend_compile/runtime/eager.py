@@ -22,5 +22,6 @@ class EagerRuntime(Runtime):
         return torch.empty(shape, dtype=dtype, device=self._device)
 
     def synchronize(self) -> None:
+        self.synchronizes += 1
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)

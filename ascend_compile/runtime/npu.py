@@ -21,7 +21,8 @@ import torch
 from ..errors import AscendCompileError, CaptureError, ReplayError
 from ..ops import npu_api
 from ..ops.npu import NpuKernels, load_torch_npu
-from .base import DeviceGraph, ExternalEvent, TaskHandle, TaskUpdateRuntime, generators_kept
+from .base import DeviceGraph, TaskHandle, TaskUpdateRuntime, generators_kept
+from .npu_tasks import NpuEvent, NpuTaskHandle
 
 log = logging.getLogger("ascend_compile")
 
@@ -40,43 +41,6 @@ def available() -> bool:
     except (ImportError, OSError, RuntimeError, AttributeError) as err:
         log.debug("ascend_compile: torch_npu is not usable: %s", err)
         return False
-
-
-class NpuTaskHandle(TaskHandle):
-    """A captured task group: torch_npu's handle and the graph it belongs to."""
-
-    def __init__(self, native: Any, graph: "NpuGraph", index: int) -> None:
-        self.native = native
-        self.graph = graph
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"NpuTaskHandle({self.graph.name} group {self.index})"
-
-
-class NpuEvent(ExternalEvent):
-    """A `torch.npu.ExternalEvent`: waited on and reset by the graph on the capture stream,
-    recorded by the task update on the update stream. `name` is the FX node's."""
-
-    def __init__(self, runtime: "NpuRuntime", name: str) -> None:
-        self._runtime = runtime
-        self.name = name
-        self.native = runtime.npu.ExternalEvent()
-
-    def wait(self) -> None:
-        """Inside capture: the graph waits here until the event is recorded."""
-        self.native.wait(self._runtime.capture_stream)
-
-    def reset(self) -> None:
-        """Inside capture: clear the event so the next replay waits for a fresh record."""
-        self.native.reset(self._runtime.capture_stream)
-
-    def record(self) -> None:
-        """After the task update, on the update stream: release the graph's wait."""
-        self.native.record(self._runtime.update_stream)
-
-    def __repr__(self) -> str:
-        return f"NpuEvent({self.name!r})"
 
 
 class NpuGraph(DeviceGraph):
@@ -212,6 +176,8 @@ class NpuRuntime(TaskUpdateRuntime):
         self._captures = 0
         self._previous_step = self.npu.Event()
         self._steps = 0
+        #: host tensors given to eager kernels of piecewise steps, each list with an event marking its step's end
+        self._held: list[tuple[Any, list[torch.Tensor]]] = []
         self._graph_count = 0
         self._update: NpuTaskHandle | None = None
         self._update_ctx: contextlib.ExitStack | None = None
@@ -301,8 +267,19 @@ class NpuRuntime(TaskUpdateRuntime):
     def synchronize(self) -> None:
         """Wait for everything launched on the device: replays and updates. Host tensors passed to
         the kernels launched meanwhile are read by then and may be freed."""
+        self.synchronizes += 1
         self.npu.synchronize(self._device)
         self.kernels.take_host_tensors()
+        self._held.clear()
+
+    def after_piecewise_step(self) -> None:
+        """No synchronize: the host tensors the step's eager kernels were given (PA's `context_lens`)
+        are held until an event recorded now on the current stream has passed, checked (never waited
+        for) at each later piecewise step's end."""
+        self._held = [(event, held) for event, held in self._held if not event.query()]
+        event = self.npu.Event()
+        event.record(self.npu.current_stream())
+        self._held.append((event, self.kernels.take_host_tensors()))
 
     def kernel(self, op: Any) -> Callable[..., Any]:
         """The torch_npu binding of an ascend op (PA, FIA, MLA, the KV-cache writes); any other op runs as itself."""

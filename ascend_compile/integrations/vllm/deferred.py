@@ -88,12 +88,12 @@ class DeferredCompile:
         served.report(self, args, result)
         return result
 
-    def call_direct(self, args: Sequence[Any]) -> Any:
+    def call_direct(self, args: Sequence[Any], fixed: frozenset[int] | None = None) -> Any:
         """One step from the direct dispatcher: the same checks as `__call__`, then the artifact's
         `call_direct` (moved in-place inputs raise `MovedInputs`: the step goes through dynamo)."""
-        return self._step(tuple(args), direct=True)
+        return self._step(tuple(args), direct=True, fixed=fixed)
 
-    def _step(self, args: Sequence[Any], direct: bool) -> Any:
+    def _step(self, args: Sequence[Any], direct: bool, fixed: frozenset[int] | None = None) -> Any:
         if self.compiled is None:
             reason = self.binder.not_ready(self.layers)
             if reason is not None:
@@ -111,7 +111,7 @@ class DeferredCompile:
             return self.as_traced(args, f"a sequence is longer than max_model_len="
                                         f"{self.config.max_model_len}, the longest the graphs' workspaces were "
                                         f"sized for (set max_model_len in ASCEND_COMPILE_OPTIONS or vLLM's config)")
-        result = self.compiled.call_direct(args) if direct else self.compiled(*args)
+        result = self.compiled.call_direct(args, fixed) if direct else self.compiled(*args)
         if isinstance(self.compiled, CompiledArtifact):
             captures = self.compiled.stats["captures"] + self.compiled.stats["piecewise_captures"]
             if captures != self.captures:  # a full graph or a piecewise size captured: what graphs take now

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ...errors import CaptureError
 from .classify import all_zero, arg, one_query_token_each
 
 #: torch's own op namespaces: the device's operator library implements each of their ops as a
@@ -40,6 +41,26 @@ class DeviceKernels:
         self.fast_paths: dict[Any, str] = {}
         self.query_branches: dict[Any, str] = {}
         self.host_inputs: dict[Any, tuple[str, ...]] = {}
+        self.set_up: set[str] = set()
+
+    def first_call(self, name: str, capturing: str | None) -> None:
+        """Called by a kernel each time it runs (`capturing`: the graph being captured, if any): its
+        first call sets it up (tiling caches, binaries, allocations), which a device cannot do inside
+        a capture, so a first call during a capture raises. Run the work once eagerly before
+        capturing (`DeviceGraph.warmup`).
+
+        A model, kept because every proven capture path warms up first: torch_npu's
+        `make_graphed_callables` runs warm-up iterations between synchronizes (`npu/graphs.py`), and
+        vLLM-Ascend runs eager dummy steps before each capture (`model_runner_v1.py`, `_dummy_run`);
+        what an unwarmed first call does inside a capture is documented nowhere."""
+        if name in self.set_up:
+            return
+        if capturing is not None:
+            raise CaptureError(
+                f"{name}: first call inside the capture of {capturing}; the op sets itself up on its "
+                f"first call, which the device cannot do while capturing: run it eagerly before capturing"
+            )
+        self.set_up.add(name)
 
     def is_kernel(self, op: Any) -> bool:
         """Whether `op` (an op overload) is one device kernel: recorded as one task and run as it is."""

@@ -142,7 +142,6 @@ class SimRuntime(TaskUpdateRuntime):
         self.update_stream = self.device_queue.stream("update", priority=-1)
         self._current: list[SimStream] = []
         self._graph_count = 0
-        self._set_up: set[str] = set()
         self.zero_length_fast_path(torch.ops.ascend.paged_attention, "context_lens")
         self.zero_length_fast_path(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths_kv")
         self.zero_length_fast_path(torch.ops.ascend.mla_fused_infer_attention, "actual_seq_kvlen")
@@ -189,22 +188,8 @@ class SimRuntime(TaskUpdateRuntime):
         self.device_kernels.host_inputs[op] = names
 
     def first_call(self, name: str) -> None:
-        """Called by a kernel each time it runs: its first call sets it up (tiling caches, binaries,
-        allocations), which a device cannot do inside a capture, so a first call during a capture
-        raises. Run the work once eagerly before capturing (`DeviceGraph.warmup`).
-
-        A model, kept because every proven capture path warms up first: torch_npu's
-        `make_graphed_callables` runs warm-up iterations between synchronizes (`npu/graphs.py`), and
-        vLLM-Ascend runs eager dummy steps before each capture (`model_runner_v1.py`, `_dummy_run`);
-        what an unwarmed first call does inside a capture is documented nowhere."""
-        if name in self._set_up:
-            return
-        if self._capturing is not None:
-            raise CaptureError(
-                f"{name}: first call inside the capture of {self._capturing.name}; the op sets itself up on its "
-                f"first call, which the device cannot do while capturing: run it eagerly before capturing"
-            )
-        self._set_up.add(name)
+        """Called by a kernel each time it runs (`DeviceKernels.first_call`: no first call inside a capture)."""
+        self.device_kernels.first_call(name, self._capturing.name if self._capturing is not None else None)
 
     @property
     def device(self) -> torch.device:
@@ -320,8 +305,21 @@ class SimRuntime(TaskUpdateRuntime):
         and without autograd (so in-place writes to inference-mode caches are allowed)."""
         if self._capturing is not None:
             raise CaptureError(f"synchronize() during the capture of {self._capturing.name}")
+        self.synchronizes += 1
         with _disable_current_modes(), torch.inference_mode():
             self.device_queue.drain()
+
+    def run_stream(self, stream: Optional[SimStream] = None) -> None:
+        """Run what is queued on `stream` (default: the current one), and what it waits for, the host
+        not waiting: the work a device would have done before the host's next op on that stream,
+        which the simulator runs on the host at once. Not a synchronize."""
+        with _disable_current_modes(), torch.inference_mode():
+            self.device_queue.run_stream(stream or self.current_stream)
+
+    def after_piece(self) -> None:
+        """The eager ops the host issues next would queue behind the piece on the current stream:
+        run that stream first (`run_stream`)."""
+        self.run_stream()
 
     def weak_alias(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor at the same simulated address that does not keep the block allocated."""

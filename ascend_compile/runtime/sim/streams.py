@@ -255,6 +255,18 @@ class SimDevice:
             for stream in self.streams:
                 join(self.host, stream.clock)
 
+    def run_stream(self, stream: SimStream) -> None:
+        """Run until `stream`'s queue is empty (and whatever it waits for), the host not waiting for
+        the other streams: what a device has done when work issued next on `stream` starts. A hang
+        or a race raises and drops the queued work, as `drain`."""
+        try:
+            while stream.queue:
+                if not self._pass():
+                    raise ReplayError("; ".join(s.queue[0].blocked() for s in self.streams if s.queue))
+        except BaseException:
+            self.clear()
+            raise
+
     def advance(self, ticks: int) -> int:
         """Tick the device clock while the host goes on: up to `ticks` passes, stopping early when
         every queue is empty or blocked (the host may still issue what unblocks it); returns how
