@@ -16,6 +16,7 @@ step, best / median of `--rounds` rounds of `--calls` steps with the collector o
 dispatched to the device per step (a `TorchDispatchMode` counting top-level calls; a custom op is one)
 plus one per graph or piece replayed and one per task update issued. A second table compares, at one token count inside
 the buckets (a 32-sequence decode step), a full graph's step (its replay and task updates stubbed,
+with the step's `launches_outside_graph`, `saved_bytes` and `synchronizes` stats,
 as `cpu_runner.py --runner-only` stubs them) with the same step on pieces (compiled with buckets up
 to 16). The full graph is timed twice: its task updates stubbed too, and issued (the host
 re-issuing each layer's kernel in a task update, as on Ascend: the simulator's update machinery then
@@ -125,9 +126,11 @@ def _stub_device(art: Any, updates: bool = False) -> collections.Counter:
     for entry in art.graphs.values():
         if entry.graph is not None:
             entry.graph = _NoReplay(replays)
-    art.runtime.synchronize = lambda: None
+    art.runtime.synchronize = lambda: setattr(art.runtime, "synchronizes", art.runtime.synchronizes + 1)
     if not updates:
         art.target.updates = _NoUpdates()
+    else:  # the same step is called again and again: re-issue every task, as for steps whose lengths change
+        art.runtime.task_updates_persist = False
     return replays
 
 
@@ -139,9 +142,10 @@ def measure(layers: int, tokens: int, piecewise: bool, rounds: int, calls: int, 
         for _ in range(3):
             art(*args)
         counter = _CountLaunches()
-        before, updates = replays["replays"], art.stats["updates"]
+        before, updates, stats = replays["replays"], art.stats["updates"], dict(art.stats)
         with counter:
             art(*args)
+        outside = {k: art.stats[k] - stats.get(k, 0) for k in ("launches_outside_graph", "saved_bytes", "synchronizes")}
         # the task updates' kernels (issued inside the simulator's update mode, which the counter does not see)
         launches = counter.count + replays["replays"] - before + art.stats["updates"] - updates
         times = []
@@ -157,7 +161,7 @@ def measure(layers: int, tokens: int, piecewise: bool, rounds: int, calls: int, 
             gc.enable()
     served_by = {f"{kind}/{path}": n for (kind, path), n in art.served.items()}
     return {"best_us": round(min(times), 1), "median_us": round(statistics.median(times), 1), "launches": launches,
-            "served": served_by, "pieces": max((len(g.pieces) for g in art.piecewise.values()), default=0)}
+            **outside, "served": served_by, "pieces": max((len(g.pieces) for g in art.piecewise.values()), default=0)}
 
 
 def measure_gpu(layers: int, tokens: int, piecewise: bool, rounds: int) -> dict[str, Any]:
@@ -226,10 +230,12 @@ def main() -> None:
     for name, row in (("eager", eager), ("piecewise", pieces)):
         print(f"{name:>10} {row['best_us']:>10} {row['median_us']:>10} {row['launches']:>9}")
     print(f"pieces per step {pieces['pieces']}; launches piecewise/eager {result['launch_ratio']}")
-    print("a 32-sequence decode step (32 tokens), device stubbed: host us per step (best / median), launches")
+    print("a 32-sequence decode step (32 tokens), device stubbed: host us per step (best / median), launches; of "
+          "them outside any graph or piece (`launches_outside_graph`), bytes saved, the host's synchronizes")
     for name, row in (("full graph, updates stubbed", full_32), ("full graph, updates issued", updated_32),
                       ("piecewise", pieces_32)):
-        print(f"{name:>27} {row['best_us']:>10} {row['median_us']:>10} {row['launches']:>9}")
+        print(f"{name:>27} {row['best_us']:>10} {row['median_us']:>10} {row['launches']:>9} "
+              f"{row['launches_outside_graph']:>4} {row['saved_bytes']:>4} {row['synchronizes']:>4}")
     print(f"piecewise/full graph at 32 tokens: {pieces_32['best_us'] / updated_32['best_us']:.3f} (updates issued), "
           f"{pieces_32['best_us'] / full_32['best_us']:.3f} (updates stubbed)")
     print(f"piecewise/eager {ratio:.3f}")
