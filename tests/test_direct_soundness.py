@@ -267,6 +267,62 @@ def test_a_parameter_passed_as_an_argument_under_frozen_parameters(dispatch):
         close(fn(**step), reference(**step))
 
 
+class Listed(Wrapped):
+    """Reads a list of tensor arguments (its length) and a dict of them (its keys)."""
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, extras, named):
+        out = self.logits(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping)
+        for e in extras:
+            out = out + e
+        for key, value in named.items():
+            out = out * value if key == "scale" else out - value
+        return out
+
+
+class Flagged(Wrapped):
+    """Branches on a constant's type (`is True`): 1 equals True but takes the other branch."""
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, flag):
+        out = self.logits(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping)
+        return out * 2 if flag is True else out
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@torch.no_grad()
+def test_a_list_and_a_dict_argument_of_another_length_or_keys(dispatch):
+    """dynamo guards a list argument's length and a dict's keys (SEQUENCE_LENGTH, DICT_KEYS_MATCH);
+    the direct route must see them change (a longer list, other keys), never replay the traced graph."""
+    model, reference = pair(Listed)
+    reference.load_state_dict(model.state_dict())
+    fn, _ = compiled(model, dispatch)
+    batch = PagedBatch(CFG, seed=1)
+    t = lambda v: torch.full((CFG.vocab_size,), v)  # noqa: E731
+    for extras, named in ([t(1.0)], {"scale": t(2.0)}), ([t(1.0)], {"scale": t(2.0)}), \
+            ([t(1.0), t(3.0)], {"scale": t(2.0)}), ([t(1.0)], {"shift": t(2.0)}), ([t(1.0)], {"scale": t(2.0)}), \
+            ([t(1.0)], {"scale": t(2.0), "shift": t(1.0)}):
+        step = dict(batch.step([5, 9]), extras=extras, named=named)
+        close(fn(**step), reference(**step))
+
+
+@pytest.mark.parametrize("dispatch", DISPATCHES)
+@torch.no_grad()
+def test_a_constant_equal_in_value_but_of_another_type(dispatch):
+    """`1 == True`, but the traced branch was taken on `flag is True`: dynamo guards the constant's
+    type; so must the direct route."""
+    model, reference = pair(Flagged)
+    reference.load_state_dict(model.state_dict())
+    fn, _ = compiled(model, dispatch)
+    batch = PagedBatch(CFG, seed=1)
+    went = []
+    for flag in (True, True, True, 1, 1, True, 0, False):
+        step = dict(batch.step([5, 9]), flag=flag)
+        result, through_dynamo = call(fn, step)
+        close(result, reference(**step))
+        went.append(through_dynamo)
+    if dispatch == "direct":
+        assert went[1:3] == [False, False], went  # the route serves the traced constant
+
+
 # 8, 12 -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dispatch", DISPATCHES)

@@ -67,6 +67,11 @@ class CpuFlashAttnPlatform(Platform):
         """As CUDA's: the model calls `torch.ops.vllm.unified_*` (not the Python functions)."""
         return True
 
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        """LoRA's punica ops in pure torch (`tests/vllm_lora.py`)."""
+        return "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
+
 
 vllm.platforms._current_platform = CpuFlashAttnPlatform()
 

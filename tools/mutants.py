@@ -1080,6 +1080,24 @@ MUTANTS = (
         ("tests/test_direct_soundness.py::test_a_parameter_passed_as_an_argument_under_frozen_parameters",),
     ),
     Mutant(
+        "direct: a list argument's length not checked", "ascend_compile/dispatch/checks.py",
+        '            expr_check += f" and len({expr}) == {len(value)}"\n',
+        "            pass\n",
+        ("tests/test_direct_soundness.py::test_a_list_and_a_dict_argument_of_another_length_or_keys",),
+    ),
+    Mutant(
+        "direct: a dict argument's keys not checked", "ascend_compile/dispatch/checks.py",
+        '            expr_check += f" and list({expr}) == RK{j}"\n',
+        "            pass\n",
+        ("tests/test_direct_soundness.py::test_a_list_and_a_dict_argument_of_another_length_or_keys",),
+    ),
+    Mutant(
+        "direct: a constant argument compared by value only", "ascend_compile/dispatch/checks.py",
+        '                                f"type({expr}) is Y{j} and {expr} == C{j}"))\n',
+        '                                f"{expr} == C{j}"))\n',
+        ("tests/test_direct_soundness.py::test_a_constant_equal_in_value_but_of_another_type",),
+    ),
+    Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
         "                if targets:", "                if False:",
         (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
