@@ -120,6 +120,30 @@ def test_the_cache_rows_a_step_writes_are_compared_and_put_back():
     assert record["ok"] and record["mismatches"] == []
 
 
+def test_a_replay_wrong_only_at_slot_0_is_caught():
+    """Slot 0 is a slot like any other (the first block's first row): a replay whose only wrong write
+    is there differs from eager; padding slots (-1) are never read."""
+    cache = torch.zeros(4, 2, 1, 3)
+    slots = torch.tensor([0, 5, -1, -1])
+    signature = _signature_with(cache, slots)
+    args = [cache, slots]
+    regions = verify.written_regions(signature, {0}, args)
+    assert regions[0].rows[0].tolist() == [0, 2] and regions[0].rows[1].tolist() == [0, 1]
+
+    def eager():
+        cache.view(-1, 1, 3)[slots[slots >= 0]] = 1.0
+        return (torch.ones(2),)
+
+    def wrong_at_slot_0():
+        eager()
+        cache.view(-1, 3)[0] = 3.0
+        return (torch.ones(2),)
+
+    _, record = verify.first_replay_check("b4.decode", regions, args, eager, wrong_at_slot_0, names={0: "key_cache"},
+                                          generators_kept=generators_kept)
+    assert record["mismatches"] == ["key_cache (the step's rows): max |diff| 2 (rtol=0.001, atol=0.001)"]
+
+
 @pytest.mark.parametrize("dtype, close, far", [(torch.float32, 1e-4, 1e-2), (torch.bfloat16, 1e-2, 0.5),
                                                (torch.int64, 0, 1)])
 def test_tolerance_per_dtype(dtype, close, far):

@@ -1098,6 +1098,12 @@ MUTANTS = (
         ("tests/test_direct_soundness.py::test_a_constant_equal_in_value_but_of_another_type",),
     ),
     Mutant(
+        "verify: slot 0 left out of the step's cache rows", "ascend_compile/lowering/verify.py",
+        "    slots = torch.cat([m[m >= 0].long().flatten() for m in mappings]).unique() if mappings else None\n",
+        "    slots = torch.cat([m[m > 0].long().flatten() for m in mappings]).unique() if mappings else None\n",
+        ("tests/test_verify.py::test_a_replay_wrong_only_at_slot_0_is_caught",),
+    ),
+    Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
         "                if targets:", "                if False:",
         (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
