@@ -3,6 +3,8 @@ a compiled step that raises after some layers wrote their KV rows leaving every 
 input as before the step."""
 from __future__ import annotations
 
+import sys
+
 import torch
 import pytest
 
@@ -221,6 +223,57 @@ def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, v
         assert art.stats["replays"] == 5 and art.stats["captures"] > captures + 2
     # nothing of the caches saved by default: no work outside the graph (the count is saved whole)
     assert (art.stats["launches_outside_graph"] == 0) == (not save and make is not Counted)
+
+
+class CacheTouched(torch.nn.Module):
+    """The example model whose step also writes its first layer's key cache by a plain op (a row kept
+    at the step count, outside every slot the cache write has), and counts its steps."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.model = build(cfg)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, **inputs):
+        self.calls.add_(1)
+        cache = self.model.layers[0].attn.key_cache
+        cache[-1, -1].fill_(0).add_(self.calls)  # the last row of the last block: no step's slot
+        return self.model(**inputs)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, InjectedFault], ids=["KeyboardInterrupt", "RuntimeError"])
+def test_a_step_interrupted_mid_graph_with_a_cache_a_plain_op_writes_too(fault_in_layer, monkeypatch, interrupt):
+    """A BaseException (Ctrl-C) raised by a later layer's kernel mid-step stays what it is, with the
+    note naming the step's slots; a cache written both by its cache write (at the step's slots) and
+    by a plain op (elsewhere) is put back where the plain op wrote it (the plain op has no slot
+    contract: that cache is saved whole), the count too; the same step again and every later step
+    equal eager."""
+    cfg = LlamaConfig(num_layers=3, num_blocks=64)
+    model, reference = CacheTouched(cfg), CacheTouched(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(4, 8), pa_max_batch=4)
+    batch = PagedBatch(cfg, seed=2)
+    with torch.no_grad():
+        for lens in ([30, 40], [31, 41, 51, 61], [32, 42, 52, 62]):
+            inputs = batch.step(lens)
+            assert_close(fn(**inputs), reference(**inputs))
+        inputs = batch.step([33, 43, MARK])
+        before = [t.clone() for t in _written(model, inputs)]
+        fault_in_layer(artifacts, model.model.layers[1].attn.key_cache)
+        if interrupt is KeyboardInterrupt:  # the fixture's fault, as a KeyboardInterrupt
+            monkeypatch.setattr(sys.modules[__name__], "InjectedFault", KeyboardInterrupt)
+        with pytest.raises(interrupt) as raised:
+            fn(**inputs)
+        fault_in_layer.disarm()
+        assert type(raised.value) is interrupt
+        _assert_as_before(model, before, inputs, inputs["slot_mapping"])
+        assert_names_its_rows(raised.value, inputs, 3)
+        assert_close(fn(**inputs), reference(**inputs))  # the same step, again
+        for lens in ([34, 44, MARK + 1], [35, 45, 55, 65]):
+            inputs = batch.step(lens)
+            assert_close(fn(**inputs), reference(**inputs))
+        for got, want in zip(_written(model), _written(reference), strict=True):
+            assert_close(got, want)
+    assert sum(a.stats["failed_steps"] for a in artifacts) == 1
 
 
 @pytest.mark.parametrize("runtime", ["sim", "npu"])

@@ -15,7 +15,10 @@ and the eager copy of the model.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,7 +29,34 @@ from tests import vllm_real as real
 from vllm.config import (CacheConfig, CompilationConfig, LoRAConfig, ModelConfig, SchedulerConfig,  # noqa: E402
                          VllmConfig, set_current_vllm_config)
 from vllm.lora.layers import LoRAMapping  # noqa: E402
-from vllm.lora.model_manager import LoRAModelManager, create_lora_manager  # noqa: E402
+
+
+def _import_model_manager() -> Any:
+    """`vllm.lora.model_manager`. In 0.23 it imports `vllm.multimodal.encoder_budget` (for multimodal
+    models only), whose chain (`vllm.v1.request` -> `vllm.v1.structured_output.request`) runs the
+    `vllm.v1.structured_output` package's `__init__`, which imports the guidance and xgrammar backends
+    (`llguidance`, `xgrammar`: not installed in `.venv-vllm`). Where that fails, the package's `__init__`
+    is skipped for this import only (its submodules are vLLM's own files), then forgotten again."""
+    try:
+        return importlib.import_module("vllm.lora.model_manager")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("llguidance", "xgrammar"):
+            raise
+    import vllm.v1
+
+    name = "vllm.v1.structured_output"
+    package = types.ModuleType(name)
+    package.__path__ = [str(Path(vllm.v1.__file__).parent / "structured_output")]
+    sys.modules[name] = package
+    try:
+        return importlib.import_module("vllm.lora.model_manager")
+    finally:
+        if sys.modules.get(name) is package:
+            del sys.modules[name]
+
+
+_model_manager = _import_model_manager()
+LoRAModelManager, create_lora_manager = _model_manager.LoRAModelManager, _model_manager.create_lora_manager
 
 #: The adapters every model gets: vLLM's LoRA ids (0 is "no adapter").
 ADAPTERS = (1, 2)

@@ -1104,6 +1104,13 @@ MUTANTS = (
         ("tests/test_verify.py::test_a_replay_wrong_only_at_slot_0_is_caught",),
     ),
     Mutant(
+        "failed steps: a KeyboardInterrupt mid-step skips putting back what the step wrote",
+        "ascend_compile/lowering/runner.py",
+        "        except BaseException as err:\n            undo.restore()\n",
+        "        except Exception as err:\n            undo.restore()\n",
+        ("tests/test_failed_steps.py::test_a_step_interrupted_mid_graph_with_a_cache_a_plain_op_writes_too",),
+    ),
+    Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
         "                if targets:", "                if False:",
         (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
