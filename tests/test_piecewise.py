@@ -145,6 +145,75 @@ def test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_
     assert "run eagerly between pieces: attention kernel" in text
 
 
+class Tempered(torch.nn.Module):
+    """The example model returning two outputs: logits over a host temperature (a 0-d CPU tensor, a
+    host scalar frozen into a graph), and the logits' row sums."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.model = build(cfg)
+
+    def forward(self, temperature, **inputs):
+        logits = self.model(**inputs)
+        return logits / temperature, logits.sum(-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["default", "dynamic"])
+def test_a_host_scalar_changing_between_piecewise_steps_and_two_outputs(dynamic):
+    """Steps above the buckets on pieces, with a host scalar that changes between them (a sampling
+    temperature; under dynamic=True a plain torch.compile wraps floats so too): each step equals eager
+    in both outputs, the pieces captured again for a new value, never replayed with a stale one."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=512, block_size=16)
+    model, reference = Tempered(cfg), Tempered(cfg)
+    reference.load_state_dict(model.state_dict())
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=(4, 8))
+    fn = torch.compile(model, backend=backend(config, on_compiled=artifacts.append), dynamic=dynamic or None)
+    batch = PagedBatch(cfg, seed=4)
+    with torch.no_grad():
+        for i, temperature in enumerate((0.5, 0.5, 2.0, 2.0, 0.7, 0.5)):
+            seqs = 2 + i % 2  # the sequence count varies too: the steps are padded
+            inputs = batch.step([40 + i + 9 * j for j in range(seqs)], [20 + i] + [15] * (seqs - 1))  # above 8 tokens
+            temp = torch.tensor(temperature)
+            got, want = fn(temp, **inputs), reference(temp, **inputs)
+            for g, w in zip(got, want, strict=True):
+                assert_close(g, w)
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) >= 4, [a.stats for a in artifacts]
+
+
+def test_a_piecewise_graph_that_fails_verify_serves_no_step(monkeypatch):
+    """`verify` on pieces: a piecewise graph whose first step differs from eager (here its attention
+    kernels, run between the pieces with the artifact's workspace, read a query off by one) serves
+    neither that step (eager's result is returned) nor any later one; every step equals eager."""
+    from ascend_compile.ops import reference as kernels
+
+    def off_by_one(kernel):
+        def run(query, *args, **kwargs):
+            if any(isinstance(a, torch.Tensor) and a.data_ptr() in slots for a in args):
+                query = query + 1.0
+            return kernel(query, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(kernels, "fused_infer_attention", off_by_one(kernels.fused_infer_attention))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", verify=True)
+    batch = PagedBatch(cfg, seed=6)
+    slots: set[int] = set()
+    with torch.no_grad():
+        for lens, qlens in [([5, 9], None), ([60, 70], [30, 20]), ([61, 71, 20], [31, 21, 5]), ([90], [40]),
+                            ([7, 8, 9], None)]:
+            inputs = batch.step(lens, qlens)
+            assert_close(fn(**inputs), reference(**inputs))
+            slots.update(w.data_ptr() for a in artifacts for w in a.workspaces.values())
+    art = artifacts[-1]
+    graphs = list(art.piecewise.values())
+    assert graphs and all(g.verified is not None and not g.verified["ok"] for g in graphs), [g.describe() for g in graphs]
+    assert all("differed from eager" in g.eager_reason for g in graphs)
+    assert sum(g.replays for g in graphs) == len(graphs)  # the checked first step of each, never again
+    assert art.stats["verify_failures"] == len(graphs) and art.stats["eager_fallbacks"] >= 1
+
+
 def test_an_8192_token_prefill_on_pieces_saves_nothing_and_waits_for_nothing():
     """A step is its graph, at the largest piecewise size too: an 8,192-token prefill (eight sequences
     of 1,024) runs on the p8192 pieces with no cache row saved, no launch outside the pieces and

@@ -15,7 +15,9 @@ and the eager copy of the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import json
 import sys
 import types
@@ -57,6 +59,27 @@ def _import_model_manager() -> Any:
 
 _model_manager = _import_model_manager()
 LoRAModelManager, create_lora_manager = _model_manager.LoRAModelManager, _model_manager.create_lora_manager
+
+
+def _unpinned() -> None:
+    """No pinned host memory (pinning needs a CUDA driver): the platform says so (0.23's LoRA weights
+    ask `is_pin_memory_available()` at each allocation); `PIN_MEMORY`, read once at import, is set false
+    in `vllm.utils.torch_utils` and where vLLM's LoRA modules imported it (0.33); 0.23's
+    `async_tensor_h2d`, whose `pin_memory` default was bound at import, is called with False where the
+    punica wrapper's `convert_mapping` calls it."""
+    from vllm.lora.punica_wrapper import utils as punica_utils
+    from vllm.utils import torch_utils
+
+    real.CpuFlashAttnPlatform.is_pin_memory_available = classmethod(lambda cls: False)
+    for name in ("vllm.utils.torch_utils", "vllm.lora.lora_weights", "vllm.lora.lora_model", "vllm.lora.model_manager"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "PIN_MEMORY"):
+            module.PIN_MEMORY = False
+    if "pin_memory" in inspect.signature(torch_utils.async_tensor_h2d).parameters:
+        punica_utils.async_tensor_h2d = functools.partial(torch_utils.async_tensor_h2d, pin_memory=False)
+
+
+_unpinned()
 
 #: The adapters every model gets: vLLM's LoRA ids (0 is "no adapter").
 ADAPTERS = (1, 2)

@@ -1111,6 +1111,18 @@ MUTANTS = (
         ("tests/test_failed_steps.py::test_a_step_interrupted_mid_graph_with_a_cache_a_plain_op_writes_too",),
     ),
     Mutant(
+        "a host scalar's value not checked before a replay", "ascend_compile/lowering/input_checks.py",
+        "        if list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
+        "        if False:\n",
+        ("tests/test_piecewise.py::test_a_host_scalar_changing_between_piecewise_steps_and_two_outputs",),
+    ),
+    Mutant(
+        "piecewise: a graph that failed verify keeps serving", "ascend_compile/lowering/piecewise_serve.py",
+        '        if not graph.verified["ok"]:\n',
+        "        if False:\n",
+        ("tests/test_piecewise.py::test_a_piecewise_graph_that_fails_verify_serves_no_step",),
+    ),
+    Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
         "                if targets:", "                if False:",
         (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
