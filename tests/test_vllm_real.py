@@ -102,6 +102,26 @@ def test_vllms_llama_through_vllms_compile_call_equals_eager_with_one_artifact(c
 
 
 
+def test_a_layers_cache_storage_moved_in_place_is_bound_anew(compiled):
+    """`kv_cache.data = ...` (the same tensor object, another storage: a runtime re-allocating its caches
+    in place, as around vLLM's sleep mode) between steps: the binder's per-step key and value views are
+    split again from the new storage and the graphs holding the old one captured again; every step, and
+    every cache (the new storage), equal to eager."""
+    artifacts, _, make = compiled
+    models = make(options={"capture_sizes": [4, 8]})
+    real.profile_run(models[0], 16)
+    _equal_to_eager(models, STEPS[:3])
+    old = []
+    for model in models:
+        for layer in model.layers.values():
+            old.append(layer.kv_cache)
+            layer.kv_cache.data = layer.kv_cache.data.clone()
+    before = [t.clone() for t in models[0].caches()]
+    _equal_to_eager(models, STEPS[3:])
+    assert all(not torch.equal(a, b) for a, b in zip(models[0].caches(), before))  # the steps wrote the new storage
+    assert artifacts[0].stats["recaptures"] >= 1
+
+
 def test_torch_compile_dynamic_batch_3_then_batch_1_equals_eager(monkeypatch, tmp_path):
     """Under `torch.compile(dynamic=True)` a batch-3 decode step is traced dynamic with sizes 0 and 1
     specialised; batch 1 recompiles the frame into a static trace, which the backend has dynamo trace

@@ -169,7 +169,7 @@ class LoraStep(real.Step):
         (`index_mapping`), one per request's sampled token (`prompt_mapping`), `is_prefill=True`."""
         adapters = list(self.adapters) or [0] * len(self.seq_lens)
         tokens = tuple(a for a, q in zip(adapters, self.query_lens) for _ in range(q))
-        return LoRAMapping(tokens, tuple(adapters), is_prefill=True)
+        return LoRAMapping(tokens, tuple(adapters), is_prefill=False)
 
 
 def run(model: LoraModel, step: LoraStep) -> torch.Tensor:

@@ -1123,6 +1123,13 @@ MUTANTS = (
         ("tests/test_piecewise.py::test_a_piecewise_graph_that_fails_verify_serves_no_step",),
     ),
     Mutant(
+        "vLLM: a layer's cache views kept after its storage moved in place", "ascend_compile/integrations/vllm/context.py",
+        "        if cache is not self._cache or cache.data_ptr() != self._address or cache.shape != self._shape:\n",
+        "        if cache is not self._cache or cache.shape != self._shape:\n",
+        (f"{VLLM_REAL}::test_a_layers_cache_storage_moved_in_place_is_bound_anew",),
+        vllm=True,
+    ),
+    Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
         "                if targets:", "                if False:",
         (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),
