@@ -146,23 +146,25 @@ def test_a_512_token_prefill_and_a_chunked_prefill_mix_above_the_largest_bucket_
 
 
 class Tempered(torch.nn.Module):
-    """The example model returning two outputs: logits over a host temperature (a 0-d CPU tensor, a
-    host scalar frozen into a graph), and the logits' row sums."""
+    """The example model returning three outputs: logits over a host temperature (a 0-d CPU tensor, a
+    host scalar frozen into a graph), the logits' row sums, and a value of the first piece that only
+    the graph's output reads (its memory must outlive the later pieces' captures)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.model = build(cfg)
 
     def forward(self, temperature, **inputs):
+        early = self.model.embed(inputs["input_ids"]).sum(-1)  # made in the first piece, read by the output only
         logits = self.model(**inputs)
-        return logits / temperature, logits.sum(-1)
+        return logits / temperature, logits.sum(-1), early
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["default", "dynamic"])
-def test_a_host_scalar_changing_between_piecewise_steps_and_two_outputs(dynamic):
+def test_a_host_scalar_changing_between_piecewise_steps_and_three_outputs(dynamic):
     """Steps above the buckets on pieces, with a host scalar that changes between them (a sampling
     temperature; under dynamic=True a plain torch.compile wraps floats so too): each step equals eager
-    in both outputs, the pieces captured again for a new value, never replayed with a stale one."""
+    in every output, the pieces captured again for a new value, never replayed with a stale one."""
     cfg = LlamaConfig(num_layers=2, num_blocks=512, block_size=16)
     model, reference = Tempered(cfg), Tempered(cfg)
     reference.load_state_dict(model.state_dict())

@@ -1114,7 +1114,7 @@ MUTANTS = (
         "a host scalar's value not checked before a replay", "ascend_compile/lowering/input_checks.py",
         "        if list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
         "        if False:\n",
-        ("tests/test_piecewise.py::test_a_host_scalar_changing_between_piecewise_steps_and_two_outputs",),
+        ("tests/test_piecewise.py::test_a_host_scalar_changing_between_piecewise_steps_and_three_outputs",),
     ),
     Mutant(
         "piecewise: a graph that failed verify keeps serving", "ascend_compile/lowering/piecewise_serve.py",
@@ -1128,6 +1128,12 @@ MUTANTS = (
         "        if cache is not self._cache or cache.shape != self._shape:\n",
         (f"{VLLM_REAL}::test_a_layers_cache_storage_moved_in_place_is_bound_anew",),
         vllm=True,
+    ),
+    Mutant(
+        "piecewise: a value only the graph's output reads released after the last piece", "ascend_compile/lowering/piecewise.py",
+        "        for a in self.output.all_input_nodes:\n            readers[a] = len(self.segments)\n",
+        "",
+        (f"{PIECEWISE}::test_a_host_scalar_changing_between_piecewise_steps_and_three_outputs",),
     ),
     Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
