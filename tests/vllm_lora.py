@@ -7,13 +7,29 @@ compiles it; adapters are added and activated into the layers' stacked weights
 (`LoRAModelManager.add_adapter` / `activate_adapter`: `lora_a_stacked` `[max_loras, 1, rank, in]`,
 `lora_b_stacked` `[max_loras, 1, out, rank]`); before each step `set_active_loras` gives the
 per-token and per-request adapter mapping (`LoRAMapping(..., is_prefill=True)`,
-`set_adapter_mapping`, which fills the punica wrapper's index buffers). The punica ops are vLLM's
-pure-torch ones (`PunicaWrapperCPU`, which `CpuFlashAttnPlatform.get_punica_wrapper` names). The
-adapters' weights are seeded random (`create_dummy_lora`, then filled), the same in the compiled
-and the eager copy of the model.
+`set_adapter_mapping`, which fills the punica wrapper's metadata in place). The adapters' weights
+are seeded random (`create_dummy_lora`, then filled), the same in the compiled and the eager copy.
+
+The punica wrapper is vLLM's CUDA one, `PunicaWrapperGPU`, the one made for compiled graphs (its
+`LoRAKernelMeta`: per-token slot ids sliced by the activations' rows, `meta_args(x.size(0))`, and
+the no-LoRA flag as a CPU tensor, all read inside opaque ops). What stands in for the GPU is only
+its two Triton kernel calls, `lora_shrink` and `lora_expand`: custom ops here with pure-torch bodies
+doing what the kernels do for the step's tokens (each token's rows through its adapter slot's
+weights; tokens of no adapter, and every token under the no-LoRA flag, left alone), without a host
+read; the platform names that wrapper while the manager is made
+(`CpuFlashAttnPlatform.get_punica_wrapper` names vLLM's pure-torch `PunicaWrapperCPU`, the
+stand-ins' reference in eager), and reports no pinned memory (pinning needs a CUDA driver).
+`PunicaWrapperCPU` does not compile: vLLM's runner sets `is_prefill=True`, whose SGMV ops size a
+tensor by data (`torch.repeat_interleave(lora_indices_tensor, seq_len_tensor)`,
+`vllm/lora/ops/torch_ops/lora_ops.py:19`; dynamo: "Could not guard on data-dependent expression
+Eq(u0, 1)" at line 38), and its BGMV path slices by `indices_len`, Python ints of module state that
+dynamo specializes (a recompile per token count); vLLM's own CPU platform turns compilation off with
+LoRA (`vllm/platforms/cpu.py:206`). vLLM's profile run maps every token slot before any step
+(`build`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -22,7 +38,7 @@ import json
 import sys
 import types
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -81,6 +97,102 @@ def _unpinned() -> None:
 
 _unpinned()
 
+
+# ---------------------------------------------------------------- the two Triton kernel calls
+
+
+def _adapter_rows(token_lora_mapping: torch.Tensor, no_lora_flag_cpu: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's slot, clamped to a valid one; which rows have an adapter), on the device: the kernels'
+    walk over `LoRAKernelMeta` (slot -1, no adapter, skipped; nothing at all under the no-LoRA flag,
+    which `prepare_tensors` sets without refreshing the mapping) as tensor ops, so that a graph capture
+    holds them (no host read)."""
+    slots = token_lora_mapping.long()
+    return slots.clamp(min=0), (slots >= 0) & ~no_lora_flag_cpu.to(slots.device)
+
+
+def _stacked(weight: torch.Tensor) -> torch.Tensor:
+    """A stacked weight `[slots, 1, n, k]` (or `[slots, n, k]`) as `[slots, n, k]`, as the kernels read it."""
+    return weight.squeeze(1) if weight.dim() == 4 else weight
+
+
+@torch.library.custom_op("vllm_lora_cpu::lora_shrink", mutates_args=("output_tensor",))
+def lora_shrink(inputs: torch.Tensor, lora_a_weights: list[torch.Tensor], output_tensor: torch.Tensor,
+                token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
+                num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor, lora_ids: torch.Tensor,
+                no_lora_flag_cpu: torch.Tensor, num_active_loras: torch.Tensor, scaling: float) -> None:
+    """`vllm.lora.ops.triton_ops.lora_shrink`: `output[s, t] = scaling * inputs[t] @ A_s[slot(t)]^T` for
+    the rows of an adapter, 0 for the others."""
+    slots, used = _adapter_rows(token_lora_mapping, no_lora_flag_cpu)
+    for s, weight in enumerate(lora_a_weights):
+        value = torch.einsum("tk,tnk->tn", inputs.float(), _stacked(weight)[slots].float()) * scaling
+        output_tensor[s] = torch.where(used.unsqueeze(-1), value, 0).to(output_tensor.dtype)
+
+
+@lora_shrink.register_fake
+def _(*args: Any) -> None:
+    return None
+
+
+@torch.library.custom_op("vllm_lora_cpu::lora_expand", mutates_args=("output_tensor",))
+def lora_expand(inputs: torch.Tensor, lora_b_weights: list[torch.Tensor], output_tensor: torch.Tensor,
+                token_lora_mapping: torch.Tensor, token_indices_sorted_by_lora_ids: torch.Tensor,
+                num_tokens_per_lora: torch.Tensor, lora_token_start_loc: torch.Tensor, lora_ids: torch.Tensor,
+                no_lora_flag_cpu: torch.Tensor, num_active_loras: torch.Tensor, offset_start: int = 0,
+                add_inputs: bool = False) -> None:
+    """`vllm.lora.ops.triton_ops.lora_expand`: slice s of `output[t]` (its columns from `offset_start`,
+    the slices' widths in turn) gets `inputs[s, t] @ B_s[slot(t)]^T`, added where `add_inputs`, for the
+    rows of an adapter; the others are left alone."""
+    slots, used = _adapter_rows(token_lora_mapping, no_lora_flag_cpu)
+    offset = offset_start
+    for s, weight in enumerate(lora_b_weights):
+        b = _stacked(weight)
+        columns = slice(offset, offset + b.shape[-2])
+        region = output_tensor[:, columns]
+        value = torch.einsum("tk,tnk->tn", inputs[s].float(), b[slots].float()).to(output_tensor.dtype)
+        output_tensor[:, columns] = torch.where(used.unsqueeze(-1), region + value if add_inputs else value, region)
+        offset += b.shape[-2]
+
+
+@lora_expand.register_fake
+def _(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+#: vLLM's CUDA punica wrapper, named by the platform while the LoRA manager is made; its pure-torch one
+#: (eager only: the stand-in kernels' reference).
+PUNICA_GPU = "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU"
+PUNICA_CPU = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
+
+
+def _gpu_punica_wrapper() -> None:
+    """`punica_gpu` as vLLM has it with Triton: vLLM's own `LoRAKernelMeta` (pure torch; the module
+    imports it only `if HAS_TRITON`, false without a GPU) and the stand-in kernels above."""
+    from vllm.lora.ops.triton_ops.lora_kernel_metadata import LoRAKernelMeta
+    from vllm.lora.punica_wrapper import punica_gpu
+
+    punica_gpu.LoRAKernelMeta = LoRAKernelMeta
+    punica_gpu.lora_shrink = torch.ops.vllm_lora_cpu.lora_shrink
+    punica_gpu.lora_expand = torch.ops.vllm_lora_cpu.lora_expand
+
+
+_gpu_punica_wrapper()
+
+
+@contextlib.contextmanager
+def _platform_punica(qualname: str) -> Iterator[None]:
+    """The platform's `get_punica_wrapper` naming `qualname` (vLLM's manager asks it once, when made)."""
+    platform = real.CpuFlashAttnPlatform
+    saved = platform.__dict__.get("get_punica_wrapper")
+    platform.get_punica_wrapper = classmethod(lambda cls: qualname)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del platform.get_punica_wrapper
+        else:
+            platform.get_punica_wrapper = saved
+
 #: The adapters every model gets: vLLM's LoRA ids (0 is "no adapter").
 ADAPTERS = (1, 2)
 RANK = 8
@@ -127,12 +239,12 @@ def adapter_weights(manager: LoRAModelManager, lora_id: int, embedding_modules: 
     return adapter
 
 
-def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> LoraModel:
+def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64, punica: str = PUNICA_GPU) -> LoraModel:
     """`vllm_real.build`'s model wrapped by vLLM's LoRA manager (as `load_model` does before it compiles),
-    with the adapters `ADAPTERS` added and activated."""
+    its punica wrapper `punica`, with the adapters `ADAPTERS` added and activated."""
     base = real.build(config, seed, num_blocks)
     scheduler = config.scheduler_config
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(config), _platform_punica(punica):
         manager = create_lora_manager(base.model, max_num_seqs=scheduler.max_num_seqs,
                                       max_num_batched_tokens=scheduler.max_num_batched_tokens,
                                       vocab_size=config.model_config.get_vocab_size(),
@@ -140,6 +252,14 @@ def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64) -> LoraModel:
         for lora_id in ADAPTERS:
             manager.add_adapter(adapter_weights(manager, lora_id, base.model.embedding_modules))
             manager.activate_adapter(lora_id)
+        # vLLM's profile run maps every token slot first (`_dummy_run(max_num_tokens)`: its requests
+        # share the tokens evenly, `maybe_select_dummy_loras` gives them the adapters in turn): the
+        # wrapper's buffers hold valid ids past any step's own tokens, which graphs padded beyond it read
+        tokens = scheduler.max_num_batched_tokens
+        requests = min(tokens, scheduler.max_num_seqs)
+        per_request = [tokens // requests] * (requests - 1) + [tokens - tokens // requests * (requests - 1)]
+        warm_up = LoraStep(per_request, per_request, [ADAPTERS[i % len(ADAPTERS)] for i in range(requests)])
+        manager.set_adapter_mapping(warm_up.mapping())
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(real.Model)}
     return LoraModel(**fields, manager=manager)
 
@@ -169,7 +289,7 @@ class LoraStep(real.Step):
         (`index_mapping`), one per request's sampled token (`prompt_mapping`), `is_prefill=True`."""
         adapters = list(self.adapters) or [0] * len(self.seq_lens)
         tokens = tuple(a for a, q in zip(adapters, self.query_lens) for _ in range(q))
-        return LoRAMapping(tokens, tuple(adapters), is_prefill=False)
+        return LoRAMapping(tokens, tuple(adapters), is_prefill=True)
 
 
 def run(model: LoraModel, step: LoraStep) -> torch.Tensor:

@@ -1136,6 +1136,21 @@ MUTANTS = (
         (f"{PIECEWISE}::test_a_host_scalar_changing_between_piecewise_steps_and_three_outputs",),
     ),
     Mutant(
+        "vLLM: the model's own tensors left symbolic in the general retrace (LoRA at one token)",
+        "ascend_compile/integrations/vllm/dynamo_backend.py",
+        "        model_state_static(gm, example_inputs)\n",
+        "",
+        ("tests/test_vllm_lora.py",),
+        vllm=True,
+    ),
+    Mutant(
+        "roles: a model-held tensor with a symbolic size taken for batch data (padded)", "ascend_compile/passes/roles.py",
+        "        return Role.STATIC if model_state else Role.BATCH\n",
+        "        return Role.BATCH\n",
+        ("tests/test_vllm_lora.py::test_a_held_tensor_traced_with_the_token_count_is_never_padded",),
+        vllm=True,
+    ),
+    Mutant(
         "piecewise: eager results not copied into the pieces' buffers", "ascend_compile/lowering/piecewise.py",
         "                if targets:", "                if False:",
         (f"{PIECEWISE}::test_an_uncapturable_op_is_run_between_pieces_and_every_step_equals_eager",),

@@ -170,17 +170,23 @@ def _role_of_uses(gm: fx.GraphModule, attention: Sequence[fx.Node]) -> dict[str,
 
 
 def _role_of_value(node: fx.Node, value: Any, shape: tuple | None) -> Role:
-    """Role of an input no attention argument names: weights stay, per-step data is copied."""
+    """Role of an input no attention argument names: weights stay, per-step data is copied.
+
+    Dynamo marks the model's own tensors static inputs (parameters, buffers, tensors modules hold:
+    vLLM's LoRA weight stacks and punica buffers): they stay static even where a size of theirs is
+    symbolic (a trace with every size symbolic), never batch data, so never padded as the token count
+    (where one carries the token symbol, `_pad_reason` turns padding off)."""
     if isinstance(value, torch.SymInt):
         return Role.SYMINT
     if shape is None:
         return Role.STATIC
+    model_state = "_dynamo_static_input_type" in node.meta.get("tensor_dict", {})
     if any(not isinstance(d, int) for d in shape):
-        return Role.BATCH
+        return Role.STATIC if model_state else Role.BATCH
     if len(shape) == 0:
         return Role.SCALAR
-    if "tensor_dict" in node.meta and "_dynamo_static_input_type" not in node.meta["tensor_dict"]:
-        return Role.BATCH  # dynamo marks parameters and buffers; anything else is the caller's per-step data
+    if "tensor_dict" in node.meta and not model_state:
+        return Role.BATCH  # anything dynamo did not mark is the caller's per-step data
     return Role.STATIC
 
 

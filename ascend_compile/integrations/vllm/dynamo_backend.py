@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import fx
 
 from ...backend import compile_graph
@@ -65,7 +66,9 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
             binder.refuse_unsupported(gm, ctx)
         # vLLM's model.compile passes no dynamic=: have dynamo trace this first call again with every
         # step size symbolic (batch 1 included), so that one graph and one artifact serve every step.
-        # Here, inside dynamo's backend call, not at the deferred compile (outside dynamo).
+        # Here, inside dynamo's backend call, not at the deferred compile (outside dynamo). The model's
+        # own tensors keep their sizes (`model_state_static`): only the step's inputs carry its sizes.
+        model_state_static(gm, example_inputs)
         retrace_general(gm, SHARED_TOKEN_SETTINGS)
         recorded = graph_inputs.record(gm)
         if dispatch == "direct":
@@ -74,6 +77,34 @@ def backend(config: CompileConfig | None = None, on_compiled: Callable[[Compiled
                                direct=dispatch == "direct")
 
     return compile_fn
+
+
+def model_state_static(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Mark static (as `torch._dynamo.mark_static` does) every tensor the model holds that the graph reads: the
+    placeholders dynamo made static inputs (parameters, buffers, and tensors held as attributes of modules,
+    as vLLM's LoRA layers hold their stacked adapter weights `[max_loras, 1, rank, in]` and their punica
+    wrapper its index buffers and `[1]` flags), by their real tensors, and the tensors they are views of
+    (`lora_a_stacked_2d` of the embedding's stacks, its `_base` guarded by dynamo too).
+
+    The general retrace (`SHARED_TOKEN_SETTINGS`) makes every size of every non-parameter tensor symbolic
+    and keeps duck shaping, so that vLLM's `input_ids [T]` and `positions [T]` share the token count's
+    symbol; without this, a held tensor's dim equal to the traced token count got that symbol too (traced at
+    one token: the stacks' size-1 dim, the `[1]` flags; at 2 tokens, `max_loras`), the roles took it for
+    batch data and padded it to the bucket: the capture failed at every lone decode
+    (`tests/test_vllm_lora.py`). Dynamo keeps such marks over `assume_static_by_default=False`; the caller's
+    own tensors (the frame's arguments: what vLLM's `support_torch_compile` marks dynamic) stay symbolic.
+
+    The marks are set as `mark_static` sets them outside a trace (`_dynamo_static_indices`, and
+    `_has_dynamo_dim_marking` that torch 2.14 adds): inside dynamo's backend call torch 2.14's `mark_static`
+    takes itself for a call in traced code (`is_compiling()`) and marks nothing."""
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        if "_dynamo_static_input_type" not in node.meta.get("tensor_dict", {}):
+            continue
+        while isinstance(value, torch.Tensor):  # and the tensor a view is of, which dynamo wraps too
+            indices = getattr(value, "_dynamo_static_indices", None)
+            value._dynamo_static_indices = (indices or set()) | set(range(value.dim()))
+            value._has_dynamo_dim_marking = True
+            value = value._base
 
 
 def configured_backend(vllm_config: Any) -> Callable[..., Any]:
