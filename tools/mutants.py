@@ -115,8 +115,8 @@ MUTANTS = (
     ),
     Mutant(
         "direct vLLM steps skip the deferred compile's per-step checks", "ascend_compile/integrations/vllm/deferred.py",
-        "        return self._step(tuple(args), direct=True)\n",
-        "        return self.compiled.call_direct(args)\n",
+        "        return self._step(tuple(args), direct=True, fixed=fixed)\n",
+        "        return self.compiled.call_direct(args, fixed)\n",
         ("tests/test_vllm_real.py::test_a_request_longer_than_our_max_model_len_runs_as_traced_not_failing_the_engine",),
         vllm33=True,  # the fast path is armed on vLLM 0.33's torch 2.14, not on 0.23's 2.11
     ),
@@ -178,10 +178,13 @@ MUTANTS = (
     ),
     Mutant(
         "event recorded before the update", "ascend_compile/lowering/capture.py",
-        "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n"
-        "            if entry.event is not None:\n                entry.event.record()\n",
+        "            if not persist or not entry.sources.isdisjoint(changed):\n"
+        "                with runtime.task_update(entry.handle):\n                    entry.impl(*entry.arguments(host))\n"
+        "                count += 1\n            if entry.event is not None:\n                entry.event.record()\n",
         "            if entry.event is not None:\n                entry.event.record()\n"
-        "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n",
+        "            if not persist or not entry.sources.isdisjoint(changed):\n"
+        "                with runtime.task_update(entry.handle):\n                    entry.impl(*entry.arguments(host))\n"
+        "                count += 1\n",
         (CASE2,),
     ),
     Mutant(
@@ -200,7 +203,8 @@ MUTANTS = (
     ),
     Mutant(
         "skipped update", "ascend_compile/lowering/capture.py",
-        "            with runtime.task_update(entry.handle):\n                entry.impl(*args)\n", "", (CASE2,),
+        "                with runtime.task_update(entry.handle):\n                    entry.impl(*entry.arguments(host))\n",
+        "                pass\n", (CASE2,),
     ),
     Mutant(
         "stale padding", "ascend_compile/lowering/inputs.py",
