@@ -92,7 +92,7 @@ def _captured(runtime: str, layers: int, batch: int) -> tuple[Any, Any, list[dic
 def measure(runtime: str, layers: int, batch: int, rounds: int, calls: int) -> dict[str, Any]:
     table, rt, hosts = _captured(runtime, layers, batch)
     tasks = len(table.entries)
-    sources = {s for e in table.entries.values() for s in e.sources}
+    sources = table.sources
     flip = [0]
 
     def ours() -> None:

@@ -255,18 +255,24 @@ def spawn_ranks(cases: Sequence[Case], world: int = 2, timeout: float = 120.0, w
         ctx = mp.start_processes(
             _worker, args=(world, store_path, tmp, tuple(cases)), nprocs=world, join=False, start_method="forkserver"
         )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"tensor-parallel ranks still running after {timeout:.0f} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        # join() raises ProcessRaisedException / ProcessExitedException when a rank failed
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return join_ranks(ctx, world, tmp, timeout)
+
+
+def join_ranks(ctx: Any, world: int, out_dir: str, timeout: float) -> list[Any]:
+    """Wait for the ranks `ctx` started (`mp.start_processes(join=False)`), then load what each saved as
+    `out_dir/rank<r>.pt`. Raises TimeoutError, after killing the ranks, past `timeout` seconds; join()
+    raises ProcessRaisedException / ProcessExitedException when a rank failed."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel ranks still running after {timeout:.0f} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

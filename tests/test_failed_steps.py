@@ -225,14 +225,9 @@ def test_a_step_failing_on_a_later_layer_leaves_every_cache_as_before(runtime, v
     assert (art.stats["launches_outside_graph"] == 0) == (not save and make is not Counted)
 
 
-class CacheTouched(torch.nn.Module):
-    """The example model whose step also writes its first layer's key cache by a plain op (a row kept
-    at the step count, outside every slot the cache write has), and counts its steps."""
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.model = build(cfg)
-        self.register_buffer("calls", torch.zeros(1))
+class CacheTouched(Counted):
+    """The counted example model whose step also writes its first layer's key cache by a plain op (a row
+    kept at the step count, outside every slot the cache write has)."""
 
     def forward(self, **inputs):
         self.calls.add_(1)

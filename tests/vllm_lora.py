@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import json
 import sys
 import types
 from pathlib import Path
@@ -44,8 +43,7 @@ import torch
 
 from tests import vllm_real as real
 
-from vllm.config import (CacheConfig, CompilationConfig, LoRAConfig, ModelConfig, SchedulerConfig,  # noqa: E402
-                         VllmConfig, set_current_vllm_config)
+from vllm.config import LoRAConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.lora.layers import LoRAMapping  # noqa: E402
 
 
@@ -198,19 +196,12 @@ ADAPTERS = (1, 2)
 RANK = 8
 
 
-def vllm_config(model_dir: Path, compile_mode: int = 0, max_model_len: int = 256, block_size: int = 16,
-                max_loras: int = len(ADAPTERS), max_lora_rank: int = RANK) -> VllmConfig:
+def vllm_config(model_dir: Path, compile_mode: int = 0, max_loras: int = len(ADAPTERS), max_lora_rank: int = RANK,
+                **config: Any) -> VllmConfig:
     """`vllm_real.vllm_config`'s config with a `LoRAConfig` (the same fields in 0.23 and 0.33:
     `max_loras`, `max_lora_rank`, `lora_dtype`), as `--enable-lora --max-loras 2` gives it."""
-    (model_dir / "config.json").write_text(json.dumps(real.TINY_LLAMA))
-    model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="float32",
-                        max_model_len=max_model_len)
-    compilation = CompilationConfig(mode=compile_mode, custom_ops=["none"], cudagraph_mode="NONE",
-                                    **({"backend": real.BACKEND} if compile_mode == 1 else {}))
-    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size),
-                      scheduler_config=SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False),
-                      compilation_config=compilation,
-                      lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank))
+    return real.vllm_config(model_dir, compile_mode, lora_config=LoRAConfig(max_loras=max_loras,
+                                                                           max_lora_rank=max_lora_rank), **config)
 
 
 @dataclasses.dataclass
@@ -264,18 +255,12 @@ def build(config: VllmConfig, seed: int = 0, num_blocks: int = 64, punica: str =
     return LoraModel(**fields, manager=manager)
 
 
-def compiled_and_eager(monkeypatch: Any, where: Path, options: dict | None = None, **config: Any) -> list[LoraModel]:
-    """The LoRA model built twice (seed 3) under `where`: the first compiled through vLLM's mode-1 call
-    (after the LoRA wrapping, as `load_model` does), the second eager."""
-    if options is not None:
-        monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps(options))
-    models = []
-    for mode in (1, 0):
-        path = where / f"lora_mode{mode}"
-        path.mkdir(exist_ok=True)
-        models.append(build(vllm_config(path, compile_mode=mode, **config), seed=3))
-    real.compile_as_vllm(models[0])
-    return models
+def compiled_and_eager(monkeypatch: Any, where: Path, options: dict | None = None, max_loras: int = len(ADAPTERS),
+                       max_lora_rank: int = RANK, **config: Any) -> list[LoraModel]:
+    """The LoRA model built twice (seed 3) under `where` by `vllm_real.compiled_and_eager`: the first
+    compiled through vLLM's mode-1 call (after the LoRA wrapping, as `load_model` does), the second eager."""
+    lora = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank)
+    return real.compiled_and_eager(monkeypatch, where, build, None, options, lora_config=lora, **config)
 
 
 @dataclasses.dataclass

@@ -169,9 +169,10 @@ def gemma2(**overrides: Any) -> dict[str, Any]:
 
 
 def vllm_config(model_dir: Path, compile_mode: int = 0, max_model_len: int = 256, block_size: int = 16,
-                hf_config: dict[str, Any] | None = None, cache_dtype: str = "auto") -> VllmConfig:
+                hf_config: dict[str, Any] | None = None, cache_dtype: str = "auto", lora_config: Any = None
+                ) -> VllmConfig:
     """vLLM's config for a tiny model written to `model_dir` (`hf_config`, default `TINY_LLAMA`);
-    mode 1 (stock torch.compile) names our backend."""
+    mode 1 (stock torch.compile) names our backend; `lora_config`: vLLM's `LoRAConfig`, if any."""
     (model_dir / "config.json").write_text(json.dumps(hf_config or TINY_LLAMA))
     model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="float32",
                         max_model_len=max_model_len)
@@ -179,7 +180,7 @@ def vllm_config(model_dir: Path, compile_mode: int = 0, max_model_len: int = 256
                                     **({"backend": BACKEND} if compile_mode == 1 else {}))
     return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
                       scheduler_config=SchedulerConfig(max_model_len=max_model_len, is_encoder_decoder=False),
-                      compilation_config=compilation)
+                      compilation_config=compilation, **({"lora_config": lora_config} if lora_config else {}))
 
 
 def init_process_groups(config: VllmConfig) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.multiprocessing as mp
+
+from examples.tensor_parallel import join_ranks
 
 
 def _rank(rank: int, world: int, store: str, out_dir: str, hf_config: dict | None, steps: Sequence, options: dict
@@ -72,14 +73,4 @@ def spawn_ranks(steps: Sequence, world: int = 2, hf_config: dict | None = None, 
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         args = (world, os.path.join(tmp, "store"), tmp, hf_config, tuple(steps), options or {})
         ctx = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"vLLM tensor-parallel ranks still running after {timeout:.0f} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+        return join_ranks(ctx, world, tmp, timeout)

@@ -107,12 +107,14 @@ class UpdateTable:
 
     def __init__(self) -> None:
         self.entries: dict[str, UpdateEntry] = {}
+        self.sources: set[HostSource] = set()  # every entry's
         self.issued: dict[HostSource, list[int]] = {}
 
     def add(self, entry: UpdateEntry) -> None:
         if entry.node in self.entries:
             raise ValueError(f"node: {entry.node} captured twice in one graph")
         self.entries[entry.node] = entry
+        self.sources |= entry.sources
 
     def apply(self, runtime: TaskUpdateRuntime, host: Mapping[HostSource, list[int]]) -> int:
         """Re-issue each entry with the step's host lists, and record its event; returns how many were
@@ -122,7 +124,7 @@ class UpdateTable:
         after every entry was issued, the table lives and dies with its captured graph (a capture or a
         failed replay makes a new one), and the event is recorded either way, so the replay waits for
         exactly what it waited for before."""
-        changed = {s for s in {s for e in self.entries.values() for s in e.sources} if self.issued.get(s) != host[s]}
+        changed = {s for s in self.sources if self.issued.get(s) != host[s]}
         persist = runtime.task_updates_persist and bool(self.issued)
         count = 0
         for entry in self.entries.values():
@@ -132,7 +134,7 @@ class UpdateTable:
                 count += 1
             if entry.event is not None:
                 entry.event.record()
-        self.issued = {s: list(host[s]) for s in {s for e in self.entries.values() for s in e.sources}}
+        self.issued = {s: list(host[s]) for s in self.sources}
         return count
 
     def describe(self) -> list[dict[str, Any]]:

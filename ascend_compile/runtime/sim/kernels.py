@@ -24,7 +24,9 @@ from .classify import all_zero, arg, one_query_token_each
 #: torch's own op namespaces: the device's operator library implements each of their ops as a
 #: kernel (ATen through torch_npu's op-plugin on Ascend; the functional collectives and c10d's own
 #: collectives, `dist.all_reduce`'s `c10d.allreduce_`, through HCCL or NCCL, which launch on the
-#: current stream and are captured as one task each). A Python custom op wrapping `dist.all_reduce`
+#: current stream and are captured as one task each: NCCL's "Using NCCL with CUDA Graphs" and HCCL's
+#: "Integration with Mainstream Frameworks", CANN 9.0.0, graph-capture mode; docs/tensor_parallel.md
+#: quotes both). A Python custom op wrapping `dist.all_reduce`
 #: (vLLM's `torch.ops.vllm.all_reduce`) is therefore recorded as its collective, and a replay
 #: reduces again. A model: every ATen op is taken to have a capturable kernel; on Ascend an op served
 #: by the older aclop path is not ("Cannot run aclop operators during NPU graph capture",

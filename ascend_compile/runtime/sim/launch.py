@@ -4,7 +4,8 @@ Capture runs each recorded op once and a replay runs its tasks again; both go th
 so the two behave alike: a `wait_tensor` first completes the collective in flight to its operand,
 and a kernel short of workspace overruns it into its neighbours (`overrun.py`) or raises, by the
 runtime's `overflow` option; a c10d collective (`dist.all_reduce`'s `c10d.allreduce_`) completes
-before the next task, as a collective issued on the stream does. Its own module so that tasks can run without knowing the runtime.
+before the next task, as a collective issued on the stream does. Its own module so that tasks can
+run without knowing the runtime.
 """
 from __future__ import annotations
 

@@ -245,12 +245,7 @@ class SimDevice:
         """Run everything queued (the host waits for the device). A hang (queued work nothing can
         unblock) or a race raises, and the queued work is dropped, as after a device reset."""
         try:
-            while not self.idle:
-                if not self._pass():
-                    raise ReplayError("; ".join(s.queue[0].blocked() for s in self.streams if s.queue))
-        except BaseException:
-            self.clear()
-            raise
+            self._run_until(lambda: self.idle)
         finally:
             for stream in self.streams:
                 join(self.host, stream.clock)
@@ -259,8 +254,12 @@ class SimDevice:
         """Run until `stream`'s queue is empty (and whatever it waits for), the host not waiting for
         the other streams: what a device has done when work issued next on `stream` starts. A hang
         or a race raises and drops the queued work, as `drain`."""
+        self._run_until(lambda: not stream.queue)
+
+    def _run_until(self, done: Callable[[], bool]) -> None:
+        """Passes until `done()`; a pass that runs nothing is a hang. Any error drops the queued work."""
         try:
-            while stream.queue:
+            while not done():
                 if not self._pass():
                     raise ReplayError("; ".join(s.queue[0].blocked() for s in self.streams if s.queue))
         except BaseException:
