@@ -1,6 +1,7 @@
 """The backend end to end: compiled vs eager on the example model, the runner's rules, the update table."""
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import json
 import logging
@@ -471,3 +472,27 @@ def test_all_buckets_share_one_graph_pool():
     largest = reserved[("SimRuntime", 1)]
     assert reserved[("SimRuntime", len(sizes))] <= 1.25 * largest, reserved
     assert reserved[("PinningSim", len(sizes))] > 1.25 * largest, reserved  # 1.31x here
+
+
+def test_decode_and_mixed_steps_of_one_bucket_each_replay_their_own_graph():
+    # A bucket whose decode graph takes PA (decode-only) has a mixed graph of its own; which graph a step
+    # takes is remembered per bucket and step kind (`RewrittenGraphs.key_for`): decode steps, a mixed one,
+    # decode again, each on its own graph and equal to eager.
+    cfg = LlamaConfig(num_layers=2, num_blocks=256)
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = compiled_model(model, max_model_len=MAX_LEN, capture_sizes=(8,), pa_max_batch=8, runtime="sim")
+    batch = PagedBatch(cfg, seed=5)
+    steps = [([40, 9, 77], None), ([41, 10, 78, 5, 60], None), ([42, 11, 79, 6, 61], None),
+             ([43, 12, 80, 7, 62], [1, 2, 1, 1, 2]), ([45, 14, 81, 8, 64, 3], None),
+             ([46, 15, 82, 9, 65, 4], [2, 1, 1, 1, 1, 1])]
+    with torch.no_grad():
+        for lens, qlens in steps:
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs))
+    # dynamo traced the first step static, then the sizes of the next three, then those of the last two:
+    # the two later artifacts each serve decode steps, then a mixed one
+    replays = collections.Counter()
+    for art in artifacts[1:]:
+        assert art.served[("mixed", "full")] == 1 and art.served[("mixed", "eager")] == 0, art.served
+        replays.update({entry.name: entry.replays for entry in art.graphs.values()})
+    assert replays == {"b8.decode": 3, "b8.mixed": 2}, replays

@@ -275,7 +275,7 @@ MUTANTS = (
     Mutant(
         "host scalars checked only when an address moved", "ascend_compile/lowering/input_checks.py",
         "            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
-        "        if list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
+        "        if values and list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
         "            moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]\n"
         "        if moved and list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
         (f"{AUDIT}::test_a_changed_host_scalar_is_not_replayed_with_its_capture_value",),
@@ -558,7 +558,7 @@ MUTANTS = (
     ),
     Mutant(
         "host copies ignored by the runner", "ascend_compile/lowering/inputs.py",
-        "        copy = host_copies.get(spec.name)\n", "        copy = None\n",
+        "    copy = host_copies.get(spec.name) if host_copies else None\n", "    copy = None\n",
         ("tests/test_vllm.py::test_vllm_ascend_steps_read_no_length_from_the_device",),
     ),
     Mutant(
@@ -1116,7 +1116,7 @@ MUTANTS = (
     ),
     Mutant(
         "a host scalar's value not checked before a replay", "ascend_compile/lowering/input_checks.py",
-        "        if list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
+        "        if values and list(map(torch.Tensor.item, pick_scalars(args))) != values:\n",
         "        if False:\n",
         ("tests/test_piecewise.py::test_a_host_scalar_changing_between_piecewise_steps_and_three_outputs",),
     ),
@@ -1223,6 +1223,21 @@ MUTANTS = (
         "        if func is self.workspace:", "        if False:",
         ("tests/test_vllm_mla_real.py::test_the_graph_memory_estimate_bounds_what_the_mla_captures_take",),
         vllm=True,
+    ),
+    Mutant(
+        "the graph key remembered per bucket, not per step kind", "ascend_compile/passes/pipeline.py",
+        "        key = self._keys.get((bucket, decode))\n        if key is None:\n            key = GraphKey(bucket, decode)\n"
+        "            key = self._keys[bucket, decode] = ",
+        "        key = self._keys.get((bucket, True))\n        if key is None:\n            key = GraphKey(bucket, decode)\n"
+        "            key = self._keys[bucket, True] = ",
+        ("tests/test_backend.py::test_decode_and_mixed_steps_of_one_bucket_each_replay_their_own_graph",),
+    ),
+    Mutant(
+        "step sizes remembered by their first size only", "ascend_compile/passes/roles.py",
+        "        seen = self._sizes_seen.get(values)\n        if seen is None:\n            symbols = {sym: value for (sym, _, _), value in zip(self._readers, values)}\n",
+        "        seen = self._sizes_seen.get(values[:1])\n        if seen is None:\n            symbols = {sym: value for (sym, _, _), value in zip(self._readers, values)}\n"
+        "            values = values[:1]\n",
+        (BUCKETS,),
     ),
 )
 

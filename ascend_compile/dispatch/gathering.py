@@ -2,13 +2,14 @@
 
 Each source becomes an expression over the call (`frame.local_expressions`). Sources that walk only
 modules' `_modules` / `_parameters` / `_buffers` from a module (its parameters, buffers, KV caches)
-are evaluated once, into tuples of consecutive inputs the function unpacks (`(*T0, k['ids'], *T1)`:
-one copy at C speed, the tuple the runner takes); the others (the caller's tensors, their sizes,
+are evaluated once, into tuples of consecutive inputs the function joins (`T0 + (k['ids'],) + T1`, or
+`(*T0, k['ids'], *T1)` where that copies less: at C speed, the tuple the runner takes); the others (the caller's tensors, their sizes,
 tensors reached through other objects) are evaluated on every call.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from typing import Any, Callable, Sequence
 
@@ -56,16 +57,29 @@ class Gathering:
         return runs
 
     def _lines(self) -> list[str]:
+        """`A = ...`: the runs' tuples and the per-call expressions in order, joined by tuple
+        concatenation where that copies fewer references than unpacking into one tuple (which
+        builds a list, copies it into the tuple and frees it: about three references moved per
+        input; a concatenation copies the tuple built so far, so it wins while the long runs come late)."""
         runs = {run[0]: (j, len(run)) for j, run in enumerate(self._runs())}
-        items, i = [], 0
+        items, parts, loose, i = [], [], [], 0
         while i < len(self.expressions):
             if i in runs:
                 j, length = runs[i]
                 items.append(f"*T{j}")
+                parts += [(f"({', '.join(loose)},)", len(loose))] if loose else []
+                parts.append((f"T{j}", length))
+                loose = []
                 i += length
             else:
                 items.append(self.expressions[i])
+                loose.append(self.expressions[i])
                 i += 1
+        parts += [(f"({', '.join(loose)},)", len(loose))] if loose else []
+        prefixes = itertools.accumulate(length for _, length in parts)
+        copied = sum(itertools.islice(prefixes, 1, None))  # each `+` copies the tuple built so far and the part
+        if parts and copied < 3 * len(self.expressions):
+            return [f"    A = {' + '.join(expr for expr, _ in parts)}"]
         return [f"    A = ({', '.join(items)},)"]
 
     def build(self, namespace: dict[str, Any]) -> Callable[[tuple, dict], tuple]:

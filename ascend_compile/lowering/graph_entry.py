@@ -4,6 +4,7 @@ graph serves a step and owns what graphs share (workspaces, the undo plan, the s
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any, Sequence
 
@@ -14,7 +15,7 @@ from ..gc_pause import gc_paused
 from ..passes.kernel_call import HostSource, StepGuard, host_sources
 from ..passes.roles import GraphSignature, Role
 from ..passes.workspaces import GraphKey
-from ..runtime.base import GraphRuntime, TaskUpdateRuntime
+from ..runtime.base import GraphRuntime
 from . import capture as capture_mod
 from .inputs import Step, StepPlan, capture_plan, plan_step
 from .input_checks import CapturedInputs
@@ -24,7 +25,7 @@ from .staging import Staging, per_step_shape
 
 def specialization_of(signature: GraphSignature, symbols: dict) -> tuple[tuple[str, int], ...]:
     """The values of the graph's specialized symbols in a step: part of the key of its capture."""
-    return tuple((str(sym), symbols[sym]) for sym in signature.specialized)
+    return tuple((str(sym), symbols[sym]) for sym in signature.specialized) if signature.specialized else ()
 
 
 class MovedInputs(Exception):
@@ -54,9 +55,9 @@ class GraphEntry:
         self._output_views: dict[tuple, list] = {}
         self.capture_seconds = 0.0
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """The graph key, with the specialized sizes it was captured for."""
+        """The graph key, with the specialized sizes it was captured for (both fixed for the entry's life)."""
         return str(self.key) + "".join(f"[{s}={v}]" for s, v in self.specialization)
 
     def plan(self, step: Step) -> StepPlan:
@@ -117,7 +118,7 @@ class GraphEntry:
         t1 = time.perf_counter()
         try:
             self.graph.replay()
-            count = updates.apply(self.table, runtime, plan.host) if isinstance(runtime, TaskUpdateRuntime) else 0
+            count = updates.apply(self.table, runtime, plan.host) if self.table.entries else 0
             t2 = time.perf_counter()
             runtime.after_replay()
         except BaseException:

@@ -53,7 +53,7 @@ class CapturedInputs:
         moved = []
         if list(map(torch.Tensor.data_ptr, pick(args))) != pointers:
             moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]
-        if list(map(torch.Tensor.item, pick_scalars(args))) != values:
+        if values and list(map(torch.Tensor.item, pick_scalars(args))) != values:
             moved += [i for i, v in self.scalars.items() if args[i].item() != v]
         if fixed is not None and fixed is self._verified:
             return moved

@@ -42,9 +42,10 @@ from ..passes.roles import PAD_VALUE, GraphSignature, InputSpec, Role
 from ..passes.size_symbols import evaluate
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Step:
-    """What the runner knows about one call before it picks a graph."""
+    """What the runner knows about one call before it picks a graph (not frozen: a frozen dataclass's
+    `__init__` sets each field through `object.__setattr__`, a cost on every step's path)."""
 
     args: Sequence[Any]
     symbols: dict
@@ -94,27 +95,14 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
     kernels read lengths on the device) nothing is converted, so the host never waits for the
     device: decode steps are those with as many tokens as sequences, and the checks
     (`max_model_len`, at least one query token per sequence) run on the device."""
-    symbols = signature.actual_symbols(args)
-    tokens, seqs = evaluate(signature.tokens, symbols), evaluate(signature.sequences, symbols)
+    symbols, tokens, seqs = signature.step_sizes(args)
     if not host_lengths:
         _check_on_device(signature, args, max_model_len)
         return Step(args, symbols, tokens, seqs, tokens == seqs, {}, {})
-    host_copies = host_copies or {}
     seq_lens, starts, reads = {}, {}, 0
-
-    def host_list(spec: InputSpec) -> list[int]:
-        nonlocal reads
-        copy = host_copies.get(spec.name)
-        if copy is None:
-            reads += 1
-            return args[spec.index].tolist()
-        if len(copy) != args[spec.index].shape[0]:  # its length is the tensor's shape: checked without a read
-            raise ValueError(f"{spec.name}: its host copy has {len(copy)} entries and the tensor "
-                             f"{args[spec.index].shape[0]}: a provider's host copy stands for the tensor's values")
-        return copy
-
     for spec in signature.by_role(Role.SEQ_LENS):
-        lens = host_list(spec)
+        lens, read = _host_list(spec, args, host_copies)
+        reads += read
         longest = max(lens, default=0)
         if longest > max_model_len:
             raise ValueError(
@@ -124,10 +112,23 @@ def read_step(signature: GraphSignature, args: Sequence[Any], max_model_len: int
         seq_lens[spec.name] = lens
     decode = True
     for spec in signature.by_role(Role.QUERY_START_LOC):
-        loc = host_list(spec)
+        loc, read = _host_list(spec, args, host_copies)
+        reads += read
         starts[spec.name] = loc
         decode = decode and loc == _decode_start_loc(len(loc))
     return Step(args, symbols, tokens, seqs, decode, seq_lens, starts, reads)
+
+
+def _host_list(spec: InputSpec, args: Sequence[Any], host_copies: Mapping[str, list[int]] | None
+               ) -> tuple[list[int], int]:
+    """A length input's values, and 1 where they were read from its tensor (0: its provider's host copy)."""
+    copy = host_copies.get(spec.name) if host_copies else None
+    if copy is None:
+        return args[spec.index].tolist(), 1
+    if len(copy) != args[spec.index].shape[0]:  # its length is the tensor's shape: checked without a read
+        raise ValueError(f"{spec.name}: its host copy has {len(copy)} entries and the tensor "
+                         f"{args[spec.index].shape[0]}: a provider's host copy stands for the tensor's values")
+    return copy, 0
 
 
 @functools.lru_cache(maxsize=None)

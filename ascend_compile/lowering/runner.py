@@ -53,11 +53,13 @@ class CompiledArtifact:
         self.signature: GraphSignature = rewritten.signature
         self.target = target
         self.runtime: Runtime = target.runtime
+        self.has_graphs = isinstance(self.runtime, GraphRuntime)  # asked on every step: an ABC's check is not free
         self.config = config
         self.lock, self.fixed = threading.Lock(), None  # fixed: the direct call's (`call_direct`)
         self.graphs: dict[tuple[GraphKey, tuple], GraphEntry] = {}
         self.specialized: dict[GraphKey, fx.GraphModule] = {}
-        self.stats: collections.Counter = collections.Counter()
+        #: the step's counters; those of work outside graphs shown even at 0 (`plan.json`, `inspect`)
+        self.stats: collections.Counter = collections.Counter(launches_outside_graph=0, saved_bytes=0, synchronizes=0)
         #: Seconds spent per phase of graph steps: copy_in, launch_and_updates, synchronize (the
         #: device work, or on the simulator its execution), host (the rest of the runner's step).
         self.seconds: collections.Counter = collections.Counter()
@@ -74,6 +76,8 @@ class CompiledArtifact:
         self.not_full: collections.Counter = collections.Counter()
         self.written = rewritten.mutations.written()
         self.copied = {spec.index for spec in self.signature.inputs if spec.copied}
+        #: the alias groups where a step's inputs could overlap a staged input the graph writes (`_step`)
+        self.alias_groups = [g for g in rewritten.mutations.alias_groups if g & self.written and g & self.copied]
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
         self.restore = sorted({w.input for w in rewritten.mutations.unsafe()} - self.copied)
         #: the in-place inputs whose addresses a captured graph holds, checked every step
@@ -122,7 +126,10 @@ class CompiledArtifact:
             return result
 
     def _count(self, step: Step, sign: int) -> None:
-        self.stats.update(steps=sign, host_conversions=sign * step.reads, host_copies=sign * step.copies)
+        stats = self.stats
+        stats["steps"] += sign
+        stats["host_conversions"] += sign * step.reads
+        stats["host_copies"] += sign * step.copies
 
     def _step(self, args: Sequence[Any], caller_args: Sequence[Any], direct: bool) -> Any:
         """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata). Under grad
@@ -133,7 +140,7 @@ class CompiledArtifact:
                          self.rewritten.prologue.host_copies(caller_args))
         self._count(step, 1)
         bucket = choose_bucket(self.rewritten.buckets, step.tokens, step.seqs)
-        overlap = overlapping_inputs(self.signature, self.rewritten.mutations.alias_groups, self.written, self.copied, args)
+        overlap = self.alias_groups and overlapping_inputs(self.signature, self.alias_groups, self.written, self.copied, args)
         if overlap:
             return self._fallback(caller_args, f"inputs {overlap} overlap in memory and the graph writes one of them",
                                   step)
@@ -158,7 +165,7 @@ class CompiledArtifact:
     def _run_entry(self, entry: GraphEntry, key: GraphKey, plan: StepPlan, args: Sequence[Any],
                    caller_args: Sequence[Any]) -> Any:
         step = plan.step
-        if not isinstance(self.runtime, GraphRuntime):
+        if not self.has_graphs:
             outputs = entry.run_eager(plan, self.workspaces_for(key))
             narrowed = narrowed_outputs(outputs, self.signature.outputs, step.symbols, self.rewritten.write_back.outputs)
             return returned_outputs(narrowed, False, entry.staging.copy_back(step))
@@ -171,8 +178,9 @@ class CompiledArtifact:
         """`run()`, what it may write in place saved before and put back if it raises, the error then
         noting which cache rows the step may have written (`undo.py`); the host's waits counted."""
         undo = self.undo.save(args, self.config.save_cache_rows)
-        self.stats["launches_outside_graph"] += undo.launches
-        self.stats["saved_bytes"] += undo.nbytes
+        if undo.launches:  # nothing saved on the default path: its counts stay as they are
+            self.stats["launches_outside_graph"] += undo.launches
+            self.stats["saved_bytes"] += undo.nbytes
         waits = self.runtime.synchronizes
         try:
             return run()
@@ -184,13 +192,14 @@ class CompiledArtifact:
             getattr(err, "add_note", lambda _: None)(f"ascend_compile: {name}: {written}")  # Python 3.11+
             raise
         finally:
-            self.stats["synchronizes"] += self.runtime.synchronizes - waits
+            if self.runtime.synchronizes != waits:
+                self.stats["synchronizes"] += self.runtime.synchronizes - waits
 
     def _not_full(self, args: Sequence[Any], caller_args: Sequence[Any], step: Step, direct: bool, why: str) -> Any:
         """A step no full graph serves (`why`): on the piecewise graphs of the smallest piecewise size
         holding it (`piecewise_serve.py`), else eagerly."""
         variant = self.rewritten.piecewise
-        if variant is None or not isinstance(self.runtime, GraphRuntime):
+        if variant is None or not self.has_graphs:
             return self._fallback(caller_args, why if variant is not None else f"{why}; not piecewise: "
                                   f"{self.rewritten.piecewise_reason or 'the runtime has no graphs'}", step)
         graph, refusal = self.pieces.graph_for(args, step, direct)
@@ -272,7 +281,7 @@ class CompiledArtifact:
             if specialization:
                 log.info("ascend_compile: %s: new specialized sizes %s: capturing it", key, dict(specialization))
             entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
-        if not isinstance(self.runtime, GraphRuntime):
+        if not self.has_graphs:
             if not entry.staging.written_views and self.rewritten.write_back.located:
                 entry.locate_writes(entry.staging.graph_args(args))
             return entry

@@ -118,6 +118,8 @@ class Staging:
         """Exactly what the graph wrote into copied inputs, into the caller's tensors; returns, by
         output position, the outputs that are views of copied inputs, as views of the caller's."""
         write_back = self.write_back
+        if write_back.locate is None and not write_back.whole:  # nothing written, nothing aliased
+            return {}
         written, aliased = write_back.views(step.args)
         for dest, src in zip(written, self.written_views):
             copy_written(dest, src)

@@ -79,7 +79,7 @@ class UndoPlan:
         with `rows_wanted` each written cache at the step's slots. Slots are clamped into the cache: a slot
         past it is the cache write's to refuse, by name (a gather would fault first)."""
         if not (self.rows and rows_wanted) and not self.whole:
-            return Undo([], [], 0)
+            return NOTHING_SAVED
         with torch.inference_mode():
             slots: dict[tuple[int, ...], Any] = {}
             rows = []
@@ -158,3 +158,7 @@ class Undo:
                     target[where] = contents
                 else:
                     target.index_copy_(0, where, contents)
+
+
+#: The log of a step that saves nothing (the default path), shared: it is never added to.
+NOTHING_SAVED = Undo([], [], 0)

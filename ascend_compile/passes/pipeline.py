@@ -96,11 +96,17 @@ class RewrittenGraphs:
     prologue: Prologue  # the hoisted metadata inputs, computed from the step's inputs
     piecewise: PiecewiseVariant | None = None
     piecewise_reason: str | None = None  # why steps no full graph serves run eagerly, not piecewise
+    _keys: dict[tuple[int, bool], GraphKey] = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                                                compare=False)
 
     def key_for(self, bucket: int, decode: bool) -> GraphKey:
-        """The graph serving a step: a bucket without a mixed graph serves its mixed steps with its decode one."""
-        key = GraphKey(bucket, decode)
-        return key if key in self.choices else GraphKey(bucket, True)
+        """The graph serving a step: a bucket without a mixed graph serves its mixed steps with its decode one
+        (remembered per (bucket, decode): asked on every step, and `choices` is fixed once compiled)."""
+        key = self._keys.get((bucket, decode))
+        if key is None:
+            key = GraphKey(bucket, decode)
+            key = self._keys[bucket, decode] = key if key in self.choices else GraphKey(bucket, True)
+        return key
 
     def variant_for(self, key: GraphKey) -> Variant:
         return next(v for v in self.variants.values() if key in v.keys)

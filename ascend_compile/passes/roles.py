@@ -25,7 +25,7 @@ from torch import fx
 from .find_attention import attention_args
 from .mutations import MutationFacts, analyse_mutations, output_aliases, target_nodes, view_closure, written_view_value
 from .fx_utils import example_value, is_op, placeholders, shape_exprs, size_expr
-from .size_symbols import SymbolKind, SymbolSource
+from .size_symbols import SymbolKind, SymbolSource, evaluate
 
 
 class Role(str, enum.Enum):
@@ -54,6 +54,8 @@ PAD_VALUE = {
 COPIED_ROLES = (Role.SEQ_LENS, Role.BLOCK_TABLE, Role.QUERY_START_LOC, Role.SLOT_MAPPING, Role.BATCH)
 #: Roles whose inputs the graph uses in place, at the address they had at capture.
 IN_PLACE_ROLES = (Role.KV_CACHE, Role.STATIC)
+#: Distinct step sizes whose symbol values a signature keeps (`GraphSignature.step_sizes`)
+MAX_SIZES_SEEN = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +129,24 @@ class GraphSignature:
     def _readers(self) -> tuple[tuple[sympy.Symbol, int, Callable[[Any], int]], ...]:
         return tuple((sym, source.index, source.reader) for sym, source in self.symbol_sources.items())
 
-    def actual_symbols(self, args: Sequence[Any]) -> dict[sympy.Symbol, int]:
-        """Symbol values of one step's real inputs."""
-        return {sym: read(args[index]) for sym, index, read in self._readers}
+    @functools.cached_property
+    def _sizes_seen(self) -> dict[tuple[int, ...], tuple[dict[sympy.Symbol, int], int, int]]:
+        return {}
+
+    def step_sizes(self, args: Sequence[Any]) -> tuple[dict[sympy.Symbol, int], int, int]:
+        """Symbol values of one step's real inputs, and its token and sequence counts. The sizes are
+        read every step (C calls); the symbol dict (sympy keys hash in Python) and the size
+        expressions' values are made once per distinct sizes (at most `MAX_SIZES_SEEN`): the dict
+        is shared by the steps of those sizes, and read only."""
+        values = tuple([read(args[index]) for _, index, read in self._readers])
+        seen = self._sizes_seen.get(values)
+        if seen is None:
+            symbols = {sym: value for (sym, _, _), value in zip(self._readers, values)}
+            seen = (symbols, evaluate(self.tokens, symbols), evaluate(self.sequences, symbols))
+            if len(self._sizes_seen) >= MAX_SIZES_SEEN:
+                self._sizes_seen.clear()
+            self._sizes_seen[values] = seen
+        return seen
 
 
 #: The cache writes: `(rows, rows, cache, cache, slot_mapping)` each.
