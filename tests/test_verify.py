@@ -244,3 +244,37 @@ def test_verify_every_nth_replay_catches_a_fault_that_appears_later(every):
 def test_verify_every_is_a_non_negative_int():
     with pytest.raises(ValueError, match="verify_every: expected an int >= 0"):
         CompileConfig(verify_every=-1)
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_verify_every_checks_piecewise_steps_too(every):
+    # Steps above the largest bucket run on piecewise graphs, checked as full graphs are: the first step
+    # and, with `verify_every`, every Nth. A fault that appears after the first (a piece whose replay no
+    # longer runs) is caught at the next checked step, which returns eager's result, and the graph serves
+    # no later step; without `verify_every` the later steps are wrong.
+    import ascend_compile
+    from ascend_compile.backend import backend
+
+    model, reference = build(CFG), build(CFG)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=512, capture_sizes=(4,), verify=True, verify_every=every)
+    fn = ascend_compile.compile(model, backend=backend(config, on_compiled=artifacts.append))
+    batch = PagedBatch(CFG, seed=4, table_width=4)
+    diffs = []
+    with torch.no_grad():
+        for i in range(5):
+            if i == 1:  # checked at the first step; from the second on, the last piece's replay does nothing
+                (graph,) = artifacts[-1].piecewise.values()
+                graph.pieces[-1].graph.replay = lambda: None
+            inputs = batch.step([30 + i, 40, 50, 60, 70, 80])
+            diffs.append(float((fn(**inputs) - reference(**inputs)).abs().max()))
+    stats = artifacts[-1].stats
+    assert len(artifacts) == 1 and len(artifacts[-1].piecewise) == 1 and stats["replays"] == 0
+    if every == 0:  # the first step only: the later ones are wrong
+        assert diffs[0] < 1e-4 and min(diffs[1:]) > 1e-3
+        assert stats["verified_replays"] == 1 and stats["piecewise_steps"] == 5
+    else:  # steps 1 and 3 checked: step 2 is wrong, step 3 caught (eager's result), 4 and 5 eager
+        assert diffs[0] < 1e-4 and diffs[1] > 1e-3 and max(diffs[2:]) < 1e-4
+        assert stats["verified_replays"] == 2 and stats["verify_failures"] == 1 and stats["piecewise_steps"] == 3
+        assert graph.verified["replay"] == 3 and "its step 3 differed from eager" in graph.eager_reason

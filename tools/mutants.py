@@ -1225,6 +1225,11 @@ MUTANTS = (
         vllm=True,
     ),
     Mutant(
+        "piecewise: verify_every not applied to pieces", "ascend_compile/lowering/piecewise_serve.py",
+        "(graph.verified is None or (every and graph.replays % every == 0))", "graph.verified is None",
+        ("tests/test_verify.py::test_verify_every_checks_piecewise_steps_too",),
+    ),
+    Mutant(
         "the graph key remembered per bucket, not per step kind", "ascend_compile/passes/pipeline.py",
         "        key = self._keys.get((bucket, decode))\n        if key is None:\n            key = GraphKey(bucket, decode)\n"
         "            key = self._keys[bucket, decode] = ",

@@ -92,15 +92,20 @@ class PiecewiseServer:
 
     def run(self, graph: PiecewiseGraph, served: Any, step: Step, args: Sequence[Any], caller_args: Sequence[Any]
             ) -> tuple:
-        """One step on `graph` (`served`: what `serve` said): its first checked against the step run
-        eagerly (`verify.py`) where `verify` is on; a graph that differs serves no later step."""
+        """One step on `graph` (`served`: what `serve` said): its first (and, with `verify_every`, every
+        Nth, as a full graph's replays) checked against the step run eagerly (`verify.py`) where `verify`
+        is on; a graph that differs serves no later step."""
         art = self.art
         run = lambda: self._outputs(graph, served, step, args)  # noqa: E731
-        if not art.verify or graph.verified is not None:
+        every = art.config.verify_every
+        if not art.verify or not (graph.verified is None or (every and graph.replays % every == 0)):
             return run()
+        replay = graph.replays + 1
         outputs, graph.verified = art.verified_run(graph.name, args, caller_args, run)
+        graph.verified["replay"] = replay
         if not graph.verified["ok"]:
-            graph.eager_reason = f"{graph.name}: its first step differed from eager ({graph.verified['mismatches'][0]})"
+            graph.eager_reason = (f"{graph.name}: its step {replay} differed from eager "
+                                  f"({graph.verified['mismatches'][0]})")
         art.write_plan()
         return outputs
 
