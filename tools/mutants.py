@@ -1230,6 +1230,11 @@ MUTANTS = (
         ("tests/test_verify.py::test_verify_every_checks_piecewise_steps_too",),
     ),
     Mutant(
+        "verify's tolerance not grown with depth", "ascend_compile/lowering/verify.py",
+        "    scale = max(1, layers) ** 0.5\n", "    scale = 1\n",
+        ("tests/test_verify.py::test_the_tolerance_passes_a_deep_bf16_model_rounded_otherwise_and_catches_stale_lengths",),
+    ),
+    Mutant(
         "the graph key remembered per bucket, not per step kind", "ascend_compile/passes/pipeline.py",
         "        key = self._keys.get((bucket, decode))\n        if key is None:\n            key = GraphKey(bucket, decode)\n"
         "            key = self._keys[bucket, decode] = ",

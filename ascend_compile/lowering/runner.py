@@ -25,6 +25,7 @@ from torch import fx
 from ..config import CompileConfig
 from ..errors import AscendCompileError, CaptureError, UncapturableOp
 from ..passes import dump
+from ..passes.find_attention import attention_nodes
 from ..passes.padding import packed_capture
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.roles import IN_PLACE_ROLES, GraphSignature
@@ -79,6 +80,7 @@ class CompiledArtifact:
         #: the alias groups where a step's inputs could overlap a staged input the graph writes (`_step`)
         self.alias_groups = [g for g in rewritten.mutations.alias_groups if g & self.written and g & self.copied]
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
+        self.layers = len(attention_nodes(rewritten.original))  # the depth `verify`'s tolerance grows with
         self.restore = sorted({w.input for w in rewritten.mutations.unsafe()} - self.copied)
         #: the in-place inputs whose addresses a captured graph holds, checked every step
         self.checked = [spec.index for spec in self.signature.inputs if spec.role in IN_PLACE_ROLES
@@ -241,7 +243,7 @@ class CompiledArtifact:
         graph (`verify.py`): the step's outputs and the check's record, counted."""
         regions = written_regions(self.signature, self.written, args)
         outputs, record = first_replay_check(name, regions, args, lambda: self.rewritten.original(*caller_args), run,
-                                             self.names, self.runtime.generators_kept)
+                                             self.names, self.runtime.generators_kept, self.layers)
         self.stats["verified_replays"] += 1
         self.stats["verify_failures"] += not record["ok"]
         return outputs, record
