@@ -1235,6 +1235,11 @@ MUTANTS = (
         ("tests/test_verify.py::test_the_tolerance_passes_a_deep_bf16_model_rounded_otherwise_and_catches_stale_lengths",),
     ),
     Mutant(
+        "speculative example: a proposal fed at its predecessor's position", "examples/speculative.py",
+        "(r, len(r.tokens) - 1 + j, [p[-1]])", "(r, len(r.tokens) - 2 + j, [p[-1]])",
+        ("tests/test_speculative.py::test_speculative_decoding_is_token_equal_to_greedy_and_the_drafter_replays_its_graphs[4]",),
+    ),
+    Mutant(
         "the graph key remembered per bucket, not per step kind", "ascend_compile/passes/pipeline.py",
         "        key = self._keys.get((bucket, decode))\n        if key is None:\n            key = GraphKey(bucket, decode)\n"
         "            key = self._keys[bucket, decode] = ",
