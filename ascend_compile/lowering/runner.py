@@ -121,10 +121,10 @@ class CompiledArtifact:
 
     def _call(self, args: Sequence[Any], direct: bool, fixed: frozenset[int] | None = None) -> Any:
         with self.lock:
-            self.fixed, start = fixed, time.perf_counter()
-            phases = sum(self.seconds.values())
+            self.fixed, seconds = fixed, self.seconds
+            start, before = time.perf_counter(), seconds.total()
             result = self._step(self.rewritten.prologue.extend(args), args, direct)
-            self.seconds["host"] += time.perf_counter() - start - (sum(self.seconds.values()) - phases)
+            seconds["host"] += time.perf_counter() - start - (seconds.total() - before)
             return result
 
     def _count(self, step: Step, sign: int) -> None:
