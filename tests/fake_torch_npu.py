@@ -163,6 +163,24 @@ def _fail(arg: str, expected: str, got: Any) -> None:
     raise ValueError(f"{arg}: expected {expected}, got {got}")
 
 
+#: The kernel source's bound on a TND call's length lists (ops-transformer c29bc106
+#: `prompt_flash_attention_tiling.cpp` L4275-4278, `MAX_VAR_LEN_SEQ_LEN` = 4096), FIA's and FIA v2's alike.
+TND_MAX_ENTRIES = 4096
+
+
+def device_refusal(arg: str, expected: str, got: Any) -> None:
+    """A refusal the kernel's own tiling makes (an `OP_CHECK_IF` of the kernel source): on a device the aclnn
+    call fails and torch_npu raises a RuntimeError, not the ValueError of the docs' rules the fake also checks."""
+    raise RuntimeError(f"EZ9999: fake aclnn: {arg}: expected {expected}, got {got}")
+
+
+def tnd_entries(ends: list[int], kv_lens: list[int], source: str) -> None:
+    """The kernel's bound on a TND call's lists (`TND_MAX_ENTRIES`), refused as the device refuses it."""
+    if max(len(ends), len(kv_lens)) > TND_MAX_ENTRIES:
+        device_refusal("actual_seq_lengths", f"at most {TND_MAX_ENTRIES} entries per length list ({source})",
+                       f"{len(ends)} and {len(kv_lens)}")
+
+
 def _host_lengths(name: str, t: torch.Tensor) -> list[int]:
     """ATB reads `context_lens` on the host: a 1-D CPU int32 tensor."""
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.int32 or t.dim() != 1:
@@ -307,6 +325,7 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     if kw["block_size"] % 128 or not 128 <= kw["block_size"] <= 512:
         _fail("block_size", "a multiple of 128 in [128, 512] (paged FIA)", kw["block_size"])
     ends, kv_lens = list(kw["actual_seq_lengths"]), list(kw["actual_seq_lengths_kv"])
+    tnd_entries(ends, kv_lens, "prompt_flash_attention_tiling.cpp L4275-4278")
     query_lens = validate.query_lens_from_ends(ends, query.shape[0], "actual_seq_lengths")
     needed = sum(-(-n // key.shape[1]) for n in kv_lens)
     if key.shape[0] < needed:

@@ -115,7 +115,7 @@ def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, li
     ends, kv_lens = list(ends), list(kv_lens)
     _require(len(kv_lens) == len(ends) == table.shape[0], "actual_seq_kvlen", f"one length per batch, {len(ends)} "
              f"(L8720; block_table's first dim, L8780)", len(kv_lens))
-    _require(len(ends) <= 4096, "actual_seq_qlen", "at most 4096 entries ('元素个数不大于4096', L8738)", len(ends))
+    base.tnd_entries(ends, kv_lens, "'元素个数不大于4096', L8738; prompt_flash_attention_tiling.cpp L4275-4278")
     query_lens = validate.query_lens_from_ends(ends, tokens, "actual_seq_qlen")  # non-decreasing, last == T (L8720)
     capacity = table.shape[1] * block_size
     _require(all(0 <= n <= capacity for n in kv_lens), "actual_seq_kvlen",

@@ -98,6 +98,7 @@ DIFFERENTIAL = "tests/test_differential.py"
 FAILED_STEPS = "tests/test_failed_steps.py"
 
 MUTANTS_CHANGED = "tests/test_mutants_changed.py"
+KERNEL_RULES = "tests/test_npu_kernel_rules.py"
 
 MUTANTS = (
     Mutant(
@@ -1223,6 +1224,34 @@ MUTANTS = (
         "        if func is self.workspace:", "        if False:",
         ("tests/test_vllm_mla_real.py::test_the_graph_memory_estimate_bounds_what_the_mla_captures_take",),
         vllm=True,
+    ),
+    # issue 47: the FIA kernel's own rules
+    Mutant(
+        "FIA's 4096-entry rule not refused at compile", "ascend_compile/passes/npu_checks.py",
+        "            _refuse(call.node, lambda: npu_rules.check_tnd_sequences(key.bucket))\n", "            pass\n",
+        (f"{KERNEL_RULES}::test_a_fia_graph_above_4096_tokens_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "FIA probes for a graph above 4096 tokens", "ascend_compile/ops/npu_workspace.py",
+        "        npu_rules.check_tnd_sequences(tokens)  #", "        #",
+        (f"{KERNEL_RULES}::test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_4096",),
+    ),
+    Mutant(
+        "FIA probes with empty sequences", "ascend_compile/ops/npu_workspace.py",
+        "    query_lens = [kv_capacity] * full + ([rest] if rest else [])\n",
+        "    query_lens = [kv_capacity] * full + ([rest] if rest else [])\n"
+        "    query_lens += [0] * (tokens - len(query_lens))\n",
+        (f"{KERNEL_RULES}::test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_4096",),
+    ),
+    Mutant(
+        "the device's RuntimeError not caught for piecewise sizes", "ascend_compile/passes/pipeline.py",
+        "        except (ValueError, RuntimeError) as err:", "        except ValueError as err:",
+        (f"{KERNEL_RULES}::test_a_piecewise_size_of_8192_compiles_on_the_devices_runtime_error_path",),
+    ),
+    Mutant(
+        "the fake's 4096-entry rule a ValueError", "tests/fake_torch_npu.py",
+        "    raise RuntimeError(f\"EZ9999: fake aclnn:", "    raise ValueError(f\"EZ9999: fake aclnn:",
+        (f"{KERNEL_RULES}::test_a_tnd_call_of_more_than_4096_entries_is_the_devices_runtime_error",),
     ),
 )
 

@@ -62,6 +62,14 @@ FIA_MAX_HEAD_RATIO = 64
 FIA_MAX_HEADS = 256
 FIA_MAX_HEAD_DIM = 512
 FIA_HEAD_DIM_MULTIPLE = 16
+#: FIA's TND length lists: at most 4096 entries each. The kernel source refuses more (ops-transformer c29bc106
+#: `attention/prompt_flash_attention/op_host/prompt_flash_attention_tiling.cpp` L4275-4278 with
+#: `MAX_VAR_LEN_SEQ_LEN` = 4096, `prompt_flash_attention_tiling_const.h` L62: "Array length of the query's actual
+#: sequence lengths ... must be less than or equal to 4096 when input layout is TND"), and so does the max-workspace
+#: query, whose stand-in arrays keep the lists' sizes: on a device that refusal is a RuntimeError, not a ValueError.
+#: A graph's calls hold at most as many entries as its key has tokens (a decode graph exactly that many), so a key
+#: above this is refused.
+TND_MAX_SEQUENCES = 4096
 #: ATB PA's head size: "head_size范围为（0, 256]" (`_atb_api_docs.py` L278; the wider (0, 576] of L280 is
 #: for unequal key/value head sizes, which `ascend.attention` does not have).
 PA_MAX_HEAD_DIM = 256
@@ -103,6 +111,14 @@ def check_fia_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     for arg, ok, expected, got in rules:
         if not ok:
             raise ValueError(f"{arg}: {FIA_KERNEL} takes {expected}, got {got}")
+
+
+def check_tnd_sequences(count: int, kernel: str = FIA_KERNEL) -> None:
+    """Refuse a graph key whose calls may hold more than `TND_MAX_SEQUENCES` sequences (`count`: its tokens)."""
+    if count > TND_MAX_SEQUENCES:
+        raise ValueError(f"capture_sizes: {kernel} takes at most {TND_MAX_SEQUENCES} sequences per TND call (kernel "
+                         f"source prompt_flash_attention_tiling.cpp L4275-4278, MAX_VAR_LEN_SEQ_LEN), and a graph of "
+                         f"{count} tokens may be called with {count}; use sizes of at most {TND_MAX_SEQUENCES} tokens")
 
 
 def check_pa_head_size(head_dim: int) -> None:

@@ -107,6 +107,8 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capt
         kernel = npu_rules.FIA_KERNEL
         _refuse(call.node, lambda: npu_rules.check_fia_block_size(block_size))
         _refuse(call.node, lambda: npu_rules.check_fia_heads(shape.num_heads, shape.num_kv_heads, shape.head_dim))
+        for key in keys:  # a graph's calls hold at most as many sequences as its key has tokens
+            _refuse(call.node, lambda: npu_rules.check_tnd_sequences(key.bucket))
     _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
     query = example_value(args["query"])
     _refuse(call.node, lambda: npu_rules.check_attention_dtype(kernel, query.dtype, key_cache.dtype))

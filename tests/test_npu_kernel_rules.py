@@ -1,0 +1,108 @@
+"""The FIA kernel's own rules (issue 47), against the fake torch_npu: where the kernel source is narrower
+than the docs, the rule is the source's, refused at compile time naming the layer; where the device
+refuses a call itself (an `OP_CHECK_IF` of its tiling), it raises a RuntimeError, which the compile
+reads as the device's answer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ascend_compile
+from ascend_compile.backend import backend
+from ascend_compile.config import CompileConfig
+from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops import npu_rules, tiling
+from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
+from examples.llama import LlamaConfig, PagedBatch, build
+from tests import fake_torch_npu
+from tests.test_npu import DTYPE, NPU_BLOCK, TOL
+
+CPU = torch.device("cpu")
+MAX_LEN = 1024
+SHAPE = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=NPU_BLOCK)
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    return fake_torch_npu.install(monkeypatch)
+
+
+def _fia_call(entries: int):
+    """FIA's arguments for `entries` one-token sequences of KV 1, each its own block."""
+    query = torch.randn(entries, SHAPE.num_heads, SHAPE.head_dim, dtype=DTYPE)
+    cache = torch.zeros(entries, NPU_BLOCK, SHAPE.num_kv_heads, SHAPE.head_dim, dtype=DTYPE)
+    table = torch.arange(entries, dtype=torch.int32).view(entries, 1)
+    return query, cache, table, list(range(1, entries + 1)), [1] * entries
+
+
+# ----------------------------------------------------------------------------- 4096 entries a TND call
+
+
+def test_a_tnd_call_of_more_than_4096_entries_is_the_devices_runtime_error(fake_npu):
+    # The kernel's tiling refuses the lists' sizes (prompt_flash_attention_tiling.cpp L4275-4278): an aclnn
+    # error, which torch_npu raises as a RuntimeError, for the kernel and its max-workspace query alike.
+    kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
+    query, cache, table, ends, kv_lens = _fia_call(4097)
+    with pytest.raises(RuntimeError, match="at most 4096 entries"):
+        kernels.band_workspace_nbytes(query, cache, cache, table, ends, kv_lens, 0.25, query, None, None)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="at most 4096 entries"):
+        kernels.launch_fia(query, cache, cache, table, ends, kv_lens, 0.25, workspace, torch.empty_like(query), None,
+                           None)
+    query, cache, table, ends, kv_lens = _fia_call(4096)
+    assert kernels.band_workspace_nbytes(query, cache, cache, table, ends, kv_lens, 0.25, query, None, None) >= 0
+
+
+def test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_4096(fake_npu):
+    # The probe packs a graph's tokens into as few sequences as a block-table row holds, none empty: at 4096
+    # tokens and rows of 1024 that is 4 entries, not 4096. A graph of 4097 tokens may be called with 4097
+    # sequences: refused by the rule before any question.
+    queries = NpuWorkspaceQuery(npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU), DTYPE)
+    exact = tiling.max_workspace(tiling.FIA, SHAPE, 4096, MAX_LEN).nbytes
+    assert exact <= queries.fused_infer_attention_max(SHAPE, 4096, MAX_LEN // NPU_BLOCK) < exact + 2
+    (call,) = [c for c in fake_npu.calls if c.name == "_npu_fused_infer_attention_score_get_max_workspace"]
+    assert call.kwargs["actual_seq_lengths_kv"] == [1024] * 4 and call.kwargs["block_table"].shape[0] == 4
+    with pytest.raises(ValueError, match=r"capture_sizes: .* at most 4096 sequences per TND call"):
+        queries.fused_infer_attention_max(SHAPE, 4097, MAX_LEN // NPU_BLOCK)
+    assert fake_npu.count("_npu_fused_infer_attention_score_get_max_workspace") == 1
+
+
+def _compile_fia(**options):
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=64, block_size=NPU_BLOCK)
+    model, reference = build(cfg), build(cfg)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(**{"runtime": "npu", "max_model_len": MAX_LEN, "kernel_policy": "fia",
+                              "capture_sizes": (4, 8), **options})
+    fn = ascend_compile.compile(model, backend=backend(config, on_compiled=artifacts.append))
+    inputs = PagedBatch(cfg, seed=2, table_width=MAX_LEN // NPU_BLOCK).step([30, 500, 7])
+    with torch.no_grad():
+        torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOL)
+    return artifacts[-1]
+
+
+def test_piecewise_sizes_above_4096_get_no_graphs_by_the_rule(fake_npu, caplog):
+    with caplog.at_level("INFO", logger="ascend_compile"):
+        art = _compile_fia(piecewise_sizes=(16, 4096, 8192))
+    assert [k.bucket for k in art.rewritten.piecewise.keys] == [16, 4096]
+    assert "8192 tokens and above: capture_sizes: " in caplog.text and "at most 4096 sequences" in caplog.text
+    asked = [c.args[0].shape[0] for c in fake_npu.calls if c.name == "_npu_fused_infer_attention_score_get_max_workspace"]
+    assert max(asked) == 4096, asked  # 8192 refused by the rule, never asked
+
+
+def test_a_fia_graph_above_4096_tokens_is_refused_at_compile_naming_the_layer(fake_npu):
+    with pytest.raises(Exception, match=r"\(layer .*layers.0.attn\): capture_sizes: .* at most 4096 sequences per TND"):
+        _compile_fia(capture_sizes=(4, 8192), piecewise_sizes=())
+
+
+def test_a_piecewise_size_of_8192_compiles_on_the_devices_runtime_error_path(fake_npu, monkeypatch, caplog):
+    # A device whose tiling refuses what no rule here knows: the compile takes its RuntimeError as the answer
+    # for that size (no piecewise graphs from it up, logged with the device's message) and serves the rest. Here
+    # the rule is lifted and the fake device refuses more than 4 entries, which the probe sends from 8192 tokens
+    # at rows of 1024 (8 sequences) and not at 4096 (4).
+    monkeypatch.setattr(npu_rules, "TND_MAX_SEQUENCES", 1 << 20)
+    monkeypatch.setattr(fake_torch_npu, "TND_MAX_ENTRIES", 4)
+    with caplog.at_level("INFO", logger="ascend_compile"):
+        art = _compile_fia(piecewise_sizes=(16, 4096, 8192))
+    assert [k.bucket for k in art.rewritten.piecewise.keys] == [16, 4096]
+    assert "8192 tokens and above: EZ9999: fake aclnn: actual_seq_lengths" in caplog.text
