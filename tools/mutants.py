@@ -89,6 +89,7 @@ DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
 NPU_FEATURES = "tests/test_npu_features.py"
+CAPTURE_FAILURES = "tests/test_capture_failures.py"
 NPU_BAND_EDGE = "tests/test_npu_band_edge.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 VLLM_REAL = "tests/test_vllm_real.py"
@@ -1224,6 +1225,44 @@ MUTANTS = (
         "        if func is self.workspace:", "        if False:",
         ("tests/test_vllm_mla_real.py::test_the_graph_memory_estimate_bounds_what_the_mla_captures_take",),
         vllm=True,
+    ),
+    # issue 48: a capture the device refuses costs one graph
+    Mutant(
+        "a capture the device refuses fails the step", "ascend_compile/lowering/capture_failures.py",
+        "        if device_error(err):\n            return err\n", "",
+        (f"{CAPTURE_FAILURES}::test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_the_rest_captured",),
+    ),
+    Mutant(
+        "a piece size the device refuses keeps serving on its pieces", "ascend_compile/lowering/piecewise_serve.py",
+        "            why = art.failures.settle(graph.name, gm, failure)\n",
+        "            why = art.failures.settle(graph.name, gm, failure) and None\n",
+        (f"{CAPTURE_FAILURES}::test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_the_rest_captured",),
+    ),
+    Mutant(
+        "ranks decide a failed capture each on its own", "ascend_compile/lowering/capture_failures.py",
+        "        failed = agreed_failure(error is not None, groups, self.device) if groups else error is not None\n",
+        "        failed = error is not None\n",
+        ("tests/test_tensor_parallel.py::test_a_capture_refused_on_one_rank_is_given_up_on_every_rank",),
+    ),
+    Mutant(
+        "the simulator runs a collective at its capture", "ascend_compile/runtime/sim/launch.py",
+        "        if capturing and completes_at_wait(op):\n", "        if False:\n",
+        ("tests/test_tensor_parallel.py::test_a_capture_refused_on_one_rank_is_given_up_on_every_rank",),
+    ),
+    Mutant(
+        "the simulator's stream budget not enforced", "ascend_compile/runtime/sim/faults.py",
+        "        if self.budget is not None and self.held >= self.budget:\n", "        if False:\n",
+        (f"{CAPTURE_FAILURES}::test_a_budget_of_streams_spent_costs_the_graphs_past_it_not_the_steps",),
+    ),
+    Mutant(
+        "a freed graph keeps its stream", "ascend_compile/runtime/sim/faults.py",
+        "        weakref.finalize(graph, self.release)\n", "",
+        (f"{CAPTURE_FAILURES}::test_a_graph_freed_gives_its_stream_back",),
+    ),
+    Mutant(
+        "a device out of memory inside a capture taken for an uncapturable op", "ascend_compile/lowering/capture.py",
+        " is not n.target or device_resource_error(err):", " is not n.target:",
+        (f"{CAPTURE_FAILURES}::test_on_npu_a_capture_refused_costs_that_graph",),
     ),
     # issue 47: the FIA kernel's own rules
     Mutant(

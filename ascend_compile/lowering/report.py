@@ -50,6 +50,7 @@ def describe(art: Any) -> dict[str, Any]:
         if not specialization or "update_table" not in graph:
             graph.update(captured)
     plan["piecewise"] = _piecewise(art)
+    plan["failed_captures"] = dict(art.failures.graphs)  # graphs the device refused (`capture_failures.py`)
     served: dict[str, dict[str, int]] = {}
     for (kind, path), count in sorted(art.served.items()):
         served.setdefault(kind, {})[path] = count

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from ..config import CompileConfig
-from ..errors import AscendCompileError, CaptureError, UncapturableOp
+from ..errors import UncapturableOp
 from ..passes import dump
 from ..passes.padding import packed_capture
 from ..passes.pipeline import RewrittenGraphs
@@ -32,6 +32,7 @@ from ..passes.size_symbols import SymbolKind
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime
 from . import capture as capture_mod, report, served
+from .capture_failures import CaptureFailures
 from .graph_entry import GraphEntry, MovedInputs, specialization_of
 from .inputs import Step, StepPlan, capture_seq_len, choose_bucket, overlapping_inputs, read_step, step_kind
 from .input_checks import change_summary
@@ -67,6 +68,7 @@ class CompiledArtifact:
         self.uncapturable: dict[Any, str] = {}
         #: the piecewise graphs (`piecewise_serve.py`), and `piecewise`: them by key and specialized sizes
         self.pieces = PiecewiseServer(self)
+        self.failures = CaptureFailures(self.stats, self.runtime.device)  # captures the device refused
         self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = self.pieces.graphs
         #: steps by kind ("decode", "mixed", "prefill") and what served them ("full", "piecewise", "eager")
         self.served: collections.Counter = collections.Counter()
@@ -317,21 +319,21 @@ class CompiledArtifact:
     def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
         target = self.target
         try:
-            entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry),
-                          self.restore, target.updates, target.workspaces, self.checked, self.identified)
+            seq_len = capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
+            entry.capture(self.runtime, args, self.workspaces_for(entry.key), seq_len, self.restore, target.updates,
+                          target.workspaces, self.checked, self.identified)
         except UncapturableOp as err:
             self._serve_eagerly(entry, err)
             return
-        except RuntimeError as err:
-            if isinstance(err, AscendCompileError) or not entry.specialization:
-                raise
-            kept = ", ".join(f"{s}={v}" for s, v in entry.specialization)
-            raise CaptureError(
-                f"capturing {entry.name} failed: the graph pads the step to {entry.key.bucket} tokens and keeps "
-                f"the sizes {kept} as seen; one of them may be a step size the model never equates with the "
-                f"token count (e.g. positions [T, 1] beside ids [T] when every size is symbolic): name the step "
-                f"dims (`ascend_compile.compile(model, options, step_dims=...)`). The capture's error: {err}"
-            ) from err
+        except RuntimeError as err:  # the device's own error costs this graph (`capture_failures.py`)
+            failure: RuntimeError | None = self.failures.device_failure(entry.name, entry.key.bucket,
+                                                                        entry.specialization, err)
+        else:
+            failure = None
+        why = self.failures.settle(entry.name, entry.gm, failure)
+        if why:
+            entry.graph, entry.eager_reason = None, why
+            return
         self.stats["captures"] += 1
         log.info("ascend_compile: captured %s in %.3f s (%d update entries)", entry.name, entry.capture_seconds,
                  len(entry.table.entries))
@@ -353,9 +355,6 @@ class CompiledArtifact:
             log.warning("ascend_compile: %s: graphs holding it run their steps eagerly%s", why, pieces)
         self.uncapturable[err.op] = why
         return why
-
-    def _capture_seq_len(self, entry: GraphEntry) -> int | None:
-        return capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
 
     def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
         """Capture every bucket's decode graph now, largest first so that smaller graphs fit in the

@@ -139,8 +139,9 @@ class GraphRuntime(Runtime):
     """A runtime that captures device graphs; its kernels read lengths on the device (no updates)."""
 
     @abc.abstractmethod
-    def graph(self) -> DeviceGraph:
-        """A new, empty graph whose captures share this runtime's graph memory pool."""
+    def graph(self, label: str = "") -> DeviceGraph:
+        """A new, empty graph whose captures share this runtime's graph memory pool (`label`: the
+        runner's name for it, in the runtime's errors)."""
 
     def after_replay(self) -> None:
         """After a replay (and its updates): make its results ready for what the host issues next.

@@ -193,10 +193,10 @@ class NpuRuntime(TaskUpdateRuntime):
         """Device memory from torch_npu's caching allocator (the graph pool during a capture)."""
         return torch.empty(tuple(shape), dtype=dtype, device=self._device)
 
-    def graph(self) -> NpuGraph:
-        """A new graph; every graph of this runtime captures into its one pool."""
+    def graph(self, label: str = "") -> NpuGraph:
+        """A new graph; every graph of this runtime captures into its one pool (`label`: the runner's name)."""
         self._graph_count += 1
-        return NpuGraph(self, f"graph{self._graph_count}")
+        return NpuGraph(self, f"graph{self._graph_count}" + (f" ({label})" if label else ""))
 
     def event(self, name: str) -> NpuEvent:
         """A new `torch.npu.ExternalEvent` named `name` in errors."""
