@@ -79,6 +79,7 @@ from ascend_compile.ops import library, reference, tiling, validate
 from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.runtime import npu as runtime_npu
 from ascend_compile.runtime.sim import SimRuntime
+from tests.fake_torch_npu_batches import TaskBatches
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -585,6 +586,7 @@ class FakeNpu:
         self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order
         self.pools: list[Any] = []
         self.capturing: Any = None  # the capture stream while a capture is open
+        self.batches = TaskBatches()  # FIA's batch and block table at capture and each update
         self.ids = itertools.count()
         self.default_stream: Stream | None = None
         self.streams: list[Stream] = []
@@ -600,6 +602,7 @@ class FakeNpu:
         self.band_reading = "docs"
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.batches.issued(name, kwargs, self.capturing is not None)
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         self.calls.append(Call(name, args, kwargs))
@@ -694,9 +697,10 @@ class ExternalEvent:
 class _NPUTaskGroupHandle:
     """`torch_npu._C._NPUTaskGroupHandle`, with the core limit its kernels were tiled for."""
 
-    def __init__(self, task_group: Any, core_limit: dict[str, int]) -> None:
+    def __init__(self, task_group: Any, core_limit: dict[str, int], fia_calls: list | None = None) -> None:
         self.task_group = task_group
         self.core_limit = core_limit
+        self.fia_calls = fia_calls or []  # (entries, block table) of its FIA calls at capture
 
 
 class NPUGraph:
@@ -782,6 +786,7 @@ def graph_task_group_begin(stream):
         raise RuntimeError(f"graph_task_group_begin: {stream!r} is not capturing")
     fake.trace.append(("graph_task_group_begin", stream))
     fake.sim.task_group_begin()
+    fake.batches.group_begin()
 
 
 def graph_task_group_end(stream):
@@ -789,7 +794,7 @@ def graph_task_group_end(stream):
     if fake.capturing is None or stream is not fake.capturing:
         raise RuntimeError(f"graph_task_group_end: {stream!r} is not capturing")
     fake.trace.append(("graph_task_group_end", stream))
-    return _NPUTaskGroupHandle(fake.sim.task_group_end(), dict(stream.core_limit))
+    return _NPUTaskGroupHandle(fake.sim.task_group_end(), dict(stream.core_limit), fake.batches.group_end())
 
 
 def graph_task_update_begin(stream, handle):
@@ -808,12 +813,14 @@ def graph_task_update_begin(stream, handle):
         )
     fake.trace.append(("graph_task_update_begin", stream))
     fake.sim.task_update_begin(handle.task_group, stream.sim)
+    fake.batches.update_begin(handle.fia_calls)
 
 
 def graph_task_update_end(stream):
     fake = _fake()
     fake.trace.append(("graph_task_update_end", stream))
     fake.sim.task_update_end()
+    fake.batches.update_end()
 
 
 def synchronize(device=None):

@@ -106,3 +106,44 @@ def test_a_piecewise_size_of_8192_compiles_on_the_devices_runtime_error_path(fak
         art = _compile_fia(piecewise_sizes=(16, 4096, 8192))
     assert [k.bucket for k in art.rewritten.piecewise.keys] == [16, 4096]
     assert "8192 tokens and above: EZ9999: fake aclnn: actual_seq_lengths" in caplog.text
+
+
+# ----------------------------------------------------------------------------- a task's batch and block table
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["fia", "fia-v2-sinks"])
+def test_every_fia_update_keeps_the_captured_batch_and_block_table(fake_npu, sinks):
+    # A windowed and a full layer, decode and mixed steps of 1 to 7 sequences in buckets 4 and 8: each update
+    # of a captured FIA task (v1, or v2 with sinks) has no more entries than its capture and passes the very
+    # block-table tensor its capture did (the fake refuses either otherwise: `tests/fake_torch_npu_batches.py`).
+    from tests.test_npu_features import WINDOW, run_replayed
+
+    cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, sinks=sinks,
+                      layer_types=("sliding", "full"), sliding_window=WINDOW)
+    steps = [[30, 7], ([40, 300, 17], [3, 1, 2]), ([5, 9, 11, 12, 13, 14, 15], [2, 1, 1, 1, 1, 1, 1]), [20] * 8,
+             ([60], [4]), ([23, 24, 25, 26, 27], [1, 1, 1, 1, 2])]
+    fake_npu.band_at_single_query = True
+    run_replayed(cfg, steps, eager=0)
+    assert fake_npu.batches.updates_checked >= 2 * (len(steps) - 2)  # both layers of every replayed FIA graph
+
+
+def test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table():
+    from tests.fake_torch_npu_batches import TaskBatches
+
+    table = torch.zeros(8, 2, dtype=torch.int32)
+    name = "npu_fused_infer_attention_score.out"
+    batches = TaskBatches()
+    batches.group_begin()
+    batches.issued(name, {"actual_seq_lengths_kv": [1, 2, 3], "block_table": table[:3]}, capturing=True)
+    captured = batches.group_end()
+    for kv_lens, rows, why in (([1, 2, 3, 4], 4, "4 batch entries, more than the 3"), ([1, 2], 2, "another block table"),
+                               ([1, 2, 3], 3, None)):
+        batches.update_begin(captured)
+        view = table[:rows] if why else table[:3]
+        if why:
+            with pytest.raises(RuntimeError, match=why):
+                batches.issued(name, {"actual_seq_lengths_kv": kv_lens, "block_table": view}, capturing=False)
+        else:
+            batches.issued(name, {"actual_seq_lengths_kv": kv_lens, "block_table": view}, capturing=False)
+        batches.update_end()
+    assert batches.updates_checked == 1

@@ -1292,6 +1292,23 @@ MUTANTS = (
         "    raise RuntimeError(f\"EZ9999: fake aclnn:", "    raise ValueError(f\"EZ9999: fake aclnn:",
         (f"{KERNEL_RULES}::test_a_tnd_call_of_more_than_4096_entries_is_the_devices_runtime_error",),
     ),
+    Mutant(
+        "FIA's block table narrowed to each step's batch", "ascend_compile/ops/npu.py",
+        "        ends, kv_lens = table_batch(block_table, actual_seq_lengths, actual_seq_lengths_kv)\n",
+        "        block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))\n"
+        "        ends, kv_lens = list(actual_seq_lengths), list(actual_seq_lengths_kv)\n",
+        (f"{KERNEL_RULES}::test_every_fia_update_keeps_the_captured_batch_and_block_table",),
+    ),
+    Mutant(
+        "the fake lets an update grow FIA's batch", "tests/fake_torch_npu_batches.py",
+        "            if call[0] > entries:", "            if False:",
+        (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
+    ),
+    Mutant(
+        "the fake lets an update rebind the block table", "tests/fake_torch_npu_batches.py",
+        "            if call[1] != table:", "            if False:",
+        (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
+    ),
 )
 
 
