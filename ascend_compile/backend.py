@@ -5,16 +5,19 @@ registers the backend itself calls `backend(CompileConfig(...))`.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
 
+from . import ledger
 from .compile_once import retrace_general
 from .config import CompileConfig
 from .dispatch import graph_inputs
 from .gc_pause import gc_paused
+from .lowering import budget
 from .lowering.runner import CompiledArtifact
 from .passes.find_attention import attention_args, attention_nodes, has_attention
 from .passes.fx_utils import example_value
@@ -23,6 +26,7 @@ from .passes.providers import Binder
 from .targets import TargetFactory, default_target
 
 log = logging.getLogger("ascend_compile")
+ledger.DynamoClock.install()  # dynamo's trace timed from its start (`ledger.py`)
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:
@@ -61,16 +65,21 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         return gm.forward
     if config.retrace_static:
         retrace_general(gm)  # may raise dynamo's restart: the frame is traced again, general
+    phases = collections.Counter({"dynamo_trace": ledger.DynamoClock.trace_seconds() or 0.0})
     device_target = target(_device_of(gm), config)
     device_target.check(config)
-    with gc_paused():
+    with gc_paused(), ledger.recording(phases), ledger.phase("passes"):
         rewritten = rewrite_buckets(gm, config, device_target, bind)
         if rewritten is None:
             log.info("ascend_compile: graph has no attention: running it as traced")
             return gm.forward
+        graph_budget = budget.fit(rewritten, device_target.runtime, config)
         artifact = CompiledArtifact(rewritten, device_target, config)
         artifact.graph_inputs = graph_inputs.record(gm)  # dynamo drops its records once the compile is over
-        return artifact
+    artifact.startup.compiled(phases, graph_budget)
+    ledger.DynamoClock.install()  # again, for the next frame, after a `torch._dynamo.reset()`
+    artifact.write_plan()
+    return artifact
 
 
 def ascend_graph(
@@ -97,6 +106,7 @@ def backend(
         config = CompileConfig.from_options(options)
     elif options:
         raise ValueError("backend: pass either a CompileConfig or options, not both")
+    ledger.DynamoClock.install()  # before dynamo's first frame for this backend
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         compiled = compile_graph(gm, example_inputs, config, target)

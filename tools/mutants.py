@@ -90,6 +90,7 @@ MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_co
 NPU_MLA = "tests/test_mla_npu.py"
 NPU_FEATURES = "tests/test_npu_features.py"
 CAPTURE_FAILURES = "tests/test_capture_failures.py"
+GRAPH_BUDGET = "tests/test_graph_budget.py"
 NPU_BAND_EDGE = "tests/test_npu_band_edge.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 VLLM_REAL = "tests/test_vllm_real.py"
@@ -1264,6 +1265,42 @@ MUTANTS = (
         " is not n.target or device_resource_error(err):", " is not n.target:",
         (f"{CAPTURE_FAILURES}::test_on_npu_a_capture_refused_costs_that_graph",),
     ),
+    # issue 48: the graph budget and the start-up ledger
+    Mutant(
+        "the graph budget ignored", "ascend_compile/lowering/budget.py",
+        "    if budget is not None and pieces and full + pieces * len(sizes) > budget:\n", "    if False:\n",
+        (f"{GRAPH_BUDGET}::test_a_stream_limit_of_2048_at_80_layers_compiles_and_serves_every_step_equal_to_eager",),
+    ),
+    Mutant(
+        "the piecewise sizes kept are the smallest", "ascend_compile/lowering/budget.py",
+        "    return sorted({sizes[round(i * step)] for i in range(keep)})\n", "    return sizes[:keep]\n",
+        (f"{GRAPH_BUDGET}::test_a_stream_limit_of_2048_at_80_layers_compiles_and_serves_every_step_equal_to_eager",),
+    ),
+    Mutant(
+        "a piecewise size counted as one graph", "ascend_compile/lowering/budget.py",
+        "    return sum(isinstance(s, Piece) for s in graph.segments)\n", "    return 1\n",
+        (f"{GRAPH_BUDGET}::test_a_stream_limit_of_2048_at_80_layers_compiles_and_serves_every_step_equal_to_eager",),
+    ),
+    Mutant(
+        "a phase timed inside another counted in both", "ascend_compile/ledger.py",
+        "        add(name, total - inner)\n", "        add(name, total)\n",
+        (f"{GRAPH_BUDGET}::test_a_phase_timed_inside_another_is_taken_out_of_it",),
+    ),
+    Mutant(
+        "dynamo's trace not timed after a dynamo reset", "ascend_compile/backend.py",
+        "    ledger.DynamoClock.install()  # before dynamo's first frame for this backend\n", "",
+        (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
+    Mutant(
+        "kernel timing not in the ledger", "ascend_compile/ops/timing.py",
+        "@ledger.timed(\"kernel_timing\")\n", "",
+        (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
+    Mutant(
+        "inspect says nothing of start-up", "ascend_compile/cli.py",
+        "    out.extend(_render_startup(plan))\n", "",
+        (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
     # issue 47: the FIA kernel's own rules
     Mutant(
         "FIA's 4096-entry rule not refused at compile", "ascend_compile/passes/npu_checks.py",
@@ -1298,6 +1335,11 @@ MUTANTS = (
         "        block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))\n"
         "        ends, kv_lens = list(actual_seq_lengths), list(actual_seq_lengths_kv)\n",
         (f"{KERNEL_RULES}::test_every_fia_update_keeps_the_captured_batch_and_block_table",),
+    ),
+    Mutant(
+        "FIA's TND head dim bound the docs' 512", "ascend_compile/ops/npu_rules.py",
+        "FIA_MAX_HEAD_DIM = 256\n", "FIA_MAX_HEAD_DIM = 512\n",
+        (f"{DEVICE}::test_head_limits_are_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
         "the fake lets an update grow FIA's batch", "tests/fake_torch_npu_batches.py",

@@ -40,6 +40,7 @@ from .outputs import narrowed_outputs, returned_outputs
 from .piecewise import PiecewiseGraph
 from .piecewise_serve import PiecewiseServer
 from .staging import Staging
+from .startup import Startup, progress
 from .undo import UndoPlan
 from .verify import first_replay_check, written_regions
 
@@ -69,6 +70,7 @@ class CompiledArtifact:
         #: the piecewise graphs (`piecewise_serve.py`), and `piecewise`: them by key and specialized sizes
         self.pieces = PiecewiseServer(self)
         self.failures = CaptureFailures(self.stats, self.runtime.device)  # captures the device refused
+        self.startup = Startup()  # the compile's phases and graph budget, set by the backend (`startup.py`)
         self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = self.pieces.graphs
         #: steps by kind ("decode", "mixed", "prefill") and what served them ("full", "piecewise", "eager")
         self.served: collections.Counter = collections.Counter()
@@ -362,13 +364,8 @@ class CompiledArtifact:
         specialized sizes of `symbols`. Only for an artifact that pads steps to the buckets: where
         each step size is captured as is, a decode graph captured at a mixed step's sizes would put
         several query tokens of a sequence into PA (issue 36)."""
-        keys: Any = sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket)
-        try:
-            from tqdm import tqdm
-
-            keys = tqdm(keys, desc="ascend_compile capture", unit="graph", mininterval=1.0, delay=1.0)
-        except ImportError:
-            pass
+        keys = progress(sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket),
+                        "ascend_compile capture")
         specialization = specialization_of(self.signature, symbols)
         for key in keys:
             entry = self.graphs.get((key, specialization)) or self._new_entry(key, symbols)

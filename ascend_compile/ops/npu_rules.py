@@ -55,12 +55,18 @@ CONTIGUITY_SOURCES = {
 }
 
 #: FIA's head rules: "num_heads与num_key_value_heads的比值不能大于64" (at most 64 query heads per KV head,
-#: `_op_plugin_docs.py` L8116); "支持N轴小于等于256, 支持D轴小于等于512" (L8204 for Q_S > 1, L8271 for Q_S 1);
-#: "输入类型全为float16、bfloat16时, D轴需16对齐" (a head dim that is a multiple of 16, L8210, Q_S > 1: an FIA
-#: graph serves steps of several query tokens).
+#: `_op_plugin_docs.py` L8116); "支持N轴小于等于256" (L8204 for Q_S > 1, L8271 for Q_S 1); "输入类型全为float16、
+#: bfloat16时, D轴需16对齐" (a head dim that is a multiple of 16, L8210, Q_S > 1: an FIA graph serves steps of
+#: several query tokens). The head dim's bound is the kernel source's, narrower than the docs' 512 (L8204, L8271):
+#: every call here is TND without rope and D != 512, which takes the PFA tiling in ops-transformer c29bc106
+#: (`fused_infer_attention_score_tiling.cpp` L700-716), whose TND rule is D 64 or 128, or 192 in narrow cases
+#: (`prompt_flash_attention_tiling.cpp` L3800-3803); a later source (the ops-transformer mirror at bfbbec83,
+#: 2025-12) adds a SplitFuse path refusing D > 256 in TND (`fused_infer_attention_score_tiling.cpp` L1035-1038)
+#: and otherwise keeps that PFA rule (L3680-3683). No version read takes D > 256; which D up to 256 a device
+#: takes depends on its version, asked of the device per layer form (`ops/npu_form_probe.py`).
 FIA_MAX_HEAD_RATIO = 64
 FIA_MAX_HEADS = 256
-FIA_MAX_HEAD_DIM = 512
+FIA_MAX_HEAD_DIM = 256
 FIA_HEAD_DIM_MULTIPLE = 16
 #: FIA's TND length lists: at most 4096 entries each. The kernel source refuses more (ops-transformer c29bc106
 #: `attention/prompt_flash_attention/op_host/prompt_flash_attention_tiling.cpp` L4275-4278 with
@@ -105,8 +111,10 @@ def check_fia_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         ("num_heads", num_heads <= FIA_MAX_HEADS, f"at most {FIA_MAX_HEADS} heads ('支持N轴小于等于256', L8204, L8271)",
          num_heads),
         ("query", head_dim <= FIA_MAX_HEAD_DIM and head_dim % FIA_HEAD_DIM_MULTIPLE == 0,
-         f"a head dim that is a multiple of {FIA_HEAD_DIM_MULTIPLE} and at most {FIA_MAX_HEAD_DIM} ('D轴需16对齐', L8210; "
-         f"'支持D轴小于等于512', L8204, L8271)", head_dim),
+         f"a head dim that is a multiple of {FIA_HEAD_DIM_MULTIPLE} ('D轴需16对齐', L8210) and at most "
+         f"{FIA_MAX_HEAD_DIM} in TND (kernel source: prompt_flash_attention_tiling.cpp L3800-3803 takes D 64, 128 "
+         f"or 192, the later SplitFuse path at most 256, fused_infer_attention_score_tiling.cpp L1035-1038)",
+         head_dim),
     )
     for arg, ok, expected, got in rules:
         if not ok:

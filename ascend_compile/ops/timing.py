@@ -7,9 +7,11 @@ from typing import Callable
 
 import torch
 
+from .. import ledger
 from . import cuda, tiling
 
 
+@ledger.timed("kernel_timing")
 def time_kernel(
     kernel: str,
     shape: tiling.AttentionShape,

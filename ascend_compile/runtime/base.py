@@ -143,6 +143,12 @@ class GraphRuntime(Runtime):
         """A new, empty graph whose captures share this runtime's graph memory pool (`label`: the
         runner's name for it, in the runtime's errors)."""
 
+    def graph_budget(self) -> tuple[int | None, str]:
+        """The most graphs this device can hold captured (None: no limit known), and where that figure
+        comes from (`lowering/budget.py` fits a compile's graphs to it). By default none: a CUDA graph
+        holds no stream of its own."""
+        return None, "no limit known for this runtime"
+
     def after_replay(self) -> None:
         """After a replay (and its updates): make its results ready for what the host issues next.
         By default `synchronize`; a device whose later work is ordered on the same stream needs nothing."""

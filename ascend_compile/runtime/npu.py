@@ -324,6 +324,14 @@ class NpuRuntime(TaskUpdateRuntime):
             self.npu.set_stream_limit(self.capture_stream, limit["cube_core_num"], limit["vector_core_num"])
         return limit
 
+    def graph_budget(self) -> tuple[int | None, str]:
+        """vLLM-Ascend's cap on ACL graphs, 1,800 (`MAX_CAPTURE_SIZE`, "Maximum number of graphs that can be
+        captured by ACL Graph", `vllm_ascend/utils.py`, `update_aclgraph_sizes`: each graph holds a stream,
+        and a device past its streams refuses `capture_begin` with 207008). torch_npu has no query for it:
+        `get_stream_limit` answers a stream's cube and vector cores (torch_npu 2.10.0.post4
+        `npu/npu_config.py`), not how many streams are left."""
+        return 1800, "vLLM-Ascend's MAX_CAPTURE_SIZE (vllm_ascend/utils.py, update_aclgraph_sizes)"
+
     def stream_limit(self, stream: Any) -> CoreLimit | None:
         """`torch.npu.get_stream_limit(stream)`, or None where the installed torch_npu / CANN cannot say
         (it reads the limit through `_npu_get_stream_res_limit`, which an older CANN lacks): the runtime

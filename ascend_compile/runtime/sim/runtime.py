@@ -345,6 +345,9 @@ class SimRuntime(TaskUpdateRuntime):
         """Per pool ("general", "graph"): reserved_bytes, allocated_bytes, segments, free_blocks."""
         return self._memory.stats()
 
+    def graph_budget(self) -> tuple[int | None, str]:
+        return self.faults.budget, "the simulator's stream_budget, one stream a graph (`faults.py`)"
+
     def describe(self) -> dict[str, Any]:
         """What the dump records about this runtime."""
         return {**super().describe(), "segment_bytes": self._memory.general.segment_bytes, "overflow": self.overflow}
