@@ -73,10 +73,11 @@ def test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_t
 
 
 def test_a_budget_of_streams_spent_costs_the_graphs_past_it_not_the_steps(caplog):
-    """A stream budget of 3 (one stream a graph): b4.decode, b8.decode and b8.mixed are captured, then
-    p16 and p32 are refused at `capture_begin` with 207008 and serve their steps eagerly, every step
-    equal to eager; the full graphs keep replaying."""
-    art = _serve([], caplog, runtime=SimRuntime(stream_budget=3))
+    """A device with 3 streams left (one a graph) where the compile counted on more (`graph_budget`: as
+    when other work holds streams): b4.decode, b8.decode and b8.mixed are captured, then p16 and p32
+    are refused at `capture_begin` with 207008 and serve their steps eagerly, every step equal to
+    eager; the full graphs keep replaying."""
+    art = _serve([], caplog, runtime=SimRuntime(stream_budget=3), graph_budget=100)
     assert art.stats["captures"] == 3 and art.stats["failed_captures"] == 2
     assert set(art.failures.graphs) == {"p16", "p32"} and "207008" in art.failures.graphs["p16"]
     assert art.stats["replays"] == 5 and art.runtime.faults.held == 3
