@@ -79,6 +79,9 @@ def _render_startup(plan: dict[str, Any]) -> list[str]:
                    f"({budget['budget_source']})")
         if budget.get("dropped_piecewise_sizes"):
             out.append(f"piecewise sizes dropped to fit the budget: {budget['dropped_piecewise_sizes']}")
+    if "plan" in startup:  # a warm start's: answers taken from the persisted plan, and asked anew
+        out.append(f"persisted plan {startup['plan']['file']}: reused {startup['plan']['reused']}, "
+                   f"asked {startup['plan']['asked']}")
     out.extend(f"WARNING: capture refused by the device: {why}" for why in plan.get("failed_captures", {}).values())
     return out
 

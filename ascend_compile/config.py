@@ -85,6 +85,8 @@ class CompileConfig:
             pieces); piecewise sizes past it are dropped, the largest kept, with a WARNING
             (`lowering/budget.py`). None: the runtime's (npu: vLLM-Ascend's 1,800; the simulator: its
             `stream_budget`; cuda: none).
+        plan_dir: where a compile keeps its deterministic answers (kernel timings, workspace queries) for the
+            next start, keyed by graph, options, versions, device and rank (`plan_cache.py`); None: none kept.
         sim_overflow: what the simulator does when a kernel needs more workspace than it got:
             "write" past the buffer, like the device, or "raise".
         max_specializations: the most captures one bucket keeps for distinct values of the sizes
@@ -143,6 +145,7 @@ class CompileConfig:
     retrace_static: bool = False
     piecewise_sizes: tuple[int, ...] | None = None
     graph_budget: int | None = None
+    plan_dir: str | None = None
 
     def __post_init__(self) -> None:
         sizes = tuple(self.capture_sizes)

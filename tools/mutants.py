@@ -91,6 +91,7 @@ NPU_MLA = "tests/test_mla_npu.py"
 NPU_FEATURES = "tests/test_npu_features.py"
 CAPTURE_FAILURES = "tests/test_capture_failures.py"
 GRAPH_BUDGET = "tests/test_graph_budget.py"
+WARM_START = "tests/test_warm_start.py"
 NPU_BAND_EDGE = "tests/test_npu_band_edge.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 VLLM_REAL = "tests/test_vllm_real.py"
@@ -1300,6 +1301,27 @@ MUTANTS = (
         "inspect says nothing of start-up", "ascend_compile/cli.py",
         "    out.extend(_render_startup(plan))\n", "",
         (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
+    # issue 48: a warm start repeats nothing deterministic
+    Mutant(
+        "a warm start asks every question again", "ascend_compile/plan_cache.py",
+        "            if asked in answers:\n", "            if False:\n",
+        (f"{WARM_START}::test_a_warm_start_times_no_kernel_and_chooses_the_same_kernels",),
+    ),
+    Mutant(
+        "the plan's key without the rank", "ascend_compile/plan_cache.py",
+        "            \"device\": device_name(device), \"rank\": rank}", "            \"device\": device_name(device)}",
+        (f"{WARM_START}::test_any_part_of_the_key_changed_means_the_plan_is_asked_anew[rank]",),
+    ),
+    Mutant(
+        "the plan's key without the device's name", "ascend_compile/plan_cache.py",
+        "            \"device\": device_name(device), \"rank\": rank}", "            \"device\": str(device), \"rank\": rank}",
+        (f"{WARM_START}::test_any_part_of_the_key_changed_means_the_plan_is_asked_anew[device]",),
+    ),
+    Mutant(
+        "workspace queries not kept in the plan", "ascend_compile/passes/probe.py",
+        "    @plan_cache.remembered(\"workspace_queries\", question=lambda self, key, query: key)\n", "",
+        (f"{WARM_START}::test_on_npu_a_warm_start_asks_no_workspace_query",),
     ),
     # issue 47: the FIA kernel's own rules
     Mutant(

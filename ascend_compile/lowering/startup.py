@@ -24,10 +24,13 @@ class Startup:
     def __init__(self) -> None:
         self.phases: collections.Counter = collections.Counter()
         self.budget: GraphBudget | None = None
+        self.plan: dict[str, Any] | None = None  # the persisted plan's file, answers reused and asked
 
-    def compiled(self, phases: collections.Counter, budget: GraphBudget) -> None:
-        """Record the compile's `phases` and `budget`, and say so in one INFO line."""
+    def compiled(self, phases: collections.Counter, budget: GraphBudget, plan: Any = None) -> None:
+        """Record the compile's `phases`, `budget` and persisted plan (`plan_cache.PlanCache`, if any),
+        and say so in one INFO line."""
         self.phases, self.budget = phases, budget
+        self.plan = plan.describe() if plan is not None else None
         spent = ", ".join(f"{name} {phases[name]:.2f} s" for name in ledger.PHASES if name in phases)
         limit = f"a budget of {budget.budget}" if budget.budget is not None else "no budget known"
         log.info("ascend_compile: start-up: %s; %d graphs to capture (%d full, %d piecewise sizes x %d pieces), %s",
@@ -39,7 +42,8 @@ class Startup:
                     if g.capture_seconds}
         return {"seconds": {name: round(self.phases[name], 4) for name in ledger.PHASES if name in self.phases},
                 "captures": captures, "capture_seconds": round(sum(captures.values()), 4),
-                **({"graph_budget": self.budget.describe()} if self.budget is not None else {})}
+                **({"graph_budget": self.budget.describe()} if self.budget is not None else {}),
+                **({"plan": self.plan} if self.plan is not None else {})}
 
 
 def progress(items: Iterable[Any], what: str) -> Iterable[Any]:
