@@ -175,6 +175,11 @@ def device_refusal(arg: str, expected: str, got: Any) -> None:
     raise RuntimeError(f"EZ9999: fake aclnn: {arg}: expected {expected}, got {got}")
 
 
+def kernel_source() -> str | None:
+    """The FIA kernel source the installed fake plays (`tests/fake_torch_npu_sources.py`), None for the docs only."""
+    return _ACTIVE.kernel_source if _ACTIVE is not None else None
+
+
 def tnd_entries(ends: list[int], kv_lens: list[int], source: str) -> None:
     """The kernel's bound on a TND call's lists (`TND_MAX_ENTRIES`), refused as the device refuses it."""
     if max(len(ends), len(kv_lens)) > TND_MAX_ENTRIES:
@@ -293,6 +298,7 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     and for int8 outputs only). The layout, the argument names and sparse modes 0 / 3 / 4 are what the
     fake computes.
     """
+    from tests import fake_torch_npu_sources  # it builds on this module's refusals
     from tests.fake_torch_npu_features import band_window  # it builds on this module's checks
     if kw["input_layout"] != "TND":
         _fail("input_layout", "'TND' (the fake implements the TND layout)", repr(kw["input_layout"]))
@@ -325,6 +331,8 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _fail("block_size", f"the cache's block size {key.shape[1]}", kw["block_size"])
     if kw["block_size"] % 128 or not 128 <= kw["block_size"] <= 512:
         _fail("block_size", "a multiple of 128 in [128, 512] (paged FIA)", kw["block_size"])
+    fake_torch_npu_sources.check(kernel_source(), query.dtype, heads, kv_heads, dim, kw["block_size"], kw["sparse_mode"],
+                                 False, kw["inner_precise"])
     ends, kv_lens = list(kw["actual_seq_lengths"]), list(kw["actual_seq_lengths_kv"])
     tnd_entries(ends, kv_lens, "prompt_flash_attention_tiling.cpp L4275-4278")
     query_lens = validate.query_lens_from_ends(ends, query.shape[0], "actual_seq_lengths")
@@ -600,6 +608,9 @@ class FakeNpu:
         #: How many keys a band of pre_tokens P attends: "docs" P + 1 (L1636-1645, L8200), "vllm-ascend" P
         #: (its pre_tokens = W, attention_v1.py L942), "neither" P + 2 (`tests/fake_torch_npu_features.py`).
         self.band_reading = "docs"
+        #: The FIA kernel source whose TND rules the fake plays: None (the docs' only), "c29bc106" or "bfbbec83"
+        #: (`tests/fake_torch_npu_sources.py`).
+        self.kernel_source: str | None = None
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.batches.issued(name, kwargs, self.capturing is not None)

@@ -33,6 +33,7 @@ import torch
 from ascend_compile.ops import reference, tiling, validate
 from ascend_compile.ops.features import AttentionFeatures
 from tests import fake_torch_npu as base
+from tests import fake_torch_npu_sources
 
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 #: The keys a band of `pre_tokens` P attends beyond P, by the fake's reading (`install(..., band_reading=)`):
@@ -123,6 +124,8 @@ def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, li
     needed = sum(-(-n // block_size) for n in kv_lens)
     _require(key.shape[0] >= needed, "key", f"at least {needed} blocks ('blocknum不能小于...的block数量之和', L8777)",
              f"{key.shape[0]} blocks")
+    fake_torch_npu_sources.check(base.kernel_source(), query.dtype, heads, kv_heads, dim, block_size, kw["sparse_mode"],
+                                 True, kw.get("inner_precise", 0))
     window = band_window(kw, query_lens, kv_lens)
     shape4 = (key.shape[0], block_size, kv_heads, dim)
     return key.view(shape4), value.view(shape4), ends, kv_lens, query_lens, window

@@ -14,8 +14,8 @@ from ascend_compile.ops import npu as npu_ops
 from ascend_compile.ops import npu_rules, tiling
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
 from examples.llama import LlamaConfig, PagedBatch, build
-from tests import fake_torch_npu
-from tests.test_npu import DTYPE, NPU_BLOCK, TOL
+from tests import fake_torch_npu, fake_torch_npu_sources
+from tests.test_npu import DTYPE, NPU_BLOCK, TOL, TOLERANCES
 
 CPU = torch.device("cpu")
 MAX_LEN = 1024
@@ -147,3 +147,63 @@ def test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_tab
             batches.issued(name, {"actual_seq_lengths_kv": kv_lens, "block_table": view}, capturing=False)
         batches.update_end()
     assert batches.updates_checked == 1
+
+
+# ----------------------------------------------------------------------------- the device's own answer per layer form
+
+
+def _serve(cfg, steps=([30, 7], ([40, 300, 17], [3, 1, 2]))):
+    """`cfg`'s model on npu (FIA in every bucket) over `steps`, each equal to eager; its artifacts."""
+    model, reference = build(cfg), build(cfg)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(runtime="npu", max_model_len=MAX_LEN, kernel_policy="fia", capture_sizes=(4, 8))
+    fn = torch.compile(model, backend=backend(config, on_compiled=artifacts.append))
+    batch = PagedBatch(cfg, seed=4)
+    with torch.no_grad():
+        for lens, qlens in (s if isinstance(s, tuple) else (s, None) for s in steps):
+            inputs = batch.step(lens, qlens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOLERANCES[cfg.dtype])
+    assert sum(a.stats["replays"] for a in artifacts) == len(steps)
+    return artifacts
+
+
+FORMS = {  # name: (LlamaConfig sizes, served on c29bc106, served on the later source)
+    "float16-gqa-d64": (dict(dtype=torch.float16, head_dim=64, hidden_size=128), False, True),
+    "bfloat16-gqa-d96": (dict(head_dim=96, hidden_size=128), False, True),
+    "bfloat16-gqa-d128": (dict(head_dim=128, hidden_size=128), True, True),
+    "bfloat16-mha-d96": (dict(head_dim=96, hidden_size=128, num_kv_heads=4), False, False),
+    "bfloat16-gqa-d96-windowed": (dict(head_dim=96, hidden_size=128, layer_types=("sliding", "full"),
+                                       sliding_window=24), False, False),
+}
+
+
+@pytest.mark.parametrize("source", fake_torch_npu_sources.SOURCES)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer(fake_npu, source, form):
+    # Where the kernel source's versions differ (float16, a head dim outside 64/128, band mode, MHA against GQA),
+    # the device is asked once per layer form at compile time: served where its kernel takes the form, else
+    # refused before any capture, naming the layer and the device's own message.
+    sizes, older, later = FORMS[form]
+    fake_npu.kernel_source = source
+    fake_npu.band_at_single_query = True
+    cfg = LlamaConfig(**{"dtype": DTYPE, "num_layers": 2, "num_blocks": 128, "block_size": NPU_BLOCK, **sizes})
+    if (older, later)[fake_torch_npu_sources.SOURCES.index(source)]:
+        _serve(cfg)
+        return
+    with pytest.raises(Exception, match=r"\(layer .*layers\.0\.attn\): torch_npu\.npu_fused_infer_attention_score "
+                                        r"does not take this layer on this device: the device's FIA refused a call "
+                                        r"of this layer's form at 1 query token\(s\): EZ9999: fake aclnn: "):
+        _serve(cfg)
+    assert not [c for c in fake_npu.calls if c.name == "npu_fused_infer_attention_score.out"
+                and tuple(c.kwargs["block_table"].shape) != (1, 1)], "a call beyond the form probe's"
+
+
+def test_the_form_probe_asks_once_per_distinct_form(fake_npu):
+    # Two layers of one form, compiled twice (static and dynamic): one decode and one mixed call, ever.
+    fake_npu.kernel_source = fake_torch_npu_sources.LATER
+    _serve(LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, head_dim=96, hidden_size=128),
+           steps=([30, 7], [5, 6, 7], ([40, 300, 17], [3, 1, 2])))
+    probes = [c.kwargs["actual_seq_lengths"] for c in fake_npu.calls if c.name == "npu_fused_infer_attention_score.out"
+              and tuple(c.kwargs["block_table"].shape) == (1, 1)]
+    assert probes == [[1], [2]]

@@ -1364,6 +1364,32 @@ MUTANTS = (
         (f"{DEVICE}::test_head_limits_are_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
+        "a layer form the device refuses not refused at compile", "ascend_compile/passes/npu_checks.py",
+        "        if why:\n            raise ValueError(f\"{layer_of(call.node)}: {kernel} does not take",
+        "        if False:\n            raise ValueError(f\"{layer_of(call.node)}: {kernel} does not take",
+        (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "the form probe asks only a mixed call", "ascend_compile/ops/npu_form_probe.py",
+        "    for tokens in (1, 2):", "    for tokens in (2,):",
+        (f"{KERNEL_RULES}::test_the_form_probe_asks_once_per_distinct_form",),
+    ),
+    Mutant(
+        "the form probe's answers not kept", "ascend_compile/ops/npu_form_probe.py",
+        "    if key not in answers:", "    if True:",
+        (f"{KERNEL_RULES}::test_the_form_probe_asks_once_per_distinct_form",),
+    ),
+    Mutant(
+        "the fake's PFA path takes float16", "tests/fake_torch_npu_sources.py",
+        "    if dtype != torch.bfloat16:", "    if False:",
+        (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "the fake's later source without its SplitFuse path", "tests/fake_torch_npu_sources.py",
+        "    return source == LATER and not sinks", "    return False and not sinks",
+        (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
         "the fake lets an update grow FIA's batch", "tests/fake_torch_npu_batches.py",
         "            if call[0] > entries:", "            if False:",
         (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),

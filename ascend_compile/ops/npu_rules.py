@@ -5,7 +5,9 @@ node against them at compile time (`targets.NpuTarget.check_graph`) and refuses 
 kernel and the rule; the runner keeps FIA's block rule on each step (`fia_block_count`); the fake
 torch_npu enforces the same lines when called. Each rule cites where it is written, in the torch_npu
 2.14.0 wheel: `torch_npu/_op_plugin_docs.py` (aclnn ops) and `torch_npu/op_plugin/atb/_atb_api_docs.py`
-(ATB ops). Each check raises a ValueError starting with the argument's name.
+(ATB ops), or, where the kernel's source (CANN ops-transformer) is narrower than the docs on every version
+read, the source's lines (FIA's TND head dim and list sizes); what differs between versions is asked of the
+device (`ops/npu_form_probe.py`). Each check raises a ValueError starting with the argument's name.
 """
 from __future__ import annotations
 
