@@ -5,16 +5,20 @@ registers the backend itself calls `backend(CompileConfig(...))`.
 """
 from __future__ import annotations
 
+import collections
 import logging
+from contextlib import nullcontext
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import fx
 
+from . import ledger, plan_cache
 from .compile_once import retrace_general
 from .config import CompileConfig
 from .dispatch import graph_inputs
 from .gc_pause import gc_paused
+from .lowering import budget
 from .lowering.runner import CompiledArtifact
 from .passes.find_attention import attention_args, attention_nodes, has_attention
 from .passes.fx_utils import example_value
@@ -23,6 +27,7 @@ from .passes.providers import Binder
 from .targets import TargetFactory, default_target
 
 log = logging.getLogger("ascend_compile")
+ledger.DynamoClock.install()  # dynamo's trace timed from its start (`ledger.py`)
 
 
 def _device_of(gm: fx.GraphModule) -> torch.device:
@@ -47,6 +52,15 @@ def _needing_grad(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
     return f"{len(names)} inputs ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else ""
 
 
+def _plan_key(gm: fx.GraphModule, config: CompileConfig, runtime: Any) -> dict[str, Any]:
+    """The key of the graph's persisted plan (`plan_cache.key`): its code and inputs' shapes, the options
+    but where files go, the runtime, versions, device and rank."""
+    inputs = [(n.name, str(getattr(example_value(n), "shape", None)), str(getattr(example_value(n), "dtype", None)))
+              for n in gm.graph.find_nodes(op="placeholder")]
+    options = {k: v for k, v in vars(config).items() if k not in ("dump_dir", "plan_dir")}
+    return plan_cache.key(gm.code + repr(inputs), options, runtime.describe(), runtime.device)
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig,
                   target: TargetFactory = default_target, bind: Binder | None = None) -> Callable[..., Any]:
     """Compile one dynamo graph: its rewritten variants behind a runner on the device's target
@@ -61,16 +75,24 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         return gm.forward
     if config.retrace_static:
         retrace_general(gm)  # may raise dynamo's restart: the frame is traced again, general
+    phases = collections.Counter({"dynamo_trace": ledger.DynamoClock.trace_seconds() or 0.0})
     device_target = target(_device_of(gm), config)
     device_target.check(config)
-    with gc_paused():
+    plan = (plan_cache.PlanCache(config.plan_dir, _plan_key(gm, config, device_target.runtime))
+            if config.plan_dir else None)
+    persisted = plan_cache.using(plan) if plan else nullcontext()  # a warm start asks nothing asked before
+    with gc_paused(), ledger.recording(phases), ledger.phase("passes"), persisted:
         rewritten = rewrite_buckets(gm, config, device_target, bind)
         if rewritten is None:
             log.info("ascend_compile: graph has no attention: running it as traced")
             return gm.forward
+        graph_budget = budget.fit(rewritten, device_target.runtime, config)
         artifact = CompiledArtifact(rewritten, device_target, config)
         artifact.graph_inputs = graph_inputs.record(gm)  # dynamo drops its records once the compile is over
-        return artifact
+    artifact.startup.compiled(phases, graph_budget, plan)
+    ledger.DynamoClock.install()  # again, for the next frame, after a `torch._dynamo.reset()`
+    artifact.write_plan()
+    return artifact
 
 
 def ascend_graph(
@@ -97,6 +119,7 @@ def backend(
         config = CompileConfig.from_options(options)
     elif options:
         raise ValueError("backend: pass either a CompileConfig or options, not both")
+    ledger.DynamoClock.install()  # before dynamo's first frame for this backend
 
     def compile_fn(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         compiled = compile_graph(gm, example_inputs, config, target)

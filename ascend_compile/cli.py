@@ -63,6 +63,29 @@ def _render_piecewise(plan: dict[str, Any]) -> list[str]:
     return out
 
 
+def _render_startup(plan: dict[str, Any]) -> list[str]:
+    """Where start-up went (the compile's phases, the captures) and the graph budget; the captures the
+    device refused."""
+    startup = plan.get("startup")
+    if startup is None:
+        return []
+    out = ["\nstart-up: " + ", ".join(f"{name} {s:.2f} s" for name, s in startup["seconds"].items())
+           + f", captures {startup['capture_seconds']:.2f} s ({len(startup['captures'])} graphs)"]
+    budget = startup.get("graph_budget")
+    if budget is not None:
+        limit = budget["budget"] if budget["budget"] is not None else "none known"
+        out.append(f"graphs to capture: {budget['graphs']} ({budget['full_graphs']} full, {budget['piecewise_sizes']} "
+                   f"piecewise sizes x {budget['graphs_per_piecewise_size']} pieces); budget: {limit} "
+                   f"({budget['budget_source']})")
+        if budget.get("dropped_piecewise_sizes"):
+            out.append(f"piecewise sizes dropped to fit the budget: {budget['dropped_piecewise_sizes']}")
+    if "plan" in startup:  # a warm start's: answers taken from the persisted plan, and asked anew
+        out.append(f"persisted plan {startup['plan']['file']}: reused {startup['plan']['reused']}, "
+                   f"asked {startup['plan']['asked']}")
+    out.extend(f"WARNING: capture refused by the device: {why}" for why in plan.get("failed_captures", {}).values())
+    return out
+
+
 def render(path: str, plan: dict[str, Any]) -> str:
     """One compiled graph's plan as text tables."""
     out = [f"== {os.path.dirname(path)}", f"runtime: {plan.get('runtime', {}).get('name', '?')}   "
@@ -115,6 +138,7 @@ def render(path: str, plan: dict[str, Any]) -> str:
         for mismatch in (graph.get("verified") or {}).get("mismatches", []):
             out.append(f"WARNING: {key}: first replay differs from eager: {mismatch}")
     out.extend(_render_piecewise(plan))
+    out.extend(_render_startup(plan))
     for key, graph in plan["graphs"].items():
         if "update_table" not in graph:
             continue

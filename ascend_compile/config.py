@@ -81,6 +81,12 @@ class CompileConfig:
             attention and uncapturable ops, padded to the smallest size holding it; above the
             largest it runs eagerly. None: the capture sizes, then doubling up to 8192; [] turns
             piecewise graphs off.
+        graph_budget: the most graphs a compile plans to capture (full graphs, and each piecewise size's
+            pieces); piecewise sizes past it are dropped, the largest kept, with a WARNING
+            (`lowering/budget.py`). None: the runtime's (npu: vLLM-Ascend's 1,800; the simulator: its
+            `stream_budget`; cuda: none).
+        plan_dir: where a compile keeps its deterministic answers (kernel timings, workspace queries) for the
+            next start, keyed by graph, options, versions, device and rank (`plan_cache.py`); None: none kept.
         sim_overflow: what the simulator does when a kernel needs more workspace than it got:
             "write" past the buffer, like the device, or "raise".
         max_specializations: the most captures one bucket keeps for distinct values of the sizes
@@ -138,6 +144,8 @@ class CompileConfig:
     dump_dir: str | None = None
     retrace_static: bool = False
     piecewise_sizes: tuple[int, ...] | None = None
+    graph_budget: int | None = None
+    plan_dir: str | None = None
 
     def __post_init__(self) -> None:
         sizes = tuple(self.capture_sizes)
@@ -151,6 +159,7 @@ class CompileConfig:
                              f"got {self.piecewise_sizes!r}")
         object.__setattr__(self, "piecewise_sizes", tuple(sorted(set(pieces))))
         _check_optional_positive("max_model_len", self.max_model_len)
+        _check_optional_positive("graph_budget", self.graph_budget)
         _check_optional_positive("auto_seq_len", self.auto_seq_len)
         _check_optional_positive("workspace_seq_len", self.workspace_seq_len)
         _check_positive("pa_max_batch", self.pa_max_batch)

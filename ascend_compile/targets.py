@@ -156,8 +156,12 @@ class NpuTarget(Target):
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
         """Every kernel and cache write held to the torch_npu kernels' documented constraints
         (`passes/npu_checks.py`), and to the functions the installed torch_npu offers (`ops/npu_api.py`),
-        before torch_npu is asked anything."""
-        check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent, self.runtime.torch_npu_version)
+        before torch_npu is asked anything; then each FIA layer's form asked of the device's kernel once
+        (`ops/npu_form_probe.py`)."""
+        from .ops import npu_form_probe
+
+        check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent, self.runtime.torch_npu_version,
+                        functools.partial(npu_form_probe.refusal, self.runtime.kernels))
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
         """FIA's and MLA's block count, MLA's query lengths and sparse mode, with `pa_workspace_check`

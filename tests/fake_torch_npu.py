@@ -79,6 +79,7 @@ from ascend_compile.ops import library, reference, tiling, validate
 from ascend_compile.ops.features import AttentionFeatures
 from ascend_compile.runtime import npu as runtime_npu
 from ascend_compile.runtime.sim import SimRuntime
+from tests.fake_torch_npu_batches import TaskBatches
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -161,6 +162,29 @@ def python_names(version: str = VERSION) -> set[str]:
 
 def _fail(arg: str, expected: str, got: Any) -> None:
     raise ValueError(f"{arg}: expected {expected}, got {got}")
+
+
+#: The kernel source's bound on a TND call's length lists (ops-transformer c29bc106
+#: `prompt_flash_attention_tiling.cpp` L4275-4278, `MAX_VAR_LEN_SEQ_LEN` = 4096), FIA's and FIA v2's alike.
+TND_MAX_ENTRIES = 4096
+
+
+def device_refusal(arg: str, expected: str, got: Any) -> None:
+    """A refusal the kernel's own tiling makes (an `OP_CHECK_IF` of the kernel source): on a device the aclnn
+    call fails and torch_npu raises a RuntimeError, not the ValueError of the docs' rules the fake also checks."""
+    raise RuntimeError(f"EZ9999: fake aclnn: {arg}: expected {expected}, got {got}")
+
+
+def kernel_source() -> str | None:
+    """The FIA kernel source the installed fake plays (`tests/fake_torch_npu_sources.py`), None for the docs only."""
+    return _ACTIVE.kernel_source if _ACTIVE is not None else None
+
+
+def tnd_entries(ends: list[int], kv_lens: list[int], source: str) -> None:
+    """The kernel's bound on a TND call's lists (`TND_MAX_ENTRIES`), refused as the device refuses it."""
+    if max(len(ends), len(kv_lens)) > TND_MAX_ENTRIES:
+        device_refusal("actual_seq_lengths", f"at most {TND_MAX_ENTRIES} entries per length list ({source})",
+                       f"{len(ends)} and {len(kv_lens)}")
 
 
 def _host_lengths(name: str, t: torch.Tensor) -> list[int]:
@@ -274,6 +298,7 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     and for int8 outputs only). The layout, the argument names and sparse modes 0 / 3 / 4 are what the
     fake computes.
     """
+    from tests import fake_torch_npu_sources  # it builds on this module's refusals
     from tests.fake_torch_npu_features import band_window  # it builds on this module's checks
     if kw["input_layout"] != "TND":
         _fail("input_layout", "'TND' (the fake implements the TND layout)", repr(kw["input_layout"]))
@@ -306,7 +331,10 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
         _fail("block_size", f"the cache's block size {key.shape[1]}", kw["block_size"])
     if kw["block_size"] % 128 or not 128 <= kw["block_size"] <= 512:
         _fail("block_size", "a multiple of 128 in [128, 512] (paged FIA)", kw["block_size"])
+    fake_torch_npu_sources.check(kernel_source(), query.dtype, heads, kv_heads, dim, kw["block_size"], kw["sparse_mode"],
+                                 False, kw["inner_precise"])
     ends, kv_lens = list(kw["actual_seq_lengths"]), list(kw["actual_seq_lengths_kv"])
+    tnd_entries(ends, kv_lens, "prompt_flash_attention_tiling.cpp L4275-4278")
     query_lens = validate.query_lens_from_ends(ends, query.shape[0], "actual_seq_lengths")
     needed = sum(-(-n // key.shape[1]) for n in kv_lens)
     if key.shape[0] < needed:
@@ -566,6 +594,7 @@ class FakeNpu:
         self.trace: list[tuple[str, Any]] = []  # (what, stream) of every graph-API call, in order
         self.pools: list[Any] = []
         self.capturing: Any = None  # the capture stream while a capture is open
+        self.batches = TaskBatches()  # FIA's batch and block table at capture and each update
         self.ids = itertools.count()
         self.default_stream: Stream | None = None
         self.streams: list[Stream] = []
@@ -579,8 +608,12 @@ class FakeNpu:
         #: How many keys a band of pre_tokens P attends: "docs" P + 1 (L1636-1645, L8200), "vllm-ascend" P
         #: (its pre_tokens = W, attention_v1.py L942), "neither" P + 2 (`tests/fake_torch_npu_features.py`).
         self.band_reading = "docs"
+        #: The FIA kernel source whose TND rules the fake plays: None (the docs' only), "c29bc106" or "bfbbec83"
+        #: (`tests/fake_torch_npu_sources.py`).
+        self.kernel_source: str | None = None
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.batches.issued(name, kwargs, self.capturing is not None)
         with _disable_current_modes():  # not a device op: nothing for a capture or update to record
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
         self.calls.append(Call(name, args, kwargs))
@@ -675,9 +708,10 @@ class ExternalEvent:
 class _NPUTaskGroupHandle:
     """`torch_npu._C._NPUTaskGroupHandle`, with the core limit its kernels were tiled for."""
 
-    def __init__(self, task_group: Any, core_limit: dict[str, int]) -> None:
+    def __init__(self, task_group: Any, core_limit: dict[str, int], fia_calls: list | None = None) -> None:
         self.task_group = task_group
         self.core_limit = core_limit
+        self.fia_calls = fia_calls or []  # (entries, block table) of its FIA calls at capture
 
 
 class NPUGraph:
@@ -763,6 +797,7 @@ def graph_task_group_begin(stream):
         raise RuntimeError(f"graph_task_group_begin: {stream!r} is not capturing")
     fake.trace.append(("graph_task_group_begin", stream))
     fake.sim.task_group_begin()
+    fake.batches.group_begin()
 
 
 def graph_task_group_end(stream):
@@ -770,7 +805,7 @@ def graph_task_group_end(stream):
     if fake.capturing is None or stream is not fake.capturing:
         raise RuntimeError(f"graph_task_group_end: {stream!r} is not capturing")
     fake.trace.append(("graph_task_group_end", stream))
-    return _NPUTaskGroupHandle(fake.sim.task_group_end(), dict(stream.core_limit))
+    return _NPUTaskGroupHandle(fake.sim.task_group_end(), dict(stream.core_limit), fake.batches.group_end())
 
 
 def graph_task_update_begin(stream, handle):
@@ -789,12 +824,14 @@ def graph_task_update_begin(stream, handle):
         )
     fake.trace.append(("graph_task_update_begin", stream))
     fake.sim.task_update_begin(handle.task_group, stream.sim)
+    fake.batches.update_begin(handle.fia_calls)
 
 
 def graph_task_update_end(stream):
     fake = _fake()
     fake.trace.append(("graph_task_update_end", stream))
     fake.sim.task_update_end()
+    fake.batches.update_end()
 
 
 def synchronize(device=None):

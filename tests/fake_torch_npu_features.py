@@ -33,6 +33,7 @@ import torch
 from ascend_compile.ops import reference, tiling, validate
 from ascend_compile.ops.features import AttentionFeatures
 from tests import fake_torch_npu as base
+from tests import fake_torch_npu_sources
 
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 #: The keys a band of `pre_tokens` P attends beyond P, by the fake's reading (`install(..., band_reading=)`):
@@ -115,7 +116,7 @@ def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, li
     ends, kv_lens = list(ends), list(kv_lens)
     _require(len(kv_lens) == len(ends) == table.shape[0], "actual_seq_kvlen", f"one length per batch, {len(ends)} "
              f"(L8720; block_table's first dim, L8780)", len(kv_lens))
-    _require(len(ends) <= 4096, "actual_seq_qlen", "at most 4096 entries ('元素个数不大于4096', L8738)", len(ends))
+    base.tnd_entries(ends, kv_lens, "'元素个数不大于4096', L8738; prompt_flash_attention_tiling.cpp L4275-4278")
     query_lens = validate.query_lens_from_ends(ends, tokens, "actual_seq_qlen")  # non-decreasing, last == T (L8720)
     capacity = table.shape[1] * block_size
     _require(all(0 <= n <= capacity for n in kv_lens), "actual_seq_kvlen",
@@ -123,6 +124,8 @@ def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, li
     needed = sum(-(-n // block_size) for n in kv_lens)
     _require(key.shape[0] >= needed, "key", f"at least {needed} blocks ('blocknum不能小于...的block数量之和', L8777)",
              f"{key.shape[0]} blocks")
+    fake_torch_npu_sources.check(base.kernel_source(), query.dtype, heads, kv_heads, dim, block_size, kw["sparse_mode"],
+                                 True, kw.get("inner_precise", 0))
     window = band_window(kw, query_lens, kv_lens)
     shape4 = (key.shape[0], block_size, kv_heads, dim)
     return key.view(shape4), value.view(shape4), ends, kv_lens, query_lens, window

@@ -97,7 +97,7 @@ def _mla_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     _require(len(kv_lens) == len(ends) == table.shape[0], "actual_seq_kvlen", f"one length per batch, "
              f"{len(ends)} (its length is the batch, L8720, L8723; block_table's first dim, L8780)", len(kv_lens))
     # L8738 closes the d != 512 section (from L8729); applied to d 512 too as a bound, unverified there.
-    _require(len(ends) <= 4096, "actual_seq_qlen", "at most 4096 entries ('元素个数不大于4096', L8738)", len(ends))
+    base.tnd_entries(ends, kv_lens, "'元素个数不大于4096', L8738; prompt_flash_attention_tiling.cpp L4275-4278")
     query_lens = validate.query_lens_from_ends(ends, tokens, "actual_seq_qlen")  # non-decreasing, last == T
     _require(max(query_lens, default=0) <= 16, "actual_seq_qlen", "at most 16 query tokens per batch "
              "('支持query每个batch的s为1-16', L8724)", max(query_lens, default=0))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import tiling
+from ascend_compile.ops import npu_rules, tiling
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
 from examples.deepseek import DeepSeekConfig, build
 from examples.llama import PagedBatch
@@ -30,7 +30,6 @@ CFG = DeepSeekConfig(num_layers=2, hidden_size=32, kv_lora_rank=512, qk_rope_hea
                      v_head_dim=16, ffn_size=32, block_size=128, num_blocks=96, dtype=torch.bfloat16)
 MAX_LEN = 1024
 BUCKETS = (2, 4, 8)
-CFG_PIECEWISE_LARGEST = 8192  # the default piecewise sizes' largest
 
 
 @pytest.fixture
@@ -141,12 +140,13 @@ def test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals
     # One question per graph (its layers share the answer), the static artifacts' graphs included; a
     # one-token bucket's mixed graph asks what its decode graph asks (one query token per sequence).
     asked = {(id(a), k.bucket, 1 if k.decode else k.bucket) for a in artifacts for k in a.rewritten.choices}
-    # and one per piecewise size, up to the first FIA v2 cannot size (8192 tokens: more than 4096 sequences)
+    # and one per piecewise size, up to the first FIA v2 cannot take (8192 tokens: more than 4096 sequences,
+    # refused by the rule before any question: `npu_rules.check_mla_sequences`)
     piecewise = [a.rewritten.piecewise for a in artifacts if a.rewritten.piecewise is not None]
     pieces = {(id(a), k.bucket, k.bucket) for a in artifacts if a.rewritten.piecewise
               for k in a.rewritten.piecewise.keys} - asked
-    refused = sum(1 for p in piecewise if p.keys[-1].bucket < CFG_PIECEWISE_LARGEST)
-    assert fake_npu.count(QUERY) == len(asked) + len(pieces) + refused and len(asked) >= len(keys)
+    assert fake_npu.count(QUERY) == len(asked) + len(pieces) and len(asked) >= len(keys)
+    assert all(p.keys[-1].bucket <= npu_rules.MLA_MAX_SEQUENCES for p in piecewise)
     shape = tiling.AttentionShape(CFG.num_heads, 1, CFG.kv_lora_rank, CFG.block_size, CFG.qk_rope_head_dim)
     largest = max(k.bucket for p in piecewise for k in p.keys)  # the slot serves the pieces' MLA calls too
     exact = tiling.max_workspace(tiling.MLA, shape, max(max(BUCKETS), largest), MAX_LEN).nbytes

@@ -516,7 +516,7 @@ def test_seq_lens_may_be_host_lengths_while_the_query_is_on_the_device():
 def test_workspace_probes_are_caches_of_a_few_blocks_the_device_accepts(fake_npu):
     # PA's docs constrain block ids only: its probe is one block every row names. FIA's docs want as many
     # blocks as the sequences' lengths take (the fake checks it): its probe packs the graph's tokens into
-    # as few sequences as a row holds, the others empty.
+    # as few sequences as a row holds, and sends no empty one (the kernel counts the lists' entries, L4275).
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     shape = tiling.AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=NPU_BLOCK)
     queries = NpuWorkspaceQuery(kernels, DTYPE)
@@ -525,9 +525,9 @@ def test_workspace_probes_are_caches_of_a_few_blocks_the_device_accepts(fake_npu
     assert queries.fused_infer_attention_max(shape, 300, 2) == tiling.max_workspace(tiling.FIA, shape, 300, 256).nbytes
     pa_call, fia_call = fake_npu.calls[-2:]
     assert pa_call.args[1].shape[0] == 1 and pa_call.args[6].shape == (4, 4)
-    assert fia_call.args[1].shape[0] == 3 and fia_call.kwargs["block_table"].shape == (300, 2)
-    assert fia_call.kwargs["actual_seq_lengths_kv"] == [256, 44] + [0] * 298
-    assert fia_probe_lengths(5, 2) == ([2, 2, 1, 0, 0], [2, 2, 1, 0, 0])
+    assert fia_call.args[1].shape[0] == 3 and fia_call.kwargs["block_table"].shape == (2, 2)
+    assert fia_call.kwargs["actual_seq_lengths_kv"] == [256, 44] and fia_call.kwargs["actual_seq_lengths"] == [256, 300]
+    assert fia_probe_lengths(5, 2) == ([2, 2, 1], [2, 2, 1]) and fia_probe_lengths(4, 2) == ([2, 2], [2, 2])
 
 
 def test_workspace_bytes_are_the_answers_bytes_not_its_element_count(fake_npu):
@@ -553,7 +553,13 @@ def test_capture_and_padding_never_give_the_kernels_zero_lengths(fake_npu):
     assert min(frozen[tiling.PA]["context_lens"]) > 1
     ends = frozen[tiling.FIA]["actual_seq_lengths"]
     assert frozen[tiling.FIA]["actual_seq_lengths_kv"] == [b - a for a, b in zip([0] + ends, ends)]
-    assert all(min(kv) >= 1 for _, kv in fake_npu.executed)
+    assert all(min(kv) >= 1 for kernel, kv in fake_npu.executed if kernel == tiling.PA)
+    # FIA's calls are padded to their block table's rows with empty sequences (0 query tokens, KV 0:
+    # `npu_ops.table_batch`): never all zero, and every sequence with query tokens has at least as many keys
+    fia = [c.kwargs for c in fake_npu.calls if c.name == "npu_fused_infer_attention_score.out"]
+    for kw in fia:
+        ends, kv = kw["actual_seq_lengths"], kw["actual_seq_lengths_kv"]
+        assert max(kv) >= 1 and all(n >= b - a for a, b, n in zip([0] + ends, ends, kv)), kw
 
 
 def test_fia_decode_graphs_are_captured_as_decode_and_mixed_steps_get_their_own_graph(fake_npu):

@@ -251,7 +251,10 @@ def test_the_fake_attention_kernels_refuse_float32_citing_their_docs(fake_npu):
     ("fia", dict(num_heads=132, num_kv_heads=2, hidden_size=64), r"num_key_value_heads: torch_npu\.npu_fused_infer_"
      r"attention_score takes at most 64 query heads per KV head \('比值不能大于64', L8116\), got 132 query heads over 2"),
     ("fia", dict(head_dim=24), r"query: torch_npu\.npu_fused_infer_attention_score takes a head dim that is a multiple "
-     r"of 16 and at most 512 .*L8210.*got 24"),
+     r"of 16 .*L8210.*got 24"),
+    # issue 47: the kernel source's TND bound, on every version read (the docs' 512 is not TND's)
+    ("fia", dict(head_dim=320), r"fused_infer_attention_default .*query: torch_npu\.npu_fused_infer_attention_score "
+     r"takes a head dim .* at most 256 in TND \(kernel source: .*L3800-3803 .*L1035-1038\), got 320"),
     ("pa", dict(head_dim=272), r"paged_attention_default .*query: torch_npu\._npu_paged_attention \(ATB "
      r"PagedAttention\) takes head sizes in \(0, 256\] .*L278\), got 272"),
 ])
@@ -369,9 +372,10 @@ def test_a_step_whose_padding_would_overflow_fias_block_count_runs_eagerly(fake_
 
 def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(fake_npu):
     # vLLM-Ascend's full-graph path: FIA's batch is the step's requests plus one dummy holding the
-    # padded tokens, never an entry of no query tokens. Here: 3 sequences of 6 tokens in bucket 8 get
-    # one dummy of 2 tokens; 3 of 100 tokens in bucket 256, two dummies of 78 (at most 128 each), each
-    # its query length as KV length; the block table torch_npu is given has a row per entry (L8223). The
+    # padded tokens. Here: 3 sequences of 6 tokens in bucket 8 get one dummy of 2 tokens; 3 of 100 tokens
+    # in bucket 256, two dummies of 78 (at most 128 each), each its query length as KV length; then empty
+    # entries (0 query tokens, KV 0) up to the rows of the graph's block table, which torch_npu is given
+    # whole at every call (a row per entry, L8223; the captured tensor kept: `npu_ops.table_batch`). The
     # cache holds a block for each of the 256 one-token sequences b256's decode graph is captured with.
     cfg = LlamaConfig(dtype=DTYPE, num_layers=1, num_blocks=300, block_size=NPU_BLOCK)
     model, reference = build(cfg), build(cfg)
@@ -387,14 +391,14 @@ def test_a_mixed_step_sends_fia_its_sequences_and_a_dummy_per_128_padded_tokens(
             (call,) = [c for c in fake_npu.calls if c.name == "npu_fused_infer_attention_score.out"][-1:]
             sent[sum(qlens or [0])] = (call.kwargs["actual_seq_lengths"], call.kwargs["actual_seq_lengths_kv"],
                                        call.kwargs["block_table"].shape[0])
-    assert sent[6] == ([3, 4, 6, 8], [40, 300, 17, 2], 4)
-    assert sent[100] == ([40, 90, 100, 178, 256], [140, 300, 60, 78, 78], 5)
+    assert sent[6] == ([3, 4, 6, 8] + [8] * 4, [40, 300, 17, 2] + [0] * 4, 8)
+    assert sent[100] == ([40, 90, 100, 178] + [256] * 252, [140, 300, 60, 78, 78] + [0] * 251, 256)
     assert sum(a.stats["replays"] for a in artifacts) == 4
 
 
 def test_the_fake_fia_takes_a_block_table_row_per_batch_entry(fake_npu):
-    # "block_table必须为二维, 第一维长度需等于B" (L8223): a mixed step's batch is its own, so the binding
-    # passes the first rows of the graph's static table; the whole table is refused.
+    # "block_table必须为二维, 第一维长度需等于B" (L8223): the kernel refuses a table of more rows than entries,
+    # so the binding pads a step's lists with empty entries to the rows of the table it is given.
     torch_npu = npu_ops.load_torch_npu()
     kernels = npu_ops.NpuKernels(torch_npu, CPU)
     query, cache = torch.randn(6, 4, 16, dtype=DTYPE), torch.zeros(8, NPU_BLOCK, 2, 16, dtype=DTYPE)
@@ -405,8 +409,10 @@ def test_the_fake_fia_takes_a_block_table_row_per_batch_entry(fake_npu):
     with pytest.raises(ValueError, match=r"block_table: expected a row per batch entry, 3 .*L8223.*got \(8, 2\)"):
         torch_npu.npu_fused_infer_attention_score.out(*args, **kwargs, workspace=workspace,
                                                       out=[out, kernels.softmax_lse])
-    kernels.fused_infer_attention(query, cache, cache, table, *lists, 0.25, workspace, out)  # narrowed to 3 rows
-    assert fake_npu.calls[-1].kwargs["block_table"].shape[0] == 3
+    kernels.fused_infer_attention(query, cache, cache, table, *lists, 0.25, workspace, out)  # padded to 8 entries
+    assert fake_npu.calls[-1].kwargs["block_table"].shape[0] == 8
+    assert fake_npu.calls[-1].kwargs["actual_seq_lengths"] == [3, 4, 6] + [6] * 5
+    assert fake_npu.calls[-1].kwargs["actual_seq_lengths_kv"] == [10, 20, 3] + [0] * 5
 
 
 def _strided_query(attend):

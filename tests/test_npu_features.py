@@ -82,11 +82,18 @@ def eager_steps(steps, band_at_single_query: bool) -> int:
                                               for s in steps)
 
 
-def is_probe(call) -> bool:
+def is_band_probe(call) -> bool:
     """Whether `call` is one of the band probes' (one sequence of KV `PROBE_KV_LEN`, pre_tokens 15 or 16)."""
     kv = call.kwargs.get("actual_seq_lengths_kv", call.kwargs.get("actual_seq_kvlen"))
     return list(kv or []) == [npu_band_probe.PROBE_KV_LEN] and call.kwargs.get("pre_tokens") in (
         npu_band_probe.PROBE_WINDOW - 1, npu_band_probe.PROBE_WINDOW)
+
+
+def is_probe(call) -> bool:
+    """Whether `call` is a band probe's or the form probe's (one sequence of KV 1 or 2 on a one-block table:
+    `ops/npu_form_probe.py`)."""
+    kv = call.kwargs.get("actual_seq_lengths_kv", call.kwargs.get("actual_seq_kvlen"))
+    return is_band_probe(call) or tuple(call.kwargs["block_table"].shape) == (1, 1) and list(kv or []) in ([1], [2])
 
 
 def served(fake, name: str):
@@ -133,7 +140,7 @@ def test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode(any_r
     # The probes asked the device once each (one sequence of 4 query tokens, then of one, KV past the window,
     # both with the pre_tokens the first found), and decided.
     probe_pre = pre_tokens_of(fake_npu, npu_band_probe.PROBE_WINDOW)
-    probes = [c for c in fake_npu.calls if c.name == V1 and is_probe(c)]
+    probes = [c for c in fake_npu.calls if c.name == V1 and is_band_probe(c)]
     assert [(c.kwargs["actual_seq_lengths"], c.kwargs["actual_seq_lengths_kv"], c.kwargs["pre_tokens"])
             for c in probes] == [([npu_band_probe.EDGE_QUERY_LEN], [npu_band_probe.PROBE_KV_LEN],
                                   npu_band_probe.PROBE_WINDOW - 1), ([1], [npu_band_probe.PROBE_KV_LEN], probe_pre)]

@@ -905,8 +905,8 @@ def test_an_op_may_not_set_itself_up_inside_a_capture() -> None:
 # ----------------------------------------------------------------------------- the package's structure
 
 #: The simulator's modules, each importing only public names of those before it.
-SIM_MODULES = ("pool", "streams", "classify", "memory", "collectives", "overrun", "launch", "kernels", "tasks",
-               "inputs", "updates", "events", "dispatch", "runtime")
+SIM_MODULES = ("faults", "pool", "streams", "classify", "memory", "collectives", "overrun", "launch", "kernels",
+               "tasks", "inputs", "updates", "events", "dispatch", "runtime")
 
 
 def test_simulator_modules_import_public_names_of_the_modules_below_them_only() -> None:

@@ -28,6 +28,8 @@ CASES = (
     # vLLM's shape on CUDA: a custom op whose body calls dist.all_reduce in place (c10d.allreduce_);
     # a replay that does not reduce again returns each rank's partial sums
     Case("sim_custom_op", runtime="sim", custom_op=True),
+    # the device refuses, on rank 0 only, a bucket's decode graph and a piecewise size (issue 48)
+    Case("sim_capture_fault", runtime="sim", capture_faults=("b4.decode", "p16 piece 0")),
 )
 
 
@@ -72,6 +74,21 @@ def test_sim_steps_match_eager_runtime_steps(ranks, dynamic) -> None:
     for rank, (sim, eager) in enumerate(zip(_results(ranks, "sim" + suffix), _results(ranks, "eager" + suffix))):
         for i, (a, b) in enumerate(zip(sim["outputs"], eager["outputs"])):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=lambda m: f"rank {rank}, step {i}: {m}")
+
+
+def test_a_capture_refused_on_one_rank_is_given_up_on_every_rank(ranks) -> None:
+    """Rank 0's device refuses b4.decode and p16 (207008 at `capture_begin`); rank 1's captures them,
+    then gives them up too (their collectives' ranks agree): both serve those steps piecewise or
+    eagerly, equal to the unsplit model (the parametrized test above), and every other graph is
+    captured and replayed on both."""
+    per_rank = _results(ranks, "sim_capture_fault")
+    assert set(per_rank[0]["failed_captures"]) == set(per_rank[1]["failed_captures"]) == {"b4.decode", "p16"}
+    assert all("207008" in why for why in per_rank[0]["failed_captures"].values())
+    assert all("another rank" in why for why in per_rank[1]["failed_captures"].values())
+    stats = per_rank[0]["stats"]
+    assert stats["failed_captures"] == 2 and stats["captures"] >= 3 and stats["replays"] >= 3, stats
+    plain = _results(ranks, "sim")[0]["stats"]
+    assert stats["captures"] == plain["captures"] - 1, (stats, plain)  # b4.decode only
 
 
 def test_two_tp_groups_of_two_in_a_world_of_four(tmp_path) -> None:

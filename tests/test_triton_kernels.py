@@ -682,8 +682,8 @@ def test_host_length_kernels_are_refused_by_a_runtime_without_task_updates():
         def synchronize(self):
             self.sim.synchronize()
 
-        def graph(self):
-            return self.sim.graph()
+        def graph(self, label=""):
+            return self.sim.graph(label)
 
     cfg = LlamaConfig(num_layers=1, num_blocks=256)
     config = CompileConfig(max_model_len=MAX_LEN, capture_sizes=(4,))
@@ -815,7 +815,7 @@ class StubGraphRuntime(GraphRuntime):
     def synchronize(self):
         self.synchronized += 1
 
-    def graph(self):
+    def graph(self, label=""):
         return StubGraph()
 
 

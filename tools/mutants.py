@@ -89,6 +89,9 @@ DEVICE = "tests/test_npu_device.py"
 MLA_REAL = "tests/test_vllm_mla_real.py::test_vllms_deepseek_v2_through_vllms_compile_call_equals_eager"
 NPU_MLA = "tests/test_mla_npu.py"
 NPU_FEATURES = "tests/test_npu_features.py"
+CAPTURE_FAILURES = "tests/test_capture_failures.py"
+GRAPH_BUDGET = "tests/test_graph_budget.py"
+WARM_START = "tests/test_warm_start.py"
 NPU_BAND_EDGE = "tests/test_npu_band_edge.py"
 VLLM_FEATURES = "tests/test_vllm.py::test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager"
 VLLM_REAL = "tests/test_vllm_real.py"
@@ -98,6 +101,7 @@ DIFFERENTIAL = "tests/test_differential.py"
 FAILED_STEPS = "tests/test_failed_steps.py"
 
 MUTANTS_CHANGED = "tests/test_mutants_changed.py"
+KERNEL_RULES = "tests/test_npu_kernel_rules.py"
 
 MUTANTS = (
     Mutant(
@@ -334,7 +338,7 @@ MUTANTS = (
     ),
     Mutant(
         "verify compares nothing", "ascend_compile/lowering/verify.py",
-        "    if torch.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=True).all():\n",
+        "    if bool((err <= rtol * norm + atol * rows(e).shape[1] ** 0.5).all()):\n",
         "    if True:\n",
         ("tests/test_verify.py::test_stale_lengths_are_caught_at_the_first_replay_and_every_step_stays_right",),
     ),
@@ -1253,6 +1257,177 @@ MUTANTS = (
         "        seen = self._sizes_seen.get(values[:1])\n        if seen is None:\n            symbols = {sym: value for (sym, _, _), value in zip(self._readers, values)}\n"
         "            values = values[:1]\n",
         (BUCKETS,),
+    ),
+    # issue 48: a capture the device refuses costs one graph
+    Mutant(
+        "a capture the device refuses fails the step", "ascend_compile/lowering/capture_failures.py",
+        "        if device_error(err):\n            return err\n", "",
+        (f"{CAPTURE_FAILURES}::test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_the_rest_captured",),
+    ),
+    Mutant(
+        "a piece size the device refuses keeps serving on its pieces", "ascend_compile/lowering/piecewise_serve.py",
+        "            why = art.failures.settle(graph.name, gm, failure)\n",
+        "            why = art.failures.settle(graph.name, gm, failure) and None\n",
+        (f"{CAPTURE_FAILURES}::test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_the_rest_captured",),
+    ),
+    Mutant(
+        "ranks decide a failed capture each on its own", "ascend_compile/lowering/capture_failures.py",
+        "        failed = agreed_failure(error is not None, groups, self.device) if groups else error is not None\n",
+        "        failed = error is not None\n",
+        ("tests/test_tensor_parallel.py::test_a_capture_refused_on_one_rank_is_given_up_on_every_rank",),
+    ),
+    Mutant(
+        "the simulator runs a collective at its capture", "ascend_compile/runtime/sim/launch.py",
+        "        if capturing and completes_at_wait(op):\n", "        if False:\n",
+        ("tests/test_tensor_parallel.py::test_a_capture_refused_on_one_rank_is_given_up_on_every_rank",),
+    ),
+    Mutant(
+        "the simulator's stream budget not enforced", "ascend_compile/runtime/sim/faults.py",
+        "        if self.budget is not None and self.held >= self.budget:\n", "        if False:\n",
+        (f"{CAPTURE_FAILURES}::test_a_budget_of_streams_spent_costs_the_graphs_past_it_not_the_steps",),
+    ),
+    Mutant(
+        "a freed graph keeps its stream", "ascend_compile/runtime/sim/faults.py",
+        "        weakref.finalize(graph, self.release)\n", "",
+        (f"{CAPTURE_FAILURES}::test_a_graph_freed_gives_its_stream_back",),
+    ),
+    Mutant(
+        "a device out of memory inside a capture taken for an uncapturable op", "ascend_compile/lowering/capture.py",
+        " is not n.target or device_resource_error(err):", " is not n.target:",
+        (f"{CAPTURE_FAILURES}::test_on_npu_a_capture_refused_costs_that_graph",),
+    ),
+    # issue 48: the graph budget and the start-up ledger
+    Mutant(
+        "the graph budget ignored", "ascend_compile/lowering/budget.py",
+        "    if budget is not None and pieces and full + pieces * len(sizes) > budget:\n", "    if False:\n",
+        (f"{GRAPH_BUDGET}::test_a_stream_limit_of_2048_at_80_layers_compiles_and_serves_every_step_equal_to_eager",),
+    ),
+    Mutant(
+        "the piecewise sizes kept are the smallest", "ascend_compile/lowering/budget.py",
+        "    return sorted({sizes[round(i * step)] for i in range(keep)})\n", "    return sizes[:keep]\n",
+        (f"{GRAPH_BUDGET}::test_a_stream_limit_of_2048_at_80_layers_compiles_and_serves_every_step_equal_to_eager",),
+    ),
+    Mutant(
+        "a piecewise size counted as one graph", "ascend_compile/lowering/budget.py",
+        "    return sum(isinstance(s, Piece) for s in graph.segments)\n", "    return 1\n",
+        (f"{GRAPH_BUDGET}::test_a_stream_limit_of_2048_at_80_layers_compiles_and_serves_every_step_equal_to_eager",),
+    ),
+    Mutant(
+        "a phase timed inside another counted in both", "ascend_compile/ledger.py",
+        "        add(name, total - inner)\n", "        add(name, total)\n",
+        (f"{GRAPH_BUDGET}::test_a_phase_timed_inside_another_is_taken_out_of_it",),
+    ),
+    Mutant(
+        "dynamo's trace not timed after a dynamo reset", "ascend_compile/backend.py",
+        "    ledger.DynamoClock.install()  # before dynamo's first frame for this backend\n", "",
+        (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
+    Mutant(
+        "kernel timing not in the ledger", "ascend_compile/ops/timing.py",
+        "@ledger.timed(\"kernel_timing\")\n", "",
+        (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
+    Mutant(
+        "inspect says nothing of start-up", "ascend_compile/cli.py",
+        "    out.extend(_render_startup(plan))\n", "",
+        (f"{GRAPH_BUDGET}::test_plan_json_and_inspect_give_the_graph_count_the_budget_and_the_start_up_ledger",),
+    ),
+    # issue 48: a warm start repeats nothing deterministic
+    Mutant(
+        "a warm start asks every question again", "ascend_compile/plan_cache.py",
+        "            if asked in answers:\n", "            if False:\n",
+        (f"{WARM_START}::test_a_warm_start_times_no_kernel_and_chooses_the_same_kernels",),
+    ),
+    Mutant(
+        "the plan's key without the rank", "ascend_compile/plan_cache.py",
+        "            \"device\": device_name(device), \"rank\": rank}", "            \"device\": device_name(device)}",
+        (f"{WARM_START}::test_any_part_of_the_key_changed_means_the_plan_is_asked_anew[rank]",),
+    ),
+    Mutant(
+        "the plan's key without the device's name", "ascend_compile/plan_cache.py",
+        "            \"device\": device_name(device), \"rank\": rank}", "            \"device\": str(device), \"rank\": rank}",
+        (f"{WARM_START}::test_any_part_of_the_key_changed_means_the_plan_is_asked_anew[device]",),
+    ),
+    Mutant(
+        "workspace queries not kept in the plan", "ascend_compile/passes/probe.py",
+        "    @plan_cache.remembered(\"workspace_queries\", question=lambda self, key, query: key)\n", "",
+        (f"{WARM_START}::test_on_npu_a_warm_start_asks_no_workspace_query",),
+    ),
+    # issue 47: the FIA kernel's own rules
+    Mutant(
+        "FIA's 4096-entry rule not refused at compile", "ascend_compile/passes/npu_checks.py",
+        "            _refuse(call.node, lambda: npu_rules.check_tnd_sequences(key.bucket))\n", "            pass\n",
+        (f"{KERNEL_RULES}::test_a_fia_graph_above_4096_tokens_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "FIA probes for a graph above 4096 tokens", "ascend_compile/ops/npu_workspace.py",
+        "        npu_rules.check_tnd_sequences(tokens)  #", "        #",
+        (f"{KERNEL_RULES}::test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_4096",),
+    ),
+    Mutant(
+        "FIA probes with empty sequences", "ascend_compile/ops/npu_workspace.py",
+        "    query_lens = [kv_capacity] * full + ([rest] if rest else [])\n",
+        "    query_lens = [kv_capacity] * full + ([rest] if rest else [])\n"
+        "    query_lens += [0] * (tokens - len(query_lens))\n",
+        (f"{KERNEL_RULES}::test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_4096",),
+    ),
+    Mutant(
+        "the device's RuntimeError not caught for piecewise sizes", "ascend_compile/passes/pipeline.py",
+        "        except (ValueError, RuntimeError) as err:", "        except ValueError as err:",
+        (f"{KERNEL_RULES}::test_a_piecewise_size_of_8192_compiles_on_the_devices_runtime_error_path",),
+    ),
+    Mutant(
+        "the fake's 4096-entry rule a ValueError", "tests/fake_torch_npu.py",
+        "    raise RuntimeError(f\"EZ9999: fake aclnn:", "    raise ValueError(f\"EZ9999: fake aclnn:",
+        (f"{KERNEL_RULES}::test_a_tnd_call_of_more_than_4096_entries_is_the_devices_runtime_error",),
+    ),
+    Mutant(
+        "FIA's block table narrowed to each step's batch", "ascend_compile/ops/npu.py",
+        "        ends, kv_lens = table_batch(block_table, actual_seq_lengths, actual_seq_lengths_kv)\n",
+        "        block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))\n"
+        "        ends, kv_lens = list(actual_seq_lengths), list(actual_seq_lengths_kv)\n",
+        (f"{KERNEL_RULES}::test_every_fia_update_keeps_the_captured_batch_and_block_table",),
+    ),
+    Mutant(
+        "FIA's TND head dim bound the docs' 512", "ascend_compile/ops/npu_rules.py",
+        "FIA_MAX_HEAD_DIM = 256\n", "FIA_MAX_HEAD_DIM = 512\n",
+        (f"{DEVICE}::test_head_limits_are_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "a layer form the device refuses not refused at compile", "ascend_compile/passes/npu_checks.py",
+        "        if why:\n            raise ValueError(f\"{layer_of(call.node)}: {kernel} does not take",
+        "        if False:\n            raise ValueError(f\"{layer_of(call.node)}: {kernel} does not take",
+        (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "the form probe asks only a mixed call", "ascend_compile/ops/npu_form_probe.py",
+        "    for tokens in (1, 2):", "    for tokens in (2,):",
+        (f"{KERNEL_RULES}::test_the_form_probe_asks_once_per_distinct_form",),
+    ),
+    Mutant(
+        "the form probe's answers not kept", "ascend_compile/ops/npu_form_probe.py",
+        "    if key not in answers:", "    if True:",
+        (f"{KERNEL_RULES}::test_the_form_probe_asks_once_per_distinct_form",),
+    ),
+    Mutant(
+        "the fake's PFA path takes float16", "tests/fake_torch_npu_sources.py",
+        "    if dtype != torch.bfloat16:", "    if False:",
+        (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "the fake's later source without its SplitFuse path", "tests/fake_torch_npu_sources.py",
+        "    return source == LATER and not sinks", "    return False and not sinks",
+        (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
+    ),
+    Mutant(
+        "the fake lets an update grow FIA's batch", "tests/fake_torch_npu_batches.py",
+        "            if call[0] > entries:", "            if False:",
+        (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
+    ),
+    Mutant(
+        "the fake lets an update rebind the block table", "tests/fake_torch_npu_batches.py",
+        "            if call[1] != table:", "            if False:",
+        (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
     ),
 )
 

@@ -27,6 +27,7 @@ from ..passes.fx_utils import is_op
 from ..passes.inner_compile import INNER_KEY
 from ..passes.kernel_call import HostArg, HostSource, KernelCall, is_kernel, with_host_lengths
 from ..runtime.base import ExternalEvent, GraphRuntime, Runtime, TaskHandle, TaskUpdateRuntime
+from .capture_failures import device_resource_error
 
 #: The tensor a workspace node stands for, in the graph being captured.
 WorkspaceFor = Callable[[fx.Node], torch.Tensor]
@@ -174,8 +175,8 @@ class CaptureInterpreter(fx.Interpreter):
         own (on a device a capture refuses a host synchronisation with an error of its runtime)."""
         if n.op not in ("call_function", "call_method"):  # a tensor method (`.item()`): never a bound kernel
             return False
-        if n.op == "call_function" and self.runtime.kernel(n.target) is not n.target:
-            return False
+        if n.op == "call_function" and self.runtime.kernel(n.target) is not n.target or device_resource_error(err):
+            return False  # a kernel of the device, or the device out of memory or streams: not the op's doing
         return isinstance(err, HostSync) or (self.warmed_up and not isinstance(err, AscendCompileError))
 
     def _kernel(self, call: KernelCall) -> Any:
@@ -233,14 +234,15 @@ def workspace_env(gm: fx.GraphModule, workspaces: WorkspaceFor) -> dict[fx.Node,
 
 
 def capture_graph(gm: fx.GraphModule, runtime: GraphRuntime, args: Sequence[Any], workspaces: WorkspaceFor,
-                  schedule: UpdateSchedule, lifetime: WorkspaceLifetime) -> tuple[Any, Any, UpdateTable]:
-    """Capture `gm` on `runtime` with `args`; returns (device graph, static outputs, update table).
+                  schedule: UpdateSchedule, lifetime: WorkspaceLifetime, label: str = "") -> tuple[Any, Any, UpdateTable]:
+    """Capture `gm` on `runtime` with `args` into a graph the runner calls `label`; returns (device
+    graph, static outputs, update table).
 
     A graph compiled by an inner compiler (`passes/inner_compile.py`) is captured as its compiled
     code, which holds no task groups: only a runtime without task updates can run it.
     """
     table = UpdateTable()
-    graph = runtime.graph()
+    graph = runtime.graph(label)
     inner = gm.meta.get(INNER_KEY)
     if inner is None:
         env = workspace_env(gm, workspaces)

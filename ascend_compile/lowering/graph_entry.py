@@ -83,7 +83,8 @@ class GraphEntry:
         try:
             with gc_paused():
                 graph, outputs, table = capture_mod.capture_graph(
-                    self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime)
+                    self.gm, runtime, graph_args + [plan.host[s] for s in self.sources], workspaces, updates, lifetime,
+                    self.name)
         finally:  # a capture that raises half-way (an op that cannot be captured) leaves them as they were too
             for i, contents in saved.items():
                 step_args[i].copy_(contents)

@@ -21,13 +21,16 @@ makes a new `fixed`, a new capture a new `CapturedInputs`). Addresses and scalar
 from __future__ import annotations
 
 import collections
+import logging
 import operator
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..passes.roles import InputSpec, Role
+from ..passes.roles import GraphSignature, InputSpec, Role
 from .inputs import gather
+
+log = logging.getLogger("ascend_compile")
 
 
 class CapturedInputs:
@@ -68,6 +71,31 @@ class CapturedInputs:
         Graphs that find the same change (a new KV cache, seen by each bucket's graph in turn)
         find the same event."""
         return tuple((i, args[i].item() if i in self.scalars else args[i].data_ptr()) for i in changed)
+
+
+class ChangeLog:
+    """One short WARNING per change of a graph's in-place inputs (a new KV cache): how many inputs of
+    which kind, the graph re-captured, how many others will be; the rest at DEBUG (issue 24)."""
+
+    def __init__(self, signature: GraphSignature, names: dict[int, str]) -> None:
+        self.signature, self.names = signature, names
+        self._last: tuple | None = None  # the last change logged: graphs finding the same one log it once
+
+    def log(self, graph: Any, moved: list[int], args: Sequence[Any], graphs: Iterable[Any]) -> None:
+        """`graph` (a `GraphEntry` or `PiecewiseGraph`) found the inputs `moved` changed; `graphs`: every
+        graph of the artifact."""
+        log.debug("ascend_compile: %s: inputs changed since its capture: %s", graph.name,
+                  [self.names[i] for i in moved])
+        event = graph.captured_inputs.event(args, moved)
+        if event == self._last:
+            log.debug("ascend_compile: re-capturing %s for the same change", graph.name)
+            return
+        self._last = event
+        others = sum(1 for g in graphs
+                     if g is not graph and g.captured_inputs is not None and g.captured_inputs.changed(args))
+        later = f"; {others} more captured graph{'s' * (others > 1)} will re-capture on next use" if others else ""
+        log.warning("ascend_compile: %s since %s was captured: re-capturing it%s",  # the key: sizes at DEBUG
+                    change_summary([self.signature.inputs[i] for i in moved]), graph.key, later)
 
 
 def change_summary(specs: Sequence[InputSpec]) -> str:

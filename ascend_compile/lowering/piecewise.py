@@ -235,7 +235,8 @@ class PiecewiseGraph:
             values.append(self._capture_input(runtime, captured, node, args))
         with gc_paused():
             graph, outputs, _ = capture_mod.capture_graph(captured.gm, runtime, values, lambda n: workspace,
-                                                          capture_mod.UpdateSchedule(), capture_mod.WorkspaceLifetime())
+                                                          capture_mod.UpdateSchedule(), capture_mod.WorkspaceLifetime(),
+                                                          f"{self.name} piece {len(self.pieces)}")
         captured.graph, captured.outputs = graph, tuple(outputs)
         for i, node in enumerate(piece.outputs):
             self.produced[node] = (captured, i)

@@ -62,7 +62,8 @@ class PiecewiseServer:
 
     def _capture(self, key: GraphKey, specialization: tuple, args: Sequence[Any], step: Step) -> PiecewiseGraph:
         """Split and capture `key`'s pieces; a piece whose capture an op refuses is split again around
-        that op (every later split too), as many times as ops are found."""
+        that op (every later split too), as many times as ops are found. A capture the device refuses
+        (`capture_failures.py`) costs this size: its steps run eagerly, its pieces captured so far freed."""
         art = self.art
         variant = art.rewritten.piecewise
         padded = art.signature.padded_symbols(key.bucket, art.rewritten.max_blocks, step.symbols)
@@ -81,6 +82,14 @@ class PiecewiseServer:
                     raise
                 art._note_uncapturable(err)
                 continue
+            except RuntimeError as err:
+                failure: RuntimeError | None = art.failures.device_failure(graph.name, key.bucket, (), err)
+            else:
+                failure = None
+            why = art.failures.settle(graph.name, gm, failure)
+            if why:
+                graph.eager_reason, graph.pieces, graph.produced = why, [], {}
+                return graph
             art.stats["piecewise_captures"] += 1
             log.info("ascend_compile: captured %s: %d pieces around %d eager nodes in %.3f s", graph.name,
                      len(graph.pieces), len(graph.segments) - len(graph.pieces), graph.capture_seconds)

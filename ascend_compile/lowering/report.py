@@ -50,6 +50,8 @@ def describe(art: Any) -> dict[str, Any]:
         if not specialization or "update_table" not in graph:
             graph.update(captured)
     plan["piecewise"] = _piecewise(art)
+    plan["failed_captures"] = dict(art.failures.graphs)  # graphs the device refused (`capture_failures.py`)
+    plan["startup"] = art.startup.describe(art)  # the compile's phases, each capture, the graph budget
     served: dict[str, dict[str, int]] = {}
     for (kind, path), count in sorted(art.served.items()):
         served.setdefault(kind, {})[path] = count

@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from ..config import CompileConfig
-from ..errors import AscendCompileError, CaptureError, UncapturableOp
+from ..errors import UncapturableOp
 from ..passes import dump
 from ..passes.find_attention import attention_nodes
 from ..passes.padding import packed_capture
@@ -33,13 +33,15 @@ from ..passes.size_symbols import SymbolKind
 from ..passes.workspaces import WORKSPACE_META_KEY, GraphKey
 from ..runtime.base import GraphRuntime, Runtime
 from . import capture as capture_mod, report, served
+from .capture_failures import CaptureFailures
 from .graph_entry import GraphEntry, MovedInputs, specialization_of
 from .inputs import Step, StepPlan, capture_seq_len, choose_bucket, overlapping_inputs, read_step, step_kind
-from .input_checks import change_summary
+from .input_checks import ChangeLog
 from .outputs import narrowed_outputs, returned_outputs
 from .piecewise import PiecewiseGraph
 from .piecewise_serve import PiecewiseServer
 from .staging import Staging
+from .startup import Startup, progress
 from .undo import UndoPlan
 from .verify import first_replay_check, written_regions
 
@@ -65,11 +67,12 @@ class CompiledArtifact:
         #: device work, or on the simulator its execution), host (the rest of the runner's step).
         self.seconds: collections.Counter = collections.Counter()
         self._fallbacks_logged: set[str] = set()
-        self._last_change: tuple | None = None  # the last change of in-place inputs logged (`_log_change`)
         #: ops found uncapturable (`errors.UncapturableOp`) -> why: every graph holding one serves eagerly
         self.uncapturable: dict[Any, str] = {}
         #: the piecewise graphs (`piecewise_serve.py`), and `piecewise`: them by key and specialized sizes
         self.pieces = PiecewiseServer(self)
+        self.failures = CaptureFailures(self.stats, self.runtime.device)  # captures the device refused
+        self.startup = Startup()  # the compile's phases and graph budget, set by the backend (`startup.py`)
         self.piecewise: dict[tuple[GraphKey, tuple], PiecewiseGraph] = self.pieces.graphs
         #: steps by kind ("decode", "mixed", "prefill") and what served them ("full", "piecewise", "eager")
         self.served: collections.Counter = collections.Counter()
@@ -80,6 +83,7 @@ class CompiledArtifact:
         #: the alias groups where a step's inputs could overlap a staged input the graph writes (`_step`)
         self.alias_groups = [g for g in rewritten.mutations.alias_groups if g & self.written and g & self.copied]
         self.names = {spec.index: spec.name for spec in self.signature.inputs}
+        self.changes = ChangeLog(self.signature, self.names)  # what moved since a graph's capture, logged once
         self.layers = len(attention_nodes(rewritten.original))  # the depth `verify`'s tolerance grows with
         self.restore = sorted({w.input for w in rewritten.mutations.unsafe()} - self.copied)
         #: the in-place inputs whose addresses a captured graph holds, checked every step
@@ -306,43 +310,28 @@ class CompiledArtifact:
             self._count(step, -1)  # the step is not run here: dynamo calls the artifact again
             raise MovedInputs([self.names[i] for i in moved])
         if moved:
-            self._log_change(graph, moved, args)
+            self.changes.log(graph, moved, args, self.graphs.values())
             self.stats["recaptures"] += 1
         return bool(moved)
-
-    def _log_change(self, entry: GraphEntry, moved: list[int], args: Sequence[Any]) -> None:
-        """One short WARNING per change of the in-place inputs (a new KV cache): how many inputs of which
-        kind, the graph re-captured, how many others will be; the rest at DEBUG (issue 24)."""
-        log.debug("ascend_compile: %s: inputs changed since its capture: %s", entry.name, [self.names[i] for i in moved])
-        event = entry.captured_inputs.event(args, moved)
-        if event == self._last_change:
-            log.debug("ascend_compile: re-capturing %s for the same change", entry.name)
-            return
-        self._last_change = event
-        others = sum(1 for g in self.graphs.values()
-                     if g is not entry and g.captured_inputs is not None and g.captured_inputs.changed(args))
-        later = f"; {others} more captured graph{'s' if others > 1 else ''} will re-capture on next use" if others else ""
-        log.warning("ascend_compile: %s since %s was captured: re-capturing it%s",  # the key: sizes at DEBUG
-                    change_summary([self.signature.inputs[i] for i in moved]), entry.key, later)
 
     def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
         target = self.target
         try:
-            entry.capture(self.runtime, args, self.workspaces_for(entry.key), self._capture_seq_len(entry),
-                          self.restore, target.updates, target.workspaces, self.checked, self.identified)
+            seq_len = capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
+            entry.capture(self.runtime, args, self.workspaces_for(entry.key), seq_len, self.restore, target.updates,
+                          target.workspaces, self.checked, self.identified)
         except UncapturableOp as err:
             self._serve_eagerly(entry, err)
             return
-        except RuntimeError as err:
-            if isinstance(err, AscendCompileError) or not entry.specialization:
-                raise
-            kept = ", ".join(f"{s}={v}" for s, v in entry.specialization)
-            raise CaptureError(
-                f"capturing {entry.name} failed: the graph pads the step to {entry.key.bucket} tokens and keeps "
-                f"the sizes {kept} as seen; one of them may be a step size the model never equates with the "
-                f"token count (e.g. positions [T, 1] beside ids [T] when every size is symbolic): name the step "
-                f"dims (`ascend_compile.compile(model, options, step_dims=...)`). The capture's error: {err}"
-            ) from err
+        except RuntimeError as err:  # the device's own error costs this graph (`capture_failures.py`)
+            failure: RuntimeError | None = self.failures.device_failure(entry.name, entry.key.bucket,
+                                                                        entry.specialization, err)
+        else:
+            failure = None
+        why = self.failures.settle(entry.name, entry.gm, failure)
+        if why:
+            entry.graph, entry.eager_reason = None, why
+            return
         self.stats["captures"] += 1
         log.info("ascend_compile: captured %s in %.3f s (%d update entries)", entry.name, entry.capture_seconds,
                  len(entry.table.entries))
@@ -365,22 +354,14 @@ class CompiledArtifact:
         self.uncapturable[err.op] = why
         return why
 
-    def _capture_seq_len(self, entry: GraphEntry) -> int | None:
-        return capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
-
     def capture_all(self, args: Sequence[Any], symbols: dict) -> None:
         """Capture every bucket's decode graph now, largest first so that smaller graphs fit in the
         pool memory larger ones left (with a progress bar when tqdm is installed), at the
         specialized sizes of `symbols`. Only for an artifact that pads steps to the buckets: where
         each step size is captured as is, a decode graph captured at a mixed step's sizes would put
         several query tokens of a sequence into PA (issue 36)."""
-        keys: Any = sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket)
-        try:
-            from tqdm import tqdm
-
-            keys = tqdm(keys, desc="ascend_compile capture", unit="graph", mininterval=1.0, delay=1.0)
-        except ImportError:
-            pass
+        keys = progress(sorted((k for k in self.rewritten.choices if k.decode), key=lambda k: -k.bucket),
+                        "ascend_compile capture")
         specialization = specialization_of(self.signature, symbols)
         for key in keys:
             entry = self.graphs.get((key, specialization)) or self._new_entry(key, symbols)

@@ -112,6 +112,25 @@ def fused_infer_attention_args(
     return (query, key, value), kwargs
 
 
+def table_batch(block_table: torch.Tensor, ends: Sequence[int], kv_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """FIA's lists for a call on `block_table`, padded to a batch of its rows with empty sequences (0 query
+    tokens, KV 0: the last end repeated), so that a graph's every call, captured or updated, has the batch and
+    the block table tensor it was captured with.
+
+    FIA's batch is its lists' length, and its block table has exactly that many rows ("第一维长度需等于B",
+    L8223; kernel source c29bc106 `prompt_flash_attention_tiling.cpp` L2262-2266 refuses another row count, and
+    TND takes no tiling sink, L4269-4271). A mixed graph's steps have fewer sequences than its table's rows, and
+    narrowing the table per step would rebind a tensor of another shape at each update, which vLLM-Ascend found
+    to corrupt sliding-window models' outputs ("Keep the captured block_tables tensor", `attention_v1.py`
+    L866-875), and would grow the batch past the capture's where the capture had fewer sequences than a step.
+    An empty sequence is what the kernel's TND check allows (`CheckActSeqWhenLayoutIsTND`, L3822-3863: query
+    ends non-decreasing, lengths >= 0); it adds no query row and no block ("blocknum..." counts its KV 0 as none)."""
+    validate.sequence_rows(block_table, len(kv_lens))  # a row per sequence at least
+    ends, kv_lens = [int(n) for n in ends], [int(n) for n in kv_lens]
+    pad = int(block_table.shape[0]) - len(kv_lens)  # lists of unequal lengths stay unequal: refused after
+    return ends + [ends[-1] if ends else 0] * pad, kv_lens + [0] * pad
+
+
 def _nbytes(workspace: torch.Tensor) -> int:
     """The bytes a workspace query's answer spans."""
     return int(workspace.numel()) * workspace.element_size()
@@ -190,13 +209,9 @@ class NpuKernels:
         library.check_features(query, window, soft_cap, sinks)
         if soft_cap is not None:
             raise ValueError(f"soft_cap: not supported on runtime 'npu': {npu_features.SOFT_CAP_REFUSAL}")
-        # FIA's batch is the lists' length and its block table has exactly that many rows
-        # ("block_table...第一维长度需等于B", L8223); a mixed graph's lists change length per step.
-        block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))
-        library.check_fused_infer_attention(
-            query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv,
-            workspace, out, check_data=False,
-        )
+        ends, kv_lens = table_batch(block_table, actual_seq_lengths, actual_seq_lengths_kv)
+        library.check_fused_infer_attention(query, key_cache, value_cache, block_table, ends, kv_lens, workspace, out,
+                                            check_data=False)
         pre_tokens = self.pre_tokens(window, sinks is not None)
         if window is not None and pre_tokens is None:
             raise ValueError(f"window: a window of {window} is not served on FIA: {npu_band_probe.EDGE_REFUSAL}")
@@ -204,8 +219,8 @@ class NpuKernels:
                 not self.band_at_single_query(sinks is not None):
             raise ValueError(f"window: a call of one query token per sequence with one longer than the window of "
                              f"{window} would attend the whole context: {npu_band_probe.REFUSAL}")
-        self.launch_fia(query, key_cache, value_cache, block_table, actual_seq_lengths, actual_seq_lengths_kv, scale,
-                        workspace, out, pre_tokens, sinks)
+        self.launch_fia(query, key_cache, value_cache, block_table, ends, kv_lens, scale, workspace, out, pre_tokens,
+                        sinks)
 
     def pre_tokens(self, window: int | None, sinks: bool) -> int | None:
         """FIA's `pre_tokens` for a layer of `window` in the form of a layer with or without sinks: `W - 1`

@@ -86,10 +86,11 @@ def form(sinks: bool) -> str:
 
 
 def single_query_outside(query_ends: Sequence[int], kv_lens: Sequence[int], window: int | None) -> bool:
-    """Whether a call is FIA's S-1 branch (every sequence one query token: T == B, no sequence has none)
-    with a sequence longer than `window`: the calls the two readings compute differently."""
+    """Whether a call is FIA's S-1 branch (every sequence one query token: ends `[1, 2, ..., B]`) with a
+    sequence longer than `window`: the calls the two readings compute differently."""
     ends = [int(e) for e in query_ends]
-    return window is not None and bool(ends) and ends[-1] == len(ends) and max(int(n) for n in kv_lens) > window
+    return window is not None and bool(ends) and ends == list(range(1, len(ends) + 1)) and \
+        max(int(n) for n in kv_lens) > window
 
 
 def known(kernels: Any) -> dict[str, bool]:

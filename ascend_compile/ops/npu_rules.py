@@ -5,7 +5,9 @@ node against them at compile time (`targets.NpuTarget.check_graph`) and refuses 
 kernel and the rule; the runner keeps FIA's block rule on each step (`fia_block_count`); the fake
 torch_npu enforces the same lines when called. Each rule cites where it is written, in the torch_npu
 2.14.0 wheel: `torch_npu/_op_plugin_docs.py` (aclnn ops) and `torch_npu/op_plugin/atb/_atb_api_docs.py`
-(ATB ops). Each check raises a ValueError starting with the argument's name.
+(ATB ops), or, where the kernel's source (CANN ops-transformer) is narrower than the docs on every version
+read, the source's lines (FIA's TND head dim and list sizes); what differs between versions is asked of the
+device (`ops/npu_form_probe.py`). Each check raises a ValueError starting with the argument's name.
 """
 from __future__ import annotations
 
@@ -55,13 +57,27 @@ CONTIGUITY_SOURCES = {
 }
 
 #: FIA's head rules: "num_heads与num_key_value_heads的比值不能大于64" (at most 64 query heads per KV head,
-#: `_op_plugin_docs.py` L8116); "支持N轴小于等于256, 支持D轴小于等于512" (L8204 for Q_S > 1, L8271 for Q_S 1);
-#: "输入类型全为float16、bfloat16时, D轴需16对齐" (a head dim that is a multiple of 16, L8210, Q_S > 1: an FIA
-#: graph serves steps of several query tokens).
+#: `_op_plugin_docs.py` L8116); "支持N轴小于等于256" (L8204 for Q_S > 1, L8271 for Q_S 1); "输入类型全为float16、
+#: bfloat16时, D轴需16对齐" (a head dim that is a multiple of 16, L8210, Q_S > 1: an FIA graph serves steps of
+#: several query tokens). The head dim's bound is the kernel source's, narrower than the docs' 512 (L8204, L8271):
+#: every call here is TND without rope and D != 512, which takes the PFA tiling in ops-transformer c29bc106
+#: (`fused_infer_attention_score_tiling.cpp` L700-716), whose TND rule is D 64 or 128, or 192 in narrow cases
+#: (`prompt_flash_attention_tiling.cpp` L3800-3803); a later source (the ops-transformer mirror at bfbbec83,
+#: 2025-12) adds a SplitFuse path refusing D > 256 in TND (`fused_infer_attention_score_tiling.cpp` L1035-1038)
+#: and otherwise keeps that PFA rule (L3680-3683). No version read takes D > 256; which D up to 256 a device
+#: takes depends on its version, asked of the device per layer form (`ops/npu_form_probe.py`).
 FIA_MAX_HEAD_RATIO = 64
 FIA_MAX_HEADS = 256
-FIA_MAX_HEAD_DIM = 512
+FIA_MAX_HEAD_DIM = 256
 FIA_HEAD_DIM_MULTIPLE = 16
+#: FIA's TND length lists: at most 4096 entries each. The kernel source refuses more (ops-transformer c29bc106
+#: `attention/prompt_flash_attention/op_host/prompt_flash_attention_tiling.cpp` L4275-4278 with
+#: `MAX_VAR_LEN_SEQ_LEN` = 4096, `prompt_flash_attention_tiling_const.h` L62: "Array length of the query's actual
+#: sequence lengths ... must be less than or equal to 4096 when input layout is TND"), and so does the max-workspace
+#: query, whose stand-in arrays keep the lists' sizes: on a device that refusal is a RuntimeError, not a ValueError.
+#: A graph's calls hold at most as many entries as its key has tokens (a decode graph exactly that many), so a key
+#: above this is refused.
+TND_MAX_SEQUENCES = 4096
 #: ATB PA's head size: "head_size范围为（0, 256]" (`_atb_api_docs.py` L278; the wider (0, 576] of L280 is
 #: for unequal key/value head sizes, which `ascend.attention` does not have).
 PA_MAX_HEAD_DIM = 256
@@ -97,12 +113,22 @@ def check_fia_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         ("num_heads", num_heads <= FIA_MAX_HEADS, f"at most {FIA_MAX_HEADS} heads ('支持N轴小于等于256', L8204, L8271)",
          num_heads),
         ("query", head_dim <= FIA_MAX_HEAD_DIM and head_dim % FIA_HEAD_DIM_MULTIPLE == 0,
-         f"a head dim that is a multiple of {FIA_HEAD_DIM_MULTIPLE} and at most {FIA_MAX_HEAD_DIM} ('D轴需16对齐', L8210; "
-         f"'支持D轴小于等于512', L8204, L8271)", head_dim),
+         f"a head dim that is a multiple of {FIA_HEAD_DIM_MULTIPLE} ('D轴需16对齐', L8210) and at most "
+         f"{FIA_MAX_HEAD_DIM} in TND (kernel source: prompt_flash_attention_tiling.cpp L3800-3803 takes D 64, 128 "
+         f"or 192, the later SplitFuse path at most 256, fused_infer_attention_score_tiling.cpp L1035-1038)",
+         head_dim),
     )
     for arg, ok, expected, got in rules:
         if not ok:
             raise ValueError(f"{arg}: {FIA_KERNEL} takes {expected}, got {got}")
+
+
+def check_tnd_sequences(count: int, kernel: str = FIA_KERNEL) -> None:
+    """Refuse a graph key whose calls may hold more than `TND_MAX_SEQUENCES` sequences (`count`: its tokens)."""
+    if count > TND_MAX_SEQUENCES:
+        raise ValueError(f"capture_sizes: {kernel} takes at most {TND_MAX_SEQUENCES} sequences per TND call (kernel "
+                         f"source prompt_flash_attention_tiling.cpp L4275-4278, MAX_VAR_LEN_SEQ_LEN), and a graph of "
+                         f"{count} tokens may be called with {count}; use sizes of at most {TND_MAX_SEQUENCES} tokens")
 
 
 def check_pa_head_size(head_dim: int) -> None:

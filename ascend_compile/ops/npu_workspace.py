@@ -12,12 +12,13 @@ which sends the tiling down its max path (`GetMaxWorkspaceFlag`, `CalcMaxWorkspa
 ACL-graph capture asks it once per op at capture, with the capture's arguments, and reuses the answer
 at every replay (`torch_npu/npu/_npugraph_handlers/ifa_handler.py`, `prepare_capture`); vLLM-Ascend
 does the same with its capture's dummy lengths (`vllm_ascend/attention/attention_v1.py`). So FIA is
-asked once per graph with that graph's shapes: `tokens` query tokens in `tokens` sequences, a block
-table as wide as the runner's. Its length values are placeholders the device does not read; the ones
-sent are the smallest the docs accept (every sequence's KV length its query length, the tokens packed
-into as few sequences as the table allows, the rest empty: "blocknum不能小于...的block数量之和", L8220, is
-met by `ceil(tokens / block_size)` blocks), so the probe cache is a few blocks, not
-`bucket * max_model_len / block_size`.
+asked once per graph with that graph's shapes: `tokens` query tokens, a block table as wide as the runner's.
+Its length values are placeholders the device does not read (the stand-in arrays keep only the lists' sizes);
+the ones sent are the smallest the docs accept: the tokens packed into as few sequences as the table allows,
+each its query length as KV length, and no empty sequence (the lists' sizes the kernel does check, at most 4096
+entries: `npu_rules.TND_MAX_SEQUENCES`; the graph's own calls may hold `tokens` sequences, so a graph above
+that is refused before the question). "blocknum不能小于...的block数量之和" (L8220) is met by
+`ceil(tokens / block_size)` blocks, so the probe cache is a few blocks, not `bucket * max_model_len / block_size`.
 
 **MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
 "获取最大workspace size" (L8961) for FIA v2 (`ops/npu_mla.py`), whose MLA form takes 1-16 query tokens per
@@ -45,14 +46,14 @@ from .tiling import AttentionShape
 
 
 def fia_probe_lengths(tokens: int, kv_capacity: int) -> tuple[list[int], list[int]]:
-    """Query and KV lengths of `tokens` sequences holding `tokens` query tokens, packed into as few
-    sequences as hold at most `kv_capacity` tokens each (every KV length its query length)."""
-    query_lens, left = [], tokens
-    for _ in range(tokens):
-        query_lens.append(min(left, kv_capacity))
-        left -= query_lens[-1]
-    if left:
-        raise ValueError(f"tokens: {tokens} query tokens do not fit {tokens} sequences of at most {kv_capacity}")
+    """Query and KV lengths of the fewest sequences holding `tokens` query tokens, at most `kv_capacity`
+    each (every KV length its query length): only non-empty sequences, so a probe's lists stay far below
+    the kernel's 4096 entries (`npu_rules.TND_MAX_SEQUENCES`) whatever the graph's size."""
+    if tokens < 1 or kv_capacity < 1:
+        raise ValueError(f"tokens: expected at least one query token and a KV capacity of at least 1, got {tokens} "
+                         f"tokens and {kv_capacity}")
+    full, rest = divmod(tokens, kv_capacity)
+    query_lens = [kv_capacity] * full + ([rest] if rest else [])
     return query_lens, list(query_lens)
 
 
@@ -84,8 +85,9 @@ class NpuWorkspaceQuery:
         sequences with block tables of `max_blocks` columns, for a layer of `features`: asked in the form
         its calls take (band mode for a window, FIA v2's query with a probe `learnable_sink` for sinks),
         as vLLM-Ascend asks with its call's own arguments (`attention_v1.py`, `full_graph_fia(_v2)`)."""
+        npu_rules.check_tnd_sequences(tokens)  # the graph's calls, unlike the probe's, may hold `tokens` sequences
         query_lens, kv_lens = fia_probe_lengths(tokens, max_blocks * shape.block_size)
-        table, used = self._probe_table(tokens, max_blocks, kv_lens, shape.block_size)
+        table, used = self._probe_table(max_blocks, kv_lens, shape.block_size)
         ends = torch.tensor(query_lens).cumsum(0).tolist()
         query = self._query(tokens, shape)
         cache = self._cache(shape, max(used, 1))
@@ -99,8 +101,9 @@ class NpuWorkspaceQuery:
         """Bytes the MLA kernel needs at most, for any lengths, in a graph of `tokens` query tokens in as
         many sequences of at most `max_query_len` each (FIA v2 takes at most 16), tables of `max_blocks`."""
         query_len = min(max_query_len, npu_rules.MLA_MAX_QUERY_LEN, max_blocks * shape.block_size)
+        npu_rules.check_mla_sequences(tokens)
         query_lens, kv_lens = fia_probe_lengths(tokens, query_len)
-        table, used = self._probe_table(tokens, max_blocks, kv_lens, shape.block_size)
+        table, used = self._probe_table(max_blocks, kv_lens, shape.block_size)
         device = self.kernels.device
         q_nope = self._query(tokens, shape)
         q_pe = torch.empty(tokens, shape.num_heads, shape.rope_dim, dtype=self.dtype, device=device)
@@ -111,10 +114,10 @@ class NpuWorkspaceQuery:
         return self.kernels.mla_workspace_nbytes(q_nope, q_pe, kv_c_cache, k_pe_cache, table, ends, kv_lens,
                                                  (shape.head_dim + shape.rope_dim)**-0.5)
 
-    def _probe_table(self, rows: int, max_blocks: int, kv_lens: Sequence[int], block_size: int
-                     ) -> tuple[torch.Tensor, int]:
-        """A block table giving each sequence blocks of its own for its KV length; and the blocks used."""
-        table = torch.zeros(rows, max_blocks, dtype=torch.int32, device=self.kernels.device)
+    def _probe_table(self, max_blocks: int, kv_lens: Sequence[int], block_size: int) -> tuple[torch.Tensor, int]:
+        """A block table of a row per sequence ("第一维长度需等于B", L8223), giving each blocks of its own for its KV
+        length; and the blocks used."""
+        table = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32, device=self.kernels.device)
         used = 0
         for row, n in enumerate(kv_lens):
             blocks = -(-n // block_size)

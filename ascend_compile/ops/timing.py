@@ -7,9 +7,12 @@ from typing import Callable
 
 import torch
 
+from .. import ledger, plan_cache
 from . import cuda, tiling
 
 
+@plan_cache.remembered("kernel_timing")
+@ledger.timed("kernel_timing")
 def time_kernel(
     kernel: str,
     shape: tiling.AttentionShape,

@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .. import ledger
 from .fx_utils import example_value
 from .size_symbols import evaluate
 
@@ -125,6 +126,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+@ledger.timed("memory_estimate")
 def trace_allocations(gm: fx.GraphModule, one_kernel: Callable[[Any], bool] = lambda op: True
                       ) -> AllocationTrace | None:
     """`gm`'s allocation trace (see the module docstring), or None where its fake run fails;

@@ -6,9 +6,11 @@ to `ops/npu_rules.py`: PA's and FIA's block sizes and half-precision dtypes, MLA
 contiguous caches, and enough cache blocks for FIA and MLA to count one per sequence of each bucket's
 all-padding capture (`padding.capture_kv_lens`), and the attention features: sinks held to FIA v2's
 `learnable_sink` rules, a soft-cap refused (`REFUSED_FEATURES`; a window is FIA's band mode,
-`ops/npu_features.py`). A violation is refused before torch_npu is called, naming the layer, the kernel
-and the rule: on a device it would fail at the first capture, or worse, run with a copy of the whole
-cache per call. Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
+`ops/npu_features.py`), FIA's TND head dim and the 4096 sequences a TND call may hold (the kernel source's).
+A violation is refused before torch_npu is called, naming the layer, the kernel and the rule: on a device
+it would fail at the first capture, or worse, run with a copy of the whole cache per call. Last, each FIA
+layer's form is asked of the device's kernel once (`ops/npu_form_probe.py`: where CANN versions differ) and
+refused, naming the layer and the device's message, where the device refuses it. Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
 lengths the step would send, and MLA's query lengths (1-16 per sequence, and the sparse mode the
 graph was captured with: 0 in a decode graph, 3 in a mixed one), and PA's workspace need at those
 lengths against its slot (`pa_workspace_guard`), and, where the device's S=1 band probe finds FIA's band
@@ -35,6 +37,8 @@ from .workspaces import WORKSPACE_BYTES_KEY, GraphKey
 
 #: The KV lengths of the all-padding capture of a key's graph.
 CaptureLens = Callable[[GraphKey], Sequence[int]]
+#: Why the device's FIA refuses a layer of (shape, dtype, window, sinks), or None (`ops/npu_form_probe.refusal`).
+FormRefusal = Callable[[tiling.AttentionShape, torch.dtype, "int | None", bool], "str | None"]
 
 
 def layer_of(node: fx.Node) -> str:
@@ -90,7 +94,8 @@ def _check_mla(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capture
                                                              shape.block_size, npu_rules.MLA_KERNEL, "kv_c_cache"))
 
 
-def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens) -> None:
+def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens,
+                  form_refusal: FormRefusal | None = None) -> None:
     _check_features(call, keys)
     if call.meta.kernel == tiling.MLA:
         _check_mla(call, keys, capture_lens)
@@ -107,6 +112,8 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capt
         kernel = npu_rules.FIA_KERNEL
         _refuse(call.node, lambda: npu_rules.check_fia_block_size(block_size))
         _refuse(call.node, lambda: npu_rules.check_fia_heads(shape.num_heads, shape.num_kv_heads, shape.head_dim))
+        for key in keys:  # a graph's calls hold at most as many sequences as its key has tokens
+            _refuse(call.node, lambda: npu_rules.check_tnd_sequences(key.bucket))
     _refuse(call.node, lambda: npu_rules.check_contiguous(kernel, {"key_cache": key_cache, "value_cache": value_cache}))
     query = example_value(args["query"])
     _refuse(call.node, lambda: npu_rules.check_attention_dtype(kernel, query.dtype, key_cache.dtype))
@@ -114,6 +121,10 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capt
         for key in keys:  # captured all padding (`padding.capture_kv_lens`)
             _refuse(call.node, lambda: _check_capture_blocks(key_cache.shape[0], key.bucket, capture_lens(key),
                                                              block_size))
+    if call.meta.kernel == tiling.FIA and form_refusal is not None:  # what only the device can say, asked last
+        why = form_refusal(shape, query.dtype, call.meta.features.window, bool(call.meta.features.sinks))
+        if why:
+            raise ValueError(f"{layer_of(call.node)}: {kernel} does not take this layer on this device: {why}")
 
 
 def _check_capture_blocks(num_blocks: int, bucket: int, lens: Sequence[int], block_size: int,
@@ -131,11 +142,13 @@ CACHE_WRITES = {torch.ops.ascend.reshape_and_cache: ("key_cache", "value_cache")
 
 
 def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_kernels: frozenset[str],
-                    api_absent: Collection[npu_api.Api] = frozenset(), torch_npu_version: str = "") -> None:
+                    api_absent: Collection[npu_api.Api] = frozenset(), torch_npu_version: str = "",
+                    form_refusal: FormRefusal | None = None) -> None:
     """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys` (a key of
-    a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`), and a node
+    a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`), a node
     whose binding calls a function of `api_absent`, what the installed torch_npu (`torch_npu_version`) lacks
-    (`ops/npu_api.py`)."""
+    (`ops/npu_api.py`), and, given `form_refusal` (the device's form probe), a FIA layer whose form the
+    device's kernel refuses (`ops/npu_form_probe.py`)."""
     limit = dummy_limit(gm)
 
     def capture_lens(key: GraphKey) -> Sequence[int]:
@@ -146,7 +159,7 @@ def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_ke
             call = KernelCall.of(node)
             _check_api(node, npu_api.kernel_api(call.meta.kernel, bool(call.meta.features.sinks)), api_absent,
                        torch_npu_version)
-            _check_kernel(call, keys, capture_lens)
+            _check_kernel(call, keys, capture_lens, form_refusal)
         else:
             for op, names in CACHE_WRITES.items():
                 if is_op(node, op):

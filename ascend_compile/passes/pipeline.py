@@ -212,12 +212,14 @@ def _piecewise_keys(signature: GraphSignature, config: CompileConfig) -> tuple[l
 def _sizable(keys: list[GraphKey], sites: list[KernelSite], config: CompileConfig, need: NeedFn
              ) -> tuple[list[GraphKey], str | None]:
     """The piecewise keys whose every kernel node the target can size a workspace for (a kernel's
-    documented limit, e.g. FIA v2's 4096 sequences, ends them), and what ended the others."""
+    limit, e.g. FIA's 4096 sequences a TND call, ends them: a rule of the target's, a ValueError, or the
+    device's own refusal of its workspace query, which torch_npu raises as a RuntimeError), and what ended
+    the others."""
     for i, key in enumerate(keys):
         try:
             for site in _sites_for(key, sites, {}):
                 need(site, key.bucket, config.max_model_len, config.workspace_seq_len)
-        except ValueError as err:
+        except (ValueError, RuntimeError) as err:
             return keys[:i], f"{key.bucket} tokens and above: {err}"
     return keys, None
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Protocol, Sequence
 
+from .. import ledger, plan_cache
 from ..ops import tiling
 from ..ops.features import AttentionFeatures
 from .workspaces import KernelSite, NodeNeed
@@ -108,6 +109,8 @@ class ProbedWorkspaceNeed:
         return self._ask((tiling.PA, shape, tokens, seq_len, max_blocks), lambda: self.device_queries.paged_attention(
             shape, [seq_len] * tokens, max_blocks))
 
+    @plan_cache.remembered("workspace_queries", question=lambda self, key, query: key)
+    @ledger.timed("probes")
     def _ask(self, key: tuple, query: Callable[[], int]) -> int:
         if key not in self._answers:
             self.queries[key[0]] += 1

@@ -139,8 +139,15 @@ class GraphRuntime(Runtime):
     """A runtime that captures device graphs; its kernels read lengths on the device (no updates)."""
 
     @abc.abstractmethod
-    def graph(self) -> DeviceGraph:
-        """A new, empty graph whose captures share this runtime's graph memory pool."""
+    def graph(self, label: str = "") -> DeviceGraph:
+        """A new, empty graph whose captures share this runtime's graph memory pool (`label`: the
+        runner's name for it, in the runtime's errors)."""
+
+    def graph_budget(self) -> tuple[int | None, str]:
+        """The most graphs this device can hold captured (None: no limit known), and where that figure
+        comes from (`lowering/budget.py` fits a compile's graphs to it). By default none: a CUDA graph
+        holds no stream of its own."""
+        return None, "no limit known for this runtime"
 
     def after_replay(self) -> None:
         """After a replay (and its updates): make its results ready for what the host issues next.

@@ -94,7 +94,8 @@ class CudaRuntime(GraphRuntime):
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self._device)
 
-    def graph(self) -> CudaGraph:
+    def graph(self, label: str = "") -> CudaGraph:
+        """A new graph on the runtime's side stream and pool (`label`: the runner's name for it, unused by CUDA)."""
         return CudaGraph(self)
 
     def generators_kept(self) -> ContextManager[None]:

@@ -193,10 +193,10 @@ class NpuRuntime(TaskUpdateRuntime):
         """Device memory from torch_npu's caching allocator (the graph pool during a capture)."""
         return torch.empty(tuple(shape), dtype=dtype, device=self._device)
 
-    def graph(self) -> NpuGraph:
-        """A new graph; every graph of this runtime captures into its one pool."""
+    def graph(self, label: str = "") -> NpuGraph:
+        """A new graph; every graph of this runtime captures into its one pool (`label`: the runner's name)."""
         self._graph_count += 1
-        return NpuGraph(self, f"graph{self._graph_count}")
+        return NpuGraph(self, f"graph{self._graph_count}" + (f" ({label})" if label else ""))
 
     def event(self, name: str) -> NpuEvent:
         """A new `torch.npu.ExternalEvent` named `name` in errors."""
@@ -323,6 +323,14 @@ class NpuRuntime(TaskUpdateRuntime):
         if limit is not None and self.stream_limit(self.capture_stream) != limit:
             self.npu.set_stream_limit(self.capture_stream, limit["cube_core_num"], limit["vector_core_num"])
         return limit
+
+    def graph_budget(self) -> tuple[int | None, str]:
+        """vLLM-Ascend's cap on ACL graphs, 1,800 (`MAX_CAPTURE_SIZE`, "Maximum number of graphs that can be
+        captured by ACL Graph", `vllm_ascend/utils.py`, `update_aclgraph_sizes`: each graph holds a stream,
+        and a device past its streams refuses `capture_begin` with 207008). torch_npu has no query for it:
+        `get_stream_limit` answers a stream's cube and vector cores (torch_npu 2.10.0.post4
+        `npu/npu_config.py`), not how many streams are left."""
+        return 1800, "vLLM-Ascend's MAX_CAPTURE_SIZE (vllm_ascend/utils.py, update_aclgraph_sizes)"
 
     def stream_limit(self, stream: Any) -> CoreLimit | None:
         """`torch.npu.get_stream_limit(stream)`, or None where the installed torch_npu / CANN cannot say

@@ -31,6 +31,9 @@ quietly computing the eager answer:
   caller's tensor afterwards changes nothing;
 - an op that sets itself up on its first call (`SimRuntime.first_call`) may not make that call
   inside a capture;
+- a capture past the device's stream budget (`SimRuntime(stream_budget=...)`) fails at `capture_begin`
+  with the device's error 207008, and `SimRuntime.faults.inject` fails chosen captures as the device
+  can (at `capture_begin`, inside, at `capture_end`), for the runner's handling of a failed capture;
 - host reads of device data during capture (`.item()`, `.tolist()`, data-dependent shapes) raise;
 - random ops (a sampler's `multinomial`) draw from the CPU generator when a replay runs them, fresh
   numbers each replay; a capture draws nothing (the generator is put back), as on CUDA and torch_npu;
@@ -38,7 +41,8 @@ quietly computing the eager answer:
   reaches its captured address only when its work completes: at the graph's `wait_tensor` of it, or
   at the end of the graph; every replay issues it again, in captured order.
 
-The modules, each importing only those above it in this list: `pool` (segments and blocks),
+The modules, each importing only those above it in this list: `faults` (the captures the device
+refuses: a stream budget, injected faults), `pool` (segments and blocks),
 `streams` (queues, events, races), `classify` (what an op is), `memory` (pools, addresses, poison),
 `collectives` (outputs in flight), `overrun` (a short workspace), `launch` (one kernel run),
 `kernels` (what the runtime declared of its kernels), `tasks` (recorded tasks, a graph's

@@ -111,15 +111,21 @@ class CaptureMode(TorchDispatchMode):
     Constraints), which torch_npu's `NPUGraph`, a port of torch's `cuda/graphs.py`, inherits; a
     data-dependent output shape is such a synchronisation (the host must learn the size)."""
 
-    def __init__(self, recording: Recording, memory: SimMemory, kernels: DeviceKernels, launcher: Launcher) -> None:
+    def __init__(self, recording: Recording, memory: SimMemory, kernels: DeviceKernels, launcher: Launcher,
+                 fault: RuntimeError | None = None) -> None:
+        """`fault`: the device's error to raise at the capture's first op (`faults.py`), if any."""
         super().__init__()
         self.recording = recording
         self.memory = memory
         self.kernels = kernels
         self.launcher = launcher
         self.guard = HostReadGuard([], "graph capture")
+        self.fault = fault
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.fault is not None:
+            fault, self.fault = self.fault, None
+            raise fault
         kwargs = kwargs or {}
         memory = self.memory
         if func in ALLOCATION_OPS:

@@ -15,7 +15,7 @@ from ...errors import CaptureError, ReplayError, WorkspaceTooSmall
 import torch
 import torch.utils._pytree as pytree
 
-from .classify import is_c10d_collective, is_wait
+from .classify import completes_at_wait, is_c10d_collective, is_wait
 from .collectives import InFlight
 from .memory import SimMemory
 from .overrun import widen_workspace
@@ -40,6 +40,8 @@ class Launcher:
         becomes an overrun of the workspace (or is re-raised)."""
         if is_wait(op):
             self.in_flight.complete(args[0] if args else kwargs["tensor"])
+        if capturing and completes_at_wait(op):
+            return uncommunicated(op, args, kwargs)
         try:
             return wait_work(op, op(*args, **kwargs))
         except WorkspaceTooSmall as err:
@@ -49,6 +51,15 @@ class Launcher:
             error = CaptureError if capturing else ReplayError
             args, kwargs = widen_workspace(op, args, kwargs, err, label, self.memory.locate, error)
         return wait_work(op, op(*args, **kwargs))
+
+
+def uncommunicated(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A functional collective inside a capture: its outputs (shaped by its meta kernel), holding nothing.
+    A device's capture records the collective and runs it at each replay only (docs/tensor_parallel.md
+    quotes NCCL's and HCCL's graph-capture docs); running it at capture too would pair it with another
+    rank's call, which that rank does not make where its device refused the capture (`faults.py`)."""
+    meta = op(*pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), args), **kwargs)
+    return pytree.tree_map_only(torch.Tensor, lambda m: torch.empty(m.shape, dtype=m.dtype), meta)
 
 
 def wait_work(op: Any, result: Any) -> Any:

@@ -18,6 +18,7 @@ from ...errors import AscendCompileError, CaptureError, ReplayError, TaskUpdateM
 from ..base import DeviceGraph, TaskHandle, TaskUpdateRuntime, generators_kept
 from .dispatch import CaptureMode, UpdateMode
 from .events import SimEvent
+from .faults import CaptureFaults
 from .inputs import check_unchanged, snapshot, static_inputs
 from .kernels import DeviceKernels
 from .launch import Launcher
@@ -32,8 +33,7 @@ logger = logging.getLogger("ascend_compile.sim")
 #: The ascend ops the simulated device has kernels for: PA, FIA and the MLA kernel (FIA v2's latent
 #: form), and the cache writes (the device the simulator models has them, as Ascend's ATB has
 #: ReshapeAndCache and aclnn ScatterPaKvCache; the ops' bodies are those kernels' references).
-#: Every other ascend op (the unified
-#: `ascend.attention`, `ascend.workspace`) is recorded as the ops its body issues.
+#: Every other ascend op (the unified `ascend.attention`, `ascend.workspace`) is recorded as the ops its body issues.
 SIM_KERNELS = frozenset({"ascend::paged_attention", "ascend::fused_infer_attention", "ascend::reshape_and_cache",
                          "ascend::mla_fused_infer_attention", "ascend::mla_cache_write"})
 
@@ -41,9 +41,8 @@ SIM_KERNELS = frozenset({"ascend::paged_attention", "ascend::fused_infer_attenti
 class SimGraph(DeviceGraph):
     """A graph captured on the simulator: a list of tasks replayed at fixed addresses."""
 
-    def __init__(self, runtime: SimRuntime, name: str) -> None:
-        self._runtime = runtime
-        self.name = name
+    def __init__(self, runtime: SimRuntime, name: str, label: str = "") -> None:
+        self._runtime, self.name, self.label = runtime, name, label  # label: the runner's name (`faults.py`)
         self.recording = Recording(name)
         self._captured = False
         self._program: list[Item] = []
@@ -61,7 +60,7 @@ class SimGraph(DeviceGraph):
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Record the ops issued in this context (they also run once, on the real tensors).
+        """Record the ops issued in this context (they run once too, but for a collective's communication).
 
         The device is drained first. Fresh outputs are placed in the runtime's graph pool; when
         the context ends, every block allocated during it is poisoned, and the CPU generator is
@@ -69,15 +68,16 @@ class SimGraph(DeviceGraph):
         capture launches nothing, so it draws nothing; each replay draws (`replay`).
         """
         rt = self._runtime
-        rt._begin_capture(self)
-        try:
-            mode = CaptureMode(self.recording, rt._memory, rt.device_kernels, rt._launcher)
-            with generators_kept(), mode.guard, mode:
-                yield
-        finally:
-            group_open = rt._end_capture(self)
-        if group_open:
-            raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
+        with rt.faults.capture(self) as inside:  # the device may refuse it (`faults.py`)
+            rt._begin_capture(self)
+            try:
+                mode = CaptureMode(self.recording, rt._memory, rt.device_kernels, rt._launcher, inside)
+                with generators_kept(), mode.guard, mode:
+                    yield
+            finally:
+                group_open = rt._end_capture(self)
+            if group_open:
+                raise CaptureError(f"capture of {self.name} ended inside a task group: call task_group_end()")
         self._program = program(self.recording.tasks)
         self._captured = True
 
@@ -123,13 +123,16 @@ class SimRuntime(TaskUpdateRuntime):
     `device_kernels`: the ops besides torch's own that the device has kernels for (op namespaces or
     qualified op names, `kernels.DeviceKernels`); every other op is recorded as the ops its body
     issues. By default `SIM_KERNELS`.
+    `stream_budget`: the streams captured graphs may hold, one each (None: no limit; `faults.py`).
     """
 
     name = "sim"
 
     def __init__(
-        self, segment_bytes: int = 64 << 20, overflow: str = "write", device_kernels: Iterable[str] = SIM_KERNELS
+        self, segment_bytes: int = 64 << 20, overflow: str = "write", device_kernels: Iterable[str] = SIM_KERNELS,
+        stream_budget: int | None = None,
     ) -> None:
+        self.faults = CaptureFaults(stream_budget)
         self._memory = SimMemory(segment_bytes)
         self._launcher = Launcher(self._memory, overflow)
         self.device_kernels = DeviceKernels(device_kernels)
@@ -140,8 +143,7 @@ class SimRuntime(TaskUpdateRuntime):
         self.default_stream = self.device_queue.stream("default")
         self.capture_stream = self.device_queue.stream("capture")
         self.update_stream = self.device_queue.stream("update", priority=-1)
-        self._current: list[SimStream] = []
-        self._graph_count = 0
+        self._current, self._graph_count = [], 0
         self.zero_length_fast_path(torch.ops.ascend.paged_attention, "context_lens")
         self.zero_length_fast_path(torch.ops.ascend.fused_infer_attention, "actual_seq_lengths_kv")
         self.zero_length_fast_path(torch.ops.ascend.mla_fused_infer_attention, "actual_seq_kvlen")
@@ -202,10 +204,10 @@ class SimRuntime(TaskUpdateRuntime):
         with _disable_current_modes():
             return self._memory.allocate(shape, contiguous_stride(shape), dtype, capturing=self._capturing is not None)
 
-    def graph(self) -> SimGraph:
-        """A new graph; all graphs of this runtime share its graph pool."""
+    def graph(self, label: str = "") -> SimGraph:
+        """A new graph; all graphs of this runtime share its graph pool (`label`: the runner's name for it)."""
         self._graph_count += 1
-        return SimGraph(self, f"graph{self._graph_count}")
+        return SimGraph(self, f"graph{self._graph_count}", label)
 
     def event(self, name: str, external: bool = True) -> SimEvent:
         """A new, unrecorded event named `name`: external (a flag, ACL's `ExternalEvent`), or an
@@ -343,6 +345,9 @@ class SimRuntime(TaskUpdateRuntime):
         """Per pool ("general", "graph"): reserved_bytes, allocated_bytes, segments, free_blocks."""
         return self._memory.stats()
 
+    def graph_budget(self) -> tuple[int | None, str]:
+        return self.faults.budget, "the simulator's stream_budget, one stream a graph (`faults.py`)"
+
     def describe(self) -> dict[str, Any]:
         """What the dump records about this runtime."""
         return {**super().describe(), "segment_bytes": self._memory.general.segment_bytes, "overflow": self.overflow}
@@ -385,10 +390,8 @@ class SimRuntime(TaskUpdateRuntime):
         with _disable_current_modes():
             self._launcher.in_flight.complete_all()
             blocks = self._memory.poison_captured()
-        logger.debug(
-            "captured %s: %d tasks; poisoned %d graph-pool blocks (%d bytes)",
-            graph.name, len(graph.recording.tasks), len(blocks), sum(b[2] for b in blocks),
-        )
+        logger.debug("captured %s: %d tasks; poisoned %d graph-pool blocks (%d bytes)", graph.name,
+                     len(graph.recording.tasks), len(blocks), sum(b[2] for b in blocks))
         return group_open
 
     def _run_tasks(self, tasks: list[OpTask], stream: SimStream) -> None:
