@@ -43,7 +43,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import ascend_compile
 from ascend_compile.errors import AscendCompileError
-from ascend_compile.lowering.verify import TOLERANCE
 from examples import deepseek
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
@@ -174,6 +173,13 @@ def _build_pair(setup: Setup) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
                     a.sinks.uniform_(-1, 1, generator=torch.Generator().manual_seed(9))
                     b.sinks.copy_(a.sinks)
     return model, twin, cfg
+
+
+#: (rtol, atol) per dtype, element by element: the simulator's kernels and eager round alike on these
+#: shallow models, so the tester holds them to every element (stricter than `verify`'s per-row rule,
+#: which must pass a device's kernels on deep models).
+TOLERANCE = {torch.float32: (1e-3, 1e-3), torch.float64: (1e-6, 1e-6), torch.float16: (1e-2, 1e-2),
+             torch.bfloat16: (5e-2, 5e-2)}
 
 
 def mismatch(name: str, got: torch.Tensor, expected: torch.Tensor) -> str | None:
