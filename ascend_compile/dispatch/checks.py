@@ -188,7 +188,7 @@ def _aliasing(tensors: Sequence[tuple[str, Any]], state: Sequence[Any], namespac
     checks = [Check("tensor arguments that were one object are not", " and ".join(same))] if same else []
     if groups:
         checks.append(Check("tensor arguments that were distinct objects are one, or a parameter or buffer",
-                            f"len(set(map(id, ({firsts},)))) == {len(groups)} and ST.isdisjoint(map(id, ({firsts},)))"))
+                            f"ST.isdisjoint(IDS := set(map(id, ({firsts},)))) and len(IDS) == {len(groups)}"))
     return checks
 
 

@@ -121,7 +121,7 @@ class CompiledArtifact:
         in-place inputs moved raises `MovedInputs` instead of being captured again, so that the step
         goes through dynamo, whose guards see what else changed with them (a module converted to
         another dtype). `fixed`: the route's positions holding the same objects every call (`input_checks.py`)."""
-        return self._call(args, direct=True, fixed=fixed)
+        return self._call(args, True, fixed)
 
     def _call(self, args: Sequence[Any], direct: bool, fixed: frozenset[int] | None = None) -> Any:
         with self.lock:
