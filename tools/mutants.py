@@ -1390,6 +1390,12 @@ MUTANTS = (
         (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
+        "auto's timing fails the compile on a form the device refuses", "ascend_compile/ops/npu.py",
+        "    except RuntimeError as err:  # the device's kernel refuses this form",
+        "    except ValueError as err:  # the device's kernel refuses this form",
+        (f"{KERNEL_RULES}::test_auto_times_a_refused_form_as_never_finishing_and_refuses_the_layer_by_name",),
+    ),
+    Mutant(
         "the fake lets an update grow FIA's batch", "tests/fake_torch_npu_batches.py",
         "            if call[0] > entries:", "            if False:",
         (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
