@@ -39,6 +39,7 @@ from torch import nn
 import ascend_compile
 from ascend_compile.config import CompileConfig
 from ascend_compile.runtime.sim import SimRuntime
+from ascend_compile.runtime.sim.faults import streams_exhausted
 from ascend_compile.targets import Target
 from examples.llama import LlamaConfig, LlamaDecoder, PagedBatch, RMSNorm, build, rotate
 
@@ -189,9 +190,10 @@ class Case:
     tp_size: int | None = None  # ranks per TP group (consecutive ranks; new groups); None: the world
     steps: int | None = None  # run only the first `steps` steps of the schedule
     custom_op: bool = False  # all-reduce through a custom op calling dist.all_reduce (vLLM's shape)
-    #: graphs (the runner's names) whose capture the simulated device refuses on rank 0 only (207008 at
+    #: graphs (the runner's names) whose capture the simulated device refuses on rank 0 only (an error at
     #: `capture_begin`, `runtime/sim/faults.py`): every rank must serve their steps the same way
     capture_faults: tuple[str, ...] = ()
+    streams_out: bool = False  # those refusals are 207008, out of streams: every rank then stops capturing
 
 
 def tp_group(case: Case, rank: int, world: int) -> tuple[Any, int, int]:
@@ -217,7 +219,7 @@ def run_case(case: Case, rank: int, world: int, cfg: LlamaConfig) -> dict[str, A
     if case.capture_faults:
         sim = SimRuntime()
         for label in case.capture_faults if rank == 0 else ():
-            sim.faults.inject(label, phase="begin")
+            sim.faults.inject(label, phase="begin", error=streams_exhausted if case.streams_out else None)
         target = {"target": lambda device, config: Target(sim)}
     backend = ascend_compile.backend(config, on_compiled=artifacts.append, **target)
     fn = torch.compile(model, backend=backend, dynamic=True if case.dynamic else None)

@@ -152,12 +152,12 @@ def test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_tab
 # ----------------------------------------------------------------------------- the device's own answer per layer form
 
 
-def _serve(cfg, steps=([30, 7], ([40, 300, 17], [3, 1, 2]))):
-    """`cfg`'s model on npu (FIA in every bucket) over `steps`, each equal to eager; its artifacts."""
+def _serve(cfg, steps=([30, 7], ([40, 300, 17], [3, 1, 2])), kernel_policy="fia"):
+    """`cfg`'s model on npu (FIA in every bucket, by default) over `steps`, each equal to eager; its artifacts."""
     model, reference = build(cfg), build(cfg)
     artifacts = []
     torch._dynamo.reset()
-    config = CompileConfig(runtime="npu", max_model_len=MAX_LEN, kernel_policy="fia", capture_sizes=(4, 8))
+    config = CompileConfig(runtime="npu", max_model_len=MAX_LEN, kernel_policy=kernel_policy, capture_sizes=(4, 8))
     fn = torch.compile(model, backend=backend(config, on_compiled=artifacts.append))
     batch = PagedBatch(cfg, seed=4)
     with torch.no_grad():
@@ -207,3 +207,19 @@ def test_the_form_probe_asks_once_per_distinct_form(fake_npu):
     probes = [c.kwargs["actual_seq_lengths"] for c in fake_npu.calls if c.name == "npu_fused_infer_attention_score.out"
               and tuple(c.kwargs["block_table"].shape) == (1, 1)]
     assert probes == [[1], [2]]
+
+
+@pytest.mark.parametrize("source", fake_torch_npu_sources.SOURCES)
+def test_auto_times_a_refused_form_as_never_finishing_and_refuses_the_layer_by_name(fake_npu, source):
+    # kernel_policy "auto" times FIA on the device: where its kernel refuses the layer's form (float16 on the
+    # older source) the timing call's RuntimeError is no compile failure of its own; the mixed graph's FIA layer
+    # is then refused by the form probe, naming it. On the later source the same model is timed and served.
+    fake_npu.kernel_source = source
+    cfg = LlamaConfig(dtype=torch.float16, num_layers=1, num_blocks=128, block_size=NPU_BLOCK, head_dim=64,
+                      hidden_size=128)
+    if source == fake_torch_npu_sources.LATER:
+        _serve(cfg, kernel_policy="auto")
+        return
+    with pytest.raises(Exception, match=r"\(layer .*layers\.0\.attn\): torch_npu\.npu_fused_infer_attention_score "
+                                        r"does not take this layer on this device: .* expected bf16"):
+        _serve(cfg, kernel_policy="auto")

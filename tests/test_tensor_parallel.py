@@ -30,6 +30,8 @@ CASES = (
     Case("sim_custom_op", runtime="sim", custom_op=True),
     # the device refuses, on rank 0 only, a bucket's decode graph and a piecewise size (issue 48)
     Case("sim_capture_fault", runtime="sim", capture_faults=("b4.decode", "p16 piece 0")),
+    # rank 0's device out of streams (207008) at its first capture: no rank tries another graph
+    Case("sim_streams_out", runtime="sim", capture_faults=("b4.decode",), streams_out=True),
 )
 
 
@@ -62,7 +64,7 @@ def test_every_step_on_every_rank_matches_the_unsplit_model(ranks, case) -> None
     assert stats["steps"] == len(STEPS)
     # the 9- and 12-token steps are above the largest bucket (8): piecewise where graphs are captured
     assert stats.get("eager_fallbacks", 0) + stats.get("piecewise_steps", 0) >= 2
-    if case.runtime == "sim":
+    if case.runtime == "sim" and not case.streams_out:
         assert stats["captures"] >= 4 and stats["replays"] >= 4, stats
 
 
@@ -77,18 +79,32 @@ def test_sim_steps_match_eager_runtime_steps(ranks, dynamic) -> None:
 
 
 def test_a_capture_refused_on_one_rank_is_given_up_on_every_rank(ranks) -> None:
-    """Rank 0's device refuses b4.decode and p16 (207008 at `capture_begin`); rank 1's captures them,
+    """Rank 0's device refuses b4.decode and p16 (an error at `capture_begin`); rank 1's captures them,
     then gives them up too (their collectives' ranks agree): both serve those steps piecewise or
     eagerly, equal to the unsplit model (the parametrized test above), and every other graph is
     captured and replayed on both."""
     per_rank = _results(ranks, "sim_capture_fault")
     assert set(per_rank[0]["failed_captures"]) == set(per_rank[1]["failed_captures"]) == {"b4.decode", "p16"}
-    assert all("207008" in why for why in per_rank[0]["failed_captures"].values())
+    assert all("error code is 507000" in why for why in per_rank[0]["failed_captures"].values())
     assert all("another rank" in why for why in per_rank[1]["failed_captures"].values())
     stats = per_rank[0]["stats"]
     assert stats["failed_captures"] == 2 and stats["captures"] >= 3 and stats["replays"] >= 3, stats
     plain = _results(ranks, "sim")[0]["stats"]
     assert stats["captures"] == plain["captures"] - 1, (stats, plain)  # b4.decode only
+
+
+def test_a_device_out_of_streams_on_one_rank_stops_the_captures_of_every_rank(ranks) -> None:
+    """Rank 0's device out of streams (207008) at b4.decode, its first capture: both ranks learn it in
+    their agreement on that graph, and that artifact begins no other capture on either rank (rank 1's own
+    device had streams left); every step equal to the unsplit model (the parametrized test above, which
+    also finds the ranks' counters equal). (A later artifact, dynamo's recompile, tries again once: each
+    artifact learns the device's streams ran out at its own first refusal.)"""
+    per_rank = _results(ranks, "sim_streams_out")
+    assert "207008" in per_rank[0]["failed_captures"]["b4.decode"]
+    assert "another rank" in per_rank[1]["failed_captures"]["b4.decode"]
+    stats, plain = per_rank[0]["stats"], _results(ranks, "sim")[0]["stats"]
+    assert per_rank[1]["stats"] == stats, [r["stats"] for r in per_rank]
+    assert stats["captures_not_tried"] >= 2 and stats["captures"] < plain["captures"] - 1, (stats, plain)
 
 
 def test_two_tp_groups_of_two_in_a_world_of_four(tmp_path) -> None:

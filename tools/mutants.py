@@ -1272,8 +1272,7 @@ MUTANTS = (
     ),
     Mutant(
         "ranks decide a failed capture each on its own", "ascend_compile/lowering/capture_failures.py",
-        "        failed = agreed_failure(error is not None, groups, self.device) if groups else error is not None\n",
-        "        failed = error is not None\n",
+        "        outcome = agreed_failure(outcome, groups, self.device) if groups else outcome\n", "",
         ("tests/test_tensor_parallel.py::test_a_capture_refused_on_one_rank_is_given_up_on_every_rank",),
     ),
     Mutant(
@@ -1420,6 +1419,12 @@ MUTANTS = (
         (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
+        "auto's timing fails the compile on a form the device refuses", "ascend_compile/ops/npu.py",
+        "    except RuntimeError as err:  # the device's kernel refuses this form",
+        "    except ValueError as err:  # the device's kernel refuses this form",
+        (f"{KERNEL_RULES}::test_auto_times_a_refused_form_as_never_finishing_and_refuses_the_layer_by_name",),
+    ),
+    Mutant(
         "the fake lets an update grow FIA's batch", "tests/fake_torch_npu_batches.py",
         "            if call[0] > entries:", "            if False:",
         (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
@@ -1428,6 +1433,35 @@ MUTANTS = (
         "the fake lets an update rebind the block table", "tests/fake_torch_npu_batches.py",
         "            if call[1] != table:", "            if False:",
         (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
+    ),
+    # issue 48: a device out of streams stops further captures
+    Mutant(
+        "a device out of streams tried again for each new graph", "ascend_compile/lowering/capture_failures.py",
+        "        if self.streams_out is not None and name not in self.captured:\n", "        if False:\n",
+        (f"{CAPTURE_FAILURES}::test_after_the_device_runs_out_of_streams_no_new_graph_is_tried",
+         f"{CAPTURE_FAILURES}::test_a_budget_of_streams_spent_costs_the_graphs_past_it_not_the_steps"),
+    ),
+    Mutant(
+        "a graph captured before not captured again once the streams ran out",
+        "ascend_compile/lowering/capture_failures.py",
+        "        if self.streams_out is not None and name not in self.captured:\n",
+        "        if self.streams_out is not None:\n",
+        (f"{CAPTURE_FAILURES}::test_a_graph_captured_before_the_streams_ran_out_is_captured_again_when_its_inputs_move",),
+    ),
+    Mutant(
+        "a full graph tried after the streams ran out", "ascend_compile/lowering/runner.py",
+        "            self.failures.begin(entry.name)  # `NotTried` once the device's streams ran out\n", "",
+        (f"{CAPTURE_FAILURES}::test_after_the_device_runs_out_of_streams_no_new_graph_is_tried",),
+    ),
+    Mutant(
+        "a piecewise size tried after the streams ran out", "ascend_compile/lowering/piecewise_serve.py",
+        "                art.failures.begin(graph.name)  # `NotTried` once the device's streams ran out\n", "",
+        (f"{CAPTURE_FAILURES}::test_a_budget_of_streams_spent_costs_the_graphs_past_it_not_the_steps",),
+    ),
+    Mutant(
+        "a rank not told that another's streams ran out", "ascend_compile/lowering/capture_failures.py",
+        "        if outcome == STREAMS_RAN_OUT:\n", "        if outcome == STREAMS_RAN_OUT and error is not None:\n",
+        ("tests/test_tensor_parallel.py::test_a_device_out_of_streams_on_one_rank_stops_the_captures_of_every_rank",),
     ),
 )
 

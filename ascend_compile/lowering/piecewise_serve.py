@@ -76,6 +76,7 @@ class PiecewiseServer:
             graph = PiecewiseGraph(key, specialization, variant, gm, art.signature, padded, set(art.uncapturable),
                                    guard, refused, self.padding_safe)
             try:
+                art.failures.begin(graph.name)  # `NotTried` once the device's streams ran out
                 graph.capture(art.runtime, args, art.checked, art.identified, self.workspace(key))
             except UncapturableOp as err:
                 if err.op in art.uncapturable:

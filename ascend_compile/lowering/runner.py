@@ -317,6 +317,7 @@ class CompiledArtifact:
     def _capture(self, entry: GraphEntry, args: Sequence[Any]) -> None:
         target = self.target
         try:
+            self.failures.begin(entry.name)  # `NotTried` once the device's streams ran out
             seq_len = capture_seq_len(entry.gm, entry.key, self.signature, entry.staging.buffers, self.config.max_model_len)
             entry.capture(self.runtime, args, self.workspaces_for(entry.key), seq_len, self.restore, target.updates,
                           target.workspaces, self.checked, self.identified)

@@ -30,6 +30,7 @@ torch_npu is imported lazily, by `load_torch_npu`: importing this module needs n
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
@@ -39,6 +40,8 @@ from . import library, npu_band_probe, npu_features, npu_mla, tiling, validate
 from .npu_rules import check_fia_block_size
 from .timing import median_seconds
 from .tiling import AttentionShape
+
+log = logging.getLogger("ascend_compile")
 
 #: The side of the optimised causal mask FIA's sparse modes 2-4 take.
 FIA_MASK_SIZE = 2048
@@ -365,7 +368,9 @@ def time_kernel(
     repeats: int = 3,
 ) -> float:
     """Median seconds of one decode call of the torch_npu `kernel` for `batch` sequences of
-    `seq_len` tokens, for the "auto" kernel policy (`synchronize` waits for the device)."""
+    `seq_len` tokens, for the "auto" kernel policy (`synchronize` waits for the device); infinite where the
+    device refuses the call (a layer form its kernel does not take: the other kernel is chosen, and a graph
+    that needs this one is refused by the form probe, naming the layer)."""
     device = kernels.device
     gen = torch.Generator(device="cpu").manual_seed(0)
     blocks_per_seq = -(-seq_len // shape.block_size)
@@ -377,8 +382,13 @@ def time_kernel(
     out = torch.empty_like(query)
     lens, ends = [seq_len] * batch, list(range(1, batch + 1))
     scale = shape.head_dim**-0.5
-    nbytes = kernels.workspace_nbytes(kernel, query, key_cache, value_cache, block_table, ends, lens, scale, out)
-    workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = (lens,) if kernel == tiling.PA else (ends, lens)
-    args = (query, key_cache, value_cache, block_table, *host, scale, workspace, out)
-    return median_seconds(lambda: kernels.call(kernel, *args), synchronize, warmup=1, iters=repeats)
+    try:
+        nbytes = kernels.workspace_nbytes(kernel, query, key_cache, value_cache, block_table, ends, lens, scale, out)
+        args = (query, key_cache, value_cache, block_table, *host, scale,
+                torch.empty(nbytes, dtype=torch.uint8, device=device), out)
+        return median_seconds(lambda: kernels.call(kernel, *args), synchronize, warmup=1, iters=repeats)
+    except RuntimeError as err:  # the device's kernel refuses this form (`ops/npu_form_probe.py`): no candidate
+        log.info("ascend_compile: %s refused a timing call of %s in %s (timed as never finishing): %s", kernel, shape,
+                 dtype, err)
+        return float("inf")

@@ -40,6 +40,12 @@ def streams_exhausted(label: str) -> RuntimeError:
                         "requirements by referring to the description of the acl.rt.create_stream interface.")
 
 
+def capture_begin_failed(label: str) -> RuntimeError:
+    """`capture_begin` refused for a reason of that one capture (ACL's 507000, an internal error), not the
+    device's streams: the graphs after it are still tried."""
+    return device_error(CAPTURE_BEGIN, 507000, "Internal errors occur in the runtime module.")
+
+
 def out_of_memory(label: str) -> RuntimeError:
     """An allocation inside the capture refused: the device's memory is spent."""
     return torch.OutOfMemoryError(f"NPU out of memory. Tried to allocate 2.00 MiB while capturing {label or 'a graph'}")
@@ -50,9 +56,10 @@ def capture_end_failed(label: str) -> RuntimeError:
     return device_error(CAPTURE_END, 507000, "Internal errors occur in the runtime module.")
 
 
-#: The device's error of each phase, by default.
+#: The device's error of each phase, by default: a fault of one capture (out of streams is the budget's,
+#: or injected with `error=streams_exhausted`: after it, the runner tries no new graph).
 DEFAULT_ERRORS: dict[str, Callable[[str], RuntimeError]] = {
-    "begin": streams_exhausted, "inside": out_of_memory, "end": capture_end_failed}
+    "begin": capture_begin_failed, "inside": out_of_memory, "end": capture_end_failed}
 
 
 @dataclasses.dataclass(frozen=True)
