@@ -1433,6 +1433,31 @@ MUTANTS = (
         "        if outcome == STREAMS_RAN_OUT:\n", "        if outcome == STREAMS_RAN_OUT and error is not None:\n",
         ("tests/test_tensor_parallel.py::test_a_device_out_of_streams_on_one_rank_stops_the_captures_of_every_rank",),
     ),
+    # issue 48: a warm start calls no npu probe
+    Mutant(
+        "the S=1 band probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, sinks: (\"band at one query token\", form(sinks)))\n",
+        "",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    Mutant(
+        "the band edge probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, sinks: (\"band edge\", form(sinks)))\n", "",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    Mutant(
+        "the form probe's answers not kept in the plan", "ascend_compile/ops/npu_form_probe.py",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, shape, dtype, windowed, sinks: (",
+        "@(lambda kind, question: lambda fn: fn)(\"npu_probes\", question=lambda kernels, shape, dtype, windowed, sinks: (",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    Mutant(
+        "the band probes asked at the first step, outside the plan", "ascend_compile/targets.py",
+        "            npu_band_probe.band_edge(self.runtime.kernels, sinks)\n"
+        "            npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)\n",
+        "            pass\n",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
 )
 
 
