@@ -1231,7 +1231,7 @@ MUTANTS = (
     # issue 48: a capture the device refuses costs one graph
     Mutant(
         "a capture the device refuses fails the step", "ascend_compile/lowering/capture_failures.py",
-        "        if device_error(err):\n            return err\n", "",
+        "        if device_error(err) or isinstance(err, NotTried):\n            return err\n", "",
         (f"{CAPTURE_FAILURES}::test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_the_rest_captured",),
     ),
     Mutant(
