@@ -157,11 +157,16 @@ class NpuTarget(Target):
         """Every kernel and cache write held to the torch_npu kernels' documented constraints
         (`passes/npu_checks.py`), and to the functions the installed torch_npu offers (`ops/npu_api.py`),
         before torch_npu is asked anything; then each FIA layer's form asked of the device's kernel once
-        (`ops/npu_form_probe.py`)."""
-        from .ops import npu_form_probe
+        (`ops/npu_form_probe.py`), and a windowed layer's band probes (`ops/npu_band_probe.py`): asked here,
+        at compile time, so that a persisted plan holds their answers (`plan_cache.py`)."""
+        from .ops import npu_band_probe, npu_form_probe
+        from .passes.npu_checks import windowed_fia_layers
 
         check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent, self.runtime.torch_npu_version,
                         functools.partial(npu_form_probe.refusal, self.runtime.kernels))
+        for _, sinks, _, _ in windowed_fia_layers(gm).values():
+            npu_band_probe.band_edge(self.runtime.kernels, sinks)
+            npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
         """FIA's and MLA's block count, MLA's query lengths and sparse mode, with `pa_workspace_check`

@@ -92,3 +92,30 @@ def test_on_npu_a_warm_start_asks_no_workspace_query(tmp_path, monkeypatch):
     assert warm["reused"]["workspace_queries"] >= cold["asked"]["workspace_queries"]
     assert {n: s.nbytes for n, s in arts[0].rewritten.plan.slots.items()} == {
         n: s.nbytes for n, s in arts[1].rewritten.plan.slots.items()}
+
+
+def test_on_npu_a_warm_start_calls_no_probe(tmp_path, monkeypatch):
+    """The FIA form probe (`ops/npu_form_probe.py`) and a windowed layer's band probes (`ops/npu_band_probe.py`)
+    make real calls on the device at compile time: a cold start makes them (their answers kept in the plan), a
+    warm start, in a fresh fake torch_npu (a new process: no answer held in memory), calls none and serves the
+    same (the windowed layer's decode steps replayed, as the probes found the band applied at one query token)."""
+    from tests.test_npu_features import V1, V2, is_probe
+
+    arts, probes = [], []
+    for _ in range(2):
+        fake = fake_torch_npu.install(monkeypatch, band_at_single_query=True)
+        cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=128, dtype=torch.bfloat16,
+                          layer_types=("full", "sliding"), sliding_window=24)
+        artifacts = []
+        torch._dynamo.reset()
+        config = CompileConfig(max_model_len=256, capture_sizes=(4, 8), piecewise_sizes=(16,), runtime="npu",
+                               plan_dir=str(tmp_path))
+        fn = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append))
+        with torch.no_grad():
+            fn(**PagedBatch(cfg, seed=2).step([30, 40, 50]))
+        arts.append(artifacts[0])
+        probes.append(sum(c.name in (V1, V2) and is_probe(c) for c in fake.calls))
+    cold, warm = (_plan(a) for a in arts)
+    assert probes[0] >= 4 and cold["asked"]["npu_probes"] >= 3  # the form's two calls, each band probe's one
+    assert probes[1] == 0 and warm["asked"] == {} and warm["reused"]["npu_probes"] == cold["asked"]["npu_probes"]
+    assert arts[1].served == arts[0].served and arts[1].served[("decode", "full")] == 1

@@ -1261,7 +1261,7 @@ MUTANTS = (
     # issue 48: a capture the device refuses costs one graph
     Mutant(
         "a capture the device refuses fails the step", "ascend_compile/lowering/capture_failures.py",
-        "        if device_error(err):\n            return err\n", "",
+        "        if device_error(err) or isinstance(err, NotTried):\n            return err\n", "",
         (f"{CAPTURE_FAILURES}::test_a_bucket_and_a_piece_size_the_device_refuses_are_served_otherwise_and_the_rest_captured",),
     ),
     Mutant(
@@ -1462,6 +1462,31 @@ MUTANTS = (
         "a rank not told that another's streams ran out", "ascend_compile/lowering/capture_failures.py",
         "        if outcome == STREAMS_RAN_OUT:\n", "        if outcome == STREAMS_RAN_OUT and error is not None:\n",
         ("tests/test_tensor_parallel.py::test_a_device_out_of_streams_on_one_rank_stops_the_captures_of_every_rank",),
+    ),
+    # issue 48: a warm start calls no npu probe
+    Mutant(
+        "the S=1 band probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, sinks: (\"band at one query token\", form(sinks)))\n",
+        "",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    Mutant(
+        "the band edge probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, sinks: (\"band edge\", form(sinks)))\n", "",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    Mutant(
+        "the form probe's answers not kept in the plan", "ascend_compile/ops/npu_form_probe.py",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, shape, dtype, windowed, sinks: (",
+        "@(lambda kind, question: lambda fn: fn)(\"npu_probes\", question=lambda kernels, shape, dtype, windowed, sinks: (",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    Mutant(
+        "the band probes asked at the first step, outside the plan", "ascend_compile/targets.py",
+        "            npu_band_probe.band_edge(self.runtime.kernels, sinks)\n"
+        "            npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)\n",
+        "            pass\n",
+        (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
     ),
 )
 

@@ -1,6 +1,7 @@
 """Whether FIA's band (`ops/npu_features.py`) applies to a call whose every sequence has one query token,
 and which `pre_tokens` makes it a layer's window (its edge), asked of the device itself: once per process,
-device and FIA form, at first use.
+device and FIA form, at compile time (`targets.NpuTarget.check_graph`), its answers kept in the persisted
+plan (`plan_cache.py`: a warm start calls no probe).
 
 Lines `Lnnnn` are of torch_npu 2.14's `_op_plugin_docs.py`. A call whose query has S 1 is FIA's
 IncreFlashAttention branch ("当Query矩阵的S为1, 进入IncreFlashAttention分支", L8056, v2 L8580); in TND that
@@ -49,6 +50,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import plan_cache
 from . import reference, tiling
 from .features import AttentionFeatures
 
@@ -175,6 +177,7 @@ def _device_output(kernels, query, key_cache, value_cache, table, scale, pre, si
     return out.float().cpu()
 
 
+@plan_cache.remembered("npu_probes", question=lambda kernels, sinks: ("band edge", form(sinks)))
 def _edge_probe(kernels: Any, sinks: bool) -> int | None:
     """One call of the device's FIA at several query tokens with `pre_tokens` W - 1 against the reference
     for windows W - 1, W and W + 1: the keys it attends beyond `pre_tokens` (1 or 0), None for neither."""
@@ -208,6 +211,7 @@ def _edge_probe(kernels: Any, sinks: bool) -> int | None:
     return window - (PROBE_WINDOW - 1)
 
 
+@plan_cache.remembered("npu_probes", question=lambda kernels, sinks: ("band at one query token", form(sinks)))
 def _probe(kernels: Any, sinks: bool) -> bool:
     """One call of the device's FIA at S 1 against the reference with and without the window."""
     gen = torch.Generator().manual_seed(0)

@@ -18,7 +18,8 @@ layer is windowed (band mode, sparse 4) or has sinks (FIA v2's `learnable_sink`)
 own kind, once at one query token (a decode step's call) and once at two (a mixed step's), on a one-block
 cache: its workspace query, then the kernel. A RuntimeError (an aclnn error: the kernel's tiling refused the
 form) is the answer: the layer is refused at compile time naming it and the device's message, instead of
-failing at its first capture or warm-up with no eager fallback.
+failing at its first capture or warm-up with no eager fallback. The answers are kept in the persisted plan
+(`plan_cache.py`): a warm start calls no probe.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import plan_cache
 from . import npu_band_probe
 from .tiling import AttentionShape
 
@@ -61,6 +63,8 @@ def refusal(kernels: Any, shape: AttentionShape, dtype: torch.dtype, window: int
     return answers[key]
 
 
+@plan_cache.remembered("npu_probes", question=lambda kernels, shape, dtype, windowed, sinks: (
+    "form", shape.num_heads, shape.num_kv_heads, shape.head_dim, str(dtype), shape.block_size, windowed, sinks))
 def _ask(kernels: Any, shape: AttentionShape, dtype: torch.dtype, windowed: bool, sinks: bool) -> str | None:
     """One decode and one mixed call of the layer's form on the device; the device's message where it refuses."""
     device = kernels.device
