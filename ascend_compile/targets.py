@@ -42,9 +42,12 @@ class Target:
     runtime: Runtime
     #: The kernels whose decode graph cannot serve mixed steps: a bucket with one of them gets a mixed
     #: graph of its own. PA is decode-only; the ascend FIA and MLA (FIA v2) take one branch for one
-    #: query token per sequence and another for more, chosen from the host lengths a task is captured
-    #: with (`_op_plugin_docs.py` L8056, L8580), so each graph is captured in the shape of its steps
-    #: and the simulator refuses an update to the other branch (`SimRuntime.query_length_branches`).
+    #: query token per sequence and another for more by the docs (`_op_plugin_docs.py` L8056, L8580), so
+    #: each graph is captured in the shape of its steps and the simulator refuses an update to the other
+    #: branch (`SimRuntime.query_length_branches`). The kernel source routes a TND call by head dim, rope and
+    #: quantisation, not by its query lengths (ops-transformer c29bc106 `fused_infer_attention_score_tiling.cpp`
+    #: `IsUsingIFA` L687-734; bfbbec83 L1259-1374, L1789-1803): for FIA the split rests on the docs only; MLA's
+    #: graphs also keep their capture's sparse mode (`npu_rules.mla_sparse_mode`).
     mixed_graph_kernels: ClassVar[frozenset[str]] = frozenset({PA, FIA, MLA})
     #: Whether kernels take host lengths, which the runner then reads from each step (one host copy
     #: of each length input); False where they read them on the device, so no step waits for it.

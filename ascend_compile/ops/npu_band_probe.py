@@ -3,9 +3,12 @@ and which `pre_tokens` makes it a layer's window (its edge), asked of the device
 device and FIA form, at compile time (`targets.NpuTarget.check_graph`), its answers kept in the persisted
 plan (`plan_cache.py`: a warm start calls no probe).
 
-Lines `Lnnnn` are of torch_npu 2.14's `_op_plugin_docs.py`. A call whose query has S 1 is FIA's
-IncreFlashAttention branch ("当Query矩阵的S为1, 进入IncreFlashAttention分支", L8056, v2 L8580); in TND that
-is a call whose every sequence has one query token (the padding never gives one none: `passes/padding.py`),
+Lines `Lnnnn` are of torch_npu 2.14's `_op_plugin_docs.py`. By the docs a call whose query has S 1 is FIA's
+IncreFlashAttention branch ("当Query矩阵的S为1, 进入IncreFlashAttention分支", L8056, v2 L8580); the kernel source
+gives no TND call of this project that branch (ops-transformer c29bc106 `fused_infer_attention_score_tiling.cpp`
+`IsUsingIFA` L687-734: TND is routed by head dim, rope and quantisation, PFA here; bfbbec83 L1259-1374,
+L1789-1803), so the docs' S-1 rules below may not be what a TND call meets: the probe asks. In TND, S 1 is
+read as a call whose every sequence has one query token (the padding never gives one none: `passes/padding.py`),
 every decode step. For that branch the docs say the band's arguments have no effect: `pre_tokens` and
 `next_tokens` "Q_S为1时该参数无效" (L8110, L8111; v2 L8629, L8630), and `sparse_mode` too, "Q_S为1且不带rope输入时
 该参数无效" (L8117, v2 L8635). vLLM-Ascend passes them in its decode graphs nevertheless
@@ -63,7 +66,7 @@ REFUSAL = ("torch_npu 2.14's docs say FIA's pre_tokens and next_tokens have no e
            "one query token ('Q_S为1时该参数无效', _op_plugin_docs.py L8110, L8111, L8629, L8630), and this device's "
            "probe found its band not applied there (ops/npu_band_probe.py)")
 
-#: The edge probe's query tokens (one sequence of several: PromptFlashAttention, L8056).
+#: The edge probe's query tokens (one sequence of several: PromptFlashAttention by the docs, L8056).
 EDGE_QUERY_LEN = 4
 #: The keys a band of `pre_tokens` P attends beyond P, by reading: the docs' (P before the query's own,
 #: and its own) and vLLM-Ascend's (P, its own among them).

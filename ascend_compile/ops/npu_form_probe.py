@@ -9,9 +9,10 @@ its own KV head (L3800-3807), 64 or 128 with `learnable_sink` (L3669-3671) and i
 later source (the mirror at bfbbec83, 2025-12) routes calls without sinks of sparse mode 0 or 3, several
 query heads per KV head and blocks of 128 to a SplitFuse path taking float16 and bfloat16 and D <= 256
 (`fused_infer_attention_score_tiling.cpp` L1181-1229, L975-977, L1035-1038), and every other to the same PFA
-rules. So a float16 model, or a head dim of 96, is served on one device and refused by another; the docs
-(`_op_plugin_docs.py` L8204-8210) state neither. What holds on every version read is a compile-time rule
-(`npu_rules.check_fia_heads`: D <= 256; `check_attention_dtype`: no float32).
+rules. So a float16 model, or a head dim of 96, is served on one device and refused by another; the docs'
+general lists (`_op_plugin_docs.py` L8204-8210, the BSH/BSND/BNSD constraints) allow both, and TND's own list
+(L8193-8197; v2 L8730, L8733) agrees with the older source only. What holds on every version read is a
+compile-time rule (`npu_rules.check_fia_heads`: D <= 256; `check_attention_dtype`: no float32).
 
 The form is what those paths branch on: query heads, KV heads, head dim, dtype, block size, and whether the
 layer is windowed (band mode, sparse 4) or has sinks (FIA v2's `learnable_sink`). The call is the layer's

@@ -11,10 +11,11 @@ workspace query.
   `input_layout="TND"` with `actual_seq_qlen` cumulative and `actual_seq_kvlen` per sequence (L8720,
   L8723), `workspace=` and `out=[attention_out, softmax_lse]` (the registered overload takes `out` as a
   list, `tests/fixtures/torch_npu_2_14_schemas.txt`).
-- Its sparse mode follows the call's query lengths (`npu_rules.mla_sparse_mode`, L8697): 0 without a
-  mask when no sequence has more than one query token, else 3 with the 2048x2048 causal mask. A graph
-  keeps one mode for its whole life: the NPU target gives MLA buckets a decode graph and a mixed
-  graph, and its step guard sends a step needing the other mode to eager (`passes/npu_checks.py`).
+- Its sparse mode follows the call's query lengths (`npu_rules.mla_sparse_mode`: L8697 by Q_S; TND's list,
+  L8719, and the kernel source take 0 or 3 whatever the query lengths): 0 without a mask when no sequence
+  has more than one query token, else 3 with the 2048x2048 causal mask. A graph keeps one mode for its
+  whole life (this project's rule, a task update re-issuing its captured call): the NPU target gives MLA
+  buckets a decode graph and a mixed graph, and its step guard sends a step needing the other mode to eager (`passes/npu_checks.py`).
 - The workspace: `_npu_fused_infer_attention_score_v2_get_max_workspace` with the same arguments, which
   "获取最大workspace size" (L8961), asked once per graph (`ops/npu_workspace.py`).
 - `ascend.mla_cache_write` runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`, the

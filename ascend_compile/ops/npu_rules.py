@@ -41,7 +41,11 @@ FIA_BLOCK_SIZES = (128, 256, 384, 512)
 #: attention no int8 query ("不支持输入query为int8的场景", L8224); int8 and int4 caches are the quantised forms,
 #: which take antiquant scales this binding does not pass. ATB's PA: query "支持float16/bf16/int8" (`_atb_api_docs.py`
 #: L254), the caches alike (L255, L262; int8 is its quantised form), `out` "数据类型为float16/bf16" (L272). Neither
-#: takes float32: a float32 model would pass every other check and fail at its first kernel.
+#: takes float32: a float32 model would pass every other check and fail at its first kernel. L8065 is FIA's
+#: parameter list for every layout: TND's own list says "数据类型仅支持BFLOAT16" (L8193-8197; v2 L8733), as the
+#: kernel source c29bc106 does for TND (`prompt_flash_attention_tiling.cpp` L3813-3815), while bfbbec83's SplitFuse
+#: path also takes float16 (`fused_infer_attention_score_tiling.cpp` L975-977). So float16 is not refused here for
+#: FIA: a float16 FIA layer is asked of the device (`ops/npu_form_probe.py`).
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 
 #: Where each kernel's contiguity rule is written.
@@ -59,7 +63,11 @@ CONTIGUITY_SOURCES = {
 #: FIA's head rules: "num_heads与num_key_value_heads的比值不能大于64" (at most 64 query heads per KV head,
 #: `_op_plugin_docs.py` L8116); "支持N轴小于等于256" (L8204 for Q_S > 1, L8271 for Q_S 1); "输入类型全为float16、
 #: bfloat16时, D轴需16对齐" (a head dim that is a multiple of 16, L8210, Q_S > 1: an FIA graph serves steps of
-#: several query tokens). The head dim's bound is the kernel source's, narrower than the docs' 512 (L8204, L8271):
+#: several query tokens). L8204, L8210 and L8271 are the docs' general lists ("当Q_S大于1时" L8201-8210, "当Q_S等于1时"
+#: L8269-8271: the BSH/BSND/BNSD constraints; L8204 names BSH and BSND), not TND's own, which is narrower (N
+#: 8/16/32/64/128 with Q_N = K_N and D 192, L8193-8197; v2 D 128 or 192, L8730-8731) and is not applied here: the
+#: head dims within these bounds are asked of the device (`ops/npu_form_probe.py`). The head dim's bound is the
+#: kernel source's, narrower than the docs' 512 (L8204, L8271):
 #: every call here is TND without rope and D != 512, which takes the PFA tiling in ops-transformer c29bc106
 #: (`fused_infer_attention_score_tiling.cpp` L700-716), whose TND rule is D 64 or 128, or 192 in narrow cases
 #: (`prompt_flash_attention_tiling.cpp` L3800-3803); a later source (the ops-transformer mirror at bfbbec83,
@@ -232,9 +240,14 @@ def check_mla_sequences(count: int, kernel: str = MLA_KERNEL) -> None:
 
 
 def mla_sparse_mode(query_lens: Iterable[int]) -> int:
-    """FIA v2's MLA sparse mode for these query lengths: "Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持
-    sparse=3且传入mask" (L8697): 0 (no mask) when no sequence has more than one query token, else 3
-    (rightDownCausal, with the 2048x2048 mask)."""
+    """FIA v2's MLA sparse mode for these query lengths: 0 (no mask) when no sequence has more than one query
+    token, else 3 (rightDownCausal, with the 2048x2048 mask). The d 512 section ties the mode to Q_S
+    ("Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask", L8697, for every layout); TND's own list
+    takes 0 without a mask or 3 with it whatever the query lengths (L8719), as the kernel source does
+    (c29bc106 `fused_infer_attention_score_tiling_check_feature.cpp` L215-220, mask rules L239-248; bfbbec83
+    `arch32/fused_infer_attention_score_tiling_check_feature.cpp` L179-183, L209-218, 4 too). This choice is
+    within both; that a graph keeps its capture's mode (`mla_step_refusal`) is this project's rule, not
+    the kernel's."""
     return 3 if max(query_lens, default=0) > 1 else 0
 
 
@@ -257,9 +270,13 @@ def mla_step_refusal(query_lens: Sequence[int], sparse_mode: int) -> str | None:
 #: "learnable_sink: ...数据类型支持bfloat16, 数据格式支持ND, shape输入为(Q_N,)" (L8625); the query: the TND
 #: section for a d other than 512 allows "数据类型仅支持BFLOAT16" (L8733), as vLLM-Ascend serves gpt-oss (its
 #: "bf16 version", `docs/source/tutorials/models/gpt-oss-120b.md`). The same section's head dims ("Q_D、K_D、V_D
-#: 等于128", L8730) are not applied: vLLM-Ascend calls this form for gpt-oss, whose head dim is 64.
+#: 等于128", L8730) are not applied: vLLM-Ascend calls this form for gpt-oss, whose head dim is 64, and the kernel
+#: source takes D 64 as 128 in TND (c29bc106 `prompt_flash_attention_tiling.cpp` L3799-3803; bfbbec83 L3680-3683).
 SINKS_DTYPE = torch.bfloat16
-#: "learnable_sink的参数约束如下：仅支持TND、NTD_TND；仅支持value的d小于等于128" (L8755-8757).
+#: "learnable_sink的参数约束如下：仅支持TND、NTD_TND；仅支持value的d小于等于128" (L8755-8757). The kernel source is
+#: narrower, a value d of 64 or 128 only (c29bc106 `prompt_flash_attention_tiling.cpp` L3668-3671; bfbbec83
+#: L3556-3558): this bound is the docs', and a sinks layer of another d up to 128 is asked of the device
+#: (`ops/npu_form_probe.py`).
 SINKS_MAX_HEAD_DIM = 128
 
 

@@ -22,7 +22,8 @@ that is refused before the question). "blocknum不能小于...的block数量之�
 
 **MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
 "获取最大workspace size" (L8961) for FIA v2 (`ops/npu_mla.py`), whose MLA form takes 1-16 query tokens per
-sequence and a sparse mode set by them (L8697, L8724): the probe's sequences hold at most as many query
+sequence (L8724) and a sparse mode the project sets by them (`npu_rules.mla_sparse_mode`; L8697, though TND
+takes 0 or 3 at any query lengths, L8719): the probe's sequences hold at most as many query
 tokens as the graph's may (1 in a decode graph, so its question is asked in the decode graph's mode),
 packed the same way.
 

@@ -209,7 +209,7 @@ def window_guard(gm: fx.GraphModule, band_at_single_query: Callable[[bool], bool
     """A check of each step for `gm`'s windowed FIA layers on a device that does not apply FIA's band when
     every sequence has one query token (`band_at_single_query`, the device's probe, asked here for the
     layers' forms: `ops/npu_band_probe.py`); None where it does, or without such layers. A decode step
-    (every sequence one query token: FIA's IncreFlashAttention branch, where "Q_S为1时该参数无效" of
+    (every sequence one query token: the docs' IncreFlashAttention branch, L8056, where "Q_S为1时该参数无效" of
     `pre_tokens`, torch_npu 2.14 `_op_plugin_docs.py` L8110) with a sequence longer than a layer's window
     runs eagerly, through the model's own attention: the graph would attend the whole context."""
     layers = {name: layer for name, layer in windowed_fia_layers(gm).items() if not band_at_single_query(layer[1])}

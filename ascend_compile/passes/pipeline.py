@@ -166,7 +166,8 @@ def bucket_choices(layers: list, buckets: tuple[int, ...], policy: KernelPolicy,
                    mixed_graph_kernels: frozenset[str] = frozenset({PA})) -> dict[GraphKey, tuple[KernelChoice, ...]]:
     """Each graph key's kernels: every bucket's decode steps, and the mixed steps of a bucket whose
     decode kernels include one of `mixed_graph_kernels` (the target's: PA is decode-only; on the
-    simulator and NPU, FIA and MLA take another branch for one query token than for more); a decode
+    simulator and NPU, FIA and MLA take another branch for one query token than for more, by torch_npu's
+    docs, though not by the kernel source for TND: `targets.Target.mixed_graph_kernels`); a decode
     graph of other kernels (CUDA's FIA and MLA) serves mixed steps too."""
     choices = {}
     for bucket in buckets:

@@ -11,8 +11,11 @@ of it against a planning context (`planning_context.py`: vLLM's layers, stand-in
 of fake tensors), and the pass pipeline runs over it as the compile will, for the kernels, the
 buckets and the workspace plan. From that:
 
-- the workspace slots: the plan's, exactly (sized with `Target.workspace_estimate`: on `npu` the
-  simulator's formula, torch_npu's queries being asked at the compile);
+- the workspace slots: the plan's slots as `Target.workspace_estimate` sizes them, which is the compile's
+  own sizing where the target's need is a formula (the simulator, CUDA) but on `npu` the simulator's
+  formula, torch_npu's queries being asked only at the compile: the device's answers may differ (MLA's
+  max workspace is sized by the core count, ops-transformer c29bc106 `fia_tiling_nonquant_mla.cpp`
+  L431-437), and the figure measured after each capture says by how much;
 - each graph's static input buffers: its copied inputs at its bucket's padded sizes, as staged;
 - the graph pool: each rewritten graph's allocations traced on fake tensors
   (`passes/memory_estimate.py`) and replayed in capture order (decode graphs largest first as
@@ -23,9 +26,10 @@ buckets and the workspace plan. From that:
   on a pool model of their own (added: see `_piece_pool`), and every size's static buffers.
 
 It covers every graph the compile can capture (each bucket's decode graph and, where its decode
-kernel is PA, its mixed graph): what serving reaches, not just `capture_all`. "auto" kernels are
-sized for both kernels it may pick. `kv_budget.py` takes the figure out of vLLM's KV-cache budget;
-`ASCEND_COMPILE_GRAPH_MEMORY` overrides it (bytes; 0 reserves nothing). After each new capture the
+kernels include one of the target's `mixed_graph_kernels`, its mixed graph: PA on every target, FIA and
+MLA too on the simulator and `npu`), and the piecewise sizes: what serving reaches, not just
+`capture_all`. "auto" kernels are sized for both kernels it may pick. `kv_budget.py` takes the figure
+out of vLLM's KV-cache budget; `ASCEND_COMPILE_GRAPH_MEMORY` overrides it (bytes; 0 reserves nothing). After each new capture the
 measured figure is logged beside the reserved one.
 """
 from __future__ import annotations

@@ -177,7 +177,10 @@ class SimRuntime(TaskUpdateRuntime):
 
         Source, for the ascend FIA and MLA (FIA v2): "当Query矩阵的S为1, 进入IncreFlashAttention分支, 其余场景
         进入PromptFlashAttention分支" (torch_npu 2.14 `_op_plugin_docs.py` L8056 for
-        `npu_fused_infer_attention_score`, L8580 for `_v2`); no source says a task update may move a
+        `npu_fused_infer_attention_score`, L8580 for `_v2`). The kernel source does not branch a TND call on
+        its query lengths (ops-transformer c29bc106 `fused_infer_attention_score_tiling.cpp` `IsUsingIFA`
+        L687-734: by head dim, rope and quantisation; bfbbec83 L1259-1374, L1789-1803): this models the docs'
+        reading, the stricter one. No source says a task update may move a
         captured task between the two; vLLM-Ascend captures its decode graphs with one query token per
         request and keeps that shape at every update (`model_runner_v1.py`)."""
         self.device_kernels.query_branches[op] = ends
