@@ -25,7 +25,5 @@ def returned_outputs(narrowed: Sequence[Any], clone: bool, aliased: dict[int, to
     """The step's outputs: the graph's, narrowed (cloned unless not asked), and the outputs that are
     views of the caller's own tensors as those views (`aliased`; their size may be none of the
     inputs' symbols, e.g. a slice whose length the trace could not decide)."""
-    if not aliased:  # the common case, on every step's path
-        return tuple([out.clone() if clone and isinstance(out, torch.Tensor) else out for out in narrowed])
     return tuple(aliased[i] if i in aliased else out.clone() if clone and isinstance(out, torch.Tensor) else out
                  for i, out in enumerate(narrowed))
