@@ -172,17 +172,13 @@ class SimRuntime(TaskUpdateRuntime):
     def query_length_branches(self, op: Any, ends: str) -> None:
         """Declare that kernel `op` (an op packet) takes one branch when its cumulative query ends `ends`
         give every sequence one query token and another otherwise: such a call records the task kind
-        `<op>[S=1]` or `<op>[S>1]`, and a task update to the other branch does not match the task.
-        A graph must be captured in the shape of the steps it serves: decode graphs as decode.
-
-        Source, for the ascend FIA and MLA (FIA v2): "当Query矩阵的S为1, 进入IncreFlashAttention分支, 其余场景
-        进入PromptFlashAttention分支" (torch_npu 2.14 `_op_plugin_docs.py` L8056 for
-        `npu_fused_infer_attention_score`, L8580 for `_v2`). The kernel source does not branch a TND call on
-        its query lengths (ops-transformer c29bc106 `fused_infer_attention_score_tiling.cpp` `IsUsingIFA`
-        L687-734: by head dim, rope and quantisation; bfbbec83 L1259-1374, L1789-1803): this models the docs'
-        reading, the stricter one. No source says a task update may move a
-        captured task between the two; vLLM-Ascend captures its decode graphs with one query token per
-        request and keeps that shape at every update (`model_runner_v1.py`)."""
+        `<op>[S=1]` or `<op>[S>1]`, and a task update to the other branch does not match the task: a
+        graph must be captured in the shape of the steps it serves. Source, the docs (torch_npu 2.14 `_op_plugin_docs.py` L8056, `_v2` L8580: S of 1 takes
+        IncreFlashAttention, else PromptFlashAttention); the kernel source routes a TND call by head dim,
+        rope and quantisation, not query lengths (ops-transformer c29bc106 `fused_infer_attention_score_tiling.cpp`
+        `IsUsingIFA` L687-734; bfbbec83 L1259-1374, L1789-1803): this models the docs', the stricter reading.
+        No source says a task update may move a captured task between the two; vLLM-Ascend keeps its decode
+        graphs' shape at every update (`model_runner_v1.py`)."""
         self.device_kernels.query_branches[op] = ends
 
     def copies_host_inputs(self, op: Any, *names: str) -> None:
