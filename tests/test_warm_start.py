@@ -30,6 +30,20 @@ def _start(plan_dir, layers=2, **options):
     return artifacts[0]
 
 
+def _npu_start(plan_dir, **layout):
+    """One start on the fake torch_npu: a bf16 model of blocks of 128 (`layout`: its other fields) compiled
+    with the default kernel policy, one step served; the artifact."""
+    cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=128, dtype=torch.bfloat16, **layout)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=256, capture_sizes=(4, 8), piecewise_sizes=(16,), runtime="npu",
+                           plan_dir=str(plan_dir))
+    fn = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append))
+    with torch.no_grad():
+        fn(**PagedBatch(cfg, seed=2).step([30, 40, 50]))
+    return artifacts[0]
+
+
 def _plan(art) -> dict:
     return art.describe()["startup"]["plan"]
 
@@ -76,17 +90,7 @@ def test_on_npu_a_warm_start_asks_no_workspace_query(tmp_path, monkeypatch):
     """The fake torch_npu's workspace queries (PA's and FIA's), asked per graph at compile time: none on the
     warm start, and the workspace slots the same."""
     fake_torch_npu.install(monkeypatch)
-    arts = []
-    for _ in range(2):
-        cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=128, dtype=torch.bfloat16)
-        artifacts = []
-        torch._dynamo.reset()
-        config = CompileConfig(max_model_len=256, capture_sizes=(4, 8), piecewise_sizes=(16,), runtime="npu",
-                               plan_dir=str(tmp_path))
-        fn = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append))
-        with torch.no_grad():
-            fn(**PagedBatch(cfg, seed=2).step([30, 40, 50]))
-        arts.append(artifacts[0])
+    arts = [_npu_start(tmp_path) for _ in range(2)]
     cold, warm = (_plan(a) for a in arts)
     assert cold["asked"]["workspace_queries"] > 0 and warm["asked"] == {}
     assert warm["reused"]["workspace_queries"] >= cold["asked"]["workspace_queries"]
@@ -104,16 +108,7 @@ def test_on_npu_a_warm_start_calls_no_probe(tmp_path, monkeypatch):
     arts, probes = [], []
     for _ in range(2):
         fake = fake_torch_npu.install(monkeypatch, band_at_single_query=True)
-        cfg = LlamaConfig(num_layers=2, num_blocks=64, block_size=128, dtype=torch.bfloat16,
-                          layer_types=("full", "sliding"), sliding_window=24)
-        artifacts = []
-        torch._dynamo.reset()
-        config = CompileConfig(max_model_len=256, capture_sizes=(4, 8), piecewise_sizes=(16,), runtime="npu",
-                               plan_dir=str(tmp_path))
-        fn = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append))
-        with torch.no_grad():
-            fn(**PagedBatch(cfg, seed=2).step([30, 40, 50]))
-        arts.append(artifacts[0])
+        arts.append(_npu_start(tmp_path, layer_types=("full", "sliding"), sliding_window=24))
         probes.append(sum(c.name in (V1, V2) and is_probe(c) for c in fake.calls))
     cold, warm = (_plan(a) for a in arts)
     assert probes[0] >= 4 and cold["asked"]["npu_probes"] >= 3  # the form's two calls, each band probe's one
