@@ -34,7 +34,9 @@ One module a job, each importing only those listed before it (no cycle):
 - `binder.py` (context, layers, metadata, mla): `ForwardContextBinder` and finding vLLM's op nodes;
 - `dynamo_backend.py` (binder, deferred, kv_budget, mla, options, releases): `backend`, `configured_backend`,
   `vllm_backend`;
-- `ascend_plugin.py` (options; `dynamo_backend` when it compiles): vLLM-Ascend's plug-in, the
+- `drafter.py` (dynamo_backend): the drafter vLLM loads for speculative decoding, compiled beside the
+  target with a backend of its own;
+- `ascend_plugin.py` (options; `drafter`, `dynamo_backend` when it compiles): vLLM-Ascend's plug-in, the
   `vllm.general_plugins` entry point.
 
 The names below are re-exported for `from ascend_compile.integrations.vllm import ...`; a test
@@ -49,12 +51,14 @@ from typing import Any
 from . import dynamo_backend, fast_path
 from .binder import ATTENTION_OP, CACHE_UPDATE_OP, ForwardContextBinder, vllm_graph_nodes
 from .deferred import DeferredCompile
+from .drafter import compile_drafter, compile_runner_drafter
 from .dynamo_backend import backend, configured_backend
 from .layers import UnsupportedAttention
 from .releases import SUPPORTED, installed_version
 
 __all__ = ["ATTENTION_OP", "CACHE_UPDATE_OP", "SUPPORTED", "DeferredCompile", "ForwardContextBinder",
-           "UnsupportedAttention", "backend", "configured_backend", "installed_version", "vllm_graph_nodes"]
+           "UnsupportedAttention", "backend", "compile_drafter", "compile_runner_drafter", "configured_backend",
+           "installed_version", "vllm_graph_nodes"]
 
 
 def __getattr__(name: str) -> Any:

@@ -89,7 +89,9 @@ def why_not(vllm_config: Any) -> str | None:
 
 
 def compile_loaded(runner: Any) -> None:
-    """vLLM's mode-1 compile call on the runner's loaded model, or a log line saying why not."""
+    """vLLM's mode-1 compile call on the runner's loaded model and on its drafter, if it has one
+    (`drafter.py`), or a log line saying why not."""
+    from .drafter import compile_runner_drafter
     from .dynamo_backend import configured_backend
 
     config = runner.vllm_config
@@ -98,5 +100,6 @@ def compile_loaded(runner: Any) -> None:
         log.warning("ascend_compile: ascend_graph not in use: %s", reason)
         return
     runner.model.compile(fullgraph=True, backend=configured_backend(config))
+    compile_runner_drafter(runner)
     log.info("ascend_compile: ascend_graph in use for vLLM-Ascend's %s: the model is compiled with it "
              "(options %s)", type(runner).__name__, options_for(config))

@@ -107,11 +107,12 @@ def model_state_static(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Non
             value = value._base
 
 
-def configured_backend(vllm_config: Any) -> Callable[..., Any]:
+def configured_backend(vllm_config: Any, model_tag: str | None = None) -> Callable[..., Any]:
     """`backend(...)` with the options for `vllm_config` (`options.options_for`: vLLM's
-    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them), with our graphs'
-    memory reserved in the KV-cache budget of the worker class vLLM runs (`kv_budget.py`)."""
-    compile_fn = backend(**options_for(vllm_config))
+    `max_model_len` and capture sizes, `ASCEND_COMPILE_OPTIONS` over them; `model_tag` for a model
+    beside the target, `drafter.py`), with our graphs' memory reserved in the KV-cache budget of the
+    worker class vLLM runs (`kv_budget.py`)."""
+    compile_fn = backend(**options_for(vllm_config, model_tag))
     kv_budget.install(vllm_config)
     return compile_fn
 

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any
 
-from ...config import default_capture_sizes, default_piecewise_sizes
+from ...config import DUMP_DIR_ENV, default_capture_sizes, default_piecewise_sizes
 
 OPTIONS_ENV = "ASCEND_COMPILE_OPTIONS"
 #: What the integrations set before vLLM's config and the environment (see the module docstring).
@@ -54,9 +54,14 @@ def from_environment() -> dict[str, Any]:
     return json.loads(os.environ.get(OPTIONS_ENV) or "{}")
 
 
-def options_for(vllm_config: Any) -> dict[str, Any]:
-    """The integrations' defaults, vLLM's config over them, then the environment's options over both."""
+def options_for(vllm_config: Any, model_tag: str | None = None) -> dict[str, Any]:
+    """The integrations' defaults, vLLM's config over them, then the environment's options over both.
+    `model_tag`: a second model compiled beside the target (vLLM's tag for it, "eagle_head" for an
+    EAGLE drafter) writes its dumps, if any, under `dump_dir/model_tag`, its plans apart from the target's."""
     options = {**DEFAULTS, **from_vllm_config(vllm_config), **from_environment()}
+    dump_dir = options.get("dump_dir") or os.environ.get(DUMP_DIR_ENV)
+    if model_tag is not None and dump_dir:
+        options["dump_dir"] = os.path.join(dump_dir, model_tag)
     return {**options, **_piecewise_sizes(vllm_config, options)}
 
 
