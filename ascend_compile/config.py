@@ -13,6 +13,7 @@ KERNEL_POLICIES = ("pa_max_batch", "pa_batch_sizes", "auto", "pa", "fia")
 RUNTIMES = ("auto", "sim", "npu", "cuda", "eager")
 INNER_COMPILERS = ("eager", "inductor")
 SIM_OVERFLOW = ("write", "raise")
+REFUSED_LAYERS = ("raise", "eager")
 
 
 def default_capture_sizes() -> tuple[int, ...]:
@@ -87,6 +88,11 @@ class CompileConfig:
             `stream_budget`; cuda: none).
         plan_dir: where a compile keeps its deterministic answers (kernel timings, workspace queries) for the
             next start, keyed by graph, options, versions, device and rank (`plan_cache.py`); None: none kept.
+        refused_layers: what a layer whose form the device's kernel refuses does (npu: the FIA form probe,
+            `ops/npu_form_probe.py`, where CANN versions differ): "raise" (a compile-time error naming the
+            layer and the device's message) or "eager" (its attention runs eagerly as traced, between the
+            captured pieces of piecewise graphs, which then serve every step of the graphs holding it; one
+            WARNING names the layers).
         sim_overflow: what the simulator does when a kernel needs more workspace than it got:
             "write" past the buffer, like the device, or "raise".
         max_specializations: the most captures one bucket keeps for distinct values of the sizes
@@ -146,6 +152,7 @@ class CompileConfig:
     piecewise_sizes: tuple[int, ...] | None = None
     graph_budget: int | None = None
     plan_dir: str | None = None
+    refused_layers: str = "raise"
 
     def __post_init__(self) -> None:
         sizes = tuple(self.capture_sizes)
@@ -182,6 +189,7 @@ class CompileConfig:
         _check_choice("runtime", self.runtime, RUNTIMES)
         _check_choice("inner_compiler", self.inner_compiler, INNER_COMPILERS)
         _check_choice("sim_overflow", self.sim_overflow, SIM_OVERFLOW)
+        _check_choice("refused_layers", self.refused_layers, REFUSED_LAYERS)
         for name in ("share_workspace", "clone_outputs", "capture_all", "retrace_static", "frozen_parameters",
                      "save_cache_rows"):
             if not isinstance(getattr(self, name), bool):

@@ -24,7 +24,7 @@ from .ops.tiling import FIA, MLA, PA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
 from .passes.fx_utils import clone_graph_module
 from .passes.kernel_call import KernelCall, StepGuard, kernel_calls
-from .passes.find_attention import layer_name
+from .passes.find_attention import attention_nodes, layer_name
 from .passes.npu_checks import check_npu_graph, npu_step_guard
 from .passes.workspaces import GraphKey, NeedFn, node_need
 from .runtime import create_runtime, resolve_runtime
@@ -104,8 +104,10 @@ class Target:
         (`lowering/piecewise.py`): its kernels run eagerly between pieces as this device takes them."""
         return gm
 
-    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
-        """Refuse, at compile time, what this device cannot run in `gm` (a variant serving `keys`)."""
+    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> dict[str, str]:
+        """Refuse, at compile time, what this device cannot run in `gm` (a variant serving `keys`); the
+        layers to serve eagerly instead (attention node name -> why; `refused_layers="eager"`): here none."""
+        return {}
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
         """Why a step may not run on `gm` captured as `key`'s graph (it then runs eagerly), or None when
@@ -113,8 +115,11 @@ class Target:
         return None
 
     def eager_reason(self, gm: fx.GraphModule, key: GraphKey) -> str | None:
-        """Why `gm`, as `key`'s graph, serves every step eagerly and is never captured, or None."""
-        return None
+        """Why `gm`, as `key`'s graph, serves every step eagerly and is never captured, or None: a full graph
+        holding a layer served eagerly (an attention op no kernel replaced, `check_graph`) is not captured, its
+        steps go to piecewise graphs, which run that op between pieces."""
+        left = None if key.piecewise else next(iter(attention_nodes(gm)), None)
+        return f"{key}: not captured, its layer {layer_name(left)} is served eagerly" if left is not None else None
 
     def describe_kernel(self, call: KernelCall) -> dict[str, str]:
         """What plan.json says of a kernel node beyond its meta: here nothing."""
@@ -126,6 +131,9 @@ class NpuTarget(Target):
     """Ascend through torch_npu: workspaces from torch_npu's own queries, asked at compile time
     (no formula), "auto" timing the torch_npu kernels the runtime binds, and the kernels' documented
     constraints refused at compile time (and FIA's and MLA's length rules at each step)."""
+
+    #: What a FIA layer whose form the device's kernel refuses does (`CompileConfig.refused_layers`).
+    refused_layers: str = "raise"
 
     #: As the simulator's (FIA's two branches); MLA runs as FIA v2's MLA form, whose sparse mode a call's
     #: query lengths decide too ("Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask",
@@ -156,20 +164,27 @@ class NpuTarget(Target):
 
         return ProbedWorkspaceNeed(NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
 
-    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
+    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> dict[str, str]:
         """Every kernel and cache write held to the torch_npu kernels' documented constraints
         (`passes/npu_checks.py`), and to the functions the installed torch_npu offers (`ops/npu_api.py`),
         before torch_npu is asked anything; then each FIA layer's form asked of the device's kernel once
-        (`ops/npu_form_probe.py`), and a windowed layer's band probes (`ops/npu_band_probe.py`): asked here,
+        (`ops/npu_form_probe.py`: a refused form refused, or under `refused_layers="eager"` returned, its
+        layer then served eagerly), and a windowed layer's band probes (`ops/npu_band_probe.py`): asked here,
         at compile time, so that a persisted plan holds their answers (`plan_cache.py`)."""
         from .ops import npu_band_probe, npu_form_probe
         from .passes.npu_checks import windowed_fia_layers
 
-        check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent, self.runtime.torch_npu_version,
-                        functools.partial(npu_form_probe.refusal, self.runtime.kernels))
-        for _, sinks, _, _ in windowed_fia_layers(gm).values():
+        eager = check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent,
+                                self.runtime.torch_npu_version,
+                                functools.partial(npu_form_probe.refusal, self.runtime.kernels),
+                                self.refused_layers == "eager")
+        served_eagerly = {call.node.name for call in kernel_calls(gm) if call.meta.attention in eager}
+        for name, (_, sinks, _, _) in windowed_fia_layers(gm).items():
+            if name in served_eagerly:
+                continue
             npu_band_probe.band_edge(self.runtime.kernels, sinks)
             npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)
+        return eager
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
         """FIA's and MLA's block count, MLA's query lengths and sparse mode, with `pa_workspace_check`
@@ -182,11 +197,15 @@ class NpuTarget(Target):
                               else None, config.max_model_len, kernels.band_at_single_query)
 
     def eager_reason(self, gm: fx.GraphModule, key: GraphKey) -> str | None:
-        """Where the device's band edge probe found no `pre_tokens` serving a window (`ops/npu_band_probe.py`),
-        every graph with a windowed FIA layer runs its steps eagerly, through the model's own attention."""
+        """As the base target's; and where the device's band edge probe found no `pre_tokens` serving a window
+        (`ops/npu_band_probe.py`), every graph with a windowed FIA layer runs its steps eagerly, through the
+        model's own attention."""
         from .ops import npu_band_probe
         from .passes.npu_checks import windowed_fia_layers
 
+        left = super().eager_reason(gm, key)
+        if left:
+            return left
         for name, (_, sinks, _, _) in windowed_fia_layers(gm).items():
             why = npu_band_probe.windowed_refusal(self.runtime.kernels, sinks)
             if why:
@@ -315,7 +334,7 @@ def default_target(device: torch.device, config: CompileConfig) -> Target:
     name = resolve_runtime(config.runtime, device)
     runtime = create_runtime(name, device, config.sim_overflow)
     if name == "npu":
-        return NpuTarget(runtime)
+        return NpuTarget(runtime, refused_layers=config.refused_layers)
     if name == "cuda":
         return CudaTarget(runtime)
     return Target(runtime)

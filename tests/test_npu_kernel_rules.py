@@ -152,19 +152,24 @@ def test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_tab
 # ----------------------------------------------------------------------------- the device's own answer per layer form
 
 
-def _serve(cfg, steps=([30, 7], ([40, 300, 17], [3, 1, 2])), kernel_policy="fia"):
-    """`cfg`'s model on npu (FIA in every bucket, by default) over `steps`, each equal to eager; its artifacts."""
+def _serve(cfg, steps=([30, 7], ([40, 300, 17], [3, 1, 2])), kernel_policy="fia", replayed=True, once=False,
+           **options):
+    """`cfg`'s model on npu (FIA in every bucket, by default) over `steps`, each equal to eager and replayed
+    (else served on piecewise graphs, `replayed=False`); compiled by `torch.compile` (by
+    `ascend_compile.compile`, one compile, where `once`); its artifacts."""
     model, reference = build(cfg), build(cfg)
     artifacts = []
     torch._dynamo.reset()
-    config = CompileConfig(runtime="npu", max_model_len=MAX_LEN, kernel_policy=kernel_policy, capture_sizes=(4, 8))
-    fn = torch.compile(model, backend=backend(config, on_compiled=artifacts.append))
+    config = CompileConfig(runtime="npu", max_model_len=MAX_LEN, kernel_policy=kernel_policy, capture_sizes=(4, 8),
+                           **options)
+    fn = (ascend_compile.compile if once else torch.compile)(model, backend=backend(config,
+                                                                                   on_compiled=artifacts.append))
     batch = PagedBatch(cfg, seed=4)
     with torch.no_grad():
         for lens, qlens in (s if isinstance(s, tuple) else (s, None) for s in steps):
             inputs = batch.step(lens, qlens)
             torch.testing.assert_close(fn(**inputs), reference(**inputs), **TOLERANCES[cfg.dtype])
-    assert sum(a.stats["replays"] for a in artifacts) == len(steps)
+    assert sum(a.stats["replays" if replayed else "piecewise_steps"] for a in artifacts) == len(steps)
     return artifacts
 
 
@@ -223,3 +228,38 @@ def test_auto_times_a_refused_form_as_never_finishing_and_refuses_the_layer_by_n
     with pytest.raises(Exception, match=r"\(layer .*layers\.0\.attn\): torch_npu\.npu_fused_infer_attention_score "
                                         r"does not take this layer on this device: .* expected bf16"):
         _serve(cfg, kernel_policy="auto")
+
+
+@pytest.mark.parametrize("source", fake_torch_npu_sources.SOURCES)
+@pytest.mark.parametrize("form", ["float16-gqa-d64", "bfloat16-gqa-d96", "bfloat16-gqa-d96-windowed"])
+def test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning(
+        fake_npu, source, form, caplog):
+    # refused_layers="eager": a layer whose form the device refuses runs as traced, between captured pieces; no
+    # full graph holding it is captured (its steps go piecewise), no kernel call of its form is made beyond the
+    # probe's, one WARNING names it. A layer the device takes keeps its kernel: the windowed form on the later
+    # source refuses the windowed layer 0 (band mode, D 96) and serves the full layer 1 on SplitFuse.
+    sizes, older, later = FORMS[form]
+    fake_npu.kernel_source = source
+    fake_npu.band_at_single_query = True
+    cfg = LlamaConfig(**{"dtype": DTYPE, "num_layers": 2, "num_blocks": 128, "block_size": NPU_BLOCK, **sizes})
+    served = (older, later)[fake_torch_npu_sources.SOURCES.index(source)]
+    refused = {0, 1} if source == fake_torch_npu_sources.OLDER or "windowed" not in form else {0}
+    steps = ([30, 7], ([40, 300, 17], [3, 1, 2]), [12, 13, 14, 15, 16], ([60, 5], [6, 1]))
+    with caplog.at_level("WARNING", logger="ascend_compile"):
+        artifacts = _serve(cfg, steps, replayed=served, once=True, refused_layers="eager")
+    warnings = [r.getMessage() for r in caplog.records if "served eagerly" in r.getMessage()]
+    if served:
+        assert not warnings
+        return
+    assert len(warnings) == 1, warnings
+    for layer in range(2):
+        assert (f"layers.{layer}.attn): torch_npu.npu_fused_infer_attention_score does not take this layer on this "
+                f"device: the device's FIA refused" in warnings[0]) == (layer in refused), warnings[0]
+    (art,) = artifacts
+    assert len(art.rewritten.eager_layers) == len(refused)
+    assert art.stats["captures"] == 0 and art.stats["piecewise_captures"] >= 1
+    for graph in art.pieces.graphs.values():  # each refused layer's attention op between pieces, as such
+        assert graph.describe()["eager_why"]["attention op"] == len(refused)
+    probed = [c for c in fake_npu.calls if c.name.startswith("npu_fused_infer_attention_score")
+              and tuple(c.kwargs["block_table"].shape) != (1, 1)]
+    assert len(probed) == (0 if len(refused) == 2 else len(steps)), "a FIA call of a refused layer"

@@ -1436,6 +1436,34 @@ MUTANTS = (
     ),
     # issue 48: a device out of streams stops further captures
     Mutant(
+    # issue 47: a layer form the device refuses, served eagerly on request (refused_layers="eager")
+    Mutant(
+        "refused_layers 'eager' still refuses the layer", "ascend_compile/passes/npu_checks.py",
+        "            if not eager_refused:\n", "            if True:\n",
+        (f"{KERNEL_RULES}::test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning",),
+    ),
+    Mutant(
+        "a layer served eagerly kept on its kernel in the full graphs", "ascend_compile/passes/pipeline.py",
+        "            select_kernels(variant.gm, variant.kernels, eager_layers)\n",
+        "            select_kernels(variant.gm, variant.kernels)\n",
+        (f"{KERNEL_RULES}::test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning",),
+    ),
+    Mutant(
+        "a layer served eagerly kept on its kernel in the piecewise graphs", "ascend_compile/passes/pipeline.py",
+        "        piecewise = _piecewise_variant(gm, pieces, piece_kernels, eager_layers)\n",
+        "        piecewise = _piecewise_variant(gm, pieces, piece_kernels)\n",
+        (f"{KERNEL_RULES}::test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning",),
+    ),
+    Mutant(
+        "a full graph holding a layer served eagerly captured", "ascend_compile/targets.py",
+        "        left = None if key.piecewise else next(iter(attention_nodes(gm)), None)\n", "        left = None\n",
+        (f"{KERNEL_RULES}::test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning",),
+    ),
+    Mutant(
+        "a layer's attention op not an eager node between pieces", "ascend_compile/passes/split_pieces.py",
+        "    if any(is_op(node, op) for op in _ATTENTION):\n", "    if False:\n",
+        (f"{KERNEL_RULES}::test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning",),
+    ),
         "a device out of streams tried again for each new graph", "ascend_compile/lowering/capture_failures.py",
         "        if self.streams_out is not None and name not in self.captured:\n", "        if False:\n",
         (f"{CAPTURE_FAILURES}::test_after_the_device_runs_out_of_streams_no_new_graph_is_tried",

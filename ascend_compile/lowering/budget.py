@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from ..config import CompileConfig
+from ..passes.find_attention import attention_nodes
 from ..passes.pipeline import RewrittenGraphs
 from ..passes.split_pieces import Piece
 from ..runtime.base import GraphRuntime, Runtime
@@ -79,7 +80,8 @@ def fit(rewritten: RewrittenGraphs, runtime: Runtime, config: CompileConfig) -> 
     variant = rewritten.piecewise
     sizes = [key.bucket for key in variant.keys] if variant is not None else []
     pieces = pieces_per_size(rewritten)
-    full = len(rewritten.choices)
+    # a full graph holding a layer served eagerly is never captured (`Target.eager_reason`)
+    full = sum(1 for key in rewritten.choices if not attention_nodes(rewritten.variant_for(key).gm))
     kept = sizes
     if budget is not None and pieces and full + pieces * len(sizes) > budget:
         kept = sample(sizes, max(0, budget - full) // pieces)

@@ -10,7 +10,8 @@ all-padding capture (`padding.capture_kv_lens`), and the attention features: sin
 A violation is refused before torch_npu is called, naming the layer, the kernel and the rule: on a device
 it would fail at the first capture, or worse, run with a copy of the whole cache per call. Last, each FIA
 layer's form is asked of the device's kernel once (`ops/npu_form_probe.py`: where CANN versions differ) and
-refused, naming the layer and the device's message, where the device refuses it. Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
+refused, naming the layer and the device's message, where the device refuses it (under `refused_layers="eager"`
+returned instead: its layer is served eagerly, `passes/pipeline.py`). Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
 lengths the step would send, and MLA's query lengths (1-16 per sequence, and the sparse mode the
 graph was captured with: 0 in a decode graph, 3 in a mixed one), and PA's workspace need at those
 lengths against its slot (`pa_workspace_guard`), and, where the device's S=1 band probe finds FIA's band
@@ -95,11 +96,13 @@ def _check_mla(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capture
 
 
 def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: CaptureLens,
-                  form_refusal: FormRefusal | None = None) -> None:
+                  form_refusal: FormRefusal | None = None, eager_refused: bool = False) -> str | None:
+    """Refuse `call` where a rule does; where the device refuses its form: refused too, or with
+    `eager_refused` the refusal returned (the layer is then served eagerly)."""
     _check_features(call, keys)
     if call.meta.kernel == tiling.MLA:
         _check_mla(call, keys, capture_lens)
-        return
+        return None
     args = call.args()
     key_cache, value_cache = example_value(args["key_cache"]), example_value(args["value_cache"])
     block_size = call.meta.shape.block_size
@@ -124,7 +127,11 @@ def _check_kernel(call: KernelCall, keys: Sequence[GraphKey], capture_lens: Capt
     if call.meta.kernel == tiling.FIA and form_refusal is not None:  # what only the device can say, asked last
         why = form_refusal(shape, query.dtype, call.meta.features.window, bool(call.meta.features.sinks))
         if why:
-            raise ValueError(f"{layer_of(call.node)}: {kernel} does not take this layer on this device: {why}")
+            why = f"{layer_of(call.node)}: {kernel} does not take this layer on this device: {why}"
+            if not eager_refused:
+                raise ValueError(why)
+            return why
+    return None
 
 
 def _check_capture_blocks(num_blocks: int, bucket: int, lens: Sequence[int], block_size: int,
@@ -143,13 +150,15 @@ CACHE_WRITES = {torch.ops.ascend.reshape_and_cache: ("key_cache", "value_cache")
 
 def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_kernels: frozenset[str],
                     api_absent: Collection[npu_api.Api] = frozenset(), torch_npu_version: str = "",
-                    form_refusal: FormRefusal | None = None) -> None:
+                    form_refusal: FormRefusal | None = None, eager_refused: bool = False) -> dict[str, str]:
     """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys` (a key of
     a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`), a node
     whose binding calls a function of `api_absent`, what the installed torch_npu (`torch_npu_version`) lacks
     (`ops/npu_api.py`), and, given `form_refusal` (the device's form probe), a FIA layer whose form the
-    device's kernel refuses (`ops/npu_form_probe.py`)."""
+    device's kernel refuses (`ops/npu_form_probe.py`); with `eager_refused` such a layer is not refused but
+    returned: its attention node's name -> the refusal (the layer is served eagerly)."""
     limit = dummy_limit(gm)
+    eager: dict[str, str] = {}
 
     def capture_lens(key: GraphKey) -> Sequence[int]:
         return capture_kv_lens(key.bucket, packed_capture(gm, key, mixed_graph_kernels), limit)
@@ -159,13 +168,16 @@ def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_ke
             call = KernelCall.of(node)
             _check_api(node, npu_api.kernel_api(call.meta.kernel, bool(call.meta.features.sinks)), api_absent,
                        torch_npu_version)
-            _check_kernel(call, keys, capture_lens, form_refusal)
+            why = _check_kernel(call, keys, capture_lens, form_refusal, eager_refused)
+            if why:
+                eager[call.meta.attention] = why
         else:
             for op, names in CACHE_WRITES.items():
                 if is_op(node, op):
                     _check_api(node, npu_api.CACHE_WRITE_API, api_absent, torch_npu_version)
                     caches = dict(zip(names, (example_value(n) for n in node.args[2:4])))
                     _refuse(node, lambda: npu_rules.check_contiguous(npu_rules.CACHE_WRITE_KERNEL, caches))
+    return eager
 
 
 def _check_api(node: fx.Node, needed: Sequence[npu_api.Api], absent: Collection[npu_api.Api], version: str) -> None:

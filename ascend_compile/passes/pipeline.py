@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Collection, Protocol
 
 import torch
 from torch import fx
@@ -25,7 +25,7 @@ from . import dump
 from .find_attention import adapt_attention, attention_args, attention_nodes, layer_name
 from .fx_utils import clone_graph_module, example_value
 from .hoist_metadata import Prologue, hoist_metadata
-from .kernel_call import KernelCall, kernel_calls
+from .kernel_call import KernelCall, is_kernel
 from .mutations import MutationFacts, analyse_mutations
 from .padding import PADDING_SEQUENCES
 from .providers import Binder
@@ -46,7 +46,7 @@ class PassTarget(Protocol):
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn: ...
 
-    def check_graph(self, gm: fx.GraphModule, keys: list[GraphKey]) -> None: ...
+    def check_graph(self, gm: fx.GraphModule, keys: list[GraphKey]) -> dict[str, str]: ...
     def check_kernel(self, kernel: str, layer: str) -> None: ...
 
     #: the kernels whose decode graph cannot serve mixed steps (`targets.Target.mixed_graph_kernels`)
@@ -96,6 +96,8 @@ class RewrittenGraphs:
     prologue: Prologue  # the hoisted metadata inputs, computed from the step's inputs
     piecewise: PiecewiseVariant | None = None
     piecewise_reason: str | None = None  # why steps no full graph serves run eagerly, not piecewise
+    #: layers served eagerly (attention node name -> why: the device refused their form, `refused_layers`)
+    eager_layers: dict[str, str] = dataclasses.field(default_factory=dict)
     _keys: dict[tuple[int, bool], GraphKey] = dataclasses.field(default_factory=dict, init=False, repr=False,
                                                                 compare=False)
 
@@ -116,7 +118,9 @@ class RewrittenGraphs:
         provider = self.prologue.provider
         provided = {i.name: i.source for i in provider.inputs} if provider is not None else {}
         graphs = {}
-        calls_of = {name: [c.node for c in kernel_calls(v.gm)] for name, v in self.variants.items()}
+        # each attention node's kernel call, or the node itself where its layer is served eagerly: in graph order
+        calls_of = {name: [n for n in v.gm.graph.nodes if is_kernel(n) or n.name in self.eager_layers]
+                    for name, v in self.variants.items()}
         for key, choices in self.choices.items():
             variant = self.variant_for(key)
             calls = calls_of[variant.name]
@@ -124,8 +128,9 @@ class RewrittenGraphs:
                 "bucket": key.bucket,
                 "decode": key.decode,
                 "variant": variant.name,
-                "kernels": [{"node": call.name, **KernelCall.of(call).meta.describe(), "reason": choice.reason,
-                             "times_ms": choice.times_ms} for call, choice in zip(calls, choices)],
+                "kernels": [{"node": call.name, **(KernelCall.of(call).meta.describe() if call.name not in
+                                                   self.eager_layers else {"served": self.eager_layers[call.name]}),
+                             "reason": choice.reason, "times_ms": choice.times_ms} for call, choice in zip(calls, choices)],
                 "workspace_slot": self.plan.graph_slot[str(key)],
             }
         return {
@@ -225,11 +230,13 @@ def _sizable(keys: list[GraphKey], sites: list[KernelSite], config: CompileConfi
     return keys, None
 
 
-def _piecewise_variant(gm: fx.GraphModule, keys: list[GraphKey], kernels: tuple[str, ...]) -> PiecewiseVariant:
-    """`gm` with every attention node on `kernels`, keeping each node's call for `PiecewiseVariant.attention`."""
+def _piecewise_variant(gm: fx.GraphModule, keys: list[GraphKey], kernels: tuple[str, ...],
+                       eager: Collection[str] = ()) -> PiecewiseVariant:
+    """`gm` with every attention node on `kernels` (but those of layers served eagerly, `eager`), keeping each
+    node's call for `PiecewiseVariant.attention`."""
     piece_gm = clone_graph_module(gm)
     calls = {n.name: (n.target, n.args, dict(n.kwargs)) for n in attention_nodes(piece_gm)}
-    select_kernels(piece_gm, kernels)
+    select_kernels(piece_gm, kernels, eager)
     return PiecewiseVariant(piece_gm, list(keys), kernels, calls)
 
 
@@ -295,14 +302,21 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
             select_kernels(variant_gm, kernels)
             variants[name] = Variant(name, kernels, variant_gm, [])
         variants[name].keys.append(key)
+    eager_layers: dict[str, str] = {}
     for variant in variants.values():
-        target.check_graph(variant.gm, variant.keys)
+        eager_layers.update(target.check_graph(variant.gm, variant.keys))
+    if eager_layers:  # served eagerly (refused_layers="eager"): left as attention ops in every variant
+        log.warning("ascend_compile: %d layer(s) served eagerly, between captured pieces (refused_layers='eager'): "
+                    "%s", len(eager_layers), "; ".join(eager_layers.values()))
+        for variant in variants.values():
+            variant.gm = clone_graph_module(gm)
+            select_kernels(variant.gm, variant.kernels, eager_layers)
     sites = {name: kernel_sites(variant.gm) for name, variant in variants.items()}
     # each answer kept: the piecewise keys are sized once to find those the target can size, then planned
     need = functools.cache(target.workspace_need(config, dtype))
     piecewise = None
     if pieces:
-        piecewise = _piecewise_variant(gm, pieces, piece_kernels)
+        piecewise = _piecewise_variant(gm, pieces, piece_kernels, eager_layers)
         sites["piecewise"] = kernel_sites(piecewise.gm)
         pieces, dropped = _sizable(pieces, sites["piecewise"], config, need)
         piecewise.keys = pieces
@@ -325,7 +339,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
         piecewise.gm.recompile()
         dump.dump_graph(piecewise.gm, graph_dir, "piecewise", "2_insert_workspaces")
     result = RewrittenGraphs(original, signature, variants, choices, plan, buckets, block_size, max_blocks, graph_dir,
-                             mutations, write_back, prologue, piecewise, piecewise_reason)
+                             mutations, write_back, prologue, piecewise, piecewise_reason, eager_layers)
     log.info(
         "ascend_compile: %d attention nodes, %d variants (%s) over buckets %s, workspace %s",
         len(attention), len(variants), ", ".join(variants), list(buckets),

@@ -12,7 +12,7 @@ share one rewritten graph, a *variant* (`choose_kernels` per bucket, `select_ker
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 from torch import fx
@@ -64,15 +64,18 @@ def _host_input(graph: fx.Graph, source: fx.Node, conversion: Conversion) -> fx.
     return node
 
 
-def select_kernels(gm: fx.GraphModule, kernels: Sequence[str]) -> list[KernelCall]:
-    """Rewrite the attention nodes of `gm` into `kernels` (one per node, in graph order); the caller
-    recompiles `gm` once its passes are done."""
+def select_kernels(gm: fx.GraphModule, kernels: Sequence[str], eager: Collection[str] = ()) -> list[KernelCall]:
+    """Rewrite the attention nodes of `gm` into `kernels` (one per node, in graph order), but those named in
+    `eager` (layers the device refused, served eagerly: left as attention ops, which no full graph captures
+    and piecewise graphs run between pieces); the caller recompiles `gm` once its passes are done."""
     graph = gm.graph
     nodes = attention_nodes(gm)
     if len(nodes) != len(kernels):
         raise ValueError(f"kernels: expected one per attention node ({len(nodes)}), got {len(kernels)}")
     calls = []
     for node, kernel in zip(nodes, kernels):
+        if node.name in eager:
+            continue
         args = attention_args(node)
         shape = args.shape()
         features = args.features

@@ -4,7 +4,8 @@ captured pieces (`lowering/piecewise.py`), and the pieces themselves.
 A piece is captured once per token count and replayed for any step up to it, so it may hold only
 what depends on nothing but the padded token count. A node runs eagerly, and says why, when:
 - it is a kernel or attention call: its lengths are the step's (the kernels' host lists, or the
-  attention op's metadata), which a piece could only freeze;
+  attention op's metadata), which a piece could only freeze; an attention op is left in a graph where the
+  device refused its layer's form and the user asked it served eagerly (`refused_layers="eager"`);
 - it writes a graph input (a caller's buffer) or a value a piece made: eagerly it writes exactly the
   real step's rows, into the caller's tensors, and no padding row lands anywhere; the views it writes
   through are computed eagerly too. A KV-cache write that writes nothing for padding rows (slot -1,
@@ -34,6 +35,8 @@ from .kernel_call import is_kernel
 from .roles import CACHE_WRITES, IN_PLACE_ROLES, GraphSignature, Role
 
 _WORKSPACE = torch.ops.ascend.workspace
+#: The attention ops a layer keeps where no kernel serves it (`select_kernels(..., eager=...)`).
+_ATTENTION = (torch.ops.ascend.attention, torch.ops.ascend.mla_attention)
 
 
 @dataclasses.dataclass
@@ -125,6 +128,8 @@ def _why_eager(node: fx.Node, eager: dict[fx.Node, str], input_storages: set, al
                uncapturable: Collection[Any]) -> str | None:
     if is_kernel(node):
         return "attention kernel: takes the step's lengths"
+    if any(is_op(node, op) for op in _ATTENTION):
+        return "attention op (its layer served eagerly): takes the step's lengths"
     if is_op(node, _WORKSPACE):
         return "workspace: the artifact's slot"
     if any(is_op(node, op) for op in CACHE_WRITES):
