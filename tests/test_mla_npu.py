@@ -170,6 +170,22 @@ def test_a_step_of_more_than_16_query_tokens_per_sequence_is_served_piecewise_sa
     assert "takes 1-16 query tokens per sequence" in caplog.text and "a sequence of the step has 20" in caplog.text
 
 
+def test_a_decode_step_above_the_buckets_is_served_piecewise_on_the_mla_kernel(fake_npu):
+    """A decode step of 12 sequences, above the largest bucket (8), runs on the pieces of p16 with its MLA layers
+    on FIA v2 between them (sparse_mode 0, the call's own lengths), not on the model's attention op: the captured
+    graphs' sparse-mode rule is no rule of an eager call (TND takes 0 or 3 at any query lengths, L8719). A mixed
+    step above the buckets likewise, in mode 3."""
+    steps = [([30, 7], None), ([5 + 9 * i for i in range(12)], None), ([40, 6, 70, 8, 9, 10, 11, 12, 13, 14],
+                                                                         [3, 1, 1, 1, 1, 1, 1, 1, 1, 1])]
+    artifacts = _run(CFG, steps)
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) == 2
+    graphs = [g for a in artifacts for g in a.pieces.graphs.values()]
+    assert graphs and not [g.describe().get("attention_op_steps") for g in graphs if g.refusals]
+    big = [c for c in fake_npu.calls if c.name == KERNEL and len(c.kwargs["actual_seq_kvlen"]) in (10, 12)]
+    assert [(len(c.kwargs["actual_seq_kvlen"]), c.kwargs["sparse_mode"]) for c in big] == \
+        [(12, 0)] * CFG.num_layers + [(10, 3)] * CFG.num_layers
+
+
 @pytest.mark.parametrize("change, message", [
     ({"kv_lora_rank": 256}, r"q_nope: .* takes kv_lora_rank \(the query's d\) 512 .* got 256"),
     ({"qk_rope_head_dim": 32}, r"q_pe: .* takes rope d 64 .*'query_rope和keyRope的d为64', L8726\), got 32"),

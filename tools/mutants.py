@@ -1434,8 +1434,6 @@ MUTANTS = (
         "            if call[1] != table:", "            if False:",
         (f"{KERNEL_RULES}::test_the_fake_refuses_an_update_growing_the_batch_or_rebinding_the_block_table",),
     ),
-    # issue 48: a device out of streams stops further captures
-    Mutant(
     # issue 47: a layer form the device refuses, served eagerly on request (refused_layers="eager")
     Mutant(
         "refused_layers 'eager' still refuses the layer", "ascend_compile/passes/npu_checks.py",
@@ -1464,6 +1462,15 @@ MUTANTS = (
         "    if any(is_op(node, op) for op in _ATTENTION):\n", "    if False:\n",
         (f"{KERNEL_RULES}::test_with_refused_layers_eager_a_refused_form_is_served_eagerly_between_pieces_with_one_warning",),
     ),
+    # issue 47 item 5: MLA's piecewise steps on the kernel
+    Mutant(
+        "the captured sparse-mode rule applied to piecewise MLA calls", "ascend_compile/passes/npu_checks.py",
+        "    sparse_mode = None if key.piecewise else 0 if key.decode else 3\n",
+        "    sparse_mode = 0 if key.decode else 3\n",
+        ("tests/test_mla_npu.py::test_a_decode_step_above_the_buckets_is_served_piecewise_on_the_mla_kernel",),
+    ),
+    # issue 48: a device out of streams stops further captures
+    Mutant(
         "a device out of streams tried again for each new graph", "ascend_compile/lowering/capture_failures.py",
         "        if self.streams_out is not None and name not in self.captured:\n", "        if False:\n",
         (f"{CAPTURE_FAILURES}::test_after_the_device_runs_out_of_streams_no_new_graph_is_tried",

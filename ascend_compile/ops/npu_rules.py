@@ -251,15 +251,16 @@ def mla_sparse_mode(query_lens: Iterable[int]) -> int:
     return 3 if max(query_lens, default=0) > 1 else 0
 
 
-def mla_step_refusal(query_lens: Sequence[int], sparse_mode: int) -> str | None:
+def mla_step_refusal(query_lens: Sequence[int], sparse_mode: int | None) -> str | None:
     """Why a call of these (padded) query lengths cannot be issued to a task captured with
     `sparse_mode`, or None: more than 16 query tokens in a sequence (`MLA_MAX_QUERY_LEN`), or lengths
-    needing the other sparse mode (a task update re-issues the captured call's kernel)."""
+    needing the other sparse mode (a task update re-issues the captured call's kernel; None: an eager call,
+    which takes the mode of its own lengths)."""
     longest = max(query_lens, default=0)
     if longest > MLA_MAX_QUERY_LEN:
         return (f"{MLA_KERNEL} takes 1-{MLA_MAX_QUERY_LEN} query tokens per sequence ('支持query每个batch的s为1-16', "
                 f"L8724), and a sequence of the step has {longest}")
-    if mla_sparse_mode(query_lens) != sparse_mode:
+    if sparse_mode is not None and mla_sparse_mode(query_lens) != sparse_mode:
         return (f"the step's longest sequence has {longest} query tokens, which takes sparse_mode "
                 f"{mla_sparse_mode(query_lens)} (L8697), and the graph's kernels were captured with {sparse_mode}")
     return None

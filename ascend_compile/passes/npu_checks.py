@@ -243,7 +243,9 @@ def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:
     kernel needs one: FIA's and MLA's block count ("blocknum不能小于...": real sequences hold their own
     blocks and each padding sequence counts one more, so a step near a full cache exceeds it), and
     MLA's query lengths (`npu_rules.mla_step_refusal`: at most 16 per sequence, and the sparse mode of
-    the graph's capture, 0 for a decode graph and 3 for a mixed one). A refused step runs eagerly."""
+    the graph's capture, 0 for a decode graph and 3 for a mixed one: a captured task keeps its call's mode; a
+    piecewise key's kernels run eagerly, each call in the mode of its own lengths, so none there). A refused
+    step runs eagerly."""
     limits, queries = {}, {}
     for call in kernel_calls(gm):
         if call.meta.kernel not in _BLOCK_COUNTED:
@@ -257,7 +259,7 @@ def length_guard(gm: fx.GraphModule, key: GraphKey) -> StepGuard | None:
             queries[next(a.source for a in call.meta.host_args if a.kernel_arg == "actual_seq_qlen")] = call.node.name
     if not limits and not queries:
         return None
-    sparse_mode = 0 if key.decode else 3
+    sparse_mode = None if key.piecewise else 0 if key.decode else 3
 
     def guard(host: Mapping[HostSource, list[int]], args: Sequence[Any]) -> str | None:
         for (source, block_size, num_blocks), name in limits.items():
