@@ -18,7 +18,7 @@ from .compile_once import retrace_general
 from .config import CompileConfig
 from .dispatch import graph_inputs
 from .gc_pause import gc_paused
-from .lowering import budget
+from .lowering import budget, workspace_group
 from .lowering.runner import CompiledArtifact
 from .passes.find_attention import attention_args, attention_nodes, has_attention
 from .passes.fx_utils import example_value
@@ -54,10 +54,11 @@ def _needing_grad(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
 
 def _plan_key(gm: fx.GraphModule, config: CompileConfig, runtime: Any) -> dict[str, Any]:
     """The key of the graph's persisted plan (`plan_cache.key`): its code and inputs' shapes, the options
-    but where files go, the runtime, versions, device and rank."""
+    but where files go and what names the model, the runtime, versions, device and rank."""
     inputs = [(n.name, str(getattr(example_value(n), "shape", None)), str(getattr(example_value(n), "dtype", None)))
               for n in gm.graph.find_nodes(op="placeholder")]
-    options = {k: v for k, v in vars(config).items() if k not in ("dump_dir", "plan_dir")}
+    named = ("dump_dir", "plan_dir", "model_name", "workspace_group")
+    options = {k: v for k, v in vars(config).items() if k not in named}
     return plan_cache.key(gm.code + repr(inputs), options, runtime.describe(), runtime.device)
 
 
@@ -78,6 +79,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
     phases = collections.Counter({"dynamo_trace": ledger.DynamoClock.trace_seconds() or 0.0})
     device_target = target(_device_of(gm), config)
     device_target.check(config)
+    group = None
+    if config.workspace_group is not None:  # its members share one runtime and slot (`workspace_group.py`)
+        device_target, group = workspace_group.group_for(config.workspace_group, device_target)
     plan = (plan_cache.PlanCache(config.plan_dir, _plan_key(gm, config, device_target.runtime))
             if config.plan_dir else None)
     persisted = plan_cache.using(plan) if plan else nullcontext()  # a warm start asks nothing asked before
@@ -89,6 +93,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         graph_budget = budget.fit(rewritten, device_target.runtime, config)
         artifact = CompiledArtifact(rewritten, device_target, config)
         artifact.graph_inputs = graph_inputs.record(gm)  # dynamo drops its records once the compile is over
+        if group is not None:
+            group.join(artifact)
     artifact.startup.compiled(phases, graph_budget, plan)
     ledger.DynamoClock.install()  # again, for the next frame, after a `torch._dynamo.reset()`
     artifact.write_plan()

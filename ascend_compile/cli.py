@@ -88,7 +88,8 @@ def _render_startup(plan: dict[str, Any]) -> list[str]:
 
 def render(path: str, plan: dict[str, Any]) -> str:
     """One compiled graph's plan as text tables."""
-    out = [f"== {os.path.dirname(path)}", f"runtime: {plan.get('runtime', {}).get('name', '?')}   "
+    model = f"   model: {plan['model']}" if plan.get("model") else ""
+    out = [f"== {os.path.dirname(path)}{model}", f"runtime: {plan.get('runtime', {}).get('name', '?')}   "
            f"buckets: {plan['buckets']}   tokens: {plan['tokens']}   max_blocks: {plan['max_blocks']}"]
     in_place = [i for i in plan["inputs"] if i["role"] in ("static", "kv_cache")]
     out.append("\ninputs the runner copies and pads (by role)")
@@ -118,6 +119,11 @@ def render(path: str, plan: dict[str, Any]) -> str:
     ))
     schemes = ws["schemes_bytes"]
     out.append(f"schemes: shared {schemes['shared']} B, per-bucket {schemes['per_bucket']} B, per-layer {schemes['per_layer']} B")
+    group = ws.get("group")
+    if group:
+        needs = ", ".join(f"{m['model']} {m['needs_bytes']} B" for m in group["members"])
+        out.append(f"workspace group {group['name']}: one slot of {group['slot_bytes']} B for {needs}; a slot each "
+                   f"would hold {group['separate_slots_bytes']} B (saved {group['saved_bytes']} B)")
     for warning in ws.get("warnings", []):
         out.append(f"WARNING: {warning}")
     rows = []
@@ -144,7 +150,7 @@ def render(path: str, plan: dict[str, Any]) -> str:
             continue
         if "specializations" in graph:
             out.append(f"\n{key} captured for specialized sizes: {', '.join(graph['specializations'])}")
-        out.append(f"\nupdate table of {key}")
+        out.append(f"\nupdate table of {plan['model'] + ' ' if plan.get('model') else ''}{key}")
         out.append(_table(
             ["node", "kernel", "event", "refreshed from", "frozen at capture"],
             [(e["node"], e["kernel"], e["event"],

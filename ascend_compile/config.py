@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Mapping
 
 from .ops.kernel_policy import PA_MAX_BATCH
@@ -119,6 +120,14 @@ class CompileConfig:
         verify_every: with `verify` on, check every Nth replay of each graph too (its 1st, N+1th,
             2N+1th, ...: a fault that appears later, such as a parameter moved under
             `frozen_parameters`); each check costs an eager step. 0 (the default): the first only.
+        workspace_group: a name: the compiled graphs of every model compiled with the same name share one
+            attention-workspace slot, sized for the largest need of all of them, and one runtime (one graph
+            pool), so that a drafter beside its target costs no second slot (`lowering/workspace_group.py`).
+            Their steps then run one at a time (one lock); members must not replay on two device streams
+            that overlap. A member needing more than the slot holds grows it, and the others' captured
+            graphs are captured again. Needs `share_workspace`. None: a slot of the model's own.
+        model_name: the model's name in dumps (`dump_dir/<model_name>/graph_N`), plan.json, `inspect` and
+            its workspace group: letters, digits, `_`, `-` and `.`. None: unnamed.
         dump_dir: write every stage of every bucket and a plan.json here (env ASCEND_COMPILE_DUMP_DIR).
         retrace_static: when dynamo hands over a graph whose caller inputs have static sizes (the
             first call of a plain `torch.compile`), have dynamo trace the frame again with every
@@ -152,6 +161,8 @@ class CompileConfig:
     piecewise_sizes: tuple[int, ...] | None = None
     graph_budget: int | None = None
     plan_dir: str | None = None
+    workspace_group: str | None = None
+    model_name: str | None = None
     refused_layers: str = "raise"
 
     def __post_init__(self) -> None:
@@ -202,6 +213,14 @@ class CompileConfig:
             raise ValueError(
                 f"workspace_seq_len: expected at most max_model_len ({self.max_model_len}), got {self.workspace_seq_len}"
             )
+        for name in ("workspace_group", "model_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", value)
+                                      or set(value) == {"."}):
+                raise ValueError(f"{name}: expected a name of letters, digits, '_', '-' and '.', got {value!r}")
+        if self.workspace_group is not None and not self.share_workspace:
+            raise ValueError(f"workspace_group: {self.workspace_group!r} shares one slot between models, which "
+                             f"share_workspace=False (a slot per bucket) contradicts")
         if self.dump_dir is None and os.environ.get(DUMP_DIR_ENV):
             object.__setattr__(self, "dump_dir", os.environ[DUMP_DIR_ENV])
 

@@ -2,7 +2,9 @@
 
     python -m examples.speculative [--requests 4] [--k 3] [--tokens 24] [--runtime sim]
 
-Both models are compiled with `ascend_compile.compile` in one process, each with its own KV cache. A
+Both models are compiled with `ascend_compile.compile` in one process, each with its own KV cache, in one
+workspace group (`workspace_group`): their steps never run at once, so they share one attention-workspace
+slot, sized for the larger need of the two, and one device graph pool. A
 round, per request: the drafter takes the tokens its cache lacks (the last one, and the one before
 when every proposal of the round before was accepted) and proposes `k` tokens greedily, one decode
 step each; the target takes the last token and the `k` proposals in one step (1 + k query tokens a
@@ -14,7 +16,8 @@ the request's length and are written anew before any step reads them.
 The result is checked token-equal to plain greedy decoding of the target, run eagerly. Printed: each
 round's proposed and accepted tokens, and per draft step the drafter's launches (replays, task
 updates and any launch outside a graph, from its artifact's stats) and the runner's own host
-microseconds (`seconds["host"]`: the step's work outside the device's phases).
+microseconds (`seconds["host"]`: the step's work outside the device's phases), and the bytes of the shared
+workspace slot against a slot each.
 """
 from __future__ import annotations
 
@@ -127,13 +130,21 @@ def speculative(target: Callable[..., torch.Tensor], draft: Callable[..., torch.
     return [r.tokens[len(p):len(p) + new] for r, p in zip(requests, prompts)]
 
 
+#: The longest sequence both models are compiled for, as a server's context bound (their workspaces are sized
+#: for every length up to it: the reference PA splits a sequence's keys past 256, using its workspace).
+MAX_MODEL_LEN = 1024
+
 #: Rounds before the drafter's figures are counted: its graphs are captured by then.
 WARM_UP_ROUNDS = 2
 
 
-def compiled(model: torch.nn.Module, runtime: str, max_len: int, sizes: tuple[int, ...]) -> tuple[Any, list]:
+def compiled(model: torch.nn.Module, runtime: str, max_len: int, sizes: tuple[int, ...], name: str, group: str
+             ) -> tuple[Any, list]:
+    """`model` compiled as `name` in workspace group `group`: the target and the drafter, whose steps never
+    run at once (one thread, one stream), share one workspace slot and one device graph pool."""
     artifacts: list = []
-    config = CompileConfig(max_model_len=max_len, capture_sizes=sizes, runtime=runtime)
+    config = CompileConfig(max_model_len=max_len, capture_sizes=sizes, runtime=runtime, model_name=name,
+                           workspace_group=group)
     return ascend_compile.compile(model, backend=backend(config, on_compiled=artifacts.append)), artifacts
 
 
@@ -146,15 +157,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runtime", default="sim")
     args = parser.parse_args(argv)
     cfg = LlamaConfig(num_layers=4, num_blocks=64)
-    max_len = 256
+    max_len = 256  # the longest a request grows here (its cache blocks)
     rng = random.Random(0)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(5, 40))] for _ in range(args.requests)]
     target_model = build(cfg)
     draft_model = drafter_of(target_model, cfg, args.draft_layers)
     with torch.no_grad():
         expected = greedy(build(cfg), cfg, prompts, args.tokens, max_len)  # eager, a cache of its own
-        target, target_arts = compiled(target_model, args.runtime, max_len, (4, 8, 16, 32))
-        draft, draft_arts = compiled(draft_model, args.runtime, max_len, (4, 8))
+        group = f"speculative-{id(draft_model):x}"  # this run's pair only
+        target, target_arts = compiled(target_model, args.runtime, MAX_MODEL_LEN, (4, 8, 16, 32), "target", group)
+        draft, draft_arts = compiled(draft_model, args.runtime, MAX_MODEL_LEN, (4, 8), "drafter", group)
         rounds: list[tuple[int, int]] = []
         counts: list[dict[str, float]] = []  # the drafter's totals after the warm-up rounds, and at the end
 
@@ -183,11 +195,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "host_us_per_draft_step": delta["host"] / steps * 1e6,
         "target_replays": sum(a.stats["replays"] for a in target_arts),
     }
+    shared = target_arts[0].group.describe()
+    result["workspace"] = {"slot_bytes": shared["slot_bytes"], "separate_slots_bytes": shared["separate_slots_bytes"],
+                           "saved_bytes": shared["saved_bytes"],
+                           "needs_bytes": {m["model"]: m["needs_bytes"] for m in shared["members"]}}
     print(f"token-equal to plain greedy decoding of the target: {result['token_equal']}; accepted "
           f"{result['accepted']} of {result['proposed']} proposals in {result['rounds']} rounds")
     print(f"drafter, after {WARM_UP_ROUNDS} rounds: {result['draft_steps']} steps, {result['draft_replays']} replays, {result['launches_per_draft_step']:.1f} "
           f"launches a step (one replay and its task updates; {result['draft_outside_graph']} outside graphs), "
           f"{result['host_us_per_draft_step']:.0f} us of the runner's host work a step")
+    print(f"workspace: one slot of {shared['slot_bytes']} bytes for the target and the drafter; a slot each would "
+          f"hold {shared['separate_slots_bytes']} bytes (saved {shared['saved_bytes']})")
     return result
 
 

@@ -1,6 +1,7 @@
 """Speculative decoding standalone (`examples/speculative.py`): a drafter and its target compiled in one
 process, greedy acceptance, token-equal to plain greedy decoding of the target; the drafter's steps are
-replays of its captured graphs, one replay and its task updates each, nothing outside a graph."""
+replays of its captured graphs, one replay and its task updates each, nothing outside a graph; the two
+models share one workspace slot (`workspace_group`)."""
 from __future__ import annotations
 
 import pytest
@@ -19,3 +20,9 @@ def test_speculative_decoding_is_token_equal_to_greedy_and_the_drafter_replays_i
     assert r["draft_steps"] > 0 and r["draft_replays"] == r["draft_steps"] and r["draft_captures"] == 0, r
     assert r["draft_outside_graph"] == 0 and r["launches_per_draft_step"] == 1 + draft_layers, r
     assert r["target_replays"] > 0, r
+    # one workspace slot for both models, sized for the larger need: a second slot saved
+    ws = r["workspace"]
+    needs = ws["needs_bytes"]
+    assert set(needs) == {"target", "drafter"} and min(needs.values()) > 0, ws
+    assert ws["slot_bytes"] == max(needs.values()) and ws["separate_slots_bytes"] == sum(needs.values()), ws
+    assert ws["saved_bytes"] == min(needs.values()) > 0, ws

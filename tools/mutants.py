@@ -102,6 +102,8 @@ FAILED_STEPS = "tests/test_failed_steps.py"
 
 MUTANTS_CHANGED = "tests/test_mutants_changed.py"
 KERNEL_RULES = "tests/test_npu_kernel_rules.py"
+GROUP = "tests/test_workspace_group.py"
+GROUP_REPLAYS = f"{GROUP}::test_target_and_drafter_share_one_slot_and_pool_replaying_alternately_equal_to_eager"
 
 MUTANTS = (
     Mutant(
@@ -1522,6 +1524,46 @@ MUTANTS = (
         "            npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)\n",
         "            pass\n",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
+    ),
+    # issue 49: a workspace slot shared by a target and its drafter (`lowering/workspace_group.py`)
+    Mutant(
+        "the group's slot held weakly", "ascend_compile/lowering/workspace_group.py",
+        "        self.slot = self.runtime.empty((nbytes,), torch.uint8)\n",
+        "        self.slot = self.runtime.weak_alias(self.runtime.empty((nbytes,), torch.uint8))\n", (GROUP_REPLAYS,),
+    ),
+    Mutant(
+        "a grown slot released under the graphs that read it", "ascend_compile/lowering/workspace_group.py",
+        "            art.graphs.clear()\n            art.piecewise.clear()\n", "", (GROUP_REPLAYS,),
+    ),
+    Mutant(
+        "the slot not grown for a member needing more", "ascend_compile/lowering/workspace_group.py",
+        "            if self.slot is None or need > self.slot.numel():\n", "            if self.slot is None:\n",
+        (GROUP_REPLAYS,),
+    ),
+    Mutant(
+        "group members not serialized", "ascend_compile/lowering/workspace_group.py",
+        "            art.lock, art.group = self.lock, self\n", "            art.group = self\n",
+        (f"{GROUP}::test_a_member_step_waits_for_another_member_step_in_another_thread",),
+    ),
+    Mutant(
+        "a member on another runtime let in", "ascend_compile/lowering/workspace_group.py",
+        "    if (runtime.name, runtime.device) != (own.name, own.device):\n", "    if False:\n",
+        (f"{GROUP}::test_members_must_share_a_runtime",),
+    ),
+    Mutant(
+        "a workspace group with a slot per bucket", "ascend_compile/config.py",
+        "        if self.workspace_group is not None and not self.share_workspace:\n", "        if False:\n",
+        (f"{GROUP}::test_group_and_model_names_are_checked",),
+    ),
+    Mutant(
+        "a model name that is a path", "ascend_compile/config.py",
+        "re.fullmatch(r\"[A-Za-z0-9_.-]+\", value)", "re.fullmatch(r\"[A-Za-z0-9_./-]+\", value)",
+        (f"{GROUP}::test_group_and_model_names_are_checked",),
+    ),
+    Mutant(
+        "two models' dumps in one folder", "ascend_compile/passes/dump.py",
+        "*([model] if model else [])", "*[]",
+        (f"{GROUP}::test_each_model_has_its_own_dump_and_update_table_in_inspect",),
     ),
 )
 

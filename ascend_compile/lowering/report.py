@@ -15,6 +15,7 @@ def memory_report(art: Any) -> dict[str, Any]:
     """Bytes held by this artifact: workspace slots, static buffers and outputs per graph, pool."""
     report = {
         "workspace_bytes": {name: t.numel() for name, t in art.workspaces.items()},
+        **({"workspace_group": art.group.describe()} if art.group is not None else {}),
         "graphs": {g.name: g.memory() for g in art.graphs.values() if g.graph is not None},
         "piecewise": {g.name: g.memory() for g in art.piecewise.values() if g.pieces},
     }
@@ -26,8 +27,10 @@ def memory_report(art: Any) -> dict[str, Any]:
 def describe(art: Any) -> dict[str, Any]:
     """The plan.json content of a compiled artifact: the passes' plan, each in-place input's per-step
     address check, each kernel's decision, each captured graph's update table and first-replay check."""
-    plan = art.rewritten.describe()
+    plan = {"model": art.config.model_name, **art.rewritten.describe()}
     plan["runtime"] = art.runtime.describe()
+    if art.group is not None:  # the slot its models share, against a slot each (`workspace_group.py`)
+        plan["workspace"]["group"] = art.group.describe()
     plan["config"] = {k: v for k, v in vars(art.config).items()}
     checked, in_place = set(art.checked), {role.value for role in IN_PLACE_ROLES}
     for spec in plan["inputs"]:

@@ -59,6 +59,7 @@ class CompiledArtifact:
         self.has_graphs = isinstance(self.runtime, GraphRuntime)  # asked on every step: an ABC's check is not free
         self.config = config
         self.lock, self.fixed = threading.Lock(), None  # fixed: the direct call's (`call_direct`)
+        self.group = None  # the workspace group sharing its slot, runtime and lock (`workspace_group.py`)
         self.graphs: dict[tuple[GraphKey, tuple], GraphEntry] = {}
         self.specialized: dict[GraphKey, fx.GraphModule] = {}
         #: the step's counters; those of work outside graphs shown even at 0 (`plan.json`, `inspect`)

@@ -23,10 +23,11 @@ PLAN_FILE = "plan.json"
 _counter = itertools.count()
 
 
-def new_graph_dir(dump_dir: str) -> str:
-    """A fresh directory for one compiled graph under `dump_dir` (graph_0, graph_1, ...)."""
+def new_graph_dir(dump_dir: str, model: str | None = None) -> str:
+    """A fresh directory for one compiled graph under `dump_dir` (graph_0, graph_1, ...), in a folder
+    of its own for a named `model` (`dump_dir/<model>/graph_N`: two models' dumps kept apart)."""
     while True:
-        path = os.path.join(dump_dir, f"graph_{next(_counter)}")
+        path = os.path.join(dump_dir, *([model] if model else []), f"graph_{next(_counter)}")
         try:
             os.makedirs(path)
             return path

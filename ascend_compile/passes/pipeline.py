@@ -277,7 +277,7 @@ def rewrite_buckets(gm: fx.GraphModule, config: CompileConfig, target: PassTarge
     dtype = example_value(first.query).dtype
     block_size = int(example_value(first.key_cache).shape[1])
     max_blocks = -(-config.max_model_len // block_size)
-    graph_dir = dump.new_graph_dir(config.dump_dir) if config.dump_dir else None
+    graph_dir = dump.new_graph_dir(config.dump_dir, config.model_name) if config.dump_dir else None
     dump.dump_graph(original, graph_dir, "original", "dynamo")
     if prologue.graph is not None:
         dump.dump_graph(prologue.graph, graph_dir, "original", "prologue")
