@@ -6,7 +6,10 @@ graphs captured and replayed, each with its own artifact and update table. Skipp
 import (the main venv); `.ci/run` runs this file in `.venv-vllm` (0.23) and `.venv-vllm33` (0.33)."""
 from __future__ import annotations
 
-import copy
+import json
+import os
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,26 +53,94 @@ def _requests(step: int) -> list[eagle.Request]:
     return [eagle.Request(p, speculative=s) for p, (_, s, joins) in zip(prompts, REQUESTS) if joins <= step]
 
 
-def test_eagle_drafter_and_target_compiled_by_us_propose_and_accept_as_eager(compiled):
-    made, make = compiled
-    pairs = make(options={"capture_sizes": [4, 8, 16]})
+def _run(pairs, schedule) -> tuple[int, int]:
+    """`schedule`'s steps on both pairs in lockstep, each equal: drafts used, accepted and proposed, the
+    target's and every drafter pass's hidden states; then every KV cache. (accepted, used) drafts."""
     batches = [_requests(0), _requests(0)]
     accepted = used = 0
-    for i, (k_step, truncate) in enumerate(SCHEDULE):
+    for i, (k_step, truncate) in enumerate(schedule):
         for batch in batches:
-            batch.extend(copy.deepcopy(r) for r in _requests(i)[len(batch):])
+            batch.extend(_requests(i)[len(batch):])
         got, expected = (eagle.engine_step(pair, batch, k_step, truncate) for pair, batch in zip(pairs, batches))
         assert (got.used, got.accepted, got.proposed) == (expected.used, expected.accepted, expected.proposed), i
+        assert [len(p) for p in got.proposed] == [k_step] * len(batches[0]), i
         torch.testing.assert_close(got.target_hidden, expected.target_hidden, atol=2e-5, rtol=1e-4)
+        assert len(got.drafter_hidden) == k_step
         for g, e in zip(got.drafter_hidden, expected.drafter_hidden):
             torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-4)
         accepted += sum(map(len, got.accepted))
         used += sum(map(len, got.used))
-    print("accepted", accepted, "of", used)
     for got, expected in zip(pairs[0].target.caches() + pairs[0].drafter.caches(),
                              pairs[1].target.caches() + pairs[1].drafter.caches()):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert 0 < accepted < used
-    (target,), (drafter,) = made
+    return accepted, used
+
+
+def real_layers() -> list[str]:
+    return [eagle.real.LAYER.format(i) for i in range(3)]
+
+
+def _captured(art) -> set[str]:
+    """The keys of the artifact's full graphs captured (`b4.decode`, `b16.mixed`, ...)."""
+    return {str(key[0]) for key, entry in art.graphs.items() if entry.graph is not None}
+
+
+def test_eagle_drafter_and_target_compiled_by_us_propose_and_accept_as_eager(compiled):
+    """24 steps of vLLM's speculative loop: three speculative requests and a plain decode one (its drafts
+    never taken), a fourth joining with its prefill beside the others' drafts, the drafter proposing
+    3, 2 or 1 drafts a step and requests taking fewer than they were given; the target compiled by vLLM's
+    mode-1 call, the drafter by ours: every step's drafts used, accepted and proposed equal to vLLM's eager
+    models, hidden states and caches close. Each model its own artifact, its graphs captured and
+    replayed: the target's 1 + d token steps (mixed graphs), the drafter's first passes (mixed) and its
+    one-token steps (decode); only the two prefill steps above the largest bucket run on pieces."""
+    made, make = compiled
+    pairs = make(options={"capture_sizes": [4, 8, 16]})
+    accepted, used = _run(pairs, SCHEDULE)
+    assert 0 < accepted < used, (accepted, used)  # drafts both accepted and rejected
+    (target,), (drafter,) = made  # one artifact per model, each traced once for every step size
+    prefills = 2  # the first step (three prompts), the fourth request's (beside three drafted decodes)
+    assert target.stats["steps"] == len(SCHEDULE) and drafter.stats["steps"] == sum(k for k, _ in SCHEDULE)
     for art in (target, drafter):
-        print(dict(art.stats))
+        assert art.stats["eager_fallbacks"] == 0 and art.stats["piecewise_steps"] == prefills, art.stats
+        assert art.stats["replays"] == art.stats["steps"] - prefills, art.stats
+    assert {"b16.mixed"} <= _captured(target), _captured(target)
+    assert {"b4.decode", "b16.mixed"} <= _captured(drafter), _captured(drafter)
+    read = [" ".join(p["source"] for p in art.rewritten.prologue.provider.describe()) for art in (target, drafter)]
+    layers = [{name for name in real_layers() if f"['{name}']" in sources} for sources in read]
+    assert layers == [set(pairs[0].target.names), {eagle.DRAFTER_LAYER}], layers  # each its own layers' metadata
+
+
+def test_the_plugin_compiles_the_drafter_beside_the_target_named_in_one_workspace_group(compiled, tmp_path, capsys):
+    """vLLM-Ascend's plug-in (`compile_loaded`, after `load_model`) compiles the runner's drafter too. Each
+    model is named by vLLM's tag for it (`backbone`, `eagle_head`): its plans under that name, each with
+    its own update table (the target's kernels refreshed from the target's layers' lengths, the drafter's
+    from its own layer's), and `inspect` shows both; the two share one workspace group (one slot, sized
+    for the larger need: at this model's sizes the simulator's kernels need none)."""
+    from ascend_compile import cli
+    from ascend_compile.integrations.vllm import ascend_plugin
+
+    made, make = compiled
+    dump = tmp_path / "dump"
+    pairs = make(options={"capture_sizes": [4, 8, 16], "dump_dir": str(dump)}, compile=False)
+    runner = types.SimpleNamespace(vllm_config=pairs[0].target.config, model=pairs[0].target.model,
+                                   drafter=types.SimpleNamespace(model=pairs[0].drafter.model))
+    ascend_plugin.compile_loaded(runner)
+    _run(pairs, SCHEDULE[:5])
+    (target,), (drafter,) = made
+    assert target.stats["replays"] > 0 and drafter.stats["replays"] > 0
+    plans = {os.path.relpath(p, dump).split(os.sep)[0]: json.loads(Path(p).read_text()) for p in cli.find_plans(str(dump))}
+    assert sorted(plans) == ["backbone", "eagle_head"], sorted(plans)
+    for name, layer in (("backbone", eagle.real.LAYER.format(0)), ("eagle_head", eagle.DRAFTER_LAYER)):
+        plan = plans[name]
+        assert plan["model"] == name
+        sources = " ".join(p["source"] for p in plan["provided_inputs"])
+        assert f"attn_metadata['{layer}'].seq_lens" in sources, (name, sources)
+        assert (eagle.DRAFTER_LAYER in sources) == (name == "eagle_head"), (name, sources)
+        assert any("update_table" in g for g in plan["graphs"].values()), name
+    assert target.group is drafter.group is not None
+    group = target.group.describe()
+    assert sorted(m["model"] for m in group["members"]) == ["backbone", "eagle_head"], group
+    assert group["slot_bytes"] == max(m["needs_bytes"] for m in group["members"]), group
+    assert cli.main(["inspect", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert f"== {dump / 'backbone'}" in out and f"== {dump / 'eagle_head'}" in out, out[:2000]

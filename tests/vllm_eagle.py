@@ -205,19 +205,23 @@ def propose(drafter: Part, step: real.Step, target_ids: torch.Tensor, target_hid
     return torch.stack(drafts, dim=1).tolist(), outputs
 
 
-def compiled_and_eager(monkeypatch: Any, where: Path, options: dict | None = None, **config: Any) -> list[Pair]:
-    """The pair built twice (seed 3) under `where`: the first compiled, the target by vLLM's own mode-1
-    call (`vllm_real.compile_as_vllm`), the drafter by ours beside it (`compile_drafter`, what vLLM's
-    mode 1 leaves out); the second eager. `options` go to ASCEND_COMPILE_OPTIONS."""
+def compiled_and_eager(monkeypatch: Any, where: Path, options: dict | None = None, compile: bool = True,
+                       **config: Any) -> list[Pair]:
+    """The pair built twice (seed 3) under `where`: the first compiled (unless not `compile`: left to the
+    caller, under compilation mode NONE as vLLM-Ascend runs), the target by vLLM's own mode-1 call (`vllm_real.compile_as_vllm`), the drafter by ours beside it
+    (`compile_drafter`, what vLLM's mode 1 leaves out); the second eager. `options` go to
+    ASCEND_COMPILE_OPTIONS."""
     from ascend_compile.integrations import vllm as integration
 
     if options is not None:
         monkeypatch.setenv("ASCEND_COMPILE_OPTIONS", json.dumps(options))
     pairs = []
-    for mode in (1, 0):
-        path = where / f"mode{mode}"
+    for name, mode in (("compiled", 1 if compile else 0), ("eager", 0)):
+        path = where / name
         path.mkdir(exist_ok=True)
         pairs.append(build(vllm_config(path, compile_mode=mode, **config), seed=3))
+    if not compile:
+        return pairs
     real.compile_as_vllm(pairs[0].target)
     integration.compile_drafter(pairs[0].drafter.model, pairs[0].drafter.config)
     return pairs

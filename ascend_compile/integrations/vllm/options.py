@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any
 
-from ...config import DUMP_DIR_ENV, default_capture_sizes, default_piecewise_sizes
+from ...config import default_capture_sizes, default_piecewise_sizes
 
 OPTIONS_ENV = "ASCEND_COMPILE_OPTIONS"
 #: What the integrations set before vLLM's config and the environment (see the module docstring).
@@ -54,14 +54,38 @@ def from_environment() -> dict[str, Any]:
     return json.loads(os.environ.get(OPTIONS_ENV) or "{}")
 
 
+#: vLLM's model tag for the main model (`vllm.compilation.backends.model_tag`'s default).
+TARGET_TAG = "backbone"
+#: The workspace group a target and its drafter join (`CompileConfig.workspace_group`, one slot for both),
+#: named after their engine's speculative config.
+SPECULATIVE_GROUP = "vllm-speculative-{:x}"
+
+
+def has_drafter(vllm_config: Any) -> bool:
+    """Whether vLLM loads a drafter model beside the target (a speculative config with a draft model:
+    EAGLE, MTP, a draft LLM; not n-gram or suffix decoding)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return getattr(speculative, "draft_model_config", None) is not None
+
+
+def _speculative(vllm_config: Any, model_tag: str | None) -> dict[str, Any]:
+    """With a drafter beside the target, each model's name (`model_tag`: the drafter's, vLLM's
+    "eagle_head"; else the target's, "backbone"), so that its dumps, plans and update tables are read
+    apart (`dump_dir/<name>/graph_N`, `ascend-compile inspect`), and one workspace group for both: vLLM's
+    runner runs the drafter after the target's step, on the same stream, never beside it. The group is
+    the engine's: named after its speculative config (one object for both models: the proposer's config
+    for the drafter is a shallow copy of the runner's), so two engines in one process never share one."""
+    if model_tag is None and not has_drafter(vllm_config):
+        return {}
+    group = SPECULATIVE_GROUP.format(id(getattr(vllm_config, "speculative_config", None)))
+    return {"model_name": model_tag or TARGET_TAG, "workspace_group": group}
+
+
 def options_for(vllm_config: Any, model_tag: str | None = None) -> dict[str, Any]:
-    """The integrations' defaults, vLLM's config over them, then the environment's options over both.
-    `model_tag`: a second model compiled beside the target (vLLM's tag for it, "eagle_head" for an
-    EAGLE drafter) writes its dumps, if any, under `dump_dir/model_tag`, its plans apart from the target's."""
-    options = {**DEFAULTS, **from_vllm_config(vllm_config), **from_environment()}
-    dump_dir = options.get("dump_dir") or os.environ.get(DUMP_DIR_ENV)
-    if model_tag is not None and dump_dir:
-        options["dump_dir"] = os.path.join(dump_dir, model_tag)
+    """The integrations' defaults, vLLM's config over them, then the environment's options over both;
+    `model_tag`: a model compiled beside the target (`_speculative`)."""
+    options = {**DEFAULTS, **_speculative(vllm_config, model_tag), **from_vllm_config(vllm_config),
+               **from_environment()}
     return {**options, **_piecewise_sizes(vllm_config, options)}
 
 
