@@ -1541,6 +1541,11 @@ MUTANTS = (
         (GROUP_REPLAYS,),
     ),
     Mutant(
+        "a member's slots in a new dict (dynamo's copy keeps the old slot)", "ascend_compile/lowering/workspace_group.py",
+        "    art.workspaces.update(dict.fromkeys(art.workspaces, slot))\n",
+        "    art.workspaces = dict.fromkeys(art.workspaces, slot)\n", (GROUP_REPLAYS,),
+    ),
+    Mutant(
         "group members not serialized", "ascend_compile/lowering/workspace_group.py",
         "            art.lock, art.group = self.lock, self\n", "            art.group = self\n",
         (f"{GROUP}::test_a_member_step_waits_for_another_member_step_in_another_thread",),

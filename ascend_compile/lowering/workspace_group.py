@@ -49,6 +49,12 @@ def model_name(art: Any) -> str:
     return art.config.model_name or "unnamed"
 
 
+def point_at(art: Any, slot: torch.Tensor) -> None:
+    """Make every workspace slot of artifact `art` be `slot`, in its one dict: dynamo's wrapper of the
+    artifact holds a copy of its attributes (`functools.wraps`), so a new dict would keep the old slots alive."""
+    art.workspaces.update(dict.fromkeys(art.workspaces, slot))
+
+
 class WorkspaceGroup:
     """The slot, runtime and lock the artifacts of one `workspace_group` share."""
 
@@ -73,7 +79,7 @@ class WorkspaceGroup:
             if self.slot is None or need > self.slot.numel():
                 self._grow(need)
             self.members.append(weakref.ref(art))
-            art.workspaces = dict.fromkeys(art.workspaces, self.slot)
+            point_at(art, self.slot)
             art.lock, art.group = self.lock, self
         log.info("ascend_compile: workspace group %r: %s joined, slot %d bytes", self.name, model_name(art),
                  self.slot.numel())
@@ -91,7 +97,7 @@ class WorkspaceGroup:
             dropped += len(art.graphs) + len(art.piecewise)
             art.graphs.clear()
             art.piecewise.clear()
-            art.workspaces = dict.fromkeys(art.workspaces, self.slot)
+            point_at(art, self.slot)
         if old is not None:
             self.regrown.append({"from_bytes": old.numel(), "to_bytes": nbytes, "graphs_dropped": dropped})
             log.info("ascend_compile: workspace group %r: slot grown from %d to %d bytes, %d graphs to capture again",
