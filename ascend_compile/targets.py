@@ -22,7 +22,7 @@ from .ops.cuda_mla import check_mla_tiles
 from .ops.kernel_policy import PA_MAX_BATCH, KernelPolicy, KernelTimer
 from .ops.tiling import FIA, MLA, PA
 from .passes.kernel_call import DEVICE_LENGTH_OPS
-from .passes.fx_utils import clone_graph_module
+from .passes.fx_utils import clone_graph_module, example_value
 from .passes.kernel_call import KernelCall, StepGuard, kernel_calls
 from .passes.find_attention import attention_nodes, layer_name
 from .passes.npu_checks import check_npu_graph, npu_step_guard
@@ -179,11 +179,11 @@ class NpuTarget(Target):
                                 functools.partial(npu_form_probe.refusal, self.runtime.kernels),
                                 self.refused_layers == "eager")
         served_eagerly = {call.node.name for call in kernel_calls(gm) if call.meta.attention in eager}
-        for name, (_, sinks, _, _) in windowed_fia_layers(gm).items():
+        for name, (_, form, _, _) in windowed_fia_layers(gm).items():
             if name in served_eagerly:
                 continue
-            npu_band_probe.band_edge(self.runtime.kernels, sinks)
-            npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)
+            npu_band_probe.band_edge(self.runtime.kernels, form)
+            npu_band_probe.band_at_single_query(self.runtime.kernels, form)
         return eager
 
     def step_guard(self, gm: fx.GraphModule, key: GraphKey, config: CompileConfig) -> StepGuard | None:
@@ -206,8 +206,8 @@ class NpuTarget(Target):
         left = super().eager_reason(gm, key)
         if left:
             return left
-        for name, (_, sinks, _, _) in windowed_fia_layers(gm).items():
-            why = npu_band_probe.windowed_refusal(self.runtime.kernels, sinks)
+        for name, (_, form, _, _) in windowed_fia_layers(gm).items():
+            why = npu_band_probe.windowed_refusal(self.runtime.kernels, form)
             if why:
                 return f"{key}: not captured, its windowed layer {name} runs eagerly: {why}"
         return None
@@ -221,7 +221,8 @@ class NpuTarget(Target):
         window = call.meta.features.window
         if call.meta.kernel != FIA or window is None:
             return {}
-        kernels, form = self.runtime.kernels, npu_band_probe.form(call.meta.features.sinks)
+        kernels = self.runtime.kernels
+        form = npu_band_probe.form(call.meta.shape, example_value(call.arg("query")).dtype, call.meta.features.sinks)
         if form not in npu_band_probe.known_edges(kernels):
             return {"window_served": "FIA band mode; the band edge probe not asked yet (it is at this layer's "
                                      "first graph)"}

@@ -68,6 +68,11 @@ def any_reading(request, monkeypatch):
     return fake_torch_npu.install(monkeypatch, band_at_single_query=applies, band_reading=edge)
 
 
+def band_form(sinks: bool = False) -> npu_band_probe.BandForm:
+    """The band form of the example model's layers here (4 heads, 2 KV heads, head dim 16: `examples/llama.py`)."""
+    return npu_band_probe.BandForm(4, 2, 16, DTYPE, NPU_BLOCK, sinks)
+
+
 def pre_tokens_of(fake, window: int = WINDOW) -> int:
     """The `pre_tokens` that serves `window` under the fake's reading of the band's edge."""
     return window - 1 if fake.band_reading == "docs" else window
@@ -348,16 +353,16 @@ def test_the_s1_band_probe_asks_the_device_once_and_logs_its_answer(either_readi
     applies = either_reading.band_at_single_query
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)
     with caplog.at_level(logging.INFO, logger="ascend_compile"):
-        answers = [kernels.band_at_single_query(False), kernels.band_at_single_query(False),
-                   npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU).band_at_single_query(False)]
+        answers = [kernels.band_at_single_query(band_form()), kernels.band_at_single_query(band_form()),
+                   npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU).band_at_single_query(band_form())]
     assert answers == [applies] * 3
     assert either_reading.count(V1) == 2  # once per process and device, after the edge probe's one call
     assert [r.getMessage() for r in caplog.records if "S=1 band probe" in r.getMessage()] == [
-        f"ascend_compile: FIA v1 on cpu {'applies' if applies else 'does not apply'} the band (sparse_mode 4, "
+        f"ascend_compile: FIA {band_form()} on cpu {'applies' if applies else 'does not apply'} the band (sparse_mode 4, "
         f"pre_tokens) to a call whose every sequence has one query token (the S=1 band probe): "
         f"{'windowed layers keep their decode graphs' if applies else 'decode steps with a sequence longer than a layer' + chr(39) + 's window run eagerly'}"]
-    assert npu_band_probe.known(kernels) == {"v1": applies}
-    assert kernels.band_at_single_query(True) == applies and either_reading.count(V2) == 2  # v2 asked apart
+    assert npu_band_probe.known(kernels) == {band_form(): applies}
+    assert kernels.band_at_single_query(band_form(True)) == applies and either_reading.count(V2) == 2  # v2 asked apart
 
 
 def test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band(fake_npu):

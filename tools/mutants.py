@@ -971,7 +971,7 @@ MUTANTS = (
     # it; the device's probe decides (`ops/npu_band_probe.py`)
     Mutant(
         "the S=1 band probe assumed true", "ascend_compile/ops/npu_band_probe.py",
-        "        answers[key] = _probe(kernels, sinks)\n", "        answers[key] = True\n",
+        "        answers[key] = _probe(kernels, form)\n", "        answers[key] = True\n",
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
          f"[docs-band-ignored-at-s1]",
          f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager[docs-band-ignored-at-s1]"),
@@ -985,8 +985,8 @@ MUTANTS = (
     ),
     Mutant(
         "the binding's S=1 band backstop dropped", "ascend_compile/ops/npu.py",
-        "                not self.band_at_single_query(sinks is not None):",
-        "                not self.band_at_single_query(sinks is not None) and False:",
+        "                not self.band_at_single_query(form):",
+        "                not self.band_at_single_query(form) and False:",
         (f"{NPU_FEATURES}::test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band",),
     ),
     Mutant(
@@ -1396,8 +1396,8 @@ MUTANTS = (
     ),
     Mutant(
         "a layer form the device refuses not refused at compile", "ascend_compile/passes/npu_checks.py",
-        "        if why:\n            raise ValueError(f\"{layer_of(call.node)}: {kernel} does not take",
-        "        if False:\n            raise ValueError(f\"{layer_of(call.node)}: {kernel} does not take",
+        "        if why:\n            why = f\"{layer_of(call.node)}: {kernel} does not take",
+        "        if False:\n            why = f\"{layer_of(call.node)}: {kernel} does not take",
         (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
@@ -1471,6 +1471,31 @@ MUTANTS = (
         "    sparse_mode = 0 if key.decode else 3\n",
         ("tests/test_mla_npu.py::test_a_decode_step_above_the_buckets_is_served_piecewise_on_the_mla_kernel",),
     ),
+    # issue 47 item 4: the band probes at the layer's own form, a refusal read as neither
+    Mutant(
+        "the band edge probe at a fixed form", "ascend_compile/ops/npu_band_probe.py",
+        "    heads, kv_heads, dim, block, q_len = form.heads, form.kv_heads, form.head_dim, form.block_size, EDGE_QUERY_LEN\n",
+        "    heads, kv_heads, dim, block, q_len = 2, 2, 64, 128, EDGE_QUERY_LEN\n",
+        (f"{NPU_BAND_EDGE}::test_the_band_probes_are_asked_at_each_windowed_layers_own_form_once_per_form",),
+    ),
+    Mutant(
+        "the S=1 band probe at a fixed form", "ascend_compile/ops/npu_band_probe.py",
+        "    heads, kv_heads, dim, block = form.heads, form.kv_heads, form.head_dim, form.block_size\n",
+        "    heads, kv_heads, dim, block = 2, 2, 64, 128\n",
+        (f"{NPU_BAND_EDGE}::test_the_band_probes_are_asked_at_each_windowed_layers_own_form_once_per_form",),
+    ),
+    Mutant(
+        "the band edge probe's answer kept per sinks only", "ascend_compile/ops/npu_band_probe.py",
+        "    edges = _EDGES.setdefault(kernels.torch_npu, {})\n    key = (str(kernels.device), form)\n",
+        "    edges = _EDGES.setdefault(kernels.torch_npu, {})\n    key = (str(kernels.device), form.sinks)\n",
+        (f"{NPU_BAND_EDGE}::test_the_band_probes_are_asked_at_each_windowed_layers_own_form_once_per_form",),
+    ),
+    Mutant(
+        "a band probe call the device refuses fails the compile", "ascend_compile/ops/npu_band_probe.py",
+        "    except RuntimeError as err:\n        log.warning(\"ascend_compile: the device refused a band probe",
+        "    except ValueError as err:\n        log.warning(\"ascend_compile: the device refused a band probe",
+        (f"{NPU_BAND_EDGE}::test_a_band_probe_call_the_device_refuses_is_read_as_neither",),
+    ),
     # issue 48: a device out of streams stops further captures
     Mutant(
         "a device out of streams tried again for each new graph", "ascend_compile/lowering/capture_failures.py",
@@ -1503,13 +1528,13 @@ MUTANTS = (
     # issue 48: a warm start calls no npu probe
     Mutant(
         "the S=1 band probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
-        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, sinks: (\"band at one query token\", form(sinks)))\n",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, form: (\"band at one query token\", form))\n",
         "",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
     ),
     Mutant(
         "the band edge probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
-        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, sinks: (\"band edge\", form(sinks)))\n", "",
+        "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, form: (\"band edge\", form))\n", "",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
     ),
     Mutant(
@@ -1520,8 +1545,8 @@ MUTANTS = (
     ),
     Mutant(
         "the band probes asked at the first step, outside the plan", "ascend_compile/targets.py",
-        "            npu_band_probe.band_edge(self.runtime.kernels, sinks)\n"
-        "            npu_band_probe.band_at_single_query(self.runtime.kernels, sinks)\n",
+        "            npu_band_probe.band_edge(self.runtime.kernels, form)\n"
+        "            npu_band_probe.band_at_single_query(self.runtime.kernels, form)\n",
         "            pass\n",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
     ),

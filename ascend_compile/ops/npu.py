@@ -215,26 +215,27 @@ class NpuKernels:
         ends, kv_lens = table_batch(block_table, actual_seq_lengths, actual_seq_lengths_kv)
         library.check_fused_infer_attention(query, key_cache, value_cache, block_table, ends, kv_lens, workspace, out,
                                             check_data=False)
-        pre_tokens = self.pre_tokens(window, sinks is not None)
+        form = npu_band_probe.form_of_call(query, key_cache, sinks is not None)
+        pre_tokens = self.pre_tokens(window, form)
         if window is not None and pre_tokens is None:
             raise ValueError(f"window: a window of {window} is not served on FIA: {npu_band_probe.EDGE_REFUSAL}")
         if npu_band_probe.single_query_outside(actual_seq_lengths, actual_seq_lengths_kv, window) and \
-                not self.band_at_single_query(sinks is not None):
+                not self.band_at_single_query(form):
             raise ValueError(f"window: a call of one query token per sequence with one longer than the window of "
                              f"{window} would attend the whole context: {npu_band_probe.REFUSAL}")
         self.launch_fia(query, key_cache, value_cache, block_table, ends, kv_lens, scale, workspace, out, pre_tokens,
                         sinks)
 
-    def pre_tokens(self, window: int | None, sinks: bool) -> int | None:
-        """FIA's `pre_tokens` for a layer of `window` in the form of a layer with or without sinks: `W - 1`
-        or `W`, as this device's edge probe found (asked once per process: `ops/npu_band_probe.py`); None
-        without a window, or where the probe found neither."""
-        return npu_band_probe.pre_tokens(self, window, sinks)
+    def pre_tokens(self, window: int | None, form: npu_band_probe.BandForm) -> int | None:
+        """FIA's `pre_tokens` for a layer of `window` and `form`: `W - 1` or `W`, as this device's edge probe
+        found (asked once per process and form: `ops/npu_band_probe.py`); None without a window, or where the
+        probe found neither."""
+        return npu_band_probe.pre_tokens(self, window, form)
 
-    def band_at_single_query(self, sinks: bool) -> bool:
+    def band_at_single_query(self, form: npu_band_probe.BandForm) -> bool:
         """Whether this device applies FIA's band when every sequence has one query token (its probe's
-        answer in the form of a layer with or without sinks, asked once per process: `ops/npu_band_probe.py`)."""
-        return npu_band_probe.band_at_single_query(self, sinks)
+        answer for a layer of `form`, asked once per process and form: `ops/npu_band_probe.py`)."""
+        return npu_band_probe.band_at_single_query(self, form)
 
     def launch_fia(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_table: torch.Tensor, actual_seq_lengths: Sequence[int], actual_seq_lengths_kv: Sequence[int],
@@ -328,7 +329,7 @@ class NpuKernels:
             args = paged_attention_args(query, key_cache, value_cache, block_table, kv_lens, scale, out)
             return _nbytes(self.torch_npu._npu_paged_attention_get_workspace(*args))
         if kernel == tiling.FIA:
-            pre = self.pre_tokens(window, sinks is not None)
+            pre = self.pre_tokens(window, npu_band_probe.form_of_call(query, key_cache, sinks is not None))
             pre = int(window) - 1 if window is not None and pre is None else pre
             return self.band_workspace_nbytes(query, key_cache, value_cache, block_table, query_ends, kv_lens, scale,
                                               out, pre, sinks)

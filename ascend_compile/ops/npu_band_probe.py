@@ -1,7 +1,10 @@
 """Whether FIA's band (`ops/npu_features.py`) applies to a call whose every sequence has one query token,
 and which `pre_tokens` makes it a layer's window (its edge), asked of the device itself: once per process,
-device and FIA form, at compile time (`targets.NpuTarget.check_graph`), its answers kept in the persisted
-plan (`plan_cache.py`: a warm start calls no probe).
+device and layer form (`BandForm`: the layer's own heads, KV heads, head dim, dtype, block size and sinks, since
+the kernel's tiling takes another path for another form, `ops/npu_form_probe.py`), at compile time
+(`targets.NpuTarget.check_graph`), its answers kept in the persisted plan (`plan_cache.py`: a warm start calls no
+probe). A probe call the device refuses (its RuntimeError, an aclnn error) is read as "neither": no window served
+on FIA for the edge probe, the band not applied at S 1 for the other, the exact side either way.
 
 Lines `Lnnnn` are of torch_npu 2.14's `_op_plugin_docs.py`. By the docs a call whose query has S 1 is FIA's
 IncreFlashAttention branch ("当Query矩阵的S为1, 进入IncreFlashAttention分支", L8056, v2 L8580); the kernel source
@@ -16,8 +19,8 @@ every decode step. For that branch the docs say the band's arguments have no eff
 does apply there. The two readings differ exactly where a window matters, a decode step with a sequence
 longer than its window, and a wrong reading would attend the whole context silently. So neither is
 assumed: `band_at_single_query` runs one call of the real kernel (one sequence, one query token, KV
-length 200 in 128-token blocks, a window of 16, random bfloat16 data whose values inside and outside the
-window differ by 2) and compares it with the reference kernel (`ops/reference.py`) with and without the
+length 200 in the layer's blocks, a window of 16, random data of the layer's dtype whose values inside and outside
+the window differ by 2) and compares it with the reference kernel (`ops/reference.py`) with and without the
 window. It answers True only when the output is the windowed one; an output matching neither is
 logged as a warning and read as False, the exact side.
 
@@ -47,6 +50,7 @@ same for every window (the docs define the band by `pre_tokens` alone).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any, Sequence
@@ -56,11 +60,14 @@ import torch
 from .. import plan_cache
 from . import reference, tiling
 from .features import AttentionFeatures
+from .tiling import AttentionShape
 
 log = logging.getLogger("ascend_compile")
 
-#: The probe's window, KV length, block size and tolerance (bfloat16 outputs of magnitude ~1).
-PROBE_WINDOW, PROBE_KV_LEN, PROBE_BLOCK, PROBE_TOL = 16, 200, 128, 0.05
+#: The probe's window, KV length and tolerance (half-precision outputs of magnitude ~1).
+PROBE_WINDOW, PROBE_KV_LEN, PROBE_TOL = 16, 200, 0.05
+#: The edge probe's softmax scale: its logits are the keys' first channel (the query's is 8).
+EDGE_SCALE = 0.125
 
 REFUSAL = ("torch_npu 2.14's docs say FIA's pre_tokens and next_tokens have no effect when every sequence has "
            "one query token ('Q_S为1时该参数无效', _op_plugin_docs.py L8110, L8111, L8629, L8630), and this device's "
@@ -78,16 +85,41 @@ EDGE_REFUSAL = ("this device's FIA band probe at several query tokens (ops/npu_b
                 "nor W - 1 (vLLM-Ascend's pre_tokens = W, attention_v1.py L942): no pre_tokens is known to serve a "
                 "window, so windowed layers are not served on FIA")
 
+
+
+@dataclasses.dataclass(frozen=True)
+class BandForm:
+    """A windowed FIA layer's form, what the kernel's tiling branches on (`ops/npu_form_probe.py`): the probes
+    are asked at it, with the layer's own tensors' shapes and dtype, FIA v2 (`learnable_sink`) with sinks."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+    sinks: bool
+
+    def __str__(self) -> str:
+        return (f"{'v2-sinks' if self.sinks else 'v1'} (heads {self.heads}, KV heads {self.kv_heads}, head dim "
+                f"{self.head_dim}, {str(self.dtype).removeprefix('torch.')}, blocks of {self.block_size})")
+
+
+def form(shape: AttentionShape, dtype: torch.dtype, sinks: bool) -> BandForm:
+    """The band form of a layer of `shape` and `dtype`, with or without sinks."""
+    return BandForm(shape.num_heads, shape.num_kv_heads, shape.head_dim, dtype, shape.block_size, bool(sinks))
+
+
+def form_of_call(query: torch.Tensor, key_cache: torch.Tensor, sinks: bool) -> BandForm:
+    """The band form of a FIA call's query `[T, H, D]` and cache `[blocks, block_size, KVH, D]`."""
+    return BandForm(int(query.shape[1]), int(key_cache.shape[2]), int(query.shape[2]), query.dtype,
+                    int(key_cache.shape[1]), bool(sinks))
+
+
 #: The answers, per torch_npu module (a process has one; each fake a test installs is another), then
-#: per (device, FIA form: "v2-sinks" or "v1").
-_ANSWERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], bool]]" = weakref.WeakKeyDictionary()
+#: per (device, form).
+_ANSWERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, BandForm], bool]]" = weakref.WeakKeyDictionary()
 #: The edge probe's answers, alike: the keys a band of P attends beyond P (`READINGS`), None for neither.
-_EDGES: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], int | None]]" = weakref.WeakKeyDictionary()
-
-
-def form(sinks: bool) -> str:
-    """The FIA form a layer's calls take: v2 (`learnable_sink`) with sinks, v1 without."""
-    return "v2-sinks" if sinks else "v1"
+_EDGES: "weakref.WeakKeyDictionary[Any, dict[tuple[str, BandForm], int | None]]" = weakref.WeakKeyDictionary()
 
 
 def single_query_outside(query_ends: Sequence[int], kv_lens: Sequence[int], window: int | None) -> bool:
@@ -98,26 +130,26 @@ def single_query_outside(query_ends: Sequence[int], kv_lens: Sequence[int], wind
         max(int(n) for n in kv_lens) > window
 
 
-def known(kernels: Any) -> dict[str, bool]:
+def known(kernels: Any) -> dict[BandForm, bool]:
     """The answers asked so far on `kernels`' device, by form (for plan.json)."""
     answers = _ANSWERS.get(kernels.torch_npu, {})
     return {f: a for (device, f), a in answers.items() if device == str(kernels.device)}
 
 
-def known_edges(kernels: Any) -> dict[str, int | None]:
+def known_edges(kernels: Any) -> dict[BandForm, int | None]:
     """The edge probe's answers asked so far on `kernels`' device, by form (for plan.json)."""
     edges = _EDGES.get(kernels.torch_npu, {})
     return {f: e for (device, f), e in edges.items() if device == str(kernels.device)}
 
 
-def band_edge(kernels: Any, sinks: bool) -> int | None:
-    """How many keys FIA's band of `pre_tokens` P attends beyond P on `kernels`' device, in the form of a
-    layer with or without `sinks`: 1 (the docs' reading), 0 (vLLM-Ascend's), or None (neither: no window
-    served); the edge probe's answer, asked once and logged (INFO, or WARNING for None)."""
+def band_edge(kernels: Any, form: BandForm) -> int | None:
+    """How many keys FIA's band of `pre_tokens` P attends beyond P on `kernels`' device, for a layer of `form`:
+    1 (the docs' reading), 0 (vLLM-Ascend's), or None (neither, or the device refused the probe's call: no
+    window served); the edge probe's answer, asked once per form and logged (INFO, or WARNING for None)."""
     edges = _EDGES.setdefault(kernels.torch_npu, {})
-    key = (str(kernels.device), form(sinks))
+    key = (str(kernels.device), form)
     if key not in edges:
-        edges[key] = _edge_probe(kernels, sinks)
+        edges[key] = _edge_probe(kernels, form)
         if edges[key] is None:
             log.warning("ascend_compile: FIA %s on %s: %s", key[1], key[0], EDGE_REFUSAL)
         else:
@@ -128,27 +160,27 @@ def band_edge(kernels: Any, sinks: bool) -> int | None:
     return edges[key]
 
 
-def pre_tokens(kernels: Any, window: int | None, sinks: bool) -> int | None:
-    """FIA's `pre_tokens` for a layer of `window` (None without one) on `kernels`' device, as its edge
+def pre_tokens(kernels: Any, window: int | None, form: BandForm) -> int | None:
+    """FIA's `pre_tokens` for a layer of `window` (None without one) and `form` on `kernels`' device, as its edge
     probe found (`band_edge`); None with a window where the probe found neither reading."""
     if window is None:
         return None
-    edge = band_edge(kernels, sinks)
+    edge = band_edge(kernels, form)
     return None if edge is None else int(window) - edge
 
 
-def windowed_refusal(kernels: Any, sinks: bool) -> str | None:
-    """Why a windowed layer of this form is not served on FIA on `kernels`' device, or None where it is."""
-    return EDGE_REFUSAL if band_edge(kernels, sinks) is None else None
+def windowed_refusal(kernels: Any, form: BandForm) -> str | None:
+    """Why a windowed layer of `form` is not served on FIA on `kernels`' device, or None where it is."""
+    return EDGE_REFUSAL if band_edge(kernels, form) is None else None
 
 
-def band_at_single_query(kernels: Any, sinks: bool) -> bool:
-    """Whether FIA's band applies when every sequence has one query token, on `kernels`' device, in the
-    form of a layer with or without `sinks`: the probe's answer, asked once and logged at INFO."""
+def band_at_single_query(kernels: Any, form: BandForm) -> bool:
+    """Whether FIA's band applies when every sequence has one query token, on `kernels`' device, for a layer
+    of `form`: the probe's answer (False where the device refused its call), asked once per form and logged."""
     answers = _ANSWERS.setdefault(kernels.torch_npu, {})
-    key = (str(kernels.device), form(sinks))
+    key = (str(kernels.device), form)
     if key not in answers:
-        answers[key] = _probe(kernels, sinks)
+        answers[key] = _probe(kernels, form)
         log.info("ascend_compile: FIA %s on %s %s the band (sparse_mode 4, pre_tokens) to a call whose every "
                  "sequence has one query token (the S=1 band probe): %s", key[1], key[0],
                  "applies" if answers[key] else "does not apply",
@@ -168,42 +200,56 @@ def _reference(query, key_cache, value_cache, table, scale, window, sinks) -> to
     return out.float()
 
 
-def _device_output(kernels, query, key_cache, value_cache, table, scale, pre, sink) -> torch.Tensor:
-    """The device's FIA for the probe's one sequence with `pre_tokens` `pre`, on the host in float32."""
+def _device_output(kernels, query, key_cache, value_cache, table, scale, pre, sink) -> torch.Tensor | None:
+    """The device's FIA for the probe's one sequence with `pre_tokens` `pre`, on the host in float32; None where
+    the device refused the call (its RuntimeError, logged)."""
     device, ends = kernels.device, [int(query.shape[0])]
     q, k, v, t = (x.to(device) for x in (query, key_cache, value_cache, table))
     s = None if sink is None else sink.to(device)
     out = torch.empty_like(q)
-    nbytes = kernels.band_workspace_nbytes(q, k, v, t, ends, [PROBE_KV_LEN], scale, out, pre, s)
-    kernels.launch_fia(q, k, v, t, ends, [PROBE_KV_LEN], scale, torch.empty(nbytes, dtype=torch.uint8, device=device),
-                       out, pre, s)
+    try:
+        nbytes = kernels.band_workspace_nbytes(q, k, v, t, ends, [PROBE_KV_LEN], scale, out, pre, s)
+        kernels.launch_fia(q, k, v, t, ends, [PROBE_KV_LEN], scale,
+                           torch.empty(nbytes, dtype=torch.uint8, device=device), out, pre, s)
+    except RuntimeError as err:
+        log.warning("ascend_compile: the device refused a band probe's FIA call (read as neither reading): %s", err)
+        return None
     return out.float().cpu()
 
 
-@plan_cache.remembered("npu_probes", question=lambda kernels, sinks: ("band edge", form(sinks)))
-def _edge_probe(kernels: Any, sinks: bool) -> int | None:
+def _sinks(form: BandForm) -> torch.Tensor | None:
+    """The probes' `learnable_sink` for a layer of `form` (bfloat16, one per query head), or None."""
+    return torch.tensor([0.5, -0.5], dtype=torch.bfloat16).repeat(-(-form.heads // 2))[:form.heads] \
+        if form.sinks else None
+
+
+@plan_cache.remembered("npu_probes", question=lambda kernels, form: ("band edge", form))
+def _edge_probe(kernels: Any, form: BandForm) -> int | None:
     """One call of the device's FIA at several query tokens with `pre_tokens` W - 1 against the reference
-    for windows W - 1, W and W + 1: the keys it attends beyond `pre_tokens` (1 or 0), None for neither."""
+    for windows W - 1, W and W + 1, in the layer's form: the keys it attends beyond `pre_tokens` (1 or 0), None
+    for neither."""
     gen = torch.Generator().manual_seed(1)
-    heads, dim, blocks, q_len = 2, 64, -(-PROBE_KV_LEN // PROBE_BLOCK), EDGE_QUERY_LEN
-    dtype, scale = torch.bfloat16, dim**-0.5  # 1/8
+    heads, kv_heads, dim, block, q_len = form.heads, form.kv_heads, form.head_dim, form.block_size, EDGE_QUERY_LEN
+    blocks, dtype, scale = -(-PROBE_KV_LEN // block), form.dtype, EDGE_SCALE
     first = PROBE_KV_LEN - q_len - PROBE_WINDOW - 4  # the oldest key any of the three windows holds, less some
-    pos = torch.arange(blocks * PROBE_BLOCK, dtype=torch.float32)
+    pos = torch.arange(blocks * block, dtype=torch.float32)
     # Logit of key j: 4 * (first - j) + 16 for j >= first (older keys dominate), -100 before; its value's first
     # channel (j - first - 12) / 4: each query's output is about its window's oldest value, 0.25 apart per key
-    # (bfloat16 holds every one of these exactly).
+    # (bfloat16 and float16 hold every one of these exactly).
     logit = torch.where(pos >= first, 4.0 * (first - pos) + 16.0, torch.full_like(pos, -100.0))
-    key_cache = 0.01 * torch.randn(blocks * PROBE_BLOCK, heads, dim, generator=gen)
+    key_cache = 0.01 * torch.randn(blocks * block, kv_heads, dim, generator=gen)
     key_cache[:, :, 0] = logit.view(-1, 1)
-    value_cache = 0.1 * torch.randn(blocks * PROBE_BLOCK, heads, dim, generator=gen)
+    value_cache = 0.1 * torch.randn(blocks * block, kv_heads, dim, generator=gen)
     value_cache[:, :, 0] = ((pos - first - 12.0) / 4.0).clamp(-4.0, 4.0).view(-1, 1)
     query = 0.01 * torch.randn(q_len, heads, dim, generator=gen)
-    query[:, :, 0] = 8.0  # times the scale 1/8: the logit above
-    key_cache, value_cache = (x.to(dtype).view(blocks, PROBE_BLOCK, heads, dim) for x in (key_cache, value_cache))
+    query[:, :, 0] = 1 / scale  # times the scale: the logit above
+    key_cache, value_cache = (x.to(dtype).view(blocks, block, kv_heads, dim) for x in (key_cache, value_cache))
     query = query.to(dtype)
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
-    sink = torch.tensor([0.5, -0.5], dtype=dtype) if sinks else None
+    sink = _sinks(form)
     got = _device_output(kernels, query, key_cache, value_cache, table, scale, PROBE_WINDOW - 1, sink)
+    if got is None:
+        return None
     errs = {w: float((got - _reference(query, key_cache, value_cache, table, scale, w, sink)).abs().max())
             for w in (PROBE_WINDOW - 1, PROBE_WINDOW, PROBE_WINDOW + 1)}
     window = min(errs, key=errs.get)
@@ -214,27 +260,29 @@ def _edge_probe(kernels: Any, sinks: bool) -> int | None:
     return window - (PROBE_WINDOW - 1)
 
 
-@plan_cache.remembered("npu_probes", question=lambda kernels, sinks: ("band at one query token", form(sinks)))
-def _probe(kernels: Any, sinks: bool) -> bool:
-    """One call of the device's FIA at S 1 against the reference with and without the window."""
+@plan_cache.remembered("npu_probes", question=lambda kernels, form: ("band at one query token", form))
+def _probe(kernels: Any, form: BandForm) -> bool:
+    """One call of the device's FIA at S 1 in the layer's form against the reference with and without the window."""
     gen = torch.Generator().manual_seed(0)
-    heads, dim, blocks = 2, 64, -(-PROBE_KV_LEN // PROBE_BLOCK)
-    dtype, scale = torch.bfloat16, dim**-0.5
-    key_cache = (0.5 * torch.randn(blocks, PROBE_BLOCK, heads, dim, generator=gen)).to(dtype)
-    value_cache = 0.1 * torch.randn(blocks, PROBE_BLOCK, heads, dim, generator=gen)
-    flat = value_cache.view(-1, heads, dim)
+    heads, kv_heads, dim, block = form.heads, form.kv_heads, form.head_dim, form.block_size
+    blocks, dtype, scale = -(-PROBE_KV_LEN // block), form.dtype, dim**-0.5
+    key_cache = (0.5 * torch.randn(blocks, block, kv_heads, dim, generator=gen)).to(dtype)
+    value_cache = 0.1 * torch.randn(blocks, block, kv_heads, dim, generator=gen)
+    flat = value_cache.view(-1, kv_heads, dim)
     flat[:PROBE_KV_LEN - PROBE_WINDOW] -= 1.0  # outside the window: about -1; inside: about +1
     flat[PROBE_KV_LEN - PROBE_WINDOW:] += 1.0
     value_cache = value_cache.to(dtype)
     query = torch.randn(1, heads, dim, generator=gen).to(dtype)
     table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
-    sink = torch.tensor([0.5, -0.5], dtype=dtype) if sinks else None
-    pre = pre_tokens(kernels, PROBE_WINDOW, sinks)  # the edge probe's, so that the band means the window
+    sink = _sinks(form)
+    pre = pre_tokens(kernels, PROBE_WINDOW, form)  # the edge probe's, so that the band means the window
     if pre is None:
         return False  # no window served on FIA at all (`windowed_refusal`)
     band = _reference(query, key_cache, value_cache, table, scale, PROBE_WINDOW, sink)
     full = _reference(query, key_cache, value_cache, table, scale, None, sink)
     got = _device_output(kernels, query, key_cache, value_cache, table, scale, pre, sink)
+    if got is None:
+        return False
     band_err, full_err = float((got - band).abs().max()), float((got - full).abs().max())
     if band_err > PROBE_TOL and full_err > PROBE_TOL:
         log.warning("ascend_compile: the S=1 band probe's FIA output matches neither the windowed reference (max "

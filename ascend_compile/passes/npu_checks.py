@@ -192,7 +192,8 @@ _BLOCK_COUNTED = {tiling.FIA: ("actual_seq_lengths_kv", "key_cache"), tiling.MLA
 
 
 def npu_step_guard(gm: fx.GraphModule, key: GraphKey, pa_queries: Callable[[torch.dtype], WorkspaceQueries] | None,
-                   max_model_len: int, band_at_single_query: Callable[[bool], bool] | None = None) -> StepGuard | None:
+                   max_model_len: int, band_at_single_query: Callable[[npu_band_probe.BandForm], bool] | None = None
+                   ) -> StepGuard | None:
     """The length checks of each step (`length_guard`), given `pa_queries` (the device's workspace
     queries on probe tensors of a dtype) PA's workspace need at the step's lengths (`pa_workspace_guard`),
     and given `band_at_single_query` (the device's S=1 band probe) the windowed layers' decode steps
@@ -209,15 +210,19 @@ def _source(call: KernelCall, kernel_arg: str) -> HostSource:
     return next(a.source for a in call.meta.host_args if a.kernel_arg == kernel_arg)
 
 
-def windowed_fia_layers(gm: fx.GraphModule) -> dict[str, tuple[int, bool, HostSource, HostSource]]:
-    """Each windowed FIA layer of `gm`: its node's name -> (window, sinks, query-ends source, KV-lengths source)."""
-    return {call.node.name: (call.meta.features.window, call.meta.features.sinks,
+def windowed_fia_layers(gm: fx.GraphModule) -> dict[str, tuple[int, npu_band_probe.BandForm, HostSource, HostSource]]:
+    """Each windowed FIA layer of `gm`: its node's name -> (window, its band form, query-ends source, KV-lengths
+    source)."""
+    return {call.node.name: (call.meta.features.window,
+                             npu_band_probe.form(call.meta.shape, example_value(call.arg("query")).dtype,
+                                                 bool(call.meta.features.sinks)),
                              _source(call, "actual_seq_lengths"), _source(call, "actual_seq_lengths_kv"))
             for call in kernel_calls(gm)
             if call.meta.kernel == tiling.FIA and call.meta.features.window is not None}
 
 
-def window_guard(gm: fx.GraphModule, band_at_single_query: Callable[[bool], bool]) -> StepGuard | None:
+def window_guard(gm: fx.GraphModule, band_at_single_query: Callable[[npu_band_probe.BandForm], bool]
+                 ) -> StepGuard | None:
     """A check of each step for `gm`'s windowed FIA layers on a device that does not apply FIA's band when
     every sequence has one query token (`band_at_single_query`, the device's probe, asked here for the
     layers' forms: `ops/npu_band_probe.py`); None where it does, or without such layers. A decode step
