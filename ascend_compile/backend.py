@@ -90,7 +90,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Com
         if rewritten is None:
             log.info("ascend_compile: graph has no attention: running it as traced")
             return gm.forward
-        graph_budget = budget.fit(rewritten, device_target.runtime, config)
+        graph_budget = budget.fit(rewritten, device_target.runtime, config, group.planned_graphs() if group else 0)
         artifact = CompiledArtifact(rewritten, device_target, config)
         artifact.graph_inputs = graph_inputs.record(gm)  # dynamo drops its records once the compile is over
         if group is not None:

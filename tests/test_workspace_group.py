@@ -16,6 +16,8 @@ import ascend_compile
 from ascend_compile import cli
 from ascend_compile.backend import backend
 from ascend_compile.config import CompileConfig
+from ascend_compile.runtime.sim import SimRuntime
+from ascend_compile.targets import Target
 from examples.llama import LlamaConfig, PagedBatch, build
 
 TARGET_CFG = LlamaConfig(num_layers=3, num_blocks=256)
@@ -134,6 +136,23 @@ def test_members_must_share_a_runtime(request):
         target(**PagedBatch(TARGET_CFG).step([5]))
         with pytest.raises(Exception, match="a group's members run on one device and runtime"):
             eager(**PagedBatch(DRAFT_CFG).step([5]))
+
+
+def test_members_share_the_runtimes_graph_budget(request):
+    torch._dynamo.reset()
+    group, sim = f"spec-{request.node.name}", SimRuntime(stream_budget=40)
+    budgets = {}
+    for name, cfg in (("target", TARGET_CFG), ("drafter", DRAFT_CFG)):  # default piecewise sizes: 4 .. 8192
+        artifacts: list = []
+        config = CompileConfig(capture_sizes=(4,), max_model_len=1024, workspace_group=group, model_name=name)
+        fn = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append,
+                                                                target=lambda device, config: Target(sim)))
+        with torch.no_grad():
+            fn(**PagedBatch(cfg).step([5]))
+        budgets[name] = artifacts[0].startup.budget
+    target, drafter = budgets["target"], budgets["drafter"]
+    assert target.budget == 40 and target.dropped  # the target alone fills most of the device's streams
+    assert drafter.budget == 40 - target.graphs and target.graphs + drafter.graphs <= 40
 
 
 def test_each_model_has_its_own_dump_and_update_table_in_inspect(tmp_path, capsys):

@@ -1571,6 +1571,11 @@ MUTANTS = (
         "    art.workspaces = dict.fromkeys(art.workspaces, slot)\n", (GROUP_REPLAYS,),
     ),
     Mutant(
+        "a group's members each given the device's whole graph budget", "ascend_compile/lowering/budget.py",
+        "        if budget is not None and taken:\n", "        if False:\n",
+        (f"{GROUP}::test_members_share_the_runtimes_graph_budget",),
+    ),
+    Mutant(
         "group members not serialized", "ascend_compile/lowering/workspace_group.py",
         "            art.lock, art.group = self.lock, self\n", "            art.group = self\n",
         (f"{GROUP}::test_a_member_step_waits_for_another_member_step_in_another_thread",),

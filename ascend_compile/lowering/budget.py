@@ -68,13 +68,16 @@ def sample(sizes: list[int], keep: int) -> list[int]:
     return sorted({sizes[round(i * step)] for i in range(keep)})
 
 
-def fit(rewritten: RewrittenGraphs, runtime: Runtime, config: CompileConfig) -> GraphBudget:
+def fit(rewritten: RewrittenGraphs, runtime: Runtime, config: CompileConfig, taken: int = 0) -> GraphBudget:
     """Count the graphs the compile will capture and drop piecewise sizes (from `rewritten.piecewise.keys`)
-    until they fit the budget: `config.graph_budget`, else the runtime's (`GraphRuntime.graph_budget`)."""
+    until they fit the budget: `config.graph_budget`, else the runtime's (`GraphRuntime.graph_budget`) less
+    the `taken` graphs other models planned on the same runtime (a workspace group's, `workspace_group.py`)."""
     if config.graph_budget is not None:
         budget, source = config.graph_budget, "the graph_budget option"
     elif isinstance(runtime, GraphRuntime):
         budget, source = runtime.graph_budget()
+        if budget is not None and taken:
+            budget, source = max(0, budget - taken), f"{source}, less {taken} graphs of the other models sharing it"
     else:
         budget, source = None, f"runtime {runtime.name!r} captures no graphs"
     variant = rewritten.piecewise

@@ -103,6 +103,10 @@ class WorkspaceGroup:
             log.info("ascend_compile: workspace group %r: slot grown from %d to %d bytes, %d graphs to capture again",
                      self.name, old.numel(), nbytes, dropped)
 
+    def planned_graphs(self) -> int:
+        """The graphs the members plan to capture (`budget.py`): on one runtime, they share its budget."""
+        return sum(art.startup.budget.graphs for art in self.live() if art.startup.budget is not None)
+
     def describe(self) -> dict[str, Any]:
         """What plan.json and `inspect` say of the group: the slot's bytes against one slot a member."""
         needs = [{"model": model_name(art), "needs_bytes": slot_need(art)} for art in self.live()]
