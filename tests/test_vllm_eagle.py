@@ -144,3 +144,21 @@ def test_the_plugin_compiles_the_drafter_beside_the_target_named_in_one_workspac
     assert cli.main(["inspect", str(dump)]) == 0
     out = capsys.readouterr().out
     assert f"== {dump / 'backbone'}" in out and f"== {dump / 'eagle_head'}" in out, out[:2000]
+
+
+def test_each_engine_names_its_two_models_and_gives_them_one_workspace_group_of_its_own(tmp_path):
+    """The options vLLM's config gives: with a drafter, the target named `backbone`, the drafter
+    `eagle_head`, both in one workspace group, another engine's pair in another; without one, neither."""
+    from ascend_compile.integrations.vllm import options
+
+    configs = []
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        configs.append(eagle.vllm_config(tmp_path / name))
+    target, drafter, other = (options.options_for(configs[0]), options.options_for(configs[0], "eagle_head"),
+                              options.options_for(configs[1]))
+    assert (target["model_name"], drafter["model_name"], other["model_name"]) == ("backbone", "eagle_head", "backbone")
+    assert target["workspace_group"] == drafter["workspace_group"] != other["workspace_group"]
+    (tmp_path / "plain").mkdir()
+    plain = options.options_for(eagle.real.vllm_config(tmp_path / "plain"))
+    assert "model_name" not in plain and "workspace_group" not in plain

@@ -104,6 +104,7 @@ MUTANTS_CHANGED = "tests/test_mutants_changed.py"
 KERNEL_RULES = "tests/test_npu_kernel_rules.py"
 GROUP = "tests/test_workspace_group.py"
 GROUP_REPLAYS = f"{GROUP}::test_target_and_drafter_share_one_slot_and_pool_replaying_alternately_equal_to_eager"
+EAGLE = "tests/test_vllm_eagle.py"
 
 MUTANTS = (
     Mutant(
@@ -1599,6 +1600,46 @@ MUTANTS = (
         "two models' dumps in one folder", "ascend_compile/passes/dump.py",
         "*([model] if model else [])", "*[]",
         (f"{GROUP}::test_each_model_has_its_own_dump_and_update_table_in_inspect",),
+    ),
+    # issue 49 item 1: vLLM's EAGLE drafter compiled by us beside the target, named, in one workspace group
+    Mutant(
+        "vLLM: the drafter left uncompiled", "ascend_compile/integrations/vllm/drafter.py",
+        "    model.compile(fullgraph=True, backend=configured_backend(vllm_config, model_tag))\n",
+        "    pass\n",
+        (f"{EAGLE}::test_eagle_drafter_and_target_compiled_by_us_propose_and_accept_as_eager",),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM-Ascend's plug-in compiles the target only", "ascend_compile/integrations/vllm/ascend_plugin.py",
+        "    compile_runner_drafter(runner)\n", "",
+        (f"{EAGLE}::test_the_plugin_compiles_the_drafter_beside_the_target_named_in_one_workspace_group",),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM: the drafter compiled under the target's name", "ascend_compile/integrations/vllm/drafter.py",
+        "backend=configured_backend(vllm_config, model_tag))", "backend=configured_backend(vllm_config))",
+        (f"{EAGLE}::test_the_plugin_compiles_the_drafter_beside_the_target_named_in_one_workspace_group",),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM: the target unnamed beside its drafter", "ascend_compile/integrations/vllm/options.py",
+        '    return {"model_name": model_tag or TARGET_TAG, ', '    return {"model_name": model_tag, ',
+        (f"{EAGLE}::test_each_engine_names_its_two_models_and_gives_them_one_workspace_group_of_its_own",
+         f"{EAGLE}::test_the_plugin_compiles_the_drafter_beside_the_target_named_in_one_workspace_group"),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM: target and drafter a workspace slot each", "ascend_compile/integrations/vllm/options.py",
+        '"workspace_group": group}', "}",
+        (f"{EAGLE}::test_each_engine_names_its_two_models_and_gives_them_one_workspace_group_of_its_own",
+         f"{EAGLE}::test_the_plugin_compiles_the_drafter_beside_the_target_named_in_one_workspace_group"),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM: one workspace group for every engine of a process", "ascend_compile/integrations/vllm/options.py",
+        'SPECULATIVE_GROUP.format(id(getattr(vllm_config, "speculative_config", None)))', "SPECULATIVE_GROUP",
+        (f"{EAGLE}::test_each_engine_names_its_two_models_and_gives_them_one_workspace_group_of_its_own",),
+        vllm=True,
     ),
 )
 

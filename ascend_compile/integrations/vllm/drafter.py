@@ -5,9 +5,10 @@ vLLM's mode-1 compile (`GPUModelRunner.load_model`, 0.23 and 0.33) compiles the 
 (`self.drafter.load_model(self.model)`: `EagleLlamaForCausalLM` and its kin, loaded under vLLM's model
 tag "eagle_head") runs as written: its `support_torch_compile` decorator compiles nothing under mode 1
 (`do_not_compile`). `compile_drafter` makes the same call on the drafter's model, with a backend of
-its own: its own artifact, hence its own buckets, captured graphs, update table (its lengths are the
-target's less the rejected tokens, plus one per draft step) and workspace slot; with `dump_dir`, its
-plans under `dump_dir/<model tag>`, apart from the target's (`options.options_for`). Its attention
+its own: its own artifact, hence its own buckets, captured graphs and update table (its lengths are the
+target's less the rejected tokens, plus one per draft step), named by vLLM's tag for it (`model_name`:
+its plans under `dump_dir/eagle_head`, the target's under `dump_dir/backbone`), in one workspace group
+with the target (one slot for both: `options.options_for`). Its attention
 layers are its own (vLLM names them after the target's, `model.layers.<target layers + i>`), read
 from the forward context the proposer sets for each draft step like the target's; the embedding and
 LM head it shares with the target are parameters of both models, used in place by both artifacts.
