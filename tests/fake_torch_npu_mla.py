@@ -19,7 +19,7 @@ import torch
 
 from ascend_compile.ops import reference, tiling, validate
 from tests import fake_torch_npu as base
-from tests import fake_torch_npu_features
+from tests import fake_torch_npu_features, fake_torch_npu_sources
 
 #: The FIA v2 arguments the fake computes with; any other must keep its default.
 _USED = {
@@ -142,6 +142,11 @@ def fia_v2_out(query, key, value, **kwargs):
              f"an attention_out like the query {tuple(query.shape)} (value's D, L8677)", tuple(attention_out.shape))
     workspace = kw["workspace"]
     shape = tiling.AttentionShape.of_mla(query, kw["query_rope"], latent)
+    device_max = fake_torch_npu_sources.mla_max_workspace(base.kernel_source())
+    if device_max is not None and workspace is not None:  # the later source's need: at most its max, by cores
+        _require(workspace.numel() * workspace.element_size() >= device_max, "workspace",
+                 f"at least the {device_max} bytes of the max-workspace query", workspace.numel())
+        workspace = None  # the reference kernel's own scratch
     if workspace is None:  # aclnn allocates its own scratch
         workspace = torch.empty(tiling.workspace_nbytes(tiling.MLA, shape, kv_lens, query_lens), dtype=torch.uint8)
     base._executed(tiling.MLA, kv_lens)
@@ -163,7 +168,8 @@ def fia_v2_max_workspace(query, key, value, **kwargs):
         return fake_torch_npu_features.sinks_max_workspace(query, key, value, kw)
     latent, *_ = _mla_layout(query, key, value, kw)
     shape = tiling.AttentionShape.of_mla(query, kw["query_rope"], latent)
-    nbytes = tiling.max_workspace(tiling.MLA, shape, query.shape[0], kw["block_table"].shape[1] * latent.shape[1]).nbytes
+    nbytes = fake_torch_npu_sources.mla_max_workspace(base.kernel_source()) or tiling.max_workspace(
+        tiling.MLA, shape, query.shape[0], kw["block_table"].shape[1] * latent.shape[1]).nbytes
     return torch.empty(-(-nbytes // query.element_size()), dtype=query.dtype, device=query.device)
 
 

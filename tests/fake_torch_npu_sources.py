@@ -61,3 +61,25 @@ def check(source: str | None, dtype: torch.dtype, heads: int, kv_heads: int, dim
         base.device_refusal("learnable_sink", f"valueD 64/128 with learnable_sink in TND ({where} {sinks_line})", dim)
     if sparse_mode == 4 and dim not in (64, 128):
         base.device_refusal("sparse_mode", f"valueD 64/128 with sparseMode 4 in TND ({where} {band_line})", dim)
+
+
+#: The fake device's cube cores and library workspace, for the later source's MLA workspace (a device reads its own
+#: platform info: `GetCoreNumAic`, `GetLibApiWorkSpaceSize`).
+FAKE_CUBE_CORES, FAKE_LIBAPI_BYTES = 24, 16 << 20
+
+
+def mla_max_workspace(source: str | None) -> int | None:
+    """The MLA form's max workspace on the later source (hicann/ops-transformer 359e786a
+    `attention/fused_infer_attention_score/op_host/arch22/fia_tiling_nonquant_mla.cpp`, `CalcMaxWorkspaceSize`:
+    the library's workspace, then per cube core two preloads of the matmul and vector results at base sizes
+    512 x 256 and 512 x 256 (`CalcMaxMmResSize`, `mBaseSize_` 256 in the header) and the flash-decode
+    reductions): sized by the core count alone, no length nor token count. None where the fake plays another
+    source (its answer is then the reference tiling's maximum)."""
+    if source != LATER:
+        return None
+    m_base, head_dim_align, s2_max, preload = 256, 512, 512, 2
+    mm1, mm2 = s2_max * m_base, head_dim_align * m_base
+    normal = preload * FAKE_CUBE_CORES * (mm1 * (4 + 2) + mm2 * (4 + 4) + m_base * (4 + 4))
+    fd_params = FAKE_CUBE_CORES * 2 * m_base
+    flash_decode = (fd_params * head_dim_align + 2 * fd_params * 8) * 4
+    return FAKE_LIBAPI_BYTES + normal + flash_decode

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import npu_rules, tiling
+from ascend_compile.ops import npu_rules, npu_workspace, tiling
 from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
 from examples.deepseek import DeepSeekConfig, build
 from examples.llama import PagedBatch
-from tests import fake_torch_npu
+from tests import fake_torch_npu, fake_torch_npu_sources
 from tests.mla_helpers import make_mla_problem
 from tests.test_backend import compiled_model
 from tests.test_npu import check_call
@@ -184,6 +184,26 @@ def test_a_decode_step_above_the_buckets_is_served_piecewise_on_the_mla_kernel(f
     big = [c for c in fake_npu.calls if c.name == KERNEL and len(c.kwargs["actual_seq_kvlen"]) in (10, 12)]
     assert [(len(c.kwargs["actual_seq_kvlen"]), c.kwargs["sparse_mode"]) for c in big] == \
         [(12, 0)] * CFG.num_layers + [(10, 3)] * CFG.num_layers
+
+
+@pytest.mark.parametrize("source", [None, fake_torch_npu_sources.LATER], ids=["docs", "later-source"])
+def test_mlas_workspace_probe_is_sized_by_what_the_devices_answer_depends_on(fake_npu, source):
+    """Piecewise sizes up to 4096 tokens: where the device's max-workspace answer reads no token count (the later
+    source's MLA max path, by core count: `fake_torch_npu_sources.mla_max_workspace`), no probe tensor holds more
+    than 128 query tokens and the slot is that answer; where it grows with the tokens (the reference tiling the
+    fake plays otherwise), the largest size is asked at its own tokens. Every step equal to eager either way, a
+    decode step above the buckets on the kernel."""
+    fake_npu.kernel_source = source
+    steps = [([30, 7], None), ([5 + 9 * i for i in range(12)], None)]
+    artifacts = _run(CFG, steps, piecewise_sizes=(16, 512, 4096))
+    asked = [c.args[0].shape[0] for c in fake_npu.calls if c.name == QUERY]
+    slots = {s.nbytes for a in artifacts for s in a.rewritten.plan.slots.values()}
+    if source is None:
+        assert max(asked) == 4096
+        return
+    assert max(asked) <= npu_workspace.MLA_PROBE_TOKENS
+    assert slots == {fake_torch_npu_sources.mla_max_workspace(source)}
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) == 1
 
 
 @pytest.mark.parametrize("change, message", [

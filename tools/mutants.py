@@ -1497,6 +1497,11 @@ MUTANTS = (
         "    except ValueError as err:\n        log.warning(\"ascend_compile: the device refused a band probe",
         (f"{NPU_BAND_EDGE}::test_a_band_probe_call_the_device_refuses_is_read_as_neither",),
     ),
+    Mutant(
+        "MLA's workspace probe at the graph's own tokens whatever the device answers", "ascend_compile/ops/npu_workspace.py",
+        "        if tokens > MLA_PROBE_TOKENS:\n", "        if False:\n",
+        ("tests/test_mla_npu.py::test_mlas_workspace_probe_is_sized_by_what_the_devices_answer_depends_on",),
+    ),
     # issue 48: a device out of streams stops further captures
     Mutant(
         "a device out of streams tried again for each new graph", "ascend_compile/lowering/capture_failures.py",

@@ -25,7 +25,13 @@ that is refused before the question). "blocknum不能小于...的block数量之�
 sequence (L8724) and a sparse mode the project sets by them (`npu_rules.mla_sparse_mode`; L8697, though TND
 takes 0 or 3 at any query lengths, L8719): the probe's sequences hold at most as many query
 tokens as the graph's may (1 in a decode graph, so its question is asked in the decode graph's mode),
-packed the same way.
+packed the same way. Its query tensors are sized by what the answer depends on: the later kernel source's max path
+for this form reads no length nor token count, only the core count (hicann/ops-transformer 359e786a
+`op_host/arch22/fia_tiling_nonquant_mla.cpp`, `CalcMaxWorkspaceSize`, `CalcMaxMmResSize`), while the older routes
+it elsewhere (not read). So a graph above `MLA_PROBE_TOKENS` tokens is first asked at one sequence and at
+`MLA_PROBE_TOKENS`: equal answers (a device whose answer reads no token count) answer every size, and no probe
+tensor grows with the graph (a piecewise 4096 would be `q_nope [4096, H, 512]`, 512 MiB at H 128, allocated after
+vLLM sized its KV cache); different ones are asked at the graph's own tokens.
 
 **PA: asked at each length it will be sized for.** ATB's `_npu_paged_attention_get_workspace` answers
 for the `context_lens` it is given: vLLM-Ascend captures PA at a pinned length because it "only returns
@@ -44,6 +50,9 @@ from . import npu_rules, tiling
 from .features import PLAIN, AttentionFeatures
 from .npu import NpuKernels
 from .tiling import AttentionShape
+
+#: The most query tokens MLA's probe tensors hold where the device's answer reads no token count (`mla_max`).
+MLA_PROBE_TOKENS = 128
 
 
 def fia_probe_lengths(tokens: int, kv_capacity: int) -> tuple[list[int], list[int]]:
@@ -64,6 +73,7 @@ class NpuWorkspaceQuery:
     def __init__(self, kernels: NpuKernels, dtype: torch.dtype) -> None:
         self.kernels = kernels
         self.dtype = dtype
+        self._mla: dict[tuple, int] = {}  # MLA's answers, by (shape, tokens, table width, query length)
 
     def paged_attention(self, shape: AttentionShape, context_lens: Sequence[int], max_blocks: int,
                         key_cache: torch.Tensor | None = None, value_cache: torch.Tensor | None = None,
@@ -103,6 +113,20 @@ class NpuWorkspaceQuery:
         many sequences of at most `max_query_len` each (FIA v2 takes at most 16), tables of `max_blocks`."""
         query_len = min(max_query_len, npu_rules.MLA_MAX_QUERY_LEN, max_blocks * shape.block_size)
         npu_rules.check_mla_sequences(tokens)
+        if tokens > MLA_PROBE_TOKENS:
+            first = self._mla_asked(shape, query_len, max_blocks, query_len)
+            if first == self._mla_asked(shape, MLA_PROBE_TOKENS, max_blocks, query_len):
+                return first  # the device's answer reads no token count: the probe's tensors stay small
+        return self._mla_asked(shape, tokens, max_blocks, query_len)
+
+    def _mla_asked(self, shape: AttentionShape, tokens: int, max_blocks: int, query_len: int) -> int:
+        """FIA v2's max-workspace answer for `tokens` query tokens in sequences of `query_len`, asked once."""
+        key = (shape, tokens, max_blocks, query_len)
+        if key not in self._mla:
+            self._mla[key] = self._mla_ask(shape, tokens, max_blocks, query_len)
+        return self._mla[key]
+
+    def _mla_ask(self, shape: AttentionShape, tokens: int, max_blocks: int, query_len: int) -> int:
         query_lens, kv_lens = fia_probe_lengths(tokens, query_len)
         table, used = self._probe_table(max_blocks, kv_lens, shape.block_size)
         device = self.kernels.device
