@@ -155,13 +155,15 @@ def test_members_share_the_runtimes_graph_budget(request):
     assert drafter.budget == 40 - target.graphs and target.graphs + drafter.graphs <= 40
 
 
-def test_each_model_has_its_own_dump_and_update_table_in_inspect(tmp_path, capsys):
+def test_each_model_has_its_own_dump_and_update_table_in_inspect(tmp_path, capsys, request):
     torch._dynamo.reset()
-    target, _, _ = compiled(TARGET_CFG, (4,), model_name="target", dump_dir=str(tmp_path))
-    draft, _, _ = compiled(DRAFT_CFG, (4,), model_name="drafter", dump_dir=str(tmp_path))
+    group = f"spec-{request.node.name}"
+    target, _, _ = compiled(TARGET_CFG, (4,), model_name="target", dump_dir=str(tmp_path), workspace_group=group)
+    draft, _, _ = compiled(DRAFT_CFG, (4, 8), model_name="drafter", dump_dir=str(tmp_path), workspace_group=group)
     with torch.no_grad():
         target(**PagedBatch(TARGET_CFG).step([5, 6]))
         draft(**PagedBatch(DRAFT_CFG).step([5, 6]))
+        target(**PagedBatch(TARGET_CFG).step([5, 6]))  # captured again on the grown slot
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "target"]
     assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
@@ -171,10 +173,16 @@ def test_each_model_has_its_own_dump_and_update_table_in_inspect(tmp_path, capsy
     assert len(tables["target"]) == TARGET_CFG.num_layers and len(tables["drafter"]) == DRAFT_CFG.num_layers
     assert cli.main(["inspect", str(tmp_path)]) == 0
     text = capsys.readouterr().out
+    needs = {m: p["workspace"]["group"]["members"] for m, p in by_model.items()}
+    target_need, drafter_need = (next(n["needs_bytes"] for n in needs["drafter"] if n["model"] == m)
+                                 for m in ("target", "drafter"))
     for model, cfg in (("target", TARGET_CFG), ("drafter", DRAFT_CFG)):
         section = next(s for s in text.split("\n\n== ") if f"model: {model}" in s.splitlines()[0])
         table = section.split(f"update table of {model} b4.decode\n", 1)[1]
         assert sum(line.startswith("paged_attention") for line in table.splitlines()) == cfg.num_layers
+        assert (f"workspace group {group}: one slot of {drafter_need} B for target {target_need} B, drafter "
+                f"{drafter_need} B; a slot each would hold {target_need + drafter_need} B (saved {target_need} B)"
+                in section)
 
 
 @pytest.mark.parametrize("options, error", [

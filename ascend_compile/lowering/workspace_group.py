@@ -92,16 +92,16 @@ class WorkspaceGroup:
             self.runtime.synchronize()  # no replay reading the old slot is still running
         old = self.slot
         self.slot = self.runtime.empty((nbytes,), torch.uint8)
-        dropped = 0
-        for art in members:
-            dropped += len(art.graphs) + len(art.piecewise)
-            art.graphs.clear()
-            art.piecewise.clear()
-            point_at(art, self.slot)
         if old is not None:
+            dropped = sum(len(art.graphs) + len(art.piecewise) for art in members)
             self.regrown.append({"from_bytes": old.numel(), "to_bytes": nbytes, "graphs_dropped": dropped})
             log.info("ascend_compile: workspace group %r: slot grown from %d to %d bytes, %d graphs to capture again",
                      self.name, old.numel(), nbytes, dropped)
+        for art in members:
+            art.graphs.clear()
+            art.piecewise.clear()
+            point_at(art, self.slot)
+            art.write_plan()  # its dump shows the grown slot and no graph captured on the old one
 
     def planned_graphs(self) -> int:
         """The graphs the members plan to capture (`budget.py`): on one runtime, they share its budget."""
