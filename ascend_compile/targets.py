@@ -152,10 +152,14 @@ class NpuTarget(Target):
             runtime.kernels, runtime.synchronize, kernel, shape, bucket, config.auto_timing_seq_len, dtype)
 
     def workspace_estimate(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
-        """Before compiling, the simulator's formula for the same kernels (its tiling, `ops/tiling.py`):
-        torch_npu's queries are asked only when the graph compiles; the figure logged after the captures
-        says how far the estimate was."""
-        return node_need
+        """Before compiling (vLLM's profiling run, before it sizes its KV cache), the simulator's formula for PA
+        and FIA (its tiling, `ops/tiling.py`: torch_npu's queries are asked when the graph compiles; the figure
+        logged after the captures says how far the estimate was); for MLA the device's own answer, asked here:
+        its probe tensors stay small where the answer reads no token count (`NpuWorkspaceQuery.mla_max`), and
+        that answer, sized by the core count on the later kernel source, is what the compile will reserve,
+        where the simulator's formula grows with the tokens (256 MiB at a piecewise 4096)."""
+        probed = self.workspace_need(config, dtype)
+        return lambda site, *args: (probed if site.kernel == MLA else node_need)(site, *args)
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
         """torch_npu's workspace queries, asked as each answers (`passes/probe.py`)."""

@@ -206,6 +206,35 @@ def test_mlas_workspace_probe_is_sized_by_what_the_devices_answer_depends_on(fak
     assert sum(a.stats["piecewise_steps"] for a in artifacts) == 1
 
 
+@pytest.mark.parametrize("source", [None, fake_torch_npu_sources.LATER], ids=["docs", "later-source"])
+def test_the_mla_workspace_reserved_before_compiling_is_the_devices_answer(fake_npu, source):
+    """The estimate vLLM reserves before sizing its KV cache (`NpuTarget.workspace_estimate`) takes MLA's
+    workspace from the device's query, as the compile will: on the later source its core-count formula (less
+    than the simulator's at a piecewise 4096), with probe tensors of at most 128 query tokens; PA and FIA keep
+    the simulator's formula (no device question)."""
+    from ascend_compile.config import CompileConfig
+    from ascend_compile.passes.workspaces import KernelSite
+    from ascend_compile.runtime.npu import NpuRuntime
+    from ascend_compile.targets import NpuTarget
+
+    fake_npu.kernel_source = source
+    shape = tiling.AttentionShape(CFG.num_heads, 1, CFG.kv_lora_rank, CFG.block_size, CFG.qk_rope_head_dim)
+    estimate = NpuTarget(NpuRuntime(CPU)).workspace_estimate(CompileConfig(max_model_len=MAX_LEN, runtime="npu"),
+                                                             torch.bfloat16)
+    need = estimate(KernelSite("mla", tiling.MLA, shape, max_query_len=16), 4096, MAX_LEN, None).nbytes
+    simulator = tiling.max_workspace(tiling.MLA, shape, 4096, MAX_LEN).nbytes
+    asked = [c.args[0].shape[0] for c in fake_npu.calls if c.name == QUERY]
+    if source is None:
+        assert need == -(-simulator // 2) * 2 and max(asked) == 4096
+    else:
+        assert need == fake_torch_npu_sources.mla_max_workspace(source) < simulator
+        assert max(asked) <= npu_workspace.MLA_PROBE_TOKENS
+    fia = tiling.AttentionShape(4, 2, 128, 128)
+    before = len(fake_npu.calls)
+    assert estimate(KernelSite("fia", tiling.FIA, fia), 64, MAX_LEN, None).nbytes == \
+        tiling.max_workspace(tiling.FIA, fia, 64, MAX_LEN).nbytes and len(fake_npu.calls) == before
+
+
 @pytest.mark.parametrize("change, message", [
     ({"kv_lora_rank": 256}, r"q_nope: .* takes kv_lora_rank \(the query's d\) 512 .* got 256"),
     ({"qk_rope_head_dim": 32}, r"q_pe: .* takes rope d 64 .*'query_rope和keyRope的d为64', L8726\), got 32"),

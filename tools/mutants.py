@@ -1502,6 +1502,12 @@ MUTANTS = (
         "        if tokens > MLA_PROBE_TOKENS:\n", "        if False:\n",
         ("tests/test_mla_npu.py::test_mlas_workspace_probe_is_sized_by_what_the_devices_answer_depends_on",),
     ),
+    Mutant(
+        "MLA's reserved workspace the simulator's formula", "ascend_compile/targets.py",
+        "        return lambda site, *args: (probed if site.kernel == MLA else node_need)(site, *args)\n",
+        "        return node_need\n",
+        ("tests/test_mla_npu.py::test_the_mla_workspace_reserved_before_compiling_is_the_devices_answer",),
+    ),
     # issue 48: a device out of streams stops further captures
     Mutant(
         "a device out of streams tried again for each new graph", "ascend_compile/lowering/capture_failures.py",
