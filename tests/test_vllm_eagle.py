@@ -162,3 +162,49 @@ def test_each_engine_names_its_two_models_and_gives_them_one_workspace_group_of_
     (tmp_path / "plain").mkdir()
     plain = options.options_for(eagle.real.vllm_config(tmp_path / "plain"))
     assert "model_name" not in plain and "workspace_group" not in plain
+
+
+class GpuRunner:
+    """A stand-in for vLLM's `GPUModelRunner` (0.23's does not import without `llguidance`): its loaded
+    target and drafter, and the two methods every forward starts from."""
+
+    def __init__(self, pair):
+        self.vllm_config, self.model = pair.target.config, pair.target.model
+        self.drafter = types.SimpleNamespace(model=pair.drafter.model)
+        self.forwards = 0
+
+    def _dummy_run(self, num_tokens: int = 8) -> None:
+        self.forwards += 1
+
+    def execute_model(self) -> None:
+        self.forwards += 1
+
+
+def test_vllms_gpu_runner_compiles_its_drafter_before_its_first_forward(compiled, monkeypatch):
+    """vLLM's mode 1 compiles the target only; resolving our backend by name (inside `load_model`) makes the
+    GPU runner class compile the drafter before its first forward (the profiling run), once, with our
+    backend: its graphs then replay. A runner not compiling with our backend is left alone."""
+    import sys
+
+    from ascend_compile.integrations.vllm import drafter as drafter_module
+    from vllm.config import set_current_vllm_config
+
+    made, make = compiled
+    runner_cls = type("GPUModelRunner", (GpuRunner,), {})
+    monkeypatch.setitem(sys.modules, drafter_module.RUNNER_MODULE, types.SimpleNamespace(GPUModelRunner=runner_cls))
+    pairs = make(options={"capture_sizes": [4, 8, 16]}, compile=False)
+    plain = runner_cls(pairs[1])  # the eager pair: compilation mode NONE
+    with set_current_vllm_config(pairs[0].target.config):  # what `load_model` does under mode 1
+        pairs[0].target.config.compilation_config.mode = 1
+        pairs[0].target.config.compilation_config.backend = drafter_module.BACKEND_NAME
+        pairs[0].target.model.compile(fullgraph=True, backend=integration.vllm_backend)
+    runner = runner_cls(pairs[0])
+    assert pairs[0].drafter.model._compiled_call_impl is None
+    runner._dummy_run()
+    runner.execute_model()
+    plain._dummy_run()
+    assert runner.forwards == 2 and pairs[0].drafter.model._compiled_call_impl is not None
+    assert pairs[1].drafter.model._compiled_call_impl is None
+    _run(pairs, SCHEDULE[:4])
+    (target,), (drafter,) = made
+    assert target.stats["replays"] > 0 and drafter.stats["replays"] > 0

@@ -1652,6 +1652,24 @@ MUTANTS = (
         (f"{EAGLE}::test_each_engine_names_its_two_models_and_gives_them_one_workspace_group_of_its_own",),
         vllm=True,
     ),
+    Mutant(
+        "vLLM's GPU runner never compiles its drafter", "ascend_compile/integrations/vllm/__init__.py",
+        "        drafter.install(options.current_vllm_config())", "        pass",
+        (f"{EAGLE}::test_vllms_gpu_runner_compiles_its_drafter_before_its_first_forward",),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM: the drafter compiled again at each forward", "ascend_compile/integrations/vllm/drafter.py",
+        'if model is None or getattr(model, "_compiled_call_impl", None) is not None or ', "if model is None or ",
+        (f"{EAGLE}::test_vllms_gpu_runner_compiles_its_drafter_before_its_first_forward",),
+        vllm=True,
+    ),
+    Mutant(
+        "vLLM: a drafter compiled where vLLM does not compile with ours", "ascend_compile/integrations/vllm/drafter.py",
+        " or not ours(runner.vllm_config):", ":",
+        (f"{EAGLE}::test_vllms_gpu_runner_compiles_its_drafter_before_its_first_forward",),
+        vllm=True,
+    ),
 )
 
 

@@ -34,7 +34,7 @@ One module a job, each importing only those listed before it (no cycle):
 - `binder.py` (context, layers, metadata, mla): `ForwardContextBinder` and finding vLLM's op nodes;
 - `dynamo_backend.py` (binder, deferred, kv_budget, mla, options, releases): `backend`, `configured_backend`,
   `vllm_backend`;
-- `drafter.py` (dynamo_backend): the drafter vLLM loads for speculative decoding, compiled beside the
+- `drafter.py` (dynamo_backend, options): the drafter vLLM loads for speculative decoding, compiled beside the
   target with a backend of its own;
 - `ascend_plugin.py` (options; `drafter`, `dynamo_backend` when it compiles): vLLM-Ascend's plug-in, the
   `vllm.general_plugins` entry point.
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import dynamo_backend, fast_path
+from . import drafter, dynamo_backend, fast_path, options
 from .binder import ATTENTION_OP, CACHE_UPDATE_OP, ForwardContextBinder, vllm_graph_nodes
 from .deferred import DeferredCompile
 from .drafter import compile_drafter, compile_runner_drafter
@@ -64,7 +64,10 @@ __all__ = ["ATTENTION_OP", "CACHE_UPDATE_OP", "SUPPORTED", "DeferredCompile", "F
 def __getattr__(name: str) -> Any:
     """`vllm_backend`, the name vLLM's `compilation_config.backend` gives
     ("ascend_compile.integrations.vllm.vllm_backend"): made at each lookup, from the vLLM config
-    current then (`dynamo_backend.__getattr__`)."""
+    current then (`dynamo_backend.__getattr__`); with a drafter, vLLM's GPU runner is made to compile
+    it before its first forward (`drafter.install`)."""
     if name == "vllm_backend":
-        return dynamo_backend.vllm_backend
+        compile_fn = dynamo_backend.vllm_backend
+        drafter.install(options.current_vllm_config())  # vLLM's GPU runner: its drafter compiled too
+        return compile_fn
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
