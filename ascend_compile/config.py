@@ -90,7 +90,7 @@ class CompileConfig:
         plan_dir: where a compile keeps its deterministic answers (kernel timings, workspace queries) for the
             next start, keyed by graph, options, versions, device and rank (`plan_cache.py`); None: none kept.
         refused_layers: what a layer whose form the device's kernel refuses does (npu: the FIA form probe,
-            `ops/npu_form_probe.py`, where CANN versions differ): "raise" (a compile-time error naming the
+            `ops/npu/form_probe.py`, where CANN versions differ): "raise" (a compile-time error naming the
             layer and the device's message) or "eager" (its attention runs eagerly as traced, between the
             captured pieces of piecewise graphs, which then serve every step of the graphs holding it; one
             WARNING names the layers).

@@ -3,7 +3,7 @@ deterministic questions, persisted and asked again only where anything they depe
 
 What a compile asks the device is deterministic for a given graph, options, software and device: the
 kernel timings of `kernel_policy="auto"` (`ops/timing.py`), the workspace queries (`passes/probe.py`) and
-the npu probes (`ops/npu_form_probe.py`, `ops/npu_band_probe.py`).
+the npu probes (`ops/npu/form_probe.py`, `ops/npu/band_probe.py`).
 Each such question is marked `remembered(kind)`; while a compile runs with a plan directory
 (`CompileConfig.plan_dir`, `using`), an answer found in its plan file is returned without asking, and
 every answer asked is written there when the compile ends. The file is named by a digest of the key

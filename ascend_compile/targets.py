@@ -141,9 +141,9 @@ class NpuTarget(Target):
 
     def kernel_timer(self, config: CompileConfig, dtype: torch.dtype) -> KernelTimer:
         """Times torch_npu's PA and FIA; refused before any is timed where the installed torch_npu lacks the
-        functions of either (`ops/npu_api.py`): "auto" compares the two."""
-        from .ops import npu as npu_ops
-        from .ops import npu_api
+        functions of either (`ops/npu/api.py`): "auto" compares the two."""
+        from .ops.npu import kernels as npu_ops
+        from .ops.npu import api as npu_api
 
         runtime = self.runtime
         npu_api.require(npu_api.PA_API + npu_api.FIA_API, runtime.api_absent, runtime.torch_npu_version,
@@ -163,19 +163,19 @@ class NpuTarget(Target):
 
     def workspace_need(self, config: CompileConfig, dtype: torch.dtype) -> NeedFn:
         """torch_npu's workspace queries, asked as each answers (`passes/probe.py`)."""
-        from .ops.npu_workspace import NpuWorkspaceQuery
+        from .ops.npu.workspace_queries import NpuWorkspaceQuery
         from .passes.probe import ProbedWorkspaceNeed
 
         return ProbedWorkspaceNeed(NpuWorkspaceQuery(self.runtime.kernels, dtype), config.workspace_probe_lens)
 
     def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> dict[str, str]:
         """Every kernel and cache write held to the torch_npu kernels' documented constraints
-        (`passes/npu_checks.py`), and to the functions the installed torch_npu offers (`ops/npu_api.py`),
+        (`passes/npu_checks.py`), and to the functions the installed torch_npu offers (`ops/npu/api.py`),
         before torch_npu is asked anything; then each FIA layer's form asked of the device's kernel once
-        (`ops/npu_form_probe.py`: a refused form refused, or under `refused_layers="eager"` returned, its
-        layer then served eagerly), and a windowed layer's band probes (`ops/npu_band_probe.py`): asked here,
+        (`ops/npu/form_probe.py`: a refused form refused, or under `refused_layers="eager"` returned, its
+        layer then served eagerly), and a windowed layer's band probes (`ops/npu/band_probe.py`): asked here,
         at compile time, so that a persisted plan holds their answers (`plan_cache.py`)."""
-        from .ops import npu_band_probe, npu_form_probe
+        from .ops.npu import band_probe as npu_band_probe, form_probe as npu_form_probe
         from .passes.npu_checks import windowed_fia_layers
 
         eager = check_npu_graph(gm, keys, self.mixed_graph_kernels, self.runtime.api_absent,
@@ -194,7 +194,7 @@ class NpuTarget(Target):
         """FIA's and MLA's block count, MLA's query lengths and sparse mode, with `pa_workspace_check`
         PA's workspace need, on each step's padded lengths, and the windowed layers' decode steps where the
         device does not apply FIA's band at one query token per sequence (`passes/npu_checks.py`)."""
-        from .ops.npu_workspace import NpuWorkspaceQuery
+        from .ops.npu.workspace_queries import NpuWorkspaceQuery
 
         kernels = self.runtime.kernels
         return npu_step_guard(gm, key, (lambda dtype: NpuWorkspaceQuery(kernels, dtype)) if config.pa_workspace_check
@@ -202,9 +202,9 @@ class NpuTarget(Target):
 
     def eager_reason(self, gm: fx.GraphModule, key: GraphKey) -> str | None:
         """As the base target's; and where the device's band edge probe found no `pre_tokens` serving a window
-        (`ops/npu_band_probe.py`), every graph with a windowed FIA layer runs its steps eagerly, through the
+        (`ops/npu/band_probe.py`), every graph with a windowed FIA layer runs its steps eagerly, through the
         model's own attention."""
-        from .ops import npu_band_probe
+        from .ops.npu import band_probe as npu_band_probe
         from .passes.npu_checks import windowed_fia_layers
 
         left = super().eager_reason(gm, key)
@@ -219,8 +219,8 @@ class NpuTarget(Target):
     def describe_kernel(self, call: KernelCall) -> dict[str, str]:
         """How a windowed FIA layer's window is served: the band of the `pre_tokens` the device's edge probe
         found, in every step, or not in decode steps with a sequence longer than it, as the device's S=1 band
-        probe answered, or not at all (`ops/npu_band_probe.py`)."""
-        from .ops import npu_band_probe
+        probe answered, or not at all (`ops/npu/band_probe.py`)."""
+        from .ops.npu import band_probe as npu_band_probe
 
         window = call.meta.features.window
         if call.meta.kernel != FIA or window is None:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ascend_compile import backend  # noqa: E402
 from ascend_compile.config import CompileConfig  # noqa: E402
 from ascend_compile.ops import tiling  # noqa: E402
-from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery  # noqa: E402
+from ascend_compile.ops.npu.workspace_queries import NpuWorkspaceQuery  # noqa: E402
 from examples.llama import LlamaConfig, PagedBatch, build  # noqa: E402
 from tests import fake_torch_npu  # noqa: E402
 

@@ -12,7 +12,7 @@ at each update with the step's lists. Two hazards no document settles, so the fa
   (`attention_v1.py` L866-875).
 
 They are checked when the call is issued (the update), on FIA v1 and on FIA v2's `learnable_sink` form,
-the calls `ops/npu.py` binds; FIA v2's MLA form (`query_rope`) is bound elsewhere and not held to them.
+the calls `ops/npu/kernels.py` binds; FIA v2's MLA form (`query_rope`) is bound elsewhere and not held to them.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fake torch_npu's FIA attention features (`ascend_compile/ops/npu_features.py`), for
+"""The fake torch_npu's FIA attention features (`ascend_compile/ops/npu/features.py`), for
 `tests/fake_torch_npu.py` and `tests/fake_torch_npu_mla.py`: the sparse modes' masks and FIA's band
 (`band_window`, used by FIA v1 and v2 alike), and FIA v2's form with `learnable_sink` (`sinks_out`,
 `sinks_max_workspace`: TND, paged KV, no rope inputs). Each rule quotes its line of torch_npu 2.14's
@@ -18,7 +18,7 @@ the fake follows the docs by default: `pre_tokens` and `next_tokens` have no eff
 so such a call attends every key. `FakeNpu.band_at_single_query = True` (`install(..., band_at_single_query=
 True)`) applies the band there too, the reading vLLM-Ascend's decode graphs rely on (`attention_v1.py`
 `full_graph_fia` passes `pre_tokens` at one token per sequence). Which one a device computes, the
-binding asks it (`ascend_compile/ops/npu_band_probe.py`).
+binding asks it (`ascend_compile/ops/npu/band_probe.py`).
 
 How many keys a band of `pre_tokens` P attends at all is the fake's other switch, `FakeNpu.band_reading`
 (`install(..., band_reading=)`, `BAND_READINGS`): the docs' P + 1 by default, vLLM-Ascend's P (its

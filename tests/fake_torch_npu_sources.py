@@ -16,7 +16,7 @@ hicann/ops-transformer:
   L4784).
 
 Each refusal is the device's (`fake_torch_npu.device_refusal`: a RuntimeError, as torch_npu raises an aclnn
-error), so what the compile-time form probe (`ops/npu_form_probe.py`) reads.
+error), so what the compile-time form probe (`ops/npu/form_probe.py`) reads.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MLA on runtime "npu" (`ops/npu_mla.py`): FIA v2's MLA form and the cache write against the fake
+"""MLA on runtime "npu" (`ops/npu/mla.py`): FIA v2's MLA form and the cache write against the fake
 torch_npu (`tests/fake_torch_npu_mla.py`), the DeepSeek-style example compiled and replayed from captured
 graphs across buckets, and each documented constraint refused at compile time, naming the layer."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import logging
 import pytest
 import torch
 
-from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import npu_rules, npu_workspace, tiling
-from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
+from ascend_compile.ops.npu import kernels as npu_ops
+from ascend_compile.ops import tiling
+from ascend_compile.ops.npu import rules as npu_rules, workspace_queries as npu_workspace
+from ascend_compile.ops.npu.workspace_queries import NpuWorkspaceQuery
 from examples.deepseek import DeepSeekConfig, build
 from examples.llama import PagedBatch
 from tests import fake_torch_npu, fake_torch_npu_sources
@@ -280,7 +281,7 @@ def test_more_sequences_than_fia_v2_takes_are_refused_at_compile(fake_npu):
 def test_the_fake_takes_a_full_softmax_lse_as_vllm_ascend_passes_it(fake_npu):
     """vLLM-Ascend passes FIA v2's MLA form a `[num_tokens]` softmax_lse (`mla_v1.py`); the `.out`
     overload's softmax_lse is reserved ("当前预留，暂不支持", L9059): taken, never written (issue 33, item 6)."""
-    from ascend_compile.ops import npu_mla
+    from ascend_compile.ops.npu import mla as npu_mla
 
     problem = _problem([40, 300, 129])
     kernels = npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU)

@@ -12,9 +12,9 @@ import torch
 
 from ascend_compile.config import CompileConfig
 from ascend_compile.errors import ReplayError, StreamRace
-from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops.npu import kernels as npu_ops
 from ascend_compile.ops import tiling
-from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery, fia_probe_lengths
+from ascend_compile.ops.npu.workspace_queries import NpuWorkspaceQuery, fia_probe_lengths
 from ascend_compile.passes.fx_utils import is_op
 from ascend_compile.passes.probe import ProbedWorkspaceNeed
 from ascend_compile.passes.torchair import npugraph_ex_pre_pass
@@ -29,7 +29,7 @@ from tests.test_backend import compiled_model
 MAX_LEN = 512
 #: The KV-cache block size of the compiled runs: paged FIA on torch_npu takes multiples of 128.
 NPU_BLOCK = 128
-#: The models' dtype: PA and FIA take float16 and bfloat16, never float32 (`ops/npu_rules.py`,
+#: The models' dtype: PA and FIA take float16 and bfloat16, never float32 (`ops/npu/rules.py`,
 #: ATTENTION_DTYPES); the end-to-end test runs float16 too.
 DTYPE = torch.bfloat16
 #: Compiled vs eager in each dtype: the kernels split and round their partial results in it.

@@ -1,4 +1,4 @@
-"""The band's edge decided on the device (`ascend_compile/ops/npu_band_probe.py`, `band_edge`): whether
+"""The band's edge decided on the device (`ascend_compile/ops/npu/band_probe.py`, `band_edge`): whether
 FIA's band of `pre_tokens` P attends P + 1 keys (the docs' band, torch_npu 2.14 `_op_plugin_docs.py`
 L1636-1645, L8200: the binding then passes `W - 1`) or P (vLLM-Ascend's `pre_tokens = W`, `attention_v1.py`
 L942: it passes `W`) is asked of the device by one call at several query tokens; where neither holds,
@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import npu_band_probe
+from ascend_compile.ops.npu import kernels as npu_ops
+from ascend_compile.ops.npu import band_probe as npu_band_probe
 from examples.llama import LlamaConfig
 from tests import fake_torch_npu
 from tests.helpers import make_problem

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops.npu import kernels as npu_ops
 from ascend_compile.ops import tiling
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu

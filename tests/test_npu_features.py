@@ -1,10 +1,10 @@
 """Issue 33, item 7: the attention features on runtime "npu", served as vLLM-Ascend serves them on FIA
-(`ascend_compile/ops/npu_features.py`): a sliding window as FIA's band mode and sinks as FIA v2's
+(`ascend_compile/ops/npu/features.py`): a sliding window as FIA's band mode and sinks as FIA v2's
 `learnable_sink`, each step equal to eager against the fake torch_npu, which computes the band as its
 docs define it (`tests/fake_torch_npu_features.py`: a window off by one differs); the logit soft-cap,
 which vLLM-Ascend does not serve on FIA, refused at compile time naming the layer.
 
-Both readings of the band at one query token per sequence run (`ascend_compile/ops/npu_band_probe.py`):
+Both readings of the band at one query token per sequence run (`ascend_compile/ops/npu/band_probe.py`):
 the docs' (the band has no effect there, the fake's default) and vLLM-Ascend's (it applies). The device's
 probe decides: with the docs' reading, decode steps with a sequence longer than the window run eagerly
 and equal eager; with vLLM-Ascend's, every step replays.
@@ -22,10 +22,11 @@ import torch
 
 import logging
 
-from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import npu_band_probe, tiling
+from ascend_compile.ops.npu import kernels as npu_ops
+from ascend_compile.ops import tiling
+from ascend_compile.ops.npu import band_probe as npu_band_probe
 from ascend_compile.ops.features import AttentionFeatures
-from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
+from ascend_compile.ops.npu.workspace_queries import NpuWorkspaceQuery
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu
 from tests.helpers import make_problem
@@ -96,7 +97,7 @@ def is_band_probe(call) -> bool:
 
 def is_probe(call) -> bool:
     """Whether `call` is a band probe's or the form probe's (one sequence of KV 1 or 2 on a one-block table:
-    `ops/npu_form_probe.py`)."""
+    `ops/npu/form_probe.py`)."""
     kv = call.kwargs.get("actual_seq_lengths_kv", call.kwargs.get("actual_seq_kvlen"))
     return is_band_probe(call) or tuple(call.kwargs["block_table"].shape) == (1, 1) and list(kv or []) in ([1], [2])
 

@@ -10,9 +10,10 @@ import torch
 import ascend_compile
 from ascend_compile.backend import backend
 from ascend_compile.config import CompileConfig
-from ascend_compile.ops import npu as npu_ops
-from ascend_compile.ops import npu_rules, tiling
-from ascend_compile.ops.npu_workspace import NpuWorkspaceQuery
+from ascend_compile.ops.npu import kernels as npu_ops
+from ascend_compile.ops import tiling
+from ascend_compile.ops.npu import rules as npu_rules
+from ascend_compile.ops.npu.workspace_queries import NpuWorkspaceQuery
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu, fake_torch_npu_sources
 from tests.test_npu import DTYPE, NPU_BLOCK, TOL, TOLERANCES

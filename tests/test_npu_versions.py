@@ -1,7 +1,7 @@
 """The Ascend path on the fake of each torch_npu release the project is bound to: 2.10.0.post4 (vLLM-Ascend's pin)
 and 2.14.0 (`tests/fake_torch_npu.py`, `VERSIONS`), each from the fixture read in its wheel. The model is compiled
 and replayed against eager on each; each difference between the wheels that the fake plays is tested, and so is
-the project's refusal of a torch_npu lacking what it calls (`ascend_compile/ops/npu_api.py`)."""
+the project's refusal of a torch_npu lacking what it calls (`ascend_compile/ops/npu/api.py`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ascend_compile.errors import AscendCompileError
-from ascend_compile.ops import npu_api, tiling
+from ascend_compile.ops import tiling
+from ascend_compile.ops.npu import api as npu_api
 from ascend_compile.runtime.npu import NpuRuntime
 from examples.deepseek import build as build_deepseek
 from examples.llama import LlamaConfig, PagedBatch
@@ -114,7 +115,7 @@ def test_each_fixture_names_the_wheel_it_was_read_from(version):
 
 @pytest.mark.parametrize("version", RELEASES)
 def test_every_function_the_project_calls_is_in_the_release(version):
-    """`ops/npu_api.py` against the fixture: each op overload with its keyword, each `torch.npu` function and
+    """`ops/npu/api.py` against the fixture: each op overload with its keyword, each `torch.npu` function and
     `torch_npu._C` name, and nothing the runtime calls left out of it."""
     schemas, fixture = fake_torch_npu.schemas(version), fake_torch_npu.read_fixture(version)
     for api in npu_api.ALL_API:

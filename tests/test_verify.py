@@ -12,7 +12,7 @@ import torch
 from ascend_compile import CompileConfig, cli
 from ascend_compile.lowering.capture import UpdateSchedule
 from ascend_compile.lowering import verify
-from ascend_compile.ops import npu as npu_ops
+from ascend_compile.ops.npu import kernels as npu_ops
 from ascend_compile.runtime.base import generators_kept
 from examples.llama import LlamaConfig, PagedBatch, build
 from tests import fake_torch_npu

@@ -16,7 +16,7 @@ from ascend_compile import cli
 from ascend_compile.config import CompileConfig
 from ascend_compile.integrations import vllm as integration
 from ascend_compile.integrations.vllm.memory import graph_memory
-from ascend_compile.ops import npu_band_probe
+from ascend_compile.ops.npu import band_probe as npu_band_probe
 from tests import fake_torch_npu
 from tests import vllm_standin as v
 
@@ -404,9 +404,9 @@ def test_layer_features_are_passed_to_the_attention_op_and_served_equal_to_eager
 def test_vllm_ascend_layer_features_are_served_on_npu_as_vllm_ascend_serves_them(feature, band_at_single_query,
                                                                                    monkeypatch):
     """On runtime "npu" (the fake torch_npu), a vLLM-Ascend layer's window is FIA's band mode and its sinks
-    (bfloat16, as gpt-oss's are) FIA v2's `learnable_sink` (`ops/npu_features.py`): steps longer than the
+    (bfloat16, as gpt-oss's are) FIA v2's `learnable_sink` (`ops/npu/features.py`): steps longer than the
     window, decode and mixed, equal eager, replayed, but for the windowed decode ones on a device whose
-    S=1 band probe finds the band not applied at one query token per sequence (`ops/npu_band_probe.py`),
+    S=1 band probe finds the band not applied at one query token per sequence (`ops/npu/band_probe.py`),
     which run eagerly. vLLM-Ascend's impl keeps no soft-cap."""
     fake = fake_torch_npu.install(monkeypatch, band_at_single_query=band_at_single_query)
     options = dict(SERVED[feature][0])

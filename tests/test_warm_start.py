@@ -99,7 +99,7 @@ def test_on_npu_a_warm_start_asks_no_workspace_query(tmp_path, monkeypatch):
 
 
 def test_on_npu_a_warm_start_calls_no_probe(tmp_path, monkeypatch):
-    """The FIA form probe (`ops/npu_form_probe.py`) and a windowed layer's band probes (`ops/npu_band_probe.py`)
+    """The FIA form probe (`ops/npu/form_probe.py`) and a windowed layer's band probes (`ops/npu/band_probe.py`)
     make real calls on the device at compile time: a cold start makes them (their answers kept in the plan), a
     warm start, in a fresh fake torch_npu (a new process: no answer held in memory), calls none and serves the
     same (the windowed layer's decode steps replayed, as the probes found the band applied at one query token)."""

@@ -407,7 +407,7 @@ MUTANTS = (
     ),
     # issue 22: what an Ascend device requires
     Mutant(
-        "a cache write with a host read", "ascend_compile/ops/npu.py",
+        "a cache write with a host read", "ascend_compile/ops/npu/kernels.py",
         "        library.check_cache_write(key, value, key_cache, value_cache, slot_mapping)\n"
         "        self.torch_npu.npu_scatter_pa_kv_cache(",
         "        library.check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)\n"
@@ -415,7 +415,7 @@ MUTANTS = (
         (f"{DEVICE}::test_the_cache_write_binding_reads_no_device_data_on_the_host",),
     ),
     Mutant(
-        "skipped contiguity check", "ascend_compile/ops/npu_rules.py",
+        "skipped contiguity check", "ascend_compile/ops/npu/rules.py",
         "        if not tensor.is_contiguous():\n", "        if False:\n",
         (f"{DEVICE}::test_a_non_contiguous_kv_cache_is_refused_at_compile",),
     ),
@@ -479,12 +479,12 @@ MUTANTS = (
         (f"{NPU_MLA}::test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals_eager",),
     ),
     Mutant(
-        "MLA v2 workspace not passed", "ascend_compile/ops/npu_mla.py",
+        "MLA v2 workspace not passed", "ascend_compile/ops/npu/mla.py",
         "workspace=workspace, out=[out, softmax_lse])", "workspace=None, out=[out, softmax_lse])",
         (f"{NPU_MLA}::test_the_deepseek_example_on_npu_is_replayed_from_captured_graphs_and_equals_eager",),
     ),
     Mutant(
-        "MLA decode calls in sparse_mode 3", "ascend_compile/ops/npu_rules.py",
+        "MLA decode calls in sparse_mode 3", "ascend_compile/ops/npu/rules.py",
         "    return 3 if max(query_lens, default=0) > 1 else 0\n", "    return 3\n",
         (f"{NPU_MLA}::test_fia_v2_mla_equals_the_reference_with_the_wheels_schemas",),
     ),
@@ -500,7 +500,7 @@ MUTANTS = (
         (f"{NPU_MLA}::test_a_step_of_more_than_16_query_tokens_per_sequence_is_served_piecewise_saying_why",),
     ),
     Mutant(
-        "MLA head-count rule removed", "ascend_compile/ops/npu_rules.py",
+        "MLA head-count rule removed", "ascend_compile/ops/npu/rules.py",
         "num_heads in MLA_QUERY_HEADS,", "True,",
         (f"{NPU_MLA}::test_each_documented_constraint_is_refused_at_compile_naming_the_layer",),
     ),
@@ -901,16 +901,16 @@ MUTANTS = (
         ("tests/test_vllm_real.py::test_a_layer_built_with_sinks_its_impl_does_not_hold_is_refused_at_compile_time",),
         vllm=True,
     ),
-    # issue 33 item 7: windows and sinks on runtime "npu" as vLLM-Ascend binds them (`ops/npu_features.py`)
+    # issue 33 item 7: windows and sinks on runtime "npu" as vLLM-Ascend binds them (`ops/npu/features.py`)
     Mutant(
-        "npu window off by one (vLLM-Ascend's pre_tokens=W whatever the probe)", "ascend_compile/ops/npu_band_probe.py",
+        "npu window off by one (vLLM-Ascend's pre_tokens=W whatever the probe)", "ascend_compile/ops/npu/band_probe.py",
         "    return None if edge is None else int(window) - edge\n", "    return int(window)\n",
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
          f"[docs-band-ignored-at-s1]",),
     ),
     # the band's edge: the docs' pre_tokens = W - 1 or vLLM-Ascend's W, decided by the device's edge probe
     Mutant(
-        "pre_tokens fixed at W-1 whatever the probe", "ascend_compile/ops/npu_band_probe.py",
+        "pre_tokens fixed at W-1 whatever the probe", "ascend_compile/ops/npu/band_probe.py",
         "    return None if edge is None else int(window) - edge\n", "    return int(window) - 1\n",
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
          f"[vllm-edge-band-applied-at-s1]",
@@ -922,23 +922,23 @@ MUTANTS = (
         (f"{NPU_BAND_EDGE}::test_windowed_layers_run_eagerly_where_the_edge_probe_finds_neither_reading",),
     ),
     Mutant(
-        "the binding's edge backstop dropped", "ascend_compile/ops/npu.py",
+        "the binding's edge backstop dropped", "ascend_compile/ops/npu/kernels.py",
         "        if window is not None and pre_tokens is None:", "        if False:",
         (f"{NPU_BAND_EDGE}::test_windowed_layers_run_eagerly_where_the_edge_probe_finds_neither_reading",),
     ),
     Mutant(
-        "npu window sent in causal mode", "ascend_compile/ops/npu.py",
+        "npu window sent in causal mode", "ascend_compile/ops/npu/kernels.py",
         '        "sparse_mode": npu_features.sparse_mode(pre_tokens),\n',
         '        "sparse_mode": npu_features.sparse_mode(None),\n',
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",),
     ),
     Mutant(
-        "npu sinks' window sent in causal mode", "ascend_compile/ops/npu_features.py",
+        "npu sinks' window sent in causal mode", "ascend_compile/ops/npu/features.py",
         '        "sparse_mode": sparse_mode(pre_tokens),\n', '        "sparse_mode": CAUSAL_SPARSE_MODE,\n',
         (f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager",),
     ),
     Mutant(
-        "npu sinks dropped (FIA v1 without learnable_sink)", "ascend_compile/ops/npu.py",
+        "npu sinks dropped (FIA v1 without learnable_sink)", "ascend_compile/ops/npu/kernels.py",
         "        if sinks is not None:\n            npu_features.sinks_attention(",
         "        if False:\n            npu_features.sinks_attention(",
         (f"{NPU_FEATURES}::test_sinks_on_npu_are_fia_v2s_learnable_sink_and_equal_eager",),
@@ -950,7 +950,7 @@ MUTANTS = (
         (f"{NPU_FEATURES}::test_sinks_fia_v2_does_not_take_are_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
-        "FIA's workspace asked without the layer's window and sinks", "ascend_compile/ops/npu_workspace.py",
+        "FIA's workspace asked without the layer's window and sinks", "ascend_compile/ops/npu/workspace_queries.py",
         "                                             window=features.window, sinks=sinks)",
         "                                             window=None, sinks=None)",
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode",
@@ -969,9 +969,9 @@ MUTANTS = (
         (f"{NPU_FEATURES}::test_the_fake_refuses_band_and_sink_calls_its_docs_forbid",),
     ),
     # the band at one query token per sequence: the docs say it has no effect (L8110), vLLM-Ascend relies on
-    # it; the device's probe decides (`ops/npu_band_probe.py`)
+    # it; the device's probe decides (`ops/npu/band_probe.py`)
     Mutant(
-        "the S=1 band probe assumed true", "ascend_compile/ops/npu_band_probe.py",
+        "the S=1 band probe assumed true", "ascend_compile/ops/npu/band_probe.py",
         "        answers[key] = _probe(kernels, form)\n", "        answers[key] = True\n",
         (f"{NPU_FEATURES}::test_a_sliding_window_model_on_npu_equals_eager_through_fias_band_mode"
          f"[docs-band-ignored-at-s1]",
@@ -985,7 +985,7 @@ MUTANTS = (
          f"[docs-band-ignored-at-s1]",),
     ),
     Mutant(
-        "the binding's S=1 band backstop dropped", "ascend_compile/ops/npu.py",
+        "the binding's S=1 band backstop dropped", "ascend_compile/ops/npu/kernels.py",
         "                not self.band_at_single_query(form):",
         "                not self.band_at_single_query(form) and False:",
         (f"{NPU_FEATURES}::test_the_binding_refuses_a_windowed_decode_call_past_the_window_the_device_would_not_band",),
@@ -1362,12 +1362,12 @@ MUTANTS = (
         (f"{KERNEL_RULES}::test_a_fia_graph_above_4096_tokens_is_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
-        "FIA probes for a graph above 4096 tokens", "ascend_compile/ops/npu_workspace.py",
+        "FIA probes for a graph above 4096 tokens", "ascend_compile/ops/npu/workspace_queries.py",
         "        npu_rules.check_tnd_sequences(tokens)  #", "        #",
         (f"{KERNEL_RULES}::test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_4096",),
     ),
     Mutant(
-        "FIA probes with empty sequences", "ascend_compile/ops/npu_workspace.py",
+        "FIA probes with empty sequences", "ascend_compile/ops/npu/workspace_queries.py",
         "    query_lens = [kv_capacity] * full + ([rest] if rest else [])\n",
         "    query_lens = [kv_capacity] * full + ([rest] if rest else [])\n"
         "    query_lens += [0] * (tokens - len(query_lens))\n",
@@ -1384,14 +1384,14 @@ MUTANTS = (
         (f"{KERNEL_RULES}::test_a_tnd_call_of_more_than_4096_entries_is_the_devices_runtime_error",),
     ),
     Mutant(
-        "FIA's block table narrowed to each step's batch", "ascend_compile/ops/npu.py",
+        "FIA's block table narrowed to each step's batch", "ascend_compile/ops/npu/kernels.py",
         "        ends, kv_lens = table_batch(block_table, actual_seq_lengths, actual_seq_lengths_kv)\n",
         "        block_table = validate.sequence_rows(block_table, len(actual_seq_lengths_kv))\n"
         "        ends, kv_lens = list(actual_seq_lengths), list(actual_seq_lengths_kv)\n",
         (f"{KERNEL_RULES}::test_every_fia_update_keeps_the_captured_batch_and_block_table",),
     ),
     Mutant(
-        "FIA's TND head dim bound the docs' 512", "ascend_compile/ops/npu_rules.py",
+        "FIA's TND head dim bound the docs' 512", "ascend_compile/ops/npu/rules.py",
         "FIA_MAX_HEAD_DIM = 256\n", "FIA_MAX_HEAD_DIM = 512\n",
         (f"{DEVICE}::test_head_limits_are_refused_at_compile_naming_the_layer",),
     ),
@@ -1402,12 +1402,12 @@ MUTANTS = (
         (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
-        "the form probe asks only a mixed call", "ascend_compile/ops/npu_form_probe.py",
+        "the form probe asks only a mixed call", "ascend_compile/ops/npu/form_probe.py",
         "    for tokens in (1, 2):", "    for tokens in (2,):",
         (f"{KERNEL_RULES}::test_the_form_probe_asks_once_per_distinct_form",),
     ),
     Mutant(
-        "the form probe's answers not kept", "ascend_compile/ops/npu_form_probe.py",
+        "the form probe's answers not kept", "ascend_compile/ops/npu/form_probe.py",
         "    if key not in answers:", "    if True:",
         (f"{KERNEL_RULES}::test_the_form_probe_asks_once_per_distinct_form",),
     ),
@@ -1422,7 +1422,7 @@ MUTANTS = (
         (f"{KERNEL_RULES}::test_a_layer_form_the_devices_kernel_refuses_is_refused_at_compile_naming_the_layer",),
     ),
     Mutant(
-        "auto's timing fails the compile on a form the device refuses", "ascend_compile/ops/npu.py",
+        "auto's timing fails the compile on a form the device refuses", "ascend_compile/ops/npu/kernels.py",
         "    except RuntimeError as err:  # the device's kernel refuses this form",
         "    except ValueError as err:  # the device's kernel refuses this form",
         (f"{KERNEL_RULES}::test_auto_times_a_refused_form_as_never_finishing_and_refuses_the_layer_by_name",),
@@ -1474,31 +1474,31 @@ MUTANTS = (
     ),
     # issue 47 item 4: the band probes at the layer's own form, a refusal read as neither
     Mutant(
-        "the band edge probe at a fixed form", "ascend_compile/ops/npu_band_probe.py",
+        "the band edge probe at a fixed form", "ascend_compile/ops/npu/band_probe.py",
         "    heads, kv_heads, dim, block, q_len = form.heads, form.kv_heads, form.head_dim, form.block_size, EDGE_QUERY_LEN\n",
         "    heads, kv_heads, dim, block, q_len = 2, 2, 64, 128, EDGE_QUERY_LEN\n",
         (f"{NPU_BAND_EDGE}::test_the_band_probes_are_asked_at_each_windowed_layers_own_form_once_per_form",),
     ),
     Mutant(
-        "the S=1 band probe at a fixed form", "ascend_compile/ops/npu_band_probe.py",
+        "the S=1 band probe at a fixed form", "ascend_compile/ops/npu/band_probe.py",
         "    heads, kv_heads, dim, block = form.heads, form.kv_heads, form.head_dim, form.block_size\n",
         "    heads, kv_heads, dim, block = 2, 2, 64, 128\n",
         (f"{NPU_BAND_EDGE}::test_the_band_probes_are_asked_at_each_windowed_layers_own_form_once_per_form",),
     ),
     Mutant(
-        "the band edge probe's answer kept per sinks only", "ascend_compile/ops/npu_band_probe.py",
+        "the band edge probe's answer kept per sinks only", "ascend_compile/ops/npu/band_probe.py",
         "    edges = _EDGES.setdefault(kernels.torch_npu, {})\n    key = (str(kernels.device), form)\n",
         "    edges = _EDGES.setdefault(kernels.torch_npu, {})\n    key = (str(kernels.device), form.sinks)\n",
         (f"{NPU_BAND_EDGE}::test_the_band_probes_are_asked_at_each_windowed_layers_own_form_once_per_form",),
     ),
     Mutant(
-        "a band probe call the device refuses fails the compile", "ascend_compile/ops/npu_band_probe.py",
+        "a band probe call the device refuses fails the compile", "ascend_compile/ops/npu/band_probe.py",
         "    except RuntimeError as err:\n        log.warning(\"ascend_compile: the device refused a band probe",
         "    except ValueError as err:\n        log.warning(\"ascend_compile: the device refused a band probe",
         (f"{NPU_BAND_EDGE}::test_a_band_probe_call_the_device_refuses_is_read_as_neither",),
     ),
     Mutant(
-        "MLA's workspace probe at the graph's own tokens whatever the device answers", "ascend_compile/ops/npu_workspace.py",
+        "MLA's workspace probe at the graph's own tokens whatever the device answers", "ascend_compile/ops/npu/workspace_queries.py",
         "        if tokens > MLA_PROBE_TOKENS:\n", "        if False:\n",
         ("tests/test_mla_npu.py::test_mlas_workspace_probe_is_sized_by_what_the_devices_answer_depends_on",),
     ),
@@ -1539,18 +1539,18 @@ MUTANTS = (
     ),
     # issue 48: a warm start calls no npu probe
     Mutant(
-        "the S=1 band probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
+        "the S=1 band probe's answer not kept in the plan", "ascend_compile/ops/npu/band_probe.py",
         "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, form: (\"band at one query token\", form))\n",
         "",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
     ),
     Mutant(
-        "the band edge probe's answer not kept in the plan", "ascend_compile/ops/npu_band_probe.py",
+        "the band edge probe's answer not kept in the plan", "ascend_compile/ops/npu/band_probe.py",
         "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, form: (\"band edge\", form))\n", "",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),
     ),
     Mutant(
-        "the form probe's answers not kept in the plan", "ascend_compile/ops/npu_form_probe.py",
+        "the form probe's answers not kept in the plan", "ascend_compile/ops/npu/form_probe.py",
         "@plan_cache.remembered(\"npu_probes\", question=lambda kernels, shape, dtype, windowed, sinks: (",
         "@(lambda kind, question: lambda fn: fn)(\"npu_probes\", question=lambda kernels, shape, dtype, windowed, sinks: (",
         (f"{WARM_START}::test_on_npu_a_warm_start_calls_no_probe",),

@@ -226,7 +226,7 @@ def capture_plan(sources: Sequence[HostSource], geometry: Geometry, seq_len: int
     `geometry.seqs` sequences of `seq_len` (None: all padding, each sequence as long as its query,
     `packed` into dummies as a mixed step's padding is: a graph serving mixed steps is captured with a
     mixed call, as FIA v2's MLA form needs, whose sparse mode follows the call's query lengths,
-    `ops/npu_mla.py`)."""
+    `ops/npu/mla.py`)."""
     lens = [seq_len] * geometry.seqs if seq_len is not None else []
     names = {src.source for src in sources}
     step = Step((), {}, 0, 0, not packed, {name: list(lens) for name in names}, {name: [0] for name in names})

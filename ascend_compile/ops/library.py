@@ -1,7 +1,7 @@
 """The `ascend` torch library: op schemas, fake impls and the default (reference) kernels.
 
 Every op is a `torch.library.custom_op`, so dynamo keeps each as one opaque FX node. Device
-modules (`ops/cuda.py`, `ops/npu.py`) register faster kernels for their device type on the same
+modules (`ops/cuda.py`, `ops/npu/kernels.py`) register faster kernels for their device type on the same
 ops; the reference kernels here serve every other device.
 """
 from __future__ import annotations

@@ -56,7 +56,7 @@ def median_seconds(run: Callable[[], object], synchronize: Callable[[], object],
 
     Each timed call is bracketed by `synchronize()` (waiting for the device), so it measures the
     work `run` queued and not only its launch. The one timing loop of the package: `time_kernel`
-    here and `ops.npu.time_kernel` both use it.
+    here and `ops.npu.kernels.time_kernel` both use it.
     """
     for _ in range(warmup):
         run()

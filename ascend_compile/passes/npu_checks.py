@@ -1,22 +1,22 @@
 """The NPU target's checks of a graph against the torch_npu kernels' documented constraints.
 
 At compile time (`check_npu_graph`) every kernel node and KV-cache write of a rewritten graph is held
-to `ops/npu_rules.py`: PA's and FIA's block sizes and half-precision dtypes, MLA's shape rules (FIA v2's MLA form: d 512, rope
+to `ops/npu/rules.py`: PA's and FIA's block sizes and half-precision dtypes, MLA's shape rules (FIA v2's MLA form: d 512, rope
 64, power-of-two query heads up to 128, blocks of 16 or 128, half precision, at most 4096 sequences),
 contiguous caches, and enough cache blocks for FIA and MLA to count one per sequence of each bucket's
 all-padding capture (`padding.capture_kv_lens`), and the attention features: sinks held to FIA v2's
 `learnable_sink` rules, a soft-cap refused (`REFUSED_FEATURES`; a window is FIA's band mode,
-`ops/npu_features.py`), FIA's TND head dim and the 4096 sequences a TND call may hold (the kernel source's).
+`ops/npu/features.py`), FIA's TND head dim and the 4096 sequences a TND call may hold (the kernel source's).
 A violation is refused before torch_npu is called, naming the layer, the kernel and the rule: on a device
 it would fail at the first capture, or worse, run with a copy of the whole cache per call. Last, each FIA
-layer's form is asked of the device's kernel once (`ops/npu_form_probe.py`: where CANN versions differ) and
+layer's form is asked of the device's kernel once (`ops/npu/form_probe.py`: where CANN versions differ) and
 refused, naming the layer and the device's message, where the device refuses it (under `refused_layers="eager"`
 returned instead: its layer is served eagerly, `passes/pipeline.py`). Each step (`npu_step_guard`), FIA's and MLA's block count is checked on the padded
 lengths the step would send, and MLA's query lengths (1-16 per sequence, and the sparse mode the
 graph was captured with: 0 in a decode graph, 3 in a mixed one), and PA's workspace need at those
 lengths against its slot (`pa_workspace_guard`), and, where the device's S=1 band probe finds FIA's band
 not applied at one query token per sequence, a windowed layer's decode steps past its window
-(`window_guard`, `ops/npu_band_probe.py`); a step failing any runs eagerly.
+(`window_guard`, `ops/npu/band_probe.py`); a step failing any runs eagerly.
 A mixed step with a sequence of more than 16 query tokens (a prefill chunk) is such a step: refusing
 it at compile time would refuse every model that prefills, and vLLM-Ascend runs those steps outside
 its graphs too (FULL_DECODE_ONLY).
@@ -29,7 +29,8 @@ import torch
 from torch import fx
 
 from ..errors import AscendCompileError
-from ..ops import npu_api, npu_band_probe, npu_features, npu_rules, tiling
+from ..ops import tiling
+from ..ops.npu import api as npu_api, band_probe as npu_band_probe, features as npu_features, rules as npu_rules
 from .fx_utils import example_value, is_op
 from .kernel_call import HostSource, KernelCall, StepGuard, is_kernel, kernel_calls
 from .padding import capture_kv_lens, dummy_limit, packed_capture
@@ -38,7 +39,7 @@ from .workspaces import WORKSPACE_BYTES_KEY, GraphKey
 
 #: The KV lengths of the all-padding capture of a key's graph.
 CaptureLens = Callable[[GraphKey], Sequence[int]]
-#: Why the device's FIA refuses a layer of (shape, dtype, window, sinks), or None (`ops/npu_form_probe.refusal`).
+#: Why the device's FIA refuses a layer of (shape, dtype, window, sinks), or None (`ops/npu/form_probe.refusal`).
 FormRefusal = Callable[[tiling.AttentionShape, torch.dtype, "int | None", bool], "str | None"]
 
 
@@ -58,7 +59,7 @@ def _refuse(node: fx.Node, check: Callable[[], None]) -> None:
 
 
 #: The attention features (`ops/features.py`) runtime "npu" refuses, and why. A window and sinks are
-#: served as vLLM-Ascend serves them (FIA's band mode, FIA v2's `learnable_sink`: `ops/npu_features.py`).
+#: served as vLLM-Ascend serves them (FIA's band mode, FIA v2's `learnable_sink`: `ops/npu/features.py`).
 REFUSED_FEATURES = {"soft_cap": npu_features.SOFT_CAP_REFUSAL}
 
 
@@ -154,8 +155,8 @@ def check_npu_graph(gm: fx.GraphModule, keys: Sequence[GraphKey], mixed_graph_ke
     """Refuse what the torch_npu kernels cannot run in `gm`, a rewritten graph serving `keys` (a key of
     a kernel in `mixed_graph_kernels` has a mixed graph of its own: `padding.packed_capture`), a node
     whose binding calls a function of `api_absent`, what the installed torch_npu (`torch_npu_version`) lacks
-    (`ops/npu_api.py`), and, given `form_refusal` (the device's form probe), a FIA layer whose form the
-    device's kernel refuses (`ops/npu_form_probe.py`); with `eager_refused` such a layer is not refused but
+    (`ops/npu/api.py`), and, given `form_refusal` (the device's form probe), a FIA layer whose form the
+    device's kernel refuses (`ops/npu/form_probe.py`); with `eager_refused` such a layer is not refused but
     returned: its attention node's name -> the refusal (the layer is served eagerly)."""
     limit = dummy_limit(gm)
     eager: dict[str, str] = {}
@@ -225,7 +226,7 @@ def window_guard(gm: fx.GraphModule, band_at_single_query: Callable[[npu_band_pr
                  ) -> StepGuard | None:
     """A check of each step for `gm`'s windowed FIA layers on a device that does not apply FIA's band when
     every sequence has one query token (`band_at_single_query`, the device's probe, asked here for the
-    layers' forms: `ops/npu_band_probe.py`); None where it does, or without such layers. A decode step
+    layers' forms: `ops/npu/band_probe.py`); None where it does, or without such layers. A decode step
     (every sequence one query token: the docs' IncreFlashAttention branch, L8056, where "Q_S为1时该参数无效" of
     `pre_tokens`, torch_npu 2.14 `_op_plugin_docs.py` L8110) with a sequence longer than a layer's window
     runs eagerly, through the model's own attention: the graph would attend the whole context."""

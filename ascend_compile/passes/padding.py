@@ -9,7 +9,7 @@ the step's own batch size at each task update (`vllm_ascend/worker/model_runner_
 `_pad_query_start_loc_for_fia`; `attention_v1.py` pads `seq_lens_list` and the block table to that
 batch). So no padded token is left without a sequence, and FIA's cost stays linear in the padded
 tokens (a dummy's rows attend at most 128 keys). On npu the binding then extends every FIA call's
-lists with empty entries (0 query tokens, KV 0) up to the block table's rows (`ops/npu.py`:
+lists with empty entries (0 query tokens, KV 0) up to the block table's rows (`ops/npu/kernels.py`:
 `table_batch`), so that a captured task's batch never changes at update: those entries hold no
 token and read no key (the kernel's TND check allows them). vLLM-Ascend gives its dummy KV length 1, which
 leaves rows attending no key, whose output no document defines; a dummy here stays inside the

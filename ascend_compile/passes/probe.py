@@ -1,7 +1,7 @@
 """Workspace sizes from a device's workspace queries, asked at compile time the way each answers.
 
 Where a kernel's workspace has no formula (Ascend's PA and FIA), the only source is the device's
-query, and the two kernels' queries answer different questions (`ops/npu_workspace.py`):
+query, and the two kernels' queries answer different questions (`ops/npu/workspace_queries.py`):
 
 - FIA's `get_max_workspace` answers the most any lengths up to the shapes given can need: it is asked
   once per graph (per bucket and shape), like torch_npu's own ACL-graph capture and vLLM-Ascend ask it.
@@ -9,7 +9,7 @@ query, and the two kernels' queries answer different questions (`ops/npu_workspa
   records `max_model_len` as its length.
 - MLA's (FIA v2's) `get_max_workspace` is FIA's question for the MLA form, asked once per graph the
   same way, with the most query tokens a sequence of that graph may have (a decode graph's calls and
-  a mixed graph's take different sparse modes, `ops/npu_mla.py`).
+  a mixed graph's take different sparse modes, `ops/npu/mla.py`).
 - PA's `get_workspace` answers for the lengths given, and that need is not assumed monotonic in
   length (vLLM-Ascend's worry: "smaller seq_lens might encounter a bigger workspace"), nor in the
   mix of lengths of a batch. No set of questions asked at compile time covers every step, so PA is
@@ -22,7 +22,7 @@ query, and the two kernels' queries answer different questions (`ops/npu_workspa
 
 `ProbedWorkspaceNeed` is the `NeedFn` (see `workspaces.py`) doing this; answers are cached per
 (kernel, shape, tokens, length, table width; FIA's per layer features too: a window or sinks change the
-call asked about, `ops/npu_features.py`), so the layers of one shape cost one question each.
+call asked about, `ops/npu/features.py`), so the layers of one shape cost one question each.
 Nothing here runs at replay.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ VLLM_ASCEND_PINNED_LEN = 6144
 
 
 class WorkspaceQueries(Protocol):
-    """A device's workspace queries, in bytes (`ops.npu_workspace.NpuWorkspaceQuery` on torch_npu)."""
+    """A device's workspace queries, in bytes (`ops.npu.workspace_queries.NpuWorkspaceQuery` on torch_npu)."""
 
     def paged_attention(self, shape: tiling.AttentionShape, context_lens: Sequence[int], max_blocks: int) -> int:
         """PA's need for one decode token per sequence at `context_lens`."""

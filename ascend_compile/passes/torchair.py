@@ -29,10 +29,10 @@ import torch
 from torch import fx
 
 from ..config import CompileConfig
-from ..ops import npu as npu_ops
+from ..ops.npu import kernels as npu_ops
 from ..ops import tiling
 from ..ops.kernel_policy import KernelChoice, KernelPolicy
-from ..ops.npu_workspace import NpuWorkspaceQuery
+from ..ops.npu.workspace_queries import NpuWorkspaceQuery
 from .find_attention import AttentionArgs, adapt_attention, attention_args, layer_name
 from .fx_utils import example_value, is_op
 from .kernel_call import KernelCall, host_placeholders, kernel_calls
@@ -113,7 +113,7 @@ def _refuse_fia(calls: list[KernelCall], choices: tuple[KernelChoice, ...]) -> N
 
 def _refuse_mla(attention: list[fx.Node]) -> None:
     """Latent attention's kernel takes host lengths, as FIA's does, which npugraph_ex would freeze (see
-    `_refuse_fia`); backend 'ascend_graph' refreshes them by task updates (`ops/npu_mla.py`)."""
+    `_refuse_fia`); backend 'ascend_graph' refreshes them by task updates (`ops/npu/mla.py`)."""
     for node in attention:
         if is_op(node, torch.ops.ascend.mla_attention):
             raise ValueError(f"{layer_name(node)}: npugraph_ex does not serve latent attention (ascend.mla_attention): "

@@ -19,8 +19,8 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from ..errors import AscendCompileError, CaptureError, ReplayError
-from ..ops import npu_api
-from ..ops.npu import NpuKernels, load_torch_npu
+from ..ops.npu import api as npu_api
+from ..ops.npu.kernels import NpuKernels, load_torch_npu
 from .base import DeviceGraph, TaskHandle, TaskUpdateRuntime, generators_kept
 from .npu_tasks import NpuEvent, NpuTaskHandle
 
@@ -155,7 +155,7 @@ class NpuRuntime(TaskUpdateRuntime):
         self.torch_npu = load_torch_npu()
         self.npu = torch.npu
         self.torch_npu_version: str = getattr(self.torch_npu, "__version__", "unknown")
-        #: What the installed torch_npu lacks of what this runtime may call (`ops/npu_api.py`): the graph
+        #: What the installed torch_npu lacks of what this runtime may call (`ops/npu/api.py`): the graph
         #: API required here, a kernel's functions by the graphs holding it (`NpuTarget.check_graph`).
         self.api_absent = npu_api.missing(self.torch_npu, self.npu)
         npu_api.require(npu_api.GRAPH_API, self.api_absent, self.torch_npu_version, "runtime 'npu'")

@@ -17,7 +17,7 @@ workspace query.
   whole life (this project's rule, a task update re-issuing its captured call): the NPU target gives MLA
   buckets a decode graph and a mixed graph, and its step guard sends a step needing the other mode to eager (`passes/npu_checks.py`).
 - The workspace: `_npu_fused_infer_attention_score_v2_get_max_workspace` with the same arguments, which
-  "获取最大workspace size" (L8961), asked once per graph (`ops/npu_workspace.py`).
+  "获取最大workspace size" (L8961), asked once per graph (`ops/npu/workspace_queries.py`).
 - `ascend.mla_cache_write` runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`, the
   write `NpuKernels.reshape_and_cache` issues, with the latent as its key and the rope key as its value,
   one head each: "其中k_head_size与v_head_size 可以不同" (its scenario 2, L6996). vLLM-Ascend writes its
@@ -32,7 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
-from . import mla, npu_rules, validate
+from .. import mla, validate
+from . import rules as npu_rules
 
 
 def query_lens_of(ends: Sequence[int]) -> list[int]:

@@ -23,8 +23,8 @@ from typing import Any, Collection, Iterable
 
 import torch
 
-from ..errors import AscendCompileError
-from . import tiling
+from ...errors import AscendCompileError
+from .. import tiling
 
 #: Where each function was first offered, as far as docs/ascend.md's Versions table determines it.
 TASK_GROUPS = "torch_npu's *-7.0.0 release lines (2.1.0.post12, 2.3.1.post6, 2.4.0.post4, 2.5.1) with CANN 8.1.RC1"
@@ -90,7 +90,7 @@ ALL_API = GRAPH_API + PA_API + FIA_API + FIA_V2_API + CACHE_WRITE_API
 
 
 def kernel_api(kernel: str, sinks: bool) -> tuple[Api, ...]:
-    """The functions an `ascend` kernel node's binding calls (`ops/npu.py`): PA's, FIA's (v2's for a layer with
+    """The functions an `ascend` kernel node's binding calls (`ops/npu/kernels.py`): PA's, FIA's (v2's for a layer with
     sinks) or MLA's (FIA v2)."""
     if kernel == tiling.PA:
         return PA_API

@@ -7,7 +7,7 @@ torch_npu enforces the same lines when called. Each rule cites where it is writt
 2.14.0 wheel: `torch_npu/_op_plugin_docs.py` (aclnn ops) and `torch_npu/op_plugin/atb/_atb_api_docs.py`
 (ATB ops), or, where the kernel's source (CANN ops-transformer) is narrower than the docs on every version
 read, the source's lines (FIA's TND head dim and list sizes); what differs between versions is asked of the
-device (`ops/npu_form_probe.py`). Each check raises a ValueError starting with the argument's name.
+device (`ops/npu/form_probe.py`). Each check raises a ValueError starting with the argument's name.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ FIA_BLOCK_SIZES = (128, 256, 384, 512)
 #: parameter list for every layout: TND's own list says "数据类型仅支持BFLOAT16" (L8193-8197; v2 L8733), as the
 #: kernel source c29bc106 does for TND (`prompt_flash_attention_tiling.cpp` L3813-3815), while bfbbec83's SplitFuse
 #: path also takes float16 (`fused_infer_attention_score_tiling.cpp` L975-977). So float16 is not refused here for
-#: FIA: a float16 FIA layer is asked of the device (`ops/npu_form_probe.py`).
+#: FIA: a float16 FIA layer is asked of the device (`ops/npu/form_probe.py`).
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 
 #: Where each kernel's contiguity rule is written.
@@ -66,14 +66,14 @@ CONTIGUITY_SOURCES = {
 #: several query tokens). L8204, L8210 and L8271 are the docs' general lists ("当Q_S大于1时" L8201-8210, "当Q_S等于1时"
 #: L8269-8271: the BSH/BSND/BNSD constraints; L8204 names BSH and BSND), not TND's own, which is narrower (N
 #: 8/16/32/64/128 with Q_N = K_N and D 192, L8193-8197; v2 D 128 or 192, L8730-8731) and is not applied here: the
-#: head dims within these bounds are asked of the device (`ops/npu_form_probe.py`). The head dim's bound is the
+#: head dims within these bounds are asked of the device (`ops/npu/form_probe.py`). The head dim's bound is the
 #: kernel source's, narrower than the docs' 512 (L8204, L8271):
 #: every call here is TND without rope and D != 512, which takes the PFA tiling in ops-transformer c29bc106
 #: (`fused_infer_attention_score_tiling.cpp` L700-716), whose TND rule is D 64 or 128, or 192 in narrow cases
 #: (`prompt_flash_attention_tiling.cpp` L3800-3803); a later source (the ops-transformer mirror at bfbbec83,
 #: 2025-12) adds a SplitFuse path refusing D > 256 in TND (`fused_infer_attention_score_tiling.cpp` L1035-1038)
 #: and otherwise keeps that PFA rule (L3680-3683). No version read takes D > 256; which D up to 256 a device
-#: takes depends on its version, asked of the device per layer form (`ops/npu_form_probe.py`).
+#: takes depends on its version, asked of the device per layer form (`ops/npu/form_probe.py`).
 FIA_MAX_HEAD_RATIO = 64
 FIA_MAX_HEADS = 256
 FIA_MAX_HEAD_DIM = 256
@@ -266,7 +266,7 @@ def mla_step_refusal(query_lens: Sequence[int], sparse_mode: int | None) -> str 
     return None
 
 
-# FIA v2 with `learnable_sink` (attention sinks, `ops/npu_features.py`), lines of the same docs.
+# FIA v2 with `learnable_sink` (attention sinks, `ops/npu/features.py`), lines of the same docs.
 
 #: "learnable_sink: ...数据类型支持bfloat16, 数据格式支持ND, shape输入为(Q_N,)" (L8625); the query: the TND
 #: section for a d other than 512 allows "数据类型仅支持BFLOAT16" (L8733), as vLLM-Ascend serves gpt-oss (its
@@ -277,7 +277,7 @@ SINKS_DTYPE = torch.bfloat16
 #: "learnable_sink的参数约束如下：仅支持TND、NTD_TND；仅支持value的d小于等于128" (L8755-8757). The kernel source is
 #: narrower, a value d of 64 or 128 only (c29bc106 `prompt_flash_attention_tiling.cpp` L3668-3671; bfbbec83
 #: L3556-3558): this bound is the docs', and a sinks layer of another d up to 128 is asked of the device
-#: (`ops/npu_form_probe.py`).
+#: (`ops/npu/form_probe.py`).
 SINKS_MAX_HEAD_DIM = 128
 
 

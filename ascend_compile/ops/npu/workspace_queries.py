@@ -21,7 +21,7 @@ that is refused before the question). "blocknum不能小于...的block数量之�
 `ceil(tokens / block_size)` blocks, so the probe cache is a few blocks, not `bucket * max_model_len / block_size`.
 
 **MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
-"获取最大workspace size" (L8961) for FIA v2 (`ops/npu_mla.py`), whose MLA form takes 1-16 query tokens per
+"获取最大workspace size" (L8961) for FIA v2 (`ops/npu/mla.py`), whose MLA form takes 1-16 query tokens per
 sequence (L8724) and a sparse mode the project sets by them (`npu_rules.mla_sparse_mode`; L8697, though TND
 takes 0 or 3 at any query lengths, L8719): the probe's sequences hold at most as many query
 tokens as the graph's may (1 in a decode graph, so its question is asked in the decode graph's mode),
@@ -46,10 +46,11 @@ from typing import Sequence
 
 import torch
 
-from . import npu_rules, tiling
-from .features import PLAIN, AttentionFeatures
-from .npu import NpuKernels
-from .tiling import AttentionShape
+from .. import tiling
+from . import rules as npu_rules
+from ..features import PLAIN, AttentionFeatures
+from .kernels import NpuKernels
+from ..tiling import AttentionShape
 
 #: The most query tokens MLA's probe tensors hold where the device's answer reads no token count (`mla_max`).
 MLA_PROBE_TOKENS = 128

@@ -3,7 +3,7 @@
 PA runs as `torch_npu._npu_paged_attention` (ATB) and FIA as
 `torch_npu.npu_fused_infer_attention_score.out` (aclnn), each called with exactly the argument names
 and order of the schemas in the torch_npu wheels, the same in both (`tests/fixtures/torch_npu_2_14_schemas.txt`,
-`torch_npu_2_10_0_post4_schemas.txt`; what a torch_npu lacking one gets: `ops/npu_api.py`):
+`torch_npu_2_10_0_post4_schemas.txt`; what a torch_npu lacking one gets: `ops/npu/api.py`):
 
 - PA: `(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
   context_lens, out, *, workspace=)`, `context_lens` a CPU int32 tensor (ATB reads it on the host);
@@ -14,16 +14,16 @@ and order of the schemas in the torch_npu wheels, the same in both (`tests/fixtu
   query tokens are the last of its KV, causal among themselves) with the 2048x2048 mask that mode
   requires, `workspace=`, and `out=[attention_out, softmax_lse]` (the registered overload takes `out`
   as a list). A layer's window is FIA's band mode (sparse 4 with `pre_tokens`/`next_tokens`) and its
-  sinks FIA v2's `learnable_sink`, as vLLM-Ascend binds them; a soft-cap is refused (`ops/npu_features.py`).
+  sinks FIA v2's `learnable_sink`, as vLLM-Ascend binds them; a soft-cap is refused (`ops/npu/features.py`).
 
 The KV-cache write runs as `torch_npu.npu_scatter_pa_kv_cache(..., cache_mode="Norm")`. MLA's kernel
-and cache write are bound in `ops/npu_mla.py` (FIA v2's `query_rope` / `key_rope` form).
+and cache write are bound in `ops/npu/mla.py` (FIA v2's `query_rope` / `key_rope` form).
 
 Ascend gives no formula for the workspace these kernels need, only queries
 (`_npu_paged_attention_get_workspace` for given lengths, `_npu_fused_infer_attention_score_get_max_workspace`
-for any): `NpuKernels.workspace_nbytes` asks either, `ops/npu_workspace.py` asks them at compile time
+for any): `NpuKernels.workspace_nbytes` asks either, `ops/npu/workspace_queries.py` asks them at compile time
 on probe tensors, and nothing is queried or allocated at replay. The kernels' documented constraints
-are in `ops/npu_rules.py`.
+are in `ops/npu/rules.py`.
 
 torch_npu is imported lazily, by `load_torch_npu`: importing this module needs no NPU.
 """
@@ -36,10 +36,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import library, npu_band_probe, npu_features, npu_mla, tiling, validate
-from .npu_rules import check_fia_block_size
-from .timing import median_seconds
-from .tiling import AttentionShape
+from .. import library, tiling, validate
+from . import band_probe as npu_band_probe, features as npu_features, mla as npu_mla
+from .rules import check_fia_block_size
+from ..timing import median_seconds
+from ..tiling import AttentionShape
 
 log = logging.getLogger("ascend_compile")
 
@@ -204,9 +205,9 @@ class NpuKernels:
     ) -> None:
         """`ascend.fused_infer_attention` as `torch_npu.npu_fused_infer_attention_score.out`, a window as
         its band mode; with sinks as `npu_fused_infer_attention_score_v2.out` (`learnable_sink`). A soft-cap
-        is refused here as at compile time (`ops/npu_features.py`: torch_npu's FIA has none), and so is a
+        is refused here as at compile time (`ops/npu/features.py`: torch_npu's FIA has none), and so is a
         windowed call of one query token per sequence with one longer than the window where the device does
-        not apply the band at S 1 (`ops/npu_band_probe.py`; the step guard sends such steps eagerly first),
+        not apply the band at S 1 (`ops/npu/band_probe.py`; the step guard sends such steps eagerly first),
         and every windowed call where the device's edge probe found no `pre_tokens` serving the window (its
         graphs run eagerly first: `NpuTarget.eager_reason`)."""
         library.check_features(query, window, soft_cap, sinks)
@@ -228,13 +229,13 @@ class NpuKernels:
 
     def pre_tokens(self, window: int | None, form: npu_band_probe.BandForm) -> int | None:
         """FIA's `pre_tokens` for a layer of `window` and `form`: `W - 1` or `W`, as this device's edge probe
-        found (asked once per process and form: `ops/npu_band_probe.py`); None without a window, or where the
+        found (asked once per process and form: `ops/npu/band_probe.py`); None without a window, or where the
         probe found neither."""
         return npu_band_probe.pre_tokens(self, window, form)
 
     def band_at_single_query(self, form: npu_band_probe.BandForm) -> bool:
         """Whether this device applies FIA's band when every sequence has one query token (its probe's
-        answer for a layer of `form`, asked once per process and form: `ops/npu_band_probe.py`)."""
+        answer for a layer of `form`, asked once per process and form: `ops/npu/band_probe.py`)."""
         return npu_band_probe.band_at_single_query(self, form)
 
     def launch_fia(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -268,7 +269,7 @@ class NpuKernels:
         write vLLM-Ascend issues on A2/A3 (`vllm_ascend/device/device_op.py`, `BaseDeviceAdaptor`), with
         key, value and slots made contiguous as it does ("输入参数不支持非连续", torch_npu 2.14
         `_op_plugin_docs.py`; a copy of this step's tokens, never of a cache: non-contiguous caches are
-        refused at compile time, `ops/npu_rules.py`). "Norm" selects the ND cache layout
+        refused at compile time, `ops/npu/rules.py`). "Norm" selects the ND cache layout
         `[num_blocks, block_size, KVH, D]` (the default, "PA_NZ", takes NZ-format caches).
 
         It reads no device data on the host, unlike the reference body (which checks the slots' range
@@ -389,7 +390,7 @@ def time_kernel(
         args = (query, key_cache, value_cache, block_table, *host, scale,
                 torch.empty(nbytes, dtype=torch.uint8, device=device), out)
         return median_seconds(lambda: kernels.call(kernel, *args), synchronize, warmup=1, iters=repeats)
-    except RuntimeError as err:  # the device's kernel refuses this form (`ops/npu_form_probe.py`): no candidate
+    except RuntimeError as err:  # the device's kernel refuses this form (`ops/npu/form_probe.py`): no candidate
         log.info("ascend_compile: %s refused a timing call of %s in %s (timed as never finishing): %s", kernel, shape,
                  dtype, err)
         return float("inf")

@@ -8,10 +8,10 @@ below are of the torch_npu 2.14.0 wheel's `torch_npu/_op_plugin_docs.py`).
   (`AttentionMaskBuilder.get_splitfuse_attn_mask`, `vllm_ascend/attention/attention_mask.py` L50-54) to
   both. `next_tokens=0` as vLLM-Ascend passes it (`full_graph_fia` L941-943 and the update L891-909;
   eager L1418-1433), and `pre_tokens` `W - 1` (the docs' band) or `W` (vLLM-Ascend's), as the device's own
-  edge probe finds (`band_tokens`, `ops/npu_band_probe.py`). At one
+  edge probe finds (`band_tokens`, `ops/npu/band_probe.py`). At one
   query token per sequence the docs say the band's arguments have no effect (L8110-8111) and vLLM-Ascend
   relies on them: the device's own probe decides, and windowed decode steps it would not band run
-  eagerly (`ops/npu_band_probe.py`).
+  eagerly (`ops/npu/band_probe.py`).
 - **sinks**: FIA v2's `learnable_sink`, one bfloat16 logit per query head (L8625), called as vLLM-Ascend's
   sinks path calls it (`full_graph_fia_v2` L1089-1210, its update L689-708, eager L1375-1400):
   `npu_fused_infer_attention_score_v2.out(query, key, value, atten_mask=, actual_seq_qlen=, actual_seq_kvlen=,
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import npu_rules
+from . import rules as npu_rules
 
 #: FIA's sparse mode for causal attention whose queries end their sequence (rightDownCausal, L8121).
 CAUSAL_SPARSE_MODE = 3
@@ -55,7 +55,7 @@ def sparse_mode(pre_tokens: int | None) -> int:
 
 def band_tokens(pre_tokens: int | None) -> dict[str, int]:
     """FIA's `pre_tokens` and `next_tokens` for a layer whose window is the band of `pre_tokens` (what the
-    device's edge probe found for its window: `ops/npu_band_probe.pre_tokens`); none without one (sparse
+    device's edge probe found for its window: `ops/npu/band_probe.pre_tokens`); none without one (sparse
     3 ignores them: "sparse_mode=1、2、3的场景忽略入参pre_tokens、next_tokens", L8215, L8773).
 
     Our window `W` is `W` keys, the query's own included (`ops/features.py`: keys in `(p - W, p]`). FIA's
@@ -73,7 +73,7 @@ def band_tokens(pre_tokens: int | None) -> dict[str, int]:
     vLLM-Ascend passes `pre_tokens=self.sliding_window`, vLLM's `W` (attention_v1.py L942, L1127, L1204, L1431),
     which by these lines attends `W + 1` keys: one more than vLLM's own FlashAttention backend
     (`window_size=(W - 1, 0)`) and transformers' mask. Neither reading is assumed: the device's edge probe
-    decides which of `W - 1` and `W` attends `W` keys (`ops/npu_band_probe.py`), and refuses windows where
+    decides which of `W - 1` and `W` attends `W` keys (`ops/npu/band_probe.py`), and refuses windows where
     neither does."""
     if pre_tokens is None:
         return {}

@@ -1,7 +1,7 @@
-"""Whether FIA's band (`ops/npu_features.py`) applies to a call whose every sequence has one query token,
+"""Whether FIA's band (`ops/npu/features.py`) applies to a call whose every sequence has one query token,
 and which `pre_tokens` makes it a layer's window (its edge), asked of the device itself: once per process,
 device and layer form (`BandForm`: the layer's own heads, KV heads, head dim, dtype, block size and sinks, since
-the kernel's tiling takes another path for another form, `ops/npu_form_probe.py`), at compile time
+the kernel's tiling takes another path for another form, `ops/npu/form_probe.py`), at compile time
 (`targets.NpuTarget.check_graph`), its answers kept in the persisted plan (`plan_cache.py`: a warm start calls no
 probe). A probe call the device refuses (its RuntimeError, an aclnn error) is read as "neither": no window served
 on FIA for the edge probe, the band not applied at S 1 for the other, the exact side either way.
@@ -57,10 +57,10 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import plan_cache
-from . import reference, tiling
-from .features import AttentionFeatures
-from .tiling import AttentionShape
+from ... import plan_cache
+from .. import reference, tiling
+from ..features import AttentionFeatures
+from ..tiling import AttentionShape
 
 log = logging.getLogger("ascend_compile")
 
@@ -71,7 +71,7 @@ EDGE_SCALE = 0.125
 
 REFUSAL = ("torch_npu 2.14's docs say FIA's pre_tokens and next_tokens have no effect when every sequence has "
            "one query token ('Q_S为1时该参数无效', _op_plugin_docs.py L8110, L8111, L8629, L8630), and this device's "
-           "probe found its band not applied there (ops/npu_band_probe.py)")
+           "probe found its band not applied there (ops/npu/band_probe.py)")
 
 #: The edge probe's query tokens (one sequence of several: PromptFlashAttention by the docs, L8056).
 EDGE_QUERY_LEN = 4
@@ -80,7 +80,7 @@ EDGE_QUERY_LEN = 4
 READINGS = {1: "the docs' band, pre_tokens = W - 1 (_op_plugin_docs.py L1636-1645, L8200, L8735)",
             0: "vLLM-Ascend's, pre_tokens = W (vllm_ascend/attention/attention_v1.py L942, L1127, L1204, L1431)"}
 
-EDGE_REFUSAL = ("this device's FIA band probe at several query tokens (ops/npu_band_probe.py) found a band of "
+EDGE_REFUSAL = ("this device's FIA band probe at several query tokens (ops/npu/band_probe.py) found a band of "
                 "pre_tokens W - 1 attending neither W keys (the docs' band, _op_plugin_docs.py L1636-1645, L8200) "
                 "nor W - 1 (vLLM-Ascend's pre_tokens = W, attention_v1.py L942): no pre_tokens is known to serve a "
                 "window, so windowed layers are not served on FIA")
@@ -89,7 +89,7 @@ EDGE_REFUSAL = ("this device's FIA band probe at several query tokens (ops/npu_b
 
 @dataclasses.dataclass(frozen=True)
 class BandForm:
-    """A windowed FIA layer's form, what the kernel's tiling branches on (`ops/npu_form_probe.py`): the probes
+    """A windowed FIA layer's form, what the kernel's tiling branches on (`ops/npu/form_probe.py`): the probes
     are asked at it, with the layer's own tensors' shapes and dtype, FIA v2 (`learnable_sink`) with sinks."""
 
     heads: int

@@ -1,5 +1,5 @@
 """Whether this device's FIA takes a layer's form, asked of the device itself: one real call per process,
-device and distinct form, at compile time (`passes/npu_checks.py`), as `ops/npu_band_probe.py` asks its band.
+device and distinct form, at compile time (`passes/npu_checks.py`), as `ops/npu/band_probe.py` asks its band.
 
 Where CANN versions differ, no rule here can say what a device takes. Every FIA call of the project is TND,
 paged, without rope and of a head dim other than 512; in hicann/ops-transformer at c29bc106 such a call
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from .. import plan_cache
-from . import npu_band_probe
-from .tiling import AttentionShape
+from ... import plan_cache
+from . import band_probe as npu_band_probe
+from ..tiling import AttentionShape
 
 log = logging.getLogger("ascend_compile")
 
