@@ -267,6 +267,44 @@ def test_a_parameter_passed_as_an_argument_under_frozen_parameters(dispatch):
         close(fn(**step), reference(**step))
 
 
+class CachesPassed(nn.Module):
+    """One attention layer whose KV caches the caller passes (vLLM's way): the graph holds them by address."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(CFG.vocab_size, CFG.hidden_size)
+        self.sizes = [n * CFG.head_dim for n in (CFG.num_heads, CFG.num_kv_heads, CFG.num_kv_heads)]
+        self.qkv = nn.Linear(CFG.hidden_size, sum(self.sizes), bias=False)
+        self.head = nn.Linear(self.sizes[0], CFG.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, key_cache, value_cache):
+        tokens = input_ids.shape[0]
+        q, k, v = (t.view(tokens, -1, CFG.head_dim) for t in self.qkv(self.embed(input_ids)).split(self.sizes, dim=-1))
+        torch.ops.ascend.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping)
+        out = torch.ops.ascend.attention(q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+                                         CFG.head_dim**-0.5)
+        return self.head(out.reshape(tokens, -1))
+
+
+@torch.no_grad()
+def test_kv_caches_passed_by_the_caller_swapped_under_frozen_parameters():
+    """A route that found its parameters identical reads the addresses of the tensors it gathered once
+    from those it kept; KV caches each call passes are still read from the call: other caches are
+    captured again, not replayed at the old ones' addresses."""
+    model, reference = CachesPassed(), CachesPassed()
+    reference.load_state_dict(model.state_dict())
+    shape = (CFG.num_blocks, CFG.block_size, CFG.num_kv_heads, CFG.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(2)]
+    references = [(k.clone(), v.clone()) for k, v in caches]
+    fn, artifacts = compiled(model, "direct", frozen_parameters=True)
+    batch = PagedBatch(CFG, seed=1)
+    for i in (0, 0, 0, 1, 1, 0):
+        step = batch.step([5, 30, 9])
+        got = fn(**step, key_cache=caches[i][0], value_cache=caches[i][1])
+        close(got, reference(**step, key_cache=references[i][0], value_cache=references[i][1]))
+    assert artifacts[0].stats["recaptures"] == 2  # each swap
+
+
 class Listed(Wrapped):
     """Reads a list of tensor arguments (its length) and a dict of them (its keys)."""
 

@@ -1091,6 +1091,18 @@ MUTANTS = (
         ("tests/test_direct_soundness.py::test_a_parameter_passed_as_an_argument_under_frozen_parameters",),
     ),
     Mutant(
+        "direct: a module's class not compared", "ascend_compile/dispatch/checks.py",
+        '"list(map(type, MT)) == MC", True))\n',
+        '"True", True))\n',
+        ("tests/test_direct_soundness.py::test_a_submodule_whose_class_is_changed",),
+    ),
+    Mutant(
+        "direct: addresses read from the kept tensors though one is the call's", "ascend_compile/lowering/input_checks.py",
+        "            self._held = tuple(pick(args)) if not moved and self.addresses.keys() <= fixed else None\n",
+        "            self._held = tuple(pick(args)) if not moved else None\n",
+        ("tests/test_direct_soundness.py::test_kv_caches_passed_by_the_caller_swapped_under_frozen_parameters",),
+    ),
+    Mutant(
         "direct: a list argument's length not checked", "ascend_compile/dispatch/checks.py",
         '            expr_check += f" and len({expr}) == {len(value)}"\n',
         "            pass\n",

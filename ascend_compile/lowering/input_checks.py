@@ -16,7 +16,10 @@ buffers, `dispatch/gathering.py`) with the same objects on every call, from tupl
 built; it passes those positions as `fixed`, one frozenset per route, whose identity stands for them.
 Once every identified object is found at such a position and the identity check passed for a route,
 that route's later calls skip it: the objects there cannot change while the route lives (a new route
-makes a new `fixed`, a new capture a new `CapturedInputs`). Addresses and scalars are checked always.
+makes a new `fixed`, a new capture a new `CapturedInputs`). Addresses and scalars are checked always;
+where every address-checked input sits at such a position, that route's calls read the addresses of
+the tensors kept from its first verified call (the very objects its positions hold) without picking
+them out of the arguments.
 """
 from __future__ import annotations
 
@@ -48,22 +51,26 @@ class CapturedInputs:
         self._objects = (gather(list(self.objects)), tuple(self.objects.values()))
         self._identified = frozenset(self.objects)
         self._verified: frozenset[int] | None = None  # the `fixed` of the route whose objects were found identical
+        self._held: tuple[torch.Tensor, ...] | None = None  # its address-checked tensors, where all are at `fixed`
 
     def changed(self, args: Sequence[Any], fixed: frozenset[int] | None = None) -> list[int]:
         """Positions of the in-place inputs at another address, of the scalars of another value and
         of the other objects than at capture (`fixed`: a direct route's, see the module docstring)."""
         (pick, pointers), (pick_scalars, values), (pick_objects, objects) = self._pointers, self._values, self._objects
+        verified = fixed is not None and fixed is self._verified
         moved = []
-        if list(map(torch.Tensor.data_ptr, pick(args))) != pointers:
+        if list(map(torch.Tensor.data_ptr, self._held if verified and self._held is not None else pick(args))) \
+                != pointers:
             moved = [i for i, ptr in self.addresses.items() if args[i].data_ptr() != ptr]
         if values and list(map(torch.Tensor.item, pick_scalars(args))) != values:
             moved += [i for i, v in self.scalars.items() if args[i].item() != v]
-        if fixed is not None and fixed is self._verified:
+        if verified:
             return moved
         if not all(map(operator.is_, pick_objects(args), objects)):
             moved += [i for i, obj in self.objects.items() if args[i] is not obj]
         elif fixed is not None and self._identified <= fixed:
             self._verified = fixed
+            self._held = tuple(pick(args)) if not moved and self.addresses.keys() <= fixed else None
         return moved
 
     def event(self, args: Sequence[Any], changed: Sequence[int]) -> tuple:

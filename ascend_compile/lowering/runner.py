@@ -294,12 +294,13 @@ class CompiledArtifact:
             return entry
         if entry.graph is not None and self.moved(entry, args, step, direct):
             entry = self.graphs[(key, specialization)] = self._new_entry(key, symbols)
-        if entry.graph is None and entry.eager_reason is None:
-            if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:
-                self.capture_all(args, symbols)
-            if entry.graph is None and entry.eager_reason is None:  # a mixed step's graph, or no capture_all
-                self._capture(entry, args)
-            self.write_plan()
+        if entry.graph is not None or entry.eager_reason is not None:  # captured (or never to be): as kept
+            return entry
+        if self.config.capture_all and self.stats["captures"] == 0 and self.pads_tokens:
+            self.capture_all(args, symbols)
+        if entry.graph is None and entry.eager_reason is None:  # a mixed step's graph, or no capture_all
+            self._capture(entry, args)
+        self.write_plan()
         return self.graphs[(key, specialization)]
 
     def moved(self, graph: Any, args: Sequence[Any], step: Step, direct: bool) -> bool:
