@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM not installed: .ci/run runs this file in .venv-vllm and .venv-vllm33")
 
+from ascend_compile import torch_support  # noqa: E402
 from ascend_compile.integrations import vllm as integration  # noqa: E402
 from tests import vllm_eagle as eagle  # noqa: E402
 
@@ -92,7 +93,8 @@ def test_eagle_drafter_and_target_compiled_by_us_propose_and_accept_as_eager(com
     mode-1 call, the drafter by ours: every step's drafts used, accepted and proposed equal to vLLM's eager
     models, hidden states and caches close. Each model its own artifact, its graphs captured and
     replayed: the target's 1 + d token steps (mixed graphs), the drafter's first passes (mixed) and its
-    one-token steps (decode); only the two prefill steps above the largest bucket run on pieces."""
+    one-token steps (decode); only the two prefill steps above the largest bucket run on pieces. Where the
+    vLLM fast path is armed (torch 2.14), every call of either model after its first skips dynamo."""
     made, make = compiled
     pairs = make(options={"capture_sizes": [4, 8, 16]})
     accepted, used = _run(pairs, SCHEDULE)
@@ -105,6 +107,9 @@ def test_eagle_drafter_and_target_compiled_by_us_propose_and_accept_as_eager(com
         assert art.stats["replays"] == art.stats["steps"] - prefills, art.stats
     assert {"b16.mixed"} <= _captured(target), _captured(target)
     assert {"b4.decode", "b16.mixed"} <= _captured(drafter), _captured(drafter)
+    if torch_support.armed_fast_paths()["vllm_fast_path"]:  # 0.33's torch: both skip dynamo after one step
+        calls = [part.model._compiled_call_impl for part in (pairs[0].target, pairs[0].drafter)]
+        assert all(isinstance(c, integration.fast_path.DirectCall) and c.dynamo_calls == 1 for c in calls), calls
     read = [" ".join(p["source"] for p in art.rewritten.prologue.provider.describe()) for art in (target, drafter)]
     layers = [{name for name in real_layers() if f"['{name}']" in sources} for sources in read]
     assert layers == [set(pairs[0].target.names), {eagle.DRAFTER_LAYER}], layers  # each its own layers' metadata
