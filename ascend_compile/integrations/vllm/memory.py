@@ -168,8 +168,9 @@ def override() -> int | None:
 
 
 class _Planning:
-    """`target` as the passes see it when estimating: workspaces sized without asking the device
-    (`Target.workspace_estimate`: torch_npu's queries are asked at the compile)."""
+    """`target` as the passes see it when estimating: workspaces sized by `Target.workspace_estimate`
+    (PA's and FIA's by formula, torch_npu's own queries for them asked at the compile; MLA's reservation
+    asked of the device now, before vLLM sizes its KV cache: `targets.NpuTarget.workspace_estimate`)."""
 
     def __init__(self, target: Any) -> None:
         self._target = target
