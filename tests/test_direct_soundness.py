@@ -244,6 +244,22 @@ def test_parameters_assigned_under_frozen_parameters(dispatch, assign):
         assert went == [True, False, False]  # through dynamo once, then direct with the new weights
 
 
+def test_assignment_count_moves_once_per_assignment():
+    """`dispatch/epoch.py`: the count is one per assignment however often `install` is called (each
+    compile calls it): hooks registered again would make every registration in the process pay one
+    call per install, and a count stepping by anything but one is not the count the module promises.
+    mutmut's survivors `COUNT.value -= 1`, `+= 2` and `_installed = False/None` fail here."""
+    from ascend_compile.dispatch import epoch
+    epoch.install()
+    epoch.install()
+    module = nn.Module()
+    before = epoch.current()
+    module.weight = nn.Parameter(torch.zeros(2))
+    module.register_buffer("scale", torch.ones(1))
+    module.child = nn.Linear(2, 2)  # its own weight and bias are registered on it: three more
+    assert epoch.current() == before + 5
+
+
 class Headed(Wrapped):
     """Takes a parameter as an argument: a per-call position the route does not gather once."""
 

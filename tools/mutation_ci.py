@@ -1,0 +1,253 @@
+"""Mutants written by a tool: mutmut 3 over the modules of `tools/mutation/modules.toml`, each survivor
+either killed by a test or listed as equivalent, with its reason, in `tools/mutation/equivalents.toml`.
+
+    python tools/mutation_ci.py [--modules PATH ...] [--changed-since BASE] [--max-children N]
+                                [--workdir DIR] [--json FILE]
+
+Why a driver and not a bare `mutmut run`: mutmut's stats phase runs every test it is given once, and its
+test selection is one setting for the whole run; the suite takes 15 minutes on two cores. Here each
+module names the test files that own its behaviour, modules naming the same files are mutated in one
+run, and each run is a scratch copy of the working tree (`git ls-files`: tracked and untracked, not
+ignored) whose `pyproject.toml` gets the group's `[tool.mutmut]` (the repository's own table, plus
+`only_mutate` and `pytest_add_cli_args_test_selection`). mutmut then runs, for each mutant, only the
+tests of the group that called the mutated function (its trampolines record which), stopping at the
+first failure.
+
+A survivor (mutmut's "survived", or "no tests": no test of the group reaches the function) is
+**listed** when an entry of the equivalents file has its module, its function and the lines its diff
+removes and adds (whitespace-stripped), so an entry survives the function moving in its file, and is
+lost when the mutated line itself changes (then the survivor is shown again, to be judged again).
+Exit status 1 when any survivor is unlisted or a mutant's verdict is not a verdict ("suspicious", "not
+checked"), with a skeleton entry printed for each unlisted survivor; 0 otherwise.
+
+`--changed-since BASE` mutates only the listed modules the change since BASE touches: the module
+itself, or one of its test files (a test weakened can let a killed mutant live). The scratch copies
+stay (default under the system's temporary directory), so a survivor can be looked at with
+`cd WORKDIR/GROUP && mutmut show NAME` (the command is printed with it).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES_FILE = ROOT / "tools" / "mutation" / "modules.toml"
+EQUIVALENTS_FILE = ROOT / "tools" / "mutation" / "equivalents.toml"
+DETECTED = ("killed", "timeout", "segfault", "caught by type check")
+SURVIVING = ("survived", "no tests")
+RESULT_LINE = re.compile(r"^\s+(\S+): (.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    """One mutant's verdict, and (for survivors) what its diff changes."""
+    name: str
+    module: str
+    function: str
+    status: str
+    removed: str = ""
+    added: str = ""
+
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.module, self.function, self.removed, self.added)
+
+
+def load_modules(path: Path = MODULES_FILE) -> dict[str, tuple[str, ...]]:
+    """Each mutated module (a path from the repository root) -> the test files its mutants run."""
+    with path.open("rb") as f:
+        return {module: tuple(tests) for module, tests in tomllib.load(f)["modules"].items()}
+
+
+def load_equivalents(path: Path = EQUIVALENTS_FILE) -> dict[tuple[str, str, str, str], str]:
+    """The listed equivalent mutants, keyed as `Mutant.key`, each to its reason."""
+    if not path.exists():
+        return {}
+    with path.open("rb") as f:
+        entries = tomllib.load(f).get("equivalent", [])
+    return {(e["module"], e["function"], _strip(e["before"]), _strip(e["after"])): e["reason"] for e in entries}
+
+
+def _strip(text: str) -> str:
+    return "\n".join(line.strip() for line in text.strip().splitlines())
+
+
+def changed_files(base: str) -> set[str]:
+    """The paths changed between `base` and the working tree, untracked files included."""
+    diff = subprocess.run(["git", "-C", str(ROOT), "diff", "--no-renames", "--name-only", base, "--"],
+                          check=True, capture_output=True, text=True).stdout.split()
+    untracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--others", "--exclude-standard"],
+                               check=True, capture_output=True, text=True).stdout.split()
+    return set(diff) | set(untracked)
+
+
+def select(modules: dict[str, tuple[str, ...]], patterns: Sequence[str] | None,
+           changed: set[str] | None) -> dict[str, tuple[str, ...]]:
+    """The modules to mutate: those matching `patterns` (all when None), and of those, where `changed`
+    is given, the ones whose own file or one of whose test files changed."""
+    chosen = {m: t for m, t in modules.items() if patterns is None or any(fnmatch.fnmatch(m, p) for p in patterns)}
+    if changed is not None:
+        chosen = {m: t for m, t in chosen.items() if m in changed or changed.intersection(t)}
+    return chosen
+
+
+def groups(modules: dict[str, tuple[str, ...]]) -> list[tuple[tuple[str, ...], list[str]]]:
+    """Modules with the same test files, one mutmut run each: (tests, modules)."""
+    by_tests: dict[tuple[str, ...], list[str]] = {}
+    for module, tests in sorted(modules.items()):
+        by_tests.setdefault(tests, []).append(module)
+    return sorted(by_tests.items())
+
+
+def copy_tree(dest: Path) -> None:
+    """The working tree's files (tracked and untracked, not ignored) copied to `dest`, afresh."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           check=True, capture_output=True, text=True).stdout.split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file() and not src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def group_pyproject(text: str, modules: Sequence[str], tests: Sequence[str]) -> str:
+    """`pyproject.toml` with its `[tool.mutmut]` table extended by the group's modules and tests (the
+    table's own keys kept; values written as JSON, which TOML reads for strings, lists and numbers)."""
+    table = tomllib.loads(text).get("tool", {}).get("mutmut", {})
+    table = {**table, "only_mutate": list(modules), "pytest_add_cli_args_test_selection": list(tests)}
+    lines, skipping = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("["):
+            skipping = line.strip() == "[tool.mutmut]"
+        if not skipping:
+            lines.append(line)
+    lines += ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _mutmut(workdir: Path, *args: str, capture: bool = True) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "mutmut", *args]
+    return subprocess.run(command, cwd=workdir, capture_output=capture, text=True)
+
+
+def _diff_lines(diff: str) -> tuple[str, str]:
+    removed = [l[1:].strip() for l in diff.splitlines() if l.startswith("-") and not l.startswith("---")]
+    added = [l[1:].strip() for l in diff.splitlines() if l.startswith("+") and not l.startswith("+++")]
+    return "\n".join(removed), "\n".join(added)
+
+
+def _function(name: str, module: str) -> str:
+    """`Class.method` or `function` from mutmut's mangled name (`pkg.mod.xǁClassǁmethod__mutmut_3`)."""
+    mangled = name[len(module[:-3].replace("/", ".")) + 1:]
+    mangled = re.sub(r"__mutmut_\d+$", "", mangled)
+    return mangled.removeprefix("x_").removeprefix("xǁ").replace("ǁ", ".")
+
+
+def results(workdir: Path, modules: Sequence[str]) -> list[Mutant]:
+    """Every mutant of `modules` in `workdir`'s last run, survivors with their diff."""
+    out = _mutmut(workdir, "results", "--all", "true").stdout
+    prefixes = {m[:-3].replace("/", ".") + ".": m for m in modules}
+    mutants = []
+    for line in out.splitlines():
+        match = RESULT_LINE.match(line)
+        if not match:
+            continue
+        name, status = match.groups()
+        module = next((m for p, m in prefixes.items() if name.startswith(p)), None)
+        if module is None:
+            continue
+        removed = added = ""
+        if status in SURVIVING:
+            removed, added = _diff_lines(_mutmut(workdir, "show", name).stdout)
+        mutants.append(Mutant(name, module, _function(name, module), status, removed, added))
+    return mutants
+
+
+def run_group(workdir: Path, modules: Sequence[str], tests: Sequence[str], max_children: int) -> list[Mutant]:
+    """One mutmut run over `modules` with `tests`, in a fresh copy of the tree at `workdir`."""
+    copy_tree(workdir)
+    pyproject = workdir / "pyproject.toml"
+    pyproject.write_text(group_pyproject(pyproject.read_text(), modules, tests))
+    print(f"mutation: {', '.join(modules)} with {' '.join(tests)} in {workdir}", flush=True)
+    run = _mutmut(workdir, "run", "--max-children", str(max_children), capture=False)
+    if run.returncode != 0:
+        raise SystemExit(f"mutation: mutmut run failed (exit {run.returncode}) in {workdir}")
+    return results(workdir, modules)
+
+
+def skeleton(mutant: Mutant) -> str:
+    """An equivalents entry for `mutant`, its reason to be written."""
+    return (f"[[equivalent]]\nmodule = \"{mutant.module}\"\nfunction = \"{mutant.function}\"\n"
+            f"before = '''{mutant.removed}'''\nafter = '''{mutant.added}'''\nreason = \"\"\n")
+
+
+def report(mutants: Sequence[Mutant], equivalents: dict[tuple[str, str, str, str], str],
+           workdirs: dict[str, Path]) -> tuple[dict[str, dict[str, int]], list[Mutant], list[Mutant]]:
+    """Per module: mutants, killed, equivalent, unlisted survivors; and the unlisted and the undecided."""
+    table: dict[str, dict[str, int]] = {}
+    unlisted, undecided = [], []
+    for m in mutants:
+        row = table.setdefault(m.module, {"mutants": 0, "killed": 0, "equivalent": 0, "survived": 0})
+        row["mutants"] += 1
+        if m.status in DETECTED:
+            row["killed"] += 1
+        elif m.status in SURVIVING and m.key() in equivalents:
+            row["equivalent"] += 1
+        elif m.status in SURVIVING:
+            row["survived"] += 1
+            unlisted.append(m)
+        else:
+            undecided.append(m)
+    print(f"\n{'module':48} {'mutants':>7} {'killed':>6} {'equiv':>5} {'surv':>4} {'score':>6}")
+    for module, row in sorted(table.items()):
+        score = (row["killed"] + row["equivalent"]) / row["mutants"] if row["mutants"] else 1.0
+        print(f"{module:48} {row['mutants']:7} {row['killed']:6} {row['equivalent']:5} {row['survived']:4} "
+              f"{score:6.1%}")
+    for m in unlisted:
+        print(f"\nsurvivor ({m.status}): {m.name}  (cd {workdirs[m.module]} && mutmut show {m.name})")
+        print(skeleton(m))
+    for m in undecided:
+        print(f"no verdict ({m.status}): {m.name}")
+    return table, unlisted, undecided
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modules", nargs="+", help="glob patterns over the listed modules (default: all)")
+    parser.add_argument("--changed-since", metavar="BASE", help="only modules the change since BASE touches")
+    parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ascend-mutation")
+    parser.add_argument("--json", type=Path, help="write the per-module table here")
+    args = parser.parse_args(argv)
+    changed = changed_files(args.changed_since) if args.changed_since else None
+    chosen = select(load_modules(), args.modules, changed)
+    if not chosen:
+        print("mutation: no listed module to mutate")
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mutants, workdirs = [], {}
+    for i, (tests, modules) in enumerate(groups(chosen)):
+        workdir = args.workdir / f"group{i}"
+        workdirs.update({m: workdir for m in modules})
+        mutants += run_group(workdir, modules, tests, args.max_children)
+    table, unlisted, undecided = report(mutants, load_equivalents(), workdirs)
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"\nmutation: {len(mutants)} mutants, {len(unlisted)} unlisted survivors, {len(undecided)} without verdict")
+    return 1 if unlisted or undecided else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
