@@ -2,7 +2,7 @@
 either killed by a test or listed as equivalent, with its reason, in `tools/mutation/equivalents.toml`.
 
     python tools/mutation_ci.py [--modules PATH ...] [--changed-since BASE] [--max-children N]
-                                [--workdir DIR] [--json FILE]
+                                [--workdir DIR] [--json FILE] [--no-run]
 
 Why a driver and not a bare `mutmut run`: mutmut's stats phase runs every test it is given once, and its
 test selection is one setting for the whole run; the suite takes 15 minutes on two cores. Here each
@@ -230,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=1, help="mutants run at once (default 1)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ascend-mutation")
     parser.add_argument("--json", type=Path, help="write the per-module table here")
+    parser.add_argument("--no-run", action="store_true", help="report the last run in --workdir, run nothing")
     args = parser.parse_args(argv)
     changed = changed_files(args.changed_since) if args.changed_since else None
     chosen = select(load_modules(), args.modules, changed)
@@ -241,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, (tests, modules) in enumerate(groups(chosen)):
         workdir = args.workdir / f"group{i}"
         workdirs.update({m: workdir for m in modules})
-        mutants += run_group(workdir, modules, tests, args.max_children)
+        mutants += results(workdir, modules) if args.no_run else run_group(workdir, modules, tests, args.max_children)
     table, unlisted, undecided = report(mutants, load_equivalents(), workdirs)
     if args.json:
         args.json.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,81 @@
+"""`tools/mutation_ci.py`: which modules a change sends to mutmut, how they are grouped by their tests,
+the `[tool.mutmut]` table each group's copy gets, and which survivors the equivalents file lists (by
+function and the mutated lines, not by mutmut's numbering or the line's position). No mutmut run here."""
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import mutation_ci  # noqa: E402
+
+MODULES = {
+    "pkg/dispatch/a.py": ("tests/test_d.py", "tests/test_s.py"),
+    "pkg/dispatch/b.py": ("tests/test_d.py", "tests/test_s.py"),
+    "pkg/passes/m.py": ("tests/test_m.py",),
+}
+
+
+def test_a_change_selects_the_module_it_touches_or_whose_tests_it_touches():
+    assert set(mutation_ci.select(MODULES, None, {"pkg/dispatch/b.py", "README.md"})) == {"pkg/dispatch/b.py"}
+    # a test file weakened can let a killed mutant live: every module it owns is run again
+    assert set(mutation_ci.select(MODULES, None, {"tests/test_s.py"})) == {"pkg/dispatch/a.py", "pkg/dispatch/b.py"}
+    assert mutation_ci.select(MODULES, None, {"pkg/other.py", "tests/test_x.py"}) == {}
+    assert set(mutation_ci.select(MODULES, ["pkg/passes/*"], None)) == {"pkg/passes/m.py"}
+    assert mutation_ci.select(MODULES, ["pkg/passes/*"], {"pkg/dispatch/a.py"}) == {}
+
+
+def test_modules_with_the_same_tests_are_one_run():
+    assert mutation_ci.groups(MODULES) == [
+        (("tests/test_d.py", "tests/test_s.py"), ["pkg/dispatch/a.py", "pkg/dispatch/b.py"]),
+        (("tests/test_m.py",), ["pkg/passes/m.py"]),
+    ]
+
+
+def test_a_groups_pyproject_keeps_the_shared_settings_and_names_its_modules_and_tests():
+    text = ('[project]\nname = "p"\n\n[tool.mutmut]\nsource_paths = ["pkg/"]\nprocess_isolation = "forkserver"\n'
+            '\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+    data = tomllib.loads(mutation_ci.group_pyproject(text, ["pkg/passes/m.py"], ["tests/test_m.py"]))
+    assert data["tool"]["mutmut"] == {"source_paths": ["pkg/"], "process_isolation": "forkserver",
+                                      "only_mutate": ["pkg/passes/m.py"],
+                                      "pytest_add_cli_args_test_selection": ["tests/test_m.py"]}
+    assert data["tool"]["pytest"]["ini_options"] == {"testpaths": ["tests"]}
+    assert data["project"]["name"] == "p"
+
+
+def test_survivors_are_listed_by_function_and_mutated_lines(tmp_path, capsys):
+    equivalents = tmp_path / "equivalents.toml"
+    equivalents.write_text("[[equivalent]]\nmodule = \"pkg/passes/m.py\"\nfunction = \"Plan.size\"\n"
+                           "before = '''  n = a + b'''\nafter = '''n = a - b  '''\nreason = \"a and b are 0\"\n")
+    listed = mutation_ci.load_equivalents(equivalents)
+    diff = "--- pkg/passes/m.py\n+++ pkg/passes/m.py\n@@ -3 +3 @@\n-        n = a + b\n+        n = a - b\n"
+    removed, added = mutation_ci._diff_lines(diff)
+    name = "pkg.passes.m.xǁPlanǁsize__mutmut_7"
+    function = mutation_ci._function(name, "pkg/passes/m.py")
+    assert function == "Plan.size"
+    same = mutation_ci.Mutant(name, "pkg/passes/m.py", function, "survived", removed, added)
+    other_line = mutation_ci.Mutant("pkg.passes.m.xǁPlanǁsize__mutmut_8", "pkg/passes/m.py", "Plan.size",
+                                    "survived", "n = a + b", "n = a * b")
+    untested = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_1", "pkg/passes/m.py", "top", "no tests", "x", "y")
+    killed = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_2", "pkg/passes/m.py", "top", "killed")
+    odd = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_3", "pkg/passes/m.py", "top", "suspicious")
+    table, unlisted, undecided = mutation_ci.report([same, other_line, untested, killed, odd], listed,
+                                                    {"pkg/passes/m.py": tmp_path})
+    assert table["pkg/passes/m.py"] == {"mutants": 5, "killed": 1, "equivalent": 1, "survived": 2}
+    assert unlisted == [other_line, untested]  # "no tests": no test of the group reaches it, a survivor
+    assert undecided == [odd]
+    out = capsys.readouterr().out
+    assert "before = '''n = a + b'''\nafter = '''n = a * b'''" in out  # the skeleton to judge it by
+
+
+def test_every_listed_module_exists_and_names_existing_test_files():
+    root = TOOLS.parent
+    modules = mutation_ci.load_modules()
+    assert modules
+    for module, tests in modules.items():
+        assert (root / module).is_file(), module
+        assert tests and all((root / t).is_file() for t in tests), (module, tests)
+    for module, _function, _before, _after in mutation_ci.load_equivalents():
+        assert module in modules, module
