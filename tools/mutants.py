@@ -37,6 +37,16 @@ its docs there).
 
 Prints a table and a last line `N caught, M survived`; exits 1 if any survived, 2 if a mutant's edit
 no longer applies (the code moved: update the mutant).
+
+Kept beside the generated mutants (mutmut, `tools/mutation_ci.py`), for the bugs mutmut's operators cannot
+write. mutmut changes one expression in place (an operator, a constant, a name, a string, an argument
+dropped or set to None, an assignment's value), inside the package, with the tests run in its own venv.
+These are not that: statements removed or moved (a reset or a wait not captured, an event recorded before
+its update, updates after the synchronize: 43 of the 269 delete a statement), a branch switched off or a
+condition dropped from a test (`if x:` to `if False:`, `A or B` to `A`: 45), several lines edited as one
+bug (30), edits outside the package (the fake torch_npu's and the simulator's rules in `tests/`, the
+mutant selection in `tools/`, the example model: 15), and the vLLM bindings' bugs whose tests run vLLM's
+own code in its venvs (27). A bug mutmut can write is left to it.
 """
 from __future__ import annotations
 
