@@ -269,3 +269,67 @@ def test_frozen_parameters_and_direct_dispatch_still_check_the_kv_caches():
 def test_dispatch_values_are_checked():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         ascend_compile.compile(build(CFG), dispatch="fast")
+
+
+class _Box:
+    """A plain object a step writes attributes of."""
+
+
+def _recorded(fn, *args):
+    """What `dispatch/side_effects.record` says of `fn`'s frame, asked from the backend as the direct
+    route's backend asks it."""
+    from ascend_compile.dispatch import side_effects
+    seen = []
+
+    def grab(gm, example_inputs):
+        seen.append(side_effects.record())
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, fullgraph=True)(*args)
+    return seen[0]
+
+
+def _flags(box, x):
+    box.flag, box.name = True, "on"
+    return x + 1
+
+
+def _computed(box, x):
+    box.total = x.sum()
+    return x + 1
+
+
+def _appends(items, x):
+    items.append(1)
+    return x + 1
+
+
+def _made_and_dropped(box, x):
+    box.scratch = 1
+    del box.scratch
+    return x + 1
+
+
+def _deletes(box, x):
+    del box.flag
+    return x + 1
+
+
+def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_only():
+    """`dispatch/side_effects.record`, the contract the route relies on: constants written into an
+    existing object's instance dict are recorded (to be checked at each call); a computed value stored,
+    a list mutated, an attribute deleted refuse the direct call, naming what; an attribute added and
+    deleted inside the frame is nothing. mutmut's survivors of `_stores_of` fail here."""
+    from ascend_compile.dispatch.side_effects import ConstantStore
+    x = torch.ones(3)
+    assert _recorded(_flags, _Box(), x) == (
+        (ConstantStore("L['box']", "flag", True), ConstantStore("L['box']", "name", "on")), None)
+    stores, why = _recorded(_computed, _Box(), x)
+    assert stores == () and why.startswith("the step sets L['box'].total to ")
+    assert _recorded(_appends, [], x) == ((), "the step mutates L['items']")
+    assert _recorded(_made_and_dropped, _Box(), x) == ((), None)
+    box = _Box()
+    box.flag = True
+    stores, why = _recorded(_deletes, box, x)
+    assert stores == () and why.startswith("the step sets L['box'].flag to ")

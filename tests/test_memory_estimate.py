@@ -110,3 +110,47 @@ def test_the_caching_allocator_models_segment_sizes_as_c10_and_torch_npu_do():
         big = (12 << 20) + 1
         model.allocate(big)
         assert model.reserved_bytes() == SMALL_BUFFER + LARGE_BUFFER + -(-(big + 511) // 512 * 512 // round_large) * round_large
+
+
+@torch.library.custom_op("memtest::scaled_twice", mutates_args=())
+def _scaled_twice(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """A Python body issuing two ops: a temporary `x * scale`, then the output."""
+    return (x * scale) * 2
+
+
+@_scaled_twice.register_fake
+def _(x, *, scale):
+    return torch.empty_like(x)
+
+
+def _allocs(trace):
+    return [n for kind, _, n in trace.events if kind == "alloc"]
+
+
+def test_what_the_graph_is_given_its_views_and_its_workspace_slot_are_no_allocation():
+    """Only what an op makes is the pool's: a view of an input and a view of the artifact's workspace
+    slot allocate nothing; an op's keyword arguments are read (`dtype=int8`: one byte a token, not a
+    float's four). mutmut's survivors of `_Recorder` and `_trace` (the slot's op not told apart, the
+    inputs' storages not noted, keyword arguments dropped) fail here."""
+    def f(x):
+        slot = torch.ops.ascend.workspace(1 << 20, x.device)
+        return x[1:], torch.zeros(x.shape[0], dtype=torch.int8), slot[:8]
+
+    trace = trace_allocations(_dynamo_graph(f, torch.randn(8, 64)))
+    assert trace is not None
+    (size,) = _allocs(trace)
+    (tokens,) = size.free_symbols
+    assert size == tokens  # one int8 a token
+    assert trace.outputs == ((), (0,), ())  # the input's view and the slot's hold no pool block
+
+
+def test_an_op_the_runtime_runs_as_its_body_counts_the_bodys_temporaries():
+    """A custom op a capture records as the ops of its Python body (`one_kernel` false: on the
+    simulator) allocates the body's temporary too, freed inside the op; one recorded as one kernel
+    allocates its output only. The body is run with the op's keyword arguments."""
+    gm = _dynamo_graph(lambda x: torch.ops.memtest.scaled_twice(x, scale=3.0), torch.randn(8, 64))
+    as_body = trace_allocations(gm, lambda op: "memtest" not in str(op))
+    as_kernel = trace_allocations(gm, lambda op: True)
+    assert len(_allocs(as_body)) == 2 and len(_allocs(as_kernel)) == 1
+    assert [kind for kind, _, _ in as_body.events] == ["alloc", "alloc", "free"]  # the temporary, in the op
+    assert len(as_body.outputs[0]) == 1
