@@ -323,7 +323,8 @@ def test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before(
         for got, want in zip(caches(model), caches(reference), strict=True):
             assert_close(got, want)
     art = artifacts[-1]
-    assert art.stats["failed_steps"] == 1 and art.stats["piecewise_steps"] == 2
+    # the failing step raised while its pieces were captured on its values (`piecewise_live.py`): served once
+    assert art.stats["failed_steps"] == 1 and art.stats["piecewise_steps"] == 1
     assert (art.stats["saved_bytes"] == 0) == (not save)
 
 

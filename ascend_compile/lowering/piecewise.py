@@ -183,16 +183,27 @@ class PiecewiseGraph:
     # -- capture -------------------------------------------------------------------------------------
 
     def capture(self, runtime: GraphRuntime, args: Sequence[Any], checked: Sequence[int], identified: Sequence[int],
-                workspace: torch.Tensor) -> None:
+                workspace: torch.Tensor, step: Step | None = None) -> None:
         """Capture every piece at the padded sizes, in graph order (later pieces read earlier ones'
-        static outputs); raises `errors.UncapturableOp` naming the node a capture refused."""
+        static outputs); raises `errors.UncapturableOp` naming the node a capture refused. With `step`
+        (the step it is captured for), each piece is captured on that step's live values
+        (`piecewise_live.py`): what earlier pieces and the nodes between them made for it."""
+        from .piecewise_live import LiveCapture
+
         start = time.perf_counter()
         self.pieces, self.produced, self.buffers = [], {}, {}
+        live = LiveCapture(self, runtime, step, args, workspace) if step is not None else None
+        if live is not None and live.refused:
+            live = None
         last_use = self.last_uses()
         for index, segment in enumerate(self.segments):
             if isinstance(segment, Piece):
                 self._release(runtime, last_use, index)
-                self.pieces.append(self._capture_piece(runtime, segment, args, workspace))
+                self.pieces.append(self._capture_piece(runtime, segment, args, workspace, live))
+            elif live is not None:
+                live.run(segment)
+        if live is not None:
+            live.end()
         self._release(runtime, last_use, len(self.segments) + 1)
         scalars = [spec.index for spec in self.signature.by_role(Role.SCALAR)]
         self.captured_inputs = CapturedInputs(args, checked, scalars, identified)
@@ -227,12 +238,15 @@ class PiecewiseGraph:
                 captured.outputs = tuple(outputs)
                 captured.released.add(i)
 
-    def _capture_piece(self, runtime: GraphRuntime, piece: Piece, args: Sequence[Any], workspace: torch.Tensor
-                       ) -> _CapturedPiece:
+    def _capture_piece(self, runtime: GraphRuntime, piece: Piece, args: Sequence[Any], workspace: torch.Tensor,
+                       live: Any = None) -> _CapturedPiece:
+        """`piece` captured (on `live`'s values, a `piecewise_live.LiveCapture`, then replayed once for it)."""
         captured = _CapturedPiece(piece, piece_module(self.gm, piece))
         values = []
         for node in piece.inputs:
             values.append(self._capture_input(runtime, captured, node, args))
+        if live is not None:
+            live.copy_in(captured)
         with gc_paused():
             graph, outputs, _ = capture_mod.capture_graph(captured.gm, runtime, values, lambda n: workspace,
                                                           capture_mod.UpdateSchedule(), capture_mod.WorkspaceLifetime(),
@@ -240,6 +254,8 @@ class PiecewiseGraph:
         captured.graph, captured.outputs = graph, tuple(outputs)
         for i, node in enumerate(piece.outputs):
             self.produced[node] = (captured, i)
+        if live is not None:
+            live.replay(captured)
         return captured
 
     def _capture_input(self, runtime: GraphRuntime, captured: _CapturedPiece, node: fx.Node, args: Sequence[Any]
@@ -325,13 +341,13 @@ class PiecewiseGraph:
                 launches["replays"] += 1
                 continue
             node = segment.node
-            env[node] = self._run_eager(runtime, node, value, workspace, use_kernels)
+            env[node] = self.run_eager(runtime, node, value, workspace, use_kernels)
             launches["eager_ops"] += 1
         runtime.after_piecewise_step()
         self.replays += 1
         return list(fx.node.map_arg(self.output.args[0], value))
 
-    def _run_eager(self, runtime: GraphRuntime, node: fx.Node, value: Callable[[fx.Node], Any],
+    def run_eager(self, runtime: GraphRuntime, node: fx.Node, value: Callable[[fx.Node], Any],
                    workspace: torch.Tensor, use_kernels: bool) -> Any:
         args = fx.node.map_arg(node.args, value)
         kwargs = fx.node.map_arg(node.kwargs, value)
@@ -357,21 +373,22 @@ class PiecewiseGraph:
         """Per piece, the regions of its static buffers a step's values are copied into, then the
         padding copies of the inputs padded by role (a slot mapping's -1 past the step's tokens, which
         the pieces' cache writes skip): (destination, constant) pairs."""
+        return [self.piece_copies(captured, symbols) for captured in self.pieces]
+
+    def piece_copies(self, captured: _CapturedPiece, symbols: dict) -> tuple[list, list]:
+        """One piece's copy-in at a step's sizes: the regions of its buffers, and its padding copies."""
         tokens, inputs = evaluate(self.signature.tokens, symbols), self.signature.inputs
-        out = []
-        for captured in self.pieces:
-            dests, padding = [], []
-            for node, buffer in captured.copied:
-                real = _narrow(buffer, example_value(node), symbols)
-                index = self.index.get(node)
-                if index is None or index >= len(inputs):  # an eager node's result: its real rows only
-                    dests.append(real)
-                    continue
-                first, *rest = padded_copies(inputs[index], real.shape, buffer, tokens, self.key.bucket)
-                dests.append(first[0])
-                padding += rest
-            out.append((dests, padding))
-        return out
+        dests, padding = [], []
+        for node, buffer in captured.copied:
+            real = _narrow(buffer, example_value(node), symbols)
+            index = self.index.get(node)
+            if index is None or index >= len(inputs):  # an eager node's result: its real rows only
+                dests.append(real)
+                continue
+            first, *rest = padded_copies(inputs[index], real.shape, buffer, tokens, self.key.bucket)
+            dests.append(first[0])
+            padding += rest
+        return dests, padding
 
     def memory(self) -> dict[str, int]:
         def nbytes(values: Sequence[Any]) -> int:

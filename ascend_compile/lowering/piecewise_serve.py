@@ -49,7 +49,7 @@ class PiecewiseServer:
                     1 for k, _ in self.graphs if k == key) >= art.config.max_specializations:
                 return None, (f"{key} already has {art.config.max_specializations} captures for other values "
                               f"of the specialized sizes")
-            graph = self.graphs[(key, specialization)] = self._capture(key, specialization, args, step)
+            graph = self.graphs[(key, specialization)] = self._capture_for(key, specialization, args, step)
             art.write_plan()
         if graph.eager_reason:
             return None, graph.eager_reason
@@ -59,6 +59,22 @@ class PiecewiseServer:
         """What `run` needs of the step (its plan and kernel choice), or why `graph` cannot serve it."""
         plan, use_kernels, why = graph.plan(step, args)
         return (plan, use_kernels), why
+
+    def _capture_for(self, key: GraphKey, specialization: tuple, args: Sequence[Any], step: Step) -> PiecewiseGraph:
+        """`_capture` for `step`, which runs the step's nodes between pieces (`piecewise_live.py`): where one
+        raises, the step failed, as in its run (`runner._transaction`): what it may have written is put back
+        and the error names the cache rows it may have written."""
+        art = self.art
+        undo = art.undo.save(args, art.config.save_cache_rows)
+        try:
+            return self._capture(key, specialization, args, step)
+        except BaseException as err:
+            undo.restore()
+            art.stats["failed_steps"] += 1
+            written = art.undo.failure_note(undo, args, step)
+            log.warning("ascend_compile: %s: the step raised %s while captured; %s", key, type(err).__name__, written)
+            getattr(err, "add_note", lambda _: None)(f"ascend_compile: {key}: {written}")
+            raise
 
     def _capture(self, key: GraphKey, specialization: tuple, args: Sequence[Any], step: Step) -> PiecewiseGraph:
         """Split and capture `key`'s pieces; a piece whose capture an op refuses is split again around
@@ -77,7 +93,7 @@ class PiecewiseServer:
                                    guard, refused, self.padding_safe)
             try:
                 art.failures.begin(graph.name)  # `NotTried` once the device's streams ran out
-                graph.capture(art.runtime, args, art.checked, art.identified, self.workspace(key))
+                graph.capture(art.runtime, args, art.checked, art.identified, self.workspace(key), step)
             except UncapturableOp as err:
                 if err.op in art.uncapturable:
                     raise
