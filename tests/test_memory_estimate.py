@@ -154,3 +154,72 @@ def test_an_op_the_runtime_runs_as_its_body_counts_the_bodys_temporaries():
     assert len(_allocs(as_body)) == 2 and len(_allocs(as_kernel)) == 1
     assert [kind for kind, _, _ in as_body.events] == ["alloc", "alloc", "free"]  # the temporary, in the op
     assert len(as_body.outputs[0]) == 1
+
+
+class _Traced(torch.nn.Module):
+    """A graph as `fx.symbolic_trace` writes it: a submodule (call_module), a method (call_method), a
+    parameter read (get_attr), keyword arguments, and a node nothing uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.SiLU()
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        torch.sin(x)  # made and never used: freed at once
+        h = self.act(x).add(self.scale, alpha=2.0)
+        return h.sum(dim=1)
+
+
+def test_every_kind_of_node_is_run_on_fakes_and_a_value_nobody_uses_is_freed():
+    """Not only dynamo's call_function nodes: a submodule, a method with its arguments, a parameter,
+    each op's keyword arguments; a node without users freed right after it runs (fixed sizes, no shape
+    environment: the guards' suppression is skipped)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gm = torch.fx.symbolic_trace(_Traced())
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # the module's own parameters are real
+        x.meta["val"] = mode.from_tensor(torch.randn(4, 16))
+    trace = trace_allocations(gm)
+    assert trace is not None
+    # sin (freed: no user), act, add, sum [4] (its dim read)
+    assert trace.events == (("alloc", 0, 4 * 16 * 4), ("free", 0, None), ("alloc", 1, 4 * 16 * 4),
+                            ("alloc", 2, 4 * 16 * 4), ("free", 1, None), ("alloc", 3, 4 * 4), ("free", 2, None))
+    assert trace.outputs == ((3,),)
+
+
+def test_a_storage_two_live_nodes_hold_is_freed_after_the_last_of_them():
+    """A view keeps its base's block: freed when the last node holding the storage is done, not when
+    the first is (an early free would undercount the pool's peak)."""
+    def f(x):
+        a = x * 2
+        b = a[1:]
+        c = a + 1  # a's last use; b still holds a's storage
+        return c, b * 3
+
+    trace = trace_allocations(_dynamo_graph(f, torch.randn(8, 64)))
+    kinds = [(kind, ident) for kind, ident, _ in trace.events]
+    assert kinds == [("alloc", 0), ("alloc", 1), ("alloc", 2), ("free", 0)]
+
+
+@torch.library.custom_op("memtest::branchy", mutates_args=())
+def _branchy(x: torch.Tensor) -> torch.Tensor:
+    """A body that branches on the token count: run on fakes, it asks the shape environment."""
+    return x * 2 if x.shape[0] > 2 else x * 3
+
+
+@_branchy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_the_fake_run_adds_no_guard_to_what_dynamo_compiled():
+    """A body dynamo never traced, run on the graph's fakes, branches on a size symbol: the trace
+    suppresses the guard it would add (the shape environment is dynamo's, its guards the graph's)."""
+    gm = _dynamo_graph(lambda x: torch.ops.memtest.branchy(x), torch.randn(8, 64))
+    (x,) = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")
+            if isinstance(n.meta["example_value"], torch.Tensor)]
+    shape_env = x.fake_mode.shape_env
+    before = [str(g.expr) for g in shape_env.guards]
+    assert trace_allocations(gm, lambda op: "memtest" not in str(op)) is not None
+    assert [str(g.expr) for g in shape_env.guards] == before
