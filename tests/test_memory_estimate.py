@@ -158,7 +158,7 @@ def test_an_op_the_runtime_runs_as_its_body_counts_the_bodys_temporaries():
 
 class _Traced(torch.nn.Module):
     """A graph as `fx.symbolic_trace` writes it: a submodule (call_module), a method (call_method), a
-    parameter read (get_attr), keyword arguments, and a node nothing uses."""
+    parameter read (get_attr), keyword arguments, a node nothing uses, an input returned."""
 
     def __init__(self):
         super().__init__()
@@ -168,7 +168,7 @@ class _Traced(torch.nn.Module):
     def forward(self, x):
         torch.sin(x)  # made and never used: freed at once
         h = self.act(x).add(self.scale, alpha=2.0)
-        return h.sum(dim=1)
+        return h.sum(dim=1), x
 
 
 def test_every_kind_of_node_is_run_on_fakes_and_a_value_nobody_uses_is_freed():
@@ -185,7 +185,7 @@ def test_every_kind_of_node_is_run_on_fakes_and_a_value_nobody_uses_is_freed():
     # sin (freed: no user), act, add, sum [4] (its dim read)
     assert trace.events == (("alloc", 0, 4 * 16 * 4), ("free", 0, None), ("alloc", 1, 4 * 16 * 4),
                             ("alloc", 2, 4 * 16 * 4), ("free", 1, None), ("alloc", 3, 4 * 4), ("free", 2, None))
-    assert trace.outputs == ((3,),)
+    assert trace.outputs == ((3,), ())  # an input returned holds no block
 
 
 def test_a_storage_two_live_nodes_hold_is_freed_after_the_last_of_them():

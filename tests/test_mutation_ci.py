@@ -56,18 +56,24 @@ def test_survivors_are_listed_by_function_and_mutated_lines(tmp_path, capsys):
     function = mutation_ci._function(name, "pkg/passes/m.py")
     assert function == "Plan.size"
     same = mutation_ci.Mutant(name, "pkg/passes/m.py", function, "survived", removed, added)
+    # the same edit of a second `a + b` in the function: its own entry, not hidden by the first's
+    twin = mutation_ci.Mutant("pkg.passes.m.xǁPlanǁsize__mutmut_12", "pkg/passes/m.py", function, "survived",
+                              removed, added)
     other_line = mutation_ci.Mutant("pkg.passes.m.xǁPlanǁsize__mutmut_8", "pkg/passes/m.py", "Plan.size",
                                     "survived", "n = a + b", "n = a * b")
     untested = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_1", "pkg/passes/m.py", "top", "no tests", "x", "y")
     killed = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_2", "pkg/passes/m.py", "top", "killed")
     odd = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_3", "pkg/passes/m.py", "top", "suspicious")
-    table, unlisted, undecided = mutation_ci.report([same, other_line, untested, killed, odd], listed,
-                                                    {"pkg/passes/m.py": tmp_path})
-    assert table["pkg/passes/m.py"] == {"mutants": 5, "killed": 1, "equivalent": 1, "survived": 2}
-    assert unlisted == [other_line, untested]  # "no tests": no test of the group reaches it, a survivor
+    mutants = mutation_ci._numbered([twin, same, other_line, untested, killed, odd])
+    twin = next(m for m in mutants if m.name == twin.name)
+    assert twin.occurrence == 2
+    table, unlisted, undecided = mutation_ci.report(mutants, listed, {"pkg/passes/m.py": tmp_path})
+    assert table["pkg/passes/m.py"] == {"mutants": 6, "killed": 1, "equivalent": 1, "survived": 3}
+    assert set(unlisted) == {twin, other_line, untested}  # "no tests": no test of the group reaches it
     assert undecided == [odd]
     out = capsys.readouterr().out
     assert "before = '''n = a + b'''\nafter = '''n = a * b'''" in out  # the skeleton to judge it by
+    assert "after = '''n = a - b'''\noccurrence = 2\n" in out
 
 
 def test_every_listed_module_exists_and_names_existing_test_files():
@@ -77,5 +83,5 @@ def test_every_listed_module_exists_and_names_existing_test_files():
     for module, tests in modules.items():
         assert (root / module).is_file(), module
         assert tests and all((root / t).is_file() for t in tests), (module, tests)
-    for module, _function, _before, _after in mutation_ci.load_equivalents():
+    for module, *_ in mutation_ci.load_equivalents():
         assert module in modules, module

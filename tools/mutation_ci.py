@@ -15,7 +15,8 @@ first failure.
 
 A survivor (mutmut's "survived", or "no tests": no test of the group reaches the function) is
 **listed** when an entry of the equivalents file has its module, its function and the lines its diff
-removes and adds (whitespace-stripped), so an entry survives the function moving in its file, and is
+removes and adds (whitespace-stripped; and which of the function's survivors making that same edit it is,
+`occurrence`, where there are several), so an entry survives the function moving in its file, and is
 lost when the mutated line itself changes (then the survivor is shown again, to be judged again).
 Exit status 1 when any survivor is unlisted or a mutant's verdict is not a verdict ("suspicious", "not
 checked"), with a skeleton entry printed for each unlisted survivor; 0 otherwise.
@@ -58,9 +59,10 @@ class Mutant:
     status: str
     removed: str = ""
     added: str = ""
+    occurrence: int = 1  # the n-th mutant of its function making this same edit (in source order)
 
-    def key(self) -> tuple[str, str, str, str]:
-        return (self.module, self.function, self.removed, self.added)
+    def key(self) -> tuple[str, str, str, str, int]:
+        return (self.module, self.function, self.removed, self.added, self.occurrence)
 
 
 def load_modules(path: Path = MODULES_FILE) -> dict[str, tuple[str, ...]]:
@@ -69,13 +71,15 @@ def load_modules(path: Path = MODULES_FILE) -> dict[str, tuple[str, ...]]:
         return {module: tuple(tests) for module, tests in tomllib.load(f)["modules"].items()}
 
 
-def load_equivalents(path: Path = EQUIVALENTS_FILE) -> dict[tuple[str, str, str, str], str]:
-    """The listed equivalent mutants, keyed as `Mutant.key`, each to its reason."""
+def load_equivalents(path: Path = EQUIVALENTS_FILE) -> dict[tuple[str, str, str, str, int], str]:
+    """The listed equivalent mutants, keyed as `Mutant.key` (`occurrence` 1 unless given), each to its
+    reason."""
     if not path.exists():
         return {}
     with path.open("rb") as f:
         entries = tomllib.load(f).get("equivalent", [])
-    return {(e["module"], e["function"], _strip(e["before"]), _strip(e["after"])): e["reason"] for e in entries}
+    return {(e["module"], e["function"], _strip(e["before"]), _strip(e["after"]), e.get("occurrence", 1)): e["reason"]
+            for e in entries}
 
 
 def _strip(text: str) -> str:
@@ -172,7 +176,21 @@ def results(workdir: Path, modules: Sequence[str]) -> list[Mutant]:
         if status in SURVIVING:
             removed, added = _diff_lines(_mutmut(workdir, "show", name).stdout)
         mutants.append(Mutant(name, module, _function(name, module), status, removed, added))
-    return mutants
+    return _numbered(mutants)
+
+
+def _numbered(mutants: list[Mutant]) -> list[Mutant]:
+    """Each survivor with its occurrence among its function's survivors making the same edit, in
+    mutmut's order (its numbers follow the source): two identical edits in one function are two
+    entries, so listing one never hides the other."""
+    seen: dict[tuple[str, str, str, str], int] = {}
+    numbered = []
+    for m in sorted(mutants, key=lambda m: (m.module, m.function, int(m.name.rsplit("_", 1)[1]))):
+        if m.status in SURVIVING:
+            seen[m.key()[:4]] = seen.get(m.key()[:4], 0) + 1
+            m = dataclasses.replace(m, occurrence=seen[m.key()[:4]])
+        numbered.append(m)
+    return numbered
 
 
 def run_group(workdir: Path, modules: Sequence[str], tests: Sequence[str], max_children: int) -> list[Mutant]:
@@ -189,11 +207,12 @@ def run_group(workdir: Path, modules: Sequence[str], tests: Sequence[str], max_c
 
 def skeleton(mutant: Mutant) -> str:
     """An equivalents entry for `mutant`, its reason to be written."""
+    occurrence = f"occurrence = {mutant.occurrence}\n" if mutant.occurrence > 1 else ""
     return (f"[[equivalent]]\nmodule = \"{mutant.module}\"\nfunction = \"{mutant.function}\"\n"
-            f"before = '''{mutant.removed}'''\nafter = '''{mutant.added}'''\nreason = \"\"\n")
+            f"before = '''{mutant.removed}'''\nafter = '''{mutant.added}'''\n{occurrence}reason = \"\"\n")
 
 
-def report(mutants: Sequence[Mutant], equivalents: dict[tuple[str, str, str, str], str],
+def report(mutants: Sequence[Mutant], equivalents: dict[tuple[str, str, str, str, int], str],
            workdirs: dict[str, Path]) -> tuple[dict[str, dict[str, int]], list[Mutant], list[Mutant]]:
     """Per module: mutants, killed, equivalent, unlisted survivors; and the unlisted and the undecided."""
     table: dict[str, dict[str, int]] = {}
