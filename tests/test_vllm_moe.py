@@ -47,8 +47,9 @@ def test_grouped_topk_moe_steps_inside_mixed_and_above_the_buckets_equal_eager_o
     the graph made) runs inside a piece whose capture reads an earlier piece's `group_idx`: it must see
     that step's value (the report: "index -1 is out of bounds", a capture reading what an earlier
     capture left), and each piece's replay the live values of the step. `vllm.cpu_fused_moe_torch`
-    reads the expert counts on the host: the full graphs holding it are not captured, so every step
-    runs on piece replays with that op between them."""
+    (0.23's experts) reads the expert counts on the host: the full graphs holding it are not captured,
+    so every step runs on piece replays with that op between them; 0.33's experts (the stand-in for its
+    CPU kernel) read nothing on the host: the buckets' steps replay full graphs."""
     artifacts, models = compiled
     for i, (seq_lens, query_lens) in enumerate(STEPS):
         step = real.Step(seq_lens, query_lens)
@@ -58,9 +59,14 @@ def test_grouped_topk_moe_steps_inside_mixed_and_above_the_buckets_equal_eager_o
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     art = artifacts[-1]  # the graph serving the steps (an earlier one: the profiling run's static trace)
     stats = collections.Counter(art.stats)
-    assert stats["piecewise_steps"] == len(STEPS) and stats["eager_fallbacks"] == 0, stats
-    assert stats["uncapturable_graphs"] >= 1 and stats["replays"] == 0, stats
-    assert art.pieces.launches["replays"] >= 2 * len(STEPS), art.pieces.launches
+    in_buckets = sum(sum(q) <= 8 for _, q in STEPS)
+    assert stats["eager_fallbacks"] == 0 and art.pieces.launches["replays"] >= 2 * len(STEPS), (stats, art.pieces.launches)
     keys = {graph.key.bucket for graph in art.pieces.graphs.values()}
-    assert min(keys) <= 8 < max(keys), keys  # pieces serve the buckets' steps and those above them
-    assert any("cpu_fused_moe_torch" in str(op) for op in art.uncapturable), art.uncapturable
+    if moe.HOST_READ_EXPERTS:  # 0.23's experts: no full graph captured, every step on pieces
+        assert any("cpu_fused_moe_torch" in str(op) for op in art.uncapturable), art.uncapturable
+        assert stats["piecewise_steps"] == len(STEPS) and stats["replays"] == 0, stats
+        assert min(keys) <= 8 < max(keys), keys
+    else:  # 0.33's: full graphs in the buckets, pieces above them
+        assert not art.uncapturable, art.uncapturable
+        assert stats["replays"] == in_buckets and stats["piecewise_steps"] == len(STEPS) - in_buckets, stats
+        assert min(keys) > 8, keys

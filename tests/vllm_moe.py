@@ -18,6 +18,8 @@ stays CUDA-like for everything else (attention, collectives). vLLM's CUDA MoE pa
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +27,65 @@ import torch
 
 from tests import vllm_real as real
 
-import vllm.model_executor.layers.fused_moe.oracle.unquantized as _oracle  # noqa: E402
-import vllm.model_executor.layers.fused_moe.runner.moe_runner as _moe_runner  # noqa: E402
-import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as _unquantized  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.platforms.interface import PlatformEnum  # noqa: E402
 
 
 class CpuMoePlatform(real.CpuFlashAttnPlatform):
-    """The harness's platform, saying `is_cpu()` (to the MoE modules only: vLLM's CPU MoE path)."""
+    """The harness's platform as vLLM's CPU platform's kind (`PlatformEnum.CPU`: `is_cpu()`, not
+    out of tree), given to the MoE modules only: vLLM's CPU MoE path."""
 
-    def is_cpu(self) -> bool:
-        return True
+    _enum = PlatformEnum.CPU
 
 
 _MOE_PLATFORM = CpuMoePlatform()
-for _module in (_oracle, _moe_runner, _unquantized):
+#: The modules asking `is_cpu()` about MoE: 0.23's three; 0.33's router factory, modular kernel and CPU
+#: experts too (its CPU path is a modular kernel: `CPURouter`, `CPUUnquantizedExperts`).
+_ASKING = ["oracle.unquantized", "runner.moe_runner", "unquantized_fused_moe_method", "router.router_factory",
+           "modular_kernel", "experts.cpu_moe"]
+for _name in _ASKING:
+    try:
+        _module = importlib.import_module(f"vllm.model_executor.layers.fused_moe.{_name}")
+    except ModuleNotFoundError:  # 0.23: no router factory, no experts.cpu_moe
+        continue
     _module.current_platform = _MOE_PLATFORM
+
+
+@torch.library.custom_op("vllm_moe_cpu::cpu_fused_moe", mutates_args=("out",))
+def cpu_fused_moe(out: torch.Tensor, input: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, act: str, isa: str, skip_weighted: bool = False) -> None:
+    """vLLM 0.33's `_custom_ops.cpu_fused_moe` (`torch.ops._C.cpu_fused_moe`, vLLM's CPU build only) in
+    pure torch, over the unpacked weights (`cpu_prepack_moe_weight` below keeps them as they are):
+    each token's `topk` experts, `w2 @ silu(gate) * up` of `w13 @ x` (gate: the first half), weighted by
+    its routing weights unless `skip_weighted`. Every expert over every token, masked: no host read,
+    as the kernel's (a device graph holds it)."""
+    assert act == "silu" and w13_bias is None and w2_bias is None, (act, w13_bias, w2_bias)
+    x = input.float()
+    gate_up = torch.einsum("th,eih->tei", x, w13.float())
+    gate, up = gate_up.chunk(2, dim=-1)
+    experts = torch.einsum("tei,ehi->teh", torch.nn.functional.silu(gate) * up, w2.float())
+    onehot = (topk_ids.long().unsqueeze(-1) == torch.arange(w13.shape[0])).float()  # [t, k, e]
+    weights = torch.ones_like(topk_weights, dtype=torch.float) if skip_weighted else topk_weights.float()
+    out.copy_(torch.einsum("tke,tk,teh->th", onehot, weights, experts).to(out.dtype))
+
+
+@cpu_fused_moe.register_fake
+def _(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _cpu_kernels() -> None:
+    """0.33's CPU experts on the stand-in: `cpu_fused_moe` above, prepacking that keeps the layout."""
+    try:
+        cpu_moe = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+    except ModuleNotFoundError:
+        return
+    cpu_moe.cpu_fused_moe = torch.ops.vllm_moe_cpu.cpu_fused_moe
+    cpu_moe.cpu_prepack_moe_weight = lambda weight, isa: weight.clone()
+
+
+_cpu_kernels()
 
 #: A two-layer GLM-4.5 (`Glm4MoeForCausalLM`): 8 routed experts in 2 groups, the best group of each
 #: token kept (`topk_group` 1), 2 experts a token, one shared expert, both layers MoE.
@@ -50,6 +95,11 @@ TINY_GLM4_MOE = {
     "first_k_dense_replace": 0, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "use_qk_norm": False,
     "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0, "attention_bias": False, "hidden_act": "silu",
 }
+
+
+#: Whether vLLM's CPU experts read the expert counts on the host: 0.23's `vllm.cpu_fused_moe_torch` (no
+#: `torch.ops._C.prepack_moe_weight` here), not 0.33's modular kernel (its CPU kernel's stand-in above).
+HOST_READ_EXPERTS = importlib.util.find_spec("vllm.model_executor.layers.fused_moe.experts.cpu_moe") is None
 
 
 def build(config: Any, seed: int = 0, num_blocks: int = 64) -> real.Model:
