@@ -8,6 +8,7 @@ artifact reports calls dynamo makes, not direct ones.
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -86,14 +87,18 @@ def test_grad_mode_enabled_runs_the_graph_as_traced():
 
 
 @torch.no_grad()
-def test_an_input_of_another_dtype_goes_through_dynamo():
+def test_an_input_of_another_dtype_goes_through_dynamo(caplog):
     model, reference = build(CFG), build(CFG)
     fn, artifacts, batch = armed(model)
     step = batch.step([5, 9])
     step["input_ids"] = step["input_ids"].to(torch.int32)
-    result, through_dynamo = call(fn, step)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        result, through_dynamo = call(fn, step)
     assert through_dynamo and len(artifacts) == 2
     close(result, reference(**step))
+    # the first check failing is named, with what differs (`Route.explain`: `Check.holds`, `Check.detail`)
+    assert ("a tensor argument's type, dtype, device, requires_grad, static size or stride differs: this call goes "
+            "through dynamo's guards (tensor 'L['input_ids']' dtype mismatch. expected Long, actual Int)") in caplog.text
 
 
 @torch.no_grad()
