@@ -24,6 +24,9 @@ STEPS = [
     ([70], [40]), ([23, 24, 25], [1, 1, 1]), ([26], [2]), ([80, 81], [1, 1]), ([27], [1]), ([90, 30], [13, 5]),
 ]
 
+#: The step before which both models' weights are reloaded (a sleep and wake), in place.
+RELOAD = 14
+
 
 @pytest.fixture
 def compiled(monkeypatch, tmp_path):
@@ -43,7 +46,8 @@ def compiled(monkeypatch, tmp_path):
 
 
 def test_grouped_topk_moe_steps_inside_mixed_and_above_the_buckets_equal_eager_on_pieces(compiled):
-    """Every step equal to vLLM's eager model. The routing's `group_mask.scatter_` (in place, on a value
+    """Every step equal to vLLM's eager model, before and after a weight reload (the graphs read the
+    parameters in place: the new weights, without a capture). The routing's `group_mask.scatter_` (in place, on a value
     the graph made) runs inside a piece whose capture reads an earlier piece's `group_idx`: it must see
     that step's value (the report: "index -1 is out of bounds", a capture reading what an earlier
     capture left), and each piece's replay the live values of the step. `vllm.cpu_fused_moe_torch`
@@ -52,6 +56,11 @@ def test_grouped_topk_moe_steps_inside_mixed_and_above_the_buckets_equal_eager_o
     CPU kernel) read nothing on the host: the buckets' steps replay full graphs."""
     artifacts, models = compiled
     for i, (seq_lens, query_lens) in enumerate(STEPS):
+        if i == RELOAD:
+            before = [t.clone() for t in models[0].model.parameters()]
+            for model in models:
+                moe.reload_weights(model, seed=11)
+            assert all((t - p).abs().max() > 0.1 for t, p in zip(before, models[0].model.parameters()))
         step = real.Step(seq_lens, query_lens)
         got, expected = moe.run(models[0], step), moe.run(models[1], step)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=lambda m: f"step {i} {step}: {m}")

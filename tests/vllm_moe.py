@@ -1,20 +1,24 @@
-"""vLLM's own mixture-of-experts models (0.23.0) on the CPU, on vLLM's CPU MoE path, for `tests/test_vllm_moe.py`.
+"""vLLM's own mixture-of-experts model (0.23.0 or 0.33.0) on the CPU, on vLLM's CPU MoE path, for
+`tests/test_vllm_moe.py`.
 
 The model is vLLM's `Glm4MoeForCausalLM` (GLM-4.5's architecture: grouped top-k routing, sigmoid
 scores with a correction bias, one shared expert), tiny, with random weights, built by
 `tests/vllm_real.py`'s harness. Its experts are vLLM's `FusedMoE` layer on the path vLLM's own CPU
 platform takes (`UnquantizedMoeBackend.CPU`): the routing traced into the graph
 (`moe_runner._select_forward` calls `_moe_forward_shared` directly where `is_cpu()`, not the opaque
-`vllm.moe_forward_shared` op), `cpu_fused_moe.grouped_topk` (`group_mask = zeros_like(group_scores);
-group_mask.scatter_(1, group_idx, 1)`: an in-place op on a value the graph made), then
-`CPUFusedMOE.forward_torch`'s custom op `vllm.cpu_fused_moe_torch`, which reads the per-expert token
-counts on the host (`.cpu().numpy()`): the simulator refuses it inside a capture, so it runs between
-pieces.
+`vllm.moe_forward_shared` op), grouped top-k in Python (0.23: `cpu_fused_moe.grouped_topk`; 0.33:
+`router/cpu_router.py`'s `_grouped_topk`), whose `group_mask = zeros_like(group_scores);
+group_mask.scatter_(1, group_idx, 1)` is an in-place op on a value the graph made, then the experts:
+- 0.23: `CPUFusedMOE.forward_torch`'s custom op `vllm.cpu_fused_moe_torch` (vLLM's pure-torch path, taken
+  where `torch.ops._C.prepack_moe_weight` is missing), which reads the per-expert token counts on the
+  host (`.cpu().numpy()`): the simulator refuses it inside a capture, so it runs between pieces;
+- 0.33: the modular kernel's `CPUUnquantizedExperts`, whose two calls into vLLM's CPU build
+  (`cpu_prepack_moe_weight`, `cpu_fused_moe`: `torch.ops._C`, absent from the CUDA wheel) are stood in
+  for here in pure torch, reading nothing on the host, as the kernel.
 
-What stands in for vLLM's CPU platform is only its answer to `is_cpu()`, given to the modules that
-ask it about MoE (the backend oracle, the MoE runner, the unquantized method): the harness's platform
-stays CUDA-like for everything else (attention, collectives). vLLM's CUDA MoE path needs Triton
-(`fused_experts`) and its CUDA `topk` kernels, neither of which runs on the CPU.
+What stands in for vLLM's CPU platform is only its kind (`PlatformEnum.CPU`), given to the modules
+that ask it about MoE: the harness's platform stays CUDA-like for everything else (attention,
+collectives). vLLM's CUDA MoE path needs Triton (`fused_experts`) and its CUDA top-k kernels.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from tests import vllm_real as real
 
 from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
 from vllm.platforms.interface import PlatformEnum  # noqa: E402
 
 
@@ -46,9 +51,14 @@ _ASKING = ["oracle.unquantized", "runner.moe_runner", "unquantized_fused_moe_met
 for _name in _ASKING:
     try:
         _module = importlib.import_module(f"vllm.model_executor.layers.fused_moe.{_name}")
-    except ModuleNotFoundError:  # 0.23: no router factory, no experts.cpu_moe
+    except ModuleNotFoundError:  # not in this release
         continue
     _module.current_platform = _MOE_PLATFORM
+
+
+#: Whether vLLM's CPU experts read the expert counts on the host: 0.23's `vllm.cpu_fused_moe_torch` (no
+#: `torch.ops._C.prepack_moe_weight` here), not 0.33's modular kernel (its CPU kernel's stand-in below).
+HOST_READ_EXPERTS = importlib.util.find_spec("vllm.model_executor.layers.fused_moe.cpu_fused_moe") is not None
 
 
 @torch.library.custom_op("vllm_moe_cpu::cpu_fused_moe", mutates_args=("out",))
@@ -77,10 +87,9 @@ def _(*args: Any, **kwargs: Any) -> None:
 
 def _cpu_kernels() -> None:
     """0.33's CPU experts on the stand-in: `cpu_fused_moe` above, prepacking that keeps the layout."""
-    try:
-        cpu_moe = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
-    except ModuleNotFoundError:
+    if HOST_READ_EXPERTS:  # 0.23: its CPU experts are `cpu_fused_moe.CPUFusedMOE`, in pure torch
         return
+    cpu_moe = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
     cpu_moe.cpu_fused_moe = torch.ops.vllm_moe_cpu.cpu_fused_moe
     cpu_moe.cpu_prepack_moe_weight = lambda weight, isa: weight.clone()
 
@@ -95,11 +104,6 @@ TINY_GLM4_MOE = {
     "first_k_dense_replace": 0, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "use_qk_norm": False,
     "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0, "attention_bias": False, "hidden_act": "silu",
 }
-
-
-#: Whether vLLM's CPU experts read the expert counts on the host: 0.23's `vllm.cpu_fused_moe_torch` (no
-#: `torch.ops._C.prepack_moe_weight` here), not 0.33's modular kernel (its CPU kernel's stand-in above).
-HOST_READ_EXPERTS = importlib.util.find_spec("vllm.model_executor.layers.fused_moe.experts.cpu_moe") is None
 
 
 def build(config: Any, seed: int = 0, num_blocks: int = 64) -> real.Model:
@@ -118,6 +122,17 @@ def run_profile(model: real.Model) -> None:
 def compiled_and_eager(monkeypatch: Any, where: Path, options: dict | None = None, **config: Any) -> list[real.Model]:
     """The tiny GLM-4.5 built twice (seed 3): compiled through vLLM's mode-1 call, and eager."""
     return real.compiled_and_eager(monkeypatch, where, build, TINY_GLM4_MOE, options, **config)
+
+
+def reload_weights(model: real.Model, seed: int) -> None:
+    """A weight reload as vLLM's `reload_weights` makes it after a sleep (level 2) and wake: new values
+    (seeded) written into the same parameters, then vLLM's `process_weights_after_loading` again (the
+    MoE method's CPU set-up included)."""
+    generator = torch.Generator().manual_seed(seed)
+    with set_current_vllm_config(model.config), torch.no_grad():
+        for param in model.model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        process_weights_after_loading(model.model, model.config.model_config, torch.device("cpu"))
 
 
 def run(model: real.Model, step: real.Step) -> torch.Tensor:
