@@ -42,7 +42,7 @@ Kept beside the generated mutants (mutmut, `tools/mutation_ci.py`), for the bugs
 write. mutmut changes one expression in place (an operator, a constant, a name, a string, an argument
 dropped or set to None, an assignment's value), inside the package, with the tests run in its own venv.
 These are not that: statements removed or moved (a reset or a wait not captured, an event recorded before
-its update, updates after the synchronize: 43 of the 269 delete a statement), a branch switched off or a
+its update, updates after the synchronize: 44 of the 271 delete a statement), a branch switched off or a
 condition dropped from a test (`if x:` to `if False:`, `A or B` to `A`: 45), several lines edited as one
 bug (30), edits outside the package (the fake torch_npu's and the simulator's rules in `tests/`, the
 mutant selection in `tools/`, the example model: 15), and the vLLM bindings' bugs whose tests run vLLM's
@@ -1691,6 +1691,19 @@ MUTANTS = (
         " or not ours(runner.vllm_config):", ":",
         (f"{EAGLE}::test_vllms_gpu_runner_compiles_its_drafter_before_its_first_forward",),
         vllm=True,
+    ),
+    Mutant(
+        "piecewise: pieces captured on what earlier captures left, not on the step's values",
+        "ascend_compile/lowering/piecewise.py",
+        "        live = LiveCapture(self, runtime, step, args, workspace) if step is not None else None\n",
+        "        live = None\n",
+        ("tests/test_vllm_moe.py",), vllm=True,
+    ),
+    Mutant(
+        "piecewise: a piece's static outputs left as its capture left them for the next capture",
+        "ascend_compile/lowering/piecewise.py",
+        "        if live is not None:\n            live.replay(captured)\n", "",
+        ("tests/test_vllm_moe.py",), vllm33=True,
     ),
 )
 
