@@ -310,6 +310,11 @@ def _appends(items, x):
     return x + 1
 
 
+def _class_store(box, x):
+    _Box.count = 1
+    return x + 1
+
+
 def _made_and_dropped(box, x):
     box.scratch = 1
     del box.scratch
@@ -324,7 +329,7 @@ def _deletes(box, x):
 def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_only():
     """`dispatch/side_effects.record`, the contract the route relies on: constants written into an
     existing object's instance dict are recorded (to be checked at each call); a computed value stored,
-    a list mutated, an attribute deleted refuse the direct call, naming what; an attribute added and
+    a list mutated, a class attribute set, an attribute deleted refuse the direct call, naming what; an attribute added and
     deleted inside the frame is nothing. mutmut's survivors of `_stores_of` fail here."""
     from ascend_compile.dispatch.side_effects import ConstantStore
     x = torch.ones(3)
@@ -333,6 +338,7 @@ def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_onl
     stores, why = _recorded(_computed, _Box(), x)
     assert stores == () and why.startswith("the step sets L['box'].total to ")
     assert _recorded(_appends, [], x) == ((), "the step mutates L['items']")
+    assert _recorded(_class_store, _Box(), x) == ((), "the step mutates G['_Box']")  # a class: not an instance dict
     assert _recorded(_made_and_dropped, _Box(), x) == ((), None)
     box = _Box()
     box.flag = True
