@@ -81,6 +81,18 @@ def test_seeded_sampling_matches_eager_on_capture_and_replay_steps():
     assert not mismatched, f"steps {mismatched} drew other tokens than eager"
 
 
+def test_seeded_sampling_matches_eager_on_steps_served_by_pieces():
+    """Steps above the largest bucket go to piecewise graphs, captured on the live values of the step
+    they are first used for (`lowering/piecewise_live.py`: each piece replayed once, the nodes between
+    pieces run): that work draws nothing from the step's generator, so every step, the capturing ones
+    included, draws eager's tokens."""
+    fn, artifacts, reference = compiled_sampler(capture_sizes=(1, 2))
+    mismatched = seeded_mismatches(fn, reference, steps(sizes=[5, 7, 3, 12, 5, 9]))
+    stats = total(artifacts)
+    assert stats["piecewise_steps"] == 6 and stats["eager_fallbacks"] == 0
+    assert not mismatched, f"steps {mismatched} drew other tokens than eager"
+
+
 def test_capture_step_leaves_the_generator_where_a_replay_step_does():
     """A capture draws nothing from the generator: seeded alike, the step that captures the graph
     and a later step that only replays it leave the generator in the same state. (Not eager's

@@ -1113,6 +1113,12 @@ MUTANTS = (
         ("tests/test_direct_soundness.py::test_kv_caches_passed_by_the_caller_swapped_under_frozen_parameters",),
     ),
     Mutant(
+        "piecewise live capture draws from the step's generator", "ascend_compile/lowering/piecewise.py",
+        "        with runtime.generators_kept():  # the live run's replays and eager nodes draw nothing of the step's\n",
+        "        if True:\n",
+        ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_steps_served_by_pieces",),
+    ),
+    Mutant(
         "direct: a list argument's length not checked", "ascend_compile/dispatch/checks.py",
         '            expr_check += f" and len({expr}) == {len(value)}"\n',
         "            pass\n",

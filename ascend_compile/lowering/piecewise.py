@@ -196,14 +196,15 @@ class PiecewiseGraph:
         if live is not None and live.refused:
             live = None
         last_use = self.last_uses()
-        for index, segment in enumerate(self.segments):
-            if isinstance(segment, Piece):
-                self._release(runtime, last_use, index)
-                self.pieces.append(self._capture_piece(runtime, segment, args, workspace, live))
-            elif live is not None:
-                live.run(segment)
-        if live is not None:
-            live.end()
+        with runtime.generators_kept():  # the live run's replays and eager nodes draw nothing of the step's
+            for index, segment in enumerate(self.segments):
+                if isinstance(segment, Piece):
+                    self._release(runtime, last_use, index)
+                    self.pieces.append(self._capture_piece(runtime, segment, args, workspace, live))
+                elif live is not None:
+                    live.run(segment)
+            if live is not None:
+                live.end()
         self._release(runtime, last_use, len(self.segments) + 1)
         scalars = [spec.index for spec in self.signature.by_role(Role.SCALAR)]
         self.captured_inputs = CapturedInputs(args, checked, scalars, identified)
