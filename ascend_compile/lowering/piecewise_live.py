@@ -19,6 +19,11 @@ ops on values pieces made, all recomputed by the step). A node writing a caller'
 KV cache (`split_pieces`: "writes graph input storage", or a view it writes through) is not run
 here, where running it twice could change what the step computes; what it (or anything after it)
 makes keeps its padding values in the capture.
+
+Not where the graph holds functional collectives: the ranks agree on a capture's outcome only once it
+ends (`capture_failures.agreed_failure`), so a rank whose device refused a piece would stop there while
+the others replayed theirs, issuing collectives no rank pairs. Their pieces are captured on their
+buffers, as before (an op checking its operands there still reads what an earlier capture left).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from torch import fx
 from ..passes.fx_utils import example_value
 from ..passes.split_pieces import EagerNode
 from ..runtime.base import GraphRuntime
+from .capture_failures import collective_groups
 from .inputs import Step
 from .piecewise import _narrow
 
@@ -49,8 +55,9 @@ class LiveCapture:
         self.args = args
         self.workspace = workspace
         self.plan, self.use_kernels, refusal = graph.plan(step, args)
-        #: the step cannot run on these pieces (a kernel the target refuses has no op to run instead)
-        self.refused = refusal is not None
+        #: not run: the step cannot run on these pieces (a kernel the target refuses has no op to run
+        #: instead), or the graph holds functional collectives (below)
+        self.refused = refusal is not None or bool(collective_groups(graph.gm))
         self.env: dict[fx.Node, Any] = dict.fromkeys(graph.workspace_nodes, workspace)
         #: nodes not run here (they write a caller's tensor), and every node reading one
         self.skipped: set[fx.Node] = set()
