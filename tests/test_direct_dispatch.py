@@ -318,6 +318,16 @@ def _class_store(box, x):
 def _made_and_dropped(box, x):
     box.scratch = 1
     del box.scratch
+    box.flag = True  # recorded after the deletion that is nothing
+    return x + 1
+
+
+class _Slotted:
+    __slots__ = ("flag",)
+
+
+def _deletes_a_slot(obj, x):
+    del obj.flag
     return x + 1
 
 
@@ -339,7 +349,11 @@ def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_onl
     assert stores == () and why.startswith("the step sets L['box'].total to ")
     assert _recorded(_appends, [], x) == ((), "the step mutates L['items']")
     assert _recorded(_class_store, _Box(), x) == ((), "the step mutates G['_Box']")  # a class: not an instance dict
-    assert _recorded(_made_and_dropped, _Box(), x) == ((), None)
+    assert _recorded(_made_and_dropped, _Box(), x) == ((ConstantStore("L['box']", "flag", True),), None)
+    slotted = _Slotted()
+    slotted.flag = True  # held in a slot, not an instance dict: its deletion is a side effect all the same
+    stores, why = _recorded(_deletes_a_slot, slotted, x)
+    assert stores == () and why.startswith("the step sets L['obj'].flag to ")
     box = _Box()
     box.flag = True
     stores, why = _recorded(_deletes, box, x)

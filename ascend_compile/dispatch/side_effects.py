@@ -14,6 +14,8 @@ which dynamo does not replay either.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import types
 from typing import Any
 
 
@@ -34,6 +36,21 @@ def root_tx() -> Any:
     return tx if isinstance(tx, symbolic_convert.InstructionTranslator) else None
 
 
+def _had(obj: Any, name: str) -> bool:
+    """Whether `obj` held attribute `name` before the frame ran: in its instance dict, or in a slot that
+    is set (a slot's deletion is a side effect too; no descriptor but the slot's is run)."""
+    if name in getattr(obj, "__dict__", {}):
+        return True
+    slot = inspect.getattr_static(type(obj), name, None)
+    if not isinstance(slot, types.MemberDescriptorType):
+        return False
+    try:
+        slot.__get__(obj, type(obj))
+    except AttributeError:
+        return False
+    return True
+
+
 def _stores_of(side_effects: Any, var: Any) -> list[ConstantStore]:
     from torch._dynamo import variables
     from torch._dynamo.side_effects import AttrMutationKind
@@ -47,7 +64,7 @@ def _stores_of(side_effects: Any, var: Any) -> list[ConstantStore]:
         raise ValueError(f"the step mutates {source.name if source is not None else type(var).__name__}")
     stores = []
     for name, value in mutations.items():
-        if isinstance(value, variables.DeletedVariable) and name not in getattr(var.value, "__dict__", {}):
+        if isinstance(value, variables.DeletedVariable) and not _had(var.value, name):
             continue  # added and deleted inside the frame: dynamo replays nothing
         if side_effects.get_attr_mutation_kind(var, name) is not AttrMutationKind.INSTANCE_DICT or not (
             isinstance(value, variables.ConstantVariable)
