@@ -1703,7 +1703,7 @@ MUTANTS = (
         "ascend_compile/lowering/piecewise.py",
         "        live = LiveCapture(self, runtime, step, args, workspace) if step is not None else None\n",
         "        live = None\n",
-        ("tests/test_vllm_moe.py",), vllm=True,
+        ("tests/test_piecewise_live.py",),
     ),
     Mutant(
         "piecewise: a piece's static outputs left as its capture left them for the next capture",
