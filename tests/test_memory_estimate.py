@@ -167,7 +167,7 @@ class _Traced(torch.nn.Module):
 
     def forward(self, x):
         torch.sin(x)  # made and never used: freed at once
-        h = self.act(x).add(self.scale, alpha=2.0)
+        h = self.act(input=x).add(self.scale, alpha=2.0)  # a submodule called with a keyword
         return h.sum(dim=1), x
 
 
