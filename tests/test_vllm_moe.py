@@ -1,7 +1,7 @@
 """vLLM's own MoE model (GLM-4.5's grouped top-k routing, `tests/vllm_moe.py`) through our backend, on vLLM's
-own code (0.23.0): decode steps inside the buckets, mixed steps and steps above the largest capture size,
-each equal to vLLM's eager model. Skipped where vLLM does not import (the main venv); `.ci/run` runs
-this file in `.venv-vllm`."""
+own code (0.23.0 or 0.33.0): decode steps inside the buckets, mixed steps and steps above the largest
+capture size, and a weight reload, each equal to vLLM's eager model. Skipped where vLLM does not import
+(the main venv); `.ci/run` runs this file in `.venv-vllm` (0.23) and `.venv-vllm33` (0.33)."""
 from __future__ import annotations
 
 import collections
