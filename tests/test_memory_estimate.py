@@ -223,3 +223,14 @@ def test_the_fake_run_adds_no_guard_to_what_dynamo_compiled():
     before = [str(g.expr) for g in shape_env.guards]
     assert trace_allocations(gm, lambda op: "memtest" not in str(op)) is not None
     assert [str(g.expr) for g in shape_env.guards] == before
+
+
+def test_a_graph_returning_one_value_not_a_tuple():
+    """An FX graph may return one node, not a tuple of them: its output is still the one block held."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gm = torch.fx.symbolic_trace(lambda x: torch.sin(x) * 2)
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    with FakeTensorMode() as mode:
+        x.meta["val"] = mode.from_tensor(torch.randn(4, 16))
+    trace = trace_allocations(gm)
+    assert trace is not None and trace.outputs == ((1,),)
