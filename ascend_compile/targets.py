@@ -281,15 +281,16 @@ class CudaTarget(Target):
                 f"cannot refresh host lengths): compile with runtime='eager' (or 'sim' on CPU tensors)"
             )
 
-    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> None:
+    def check_graph(self, gm: fx.GraphModule, keys: Sequence[GraphKey]) -> dict[str, str]:
         """Latent-attention layers of dims the Triton MLA kernels' tiles were not checked for on
-        sm_90 (`ops/cuda_mla.py: check_mla_tiles`), refused naming the layer."""
+        sm_90 (`ops/cuda_mla.py: check_mla_tiles`), refused naming the layer; none served eagerly."""
         for call in kernel_calls(gm):
             if call.meta.kernel == MLA:
                 try:
                     check_mla_tiles(call.meta.shape)
                 except ValueError as err:
                     raise ValueError(f"{layer_name(call.node)}: {err}") from None
+        return {}
 
     def kernel_policy(self, config: CompileConfig, dtype: torch.dtype) -> KernelPolicy:
         """The decode kernel (PA) for every decode-only bucket under the default policy: its device
