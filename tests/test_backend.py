@@ -496,3 +496,27 @@ def test_decode_and_mixed_steps_of_one_bucket_each_replay_their_own_graph():
         assert art.served[("mixed", "full")] == 1 and art.served[("mixed", "eager")] == 0, art.served
         replays.update({entry.name: entry.replays for entry in art.graphs.values()})
     assert replays == {"b8.decode": 3, "b8.mixed": 2}, replays
+
+
+def test_a_steps_seconds_split_into_its_phases_and_the_host():
+    # `art.seconds`: each replay's copy-in, launch and synchronize, and the rest of the step as host time;
+    # the runner takes the replay phases out of the step's time through their running sum (`PhaseSeconds.device`).
+    cfg = LlamaConfig(num_layers=2, num_blocks=256)
+    model, reference = build(cfg), build(cfg)
+    torch._dynamo.reset()
+    artifacts = []
+    fn = torch.compile(model, dynamic=True, backend=backend(CompileConfig(max_model_len=MAX_LEN, capture_sizes=(8,),
+                                                                          runtime="sim"), on_compiled=artifacts.append))
+    batch = PagedBatch(cfg, seed=6)
+    with torch.no_grad():
+        for lens in ([40, 9, 77], [41, 10, 78, 5], [5] * 12):  # two replays of b8, one piecewise step
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs))
+    stats = sum((art.stats for art in artifacts), collections.Counter())
+    assert stats["replays"] == 2 and stats["piecewise_steps"] == 1
+    for art in artifacts:
+        seconds = art.seconds
+        assert seconds.device == pytest.approx(seconds["copy_in"] + seconds["launch_and_updates"] +
+                                               seconds["synchronize"], rel=1e-9, abs=0)
+    total = sum((art.seconds for art in artifacts), collections.Counter())
+    assert min(total["copy_in"], total["launch_and_updates"], total["synchronize"], total["host"]) > 0

@@ -1119,6 +1119,12 @@ MUTANTS = (
         ("tests/test_rng.py::test_seeded_sampling_matches_eager_on_steps_served_by_pieces",),
     ),
     Mutant(
+        "a replay's phases left in the step's host time", "ascend_compile/lowering/phase_seconds.py",
+        "        self.device += end - start\n",
+        "        pass\n",
+        ("tests/test_backend.py::test_a_steps_seconds_split_into_its_phases_and_the_host",),
+    ),
+    Mutant(
         "direct: a list argument's length not checked", "ascend_compile/dispatch/checks.py",
         '            expr_check += f" and len({expr}) == {len(value)}"\n',
         "            pass\n",

@@ -3,7 +3,6 @@ and update table, and the capture, replay and eager run of that one graph; the r
 graph serves a step and owns what graphs share (workspaces, the undo plan, the statistics)."""
 from __future__ import annotations
 
-import collections
 import functools
 import time
 from typing import Any, Sequence
@@ -20,6 +19,7 @@ from . import capture as capture_mod
 from .inputs import Step, StepPlan, capture_plan, plan_step
 from .input_checks import CapturedInputs
 from .outputs import narrowed_outputs
+from .phase_seconds import PhaseSeconds
 from .staging import Staging, per_step_shape
 
 
@@ -110,7 +110,7 @@ class GraphEntry:
             self.eager_reason = f"{self.name}: inputs {clashes} are written twice at overlapping places in the padded graph"
 
     def replay(self, runtime: GraphRuntime, plan: StepPlan, updates: capture_mod.UpdateSchedule,
-               seconds: collections.Counter) -> int:
+               seconds: PhaseSeconds) -> int:
         """Copy in, launch, update, synchronize; returns the number of task updates issued. A replay
         that raises may leave the graph's events and tasks mid-replay: the graph is dropped, and
         captured again on its next use."""
@@ -126,10 +126,7 @@ class GraphEntry:
             self.graph, self.verified = None, None
             runtime.replay_failed()
             raise
-        t3 = time.perf_counter()
-        seconds["copy_in"] += t1 - t0
-        seconds["launch_and_updates"] += t2 - t1
-        seconds["synchronize"] += t3 - t2
+        seconds.replayed(t0, t1, t2, time.perf_counter())
         return count
 
     def run_eager(self, plan: StepPlan, workspaces: capture_mod.WorkspaceFor) -> Any:

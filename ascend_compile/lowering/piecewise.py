@@ -45,6 +45,7 @@ from ..runtime.base import GraphRuntime
 from . import capture as capture_mod
 from .inputs import Geometry, Step, StepPlan, padded_copies, plan_step
 from .input_checks import CapturedInputs
+from .phase_seconds import PhaseSeconds
 from .staging import per_step_shape
 
 
@@ -301,7 +302,7 @@ class PiecewiseGraph:
         return plan, False, None
 
     def run(self, runtime: GraphRuntime, step: Step, plan: StepPlan, use_kernels: bool, args: Sequence[Any],
-            workspace: torch.Tensor, seconds: collections.Counter, launches: collections.Counter) -> list[Any]:
+            workspace: torch.Tensor, seconds: PhaseSeconds, launches: collections.Counter) -> list[Any]:
         """One step through the pieces (`plan`, `use_kernels`: as `plan` said); the graph's outputs at
         the step's sizes (views of static outputs where a piece made them)."""
         symbols = step.symbols
@@ -336,9 +337,7 @@ class PiecewiseGraph:
                 captured.graph.replay()
                 t2 = time.perf_counter()
                 runtime.after_piece()  # what the host issues next (the eager nodes) reads its results
-                seconds["copy_in"] += t1 - t0
-                seconds["launch_and_updates"] += t2 - t1
-                seconds["synchronize"] += time.perf_counter() - t2
+                seconds.replayed(t0, t1, t2, time.perf_counter())
                 launches["replays"] += 1
                 continue
             node = segment.node

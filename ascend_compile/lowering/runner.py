@@ -38,6 +38,7 @@ from .graph_entry import GraphEntry, MovedInputs, specialization_of
 from .inputs import Step, StepPlan, capture_seq_len, choose_bucket, overlapping_inputs, read_step, step_kind
 from .input_checks import ChangeLog
 from .outputs import narrowed_outputs, returned_outputs
+from .phase_seconds import PhaseSeconds
 from .piecewise import PiecewiseGraph
 from .piecewise_serve import PiecewiseServer
 from .staging import Staging
@@ -66,7 +67,7 @@ class CompiledArtifact:
         self.stats: collections.Counter = collections.Counter(launches_outside_graph=0, saved_bytes=0, synchronizes=0)
         #: Seconds spent per phase of graph steps: copy_in, launch_and_updates, synchronize (the
         #: device work, or on the simulator its execution), host (the rest of the runner's step).
-        self.seconds: collections.Counter = collections.Counter()
+        self.seconds = PhaseSeconds()
         self._fallbacks_logged: set[str] = set()
         #: ops found uncapturable (`errors.UncapturableOp`) -> why: every graph holding one serves eagerly
         self.uncapturable: dict[Any, str] = {}
@@ -127,16 +128,16 @@ class CompiledArtifact:
     def _call(self, args: Sequence[Any], direct: bool, fixed: frozenset[int] | None = None) -> Any:
         with self.lock:
             self.fixed, seconds = fixed, self.seconds
-            start, before = time.perf_counter(), seconds.total()
+            start, before = time.perf_counter(), seconds.device
             result = self._step(self.rewritten.prologue.extend(args), args, direct)
-            seconds["host"] += time.perf_counter() - start - (seconds.total() - before)
+            seconds["host"] += time.perf_counter() - start - (seconds.device - before)
             return result
 
     def _count(self, step: Step, sign: int) -> None:
-        stats = self.stats
+        stats, reads = self.stats, step.reads
         stats["steps"] += sign
-        stats["host_conversions"] += sign * step.reads
-        stats["host_copies"] += sign * step.copies
+        stats["host_conversions"] += sign * reads
+        stats["host_copies"] += sign * (len(step.seq_lens) + len(step.query_start_loc) - reads)  # `Step.copies`
 
     def _step(self, args: Sequence[Any], caller_args: Sequence[Any], direct: bool) -> Any:
         """One step: `args` are the graph's inputs (the caller's, then any hoisted metadata). Under grad
