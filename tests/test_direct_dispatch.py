@@ -341,8 +341,14 @@ def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_onl
     existing object's instance dict are recorded (to be checked at each call); a computed value stored,
     a list mutated, a class attribute set, an attribute deleted refuse the direct call, naming what; an attribute added and
     deleted inside the frame is nothing. mutmut's survivors of `_stores_of` fail here."""
+    import torch._dynamo.side_effects as dynamo_side_effects
+
     from ascend_compile.dispatch.side_effects import ConstantStore
     x = torch.ones(3)
+    if not hasattr(dynamo_side_effects, "AttrMutationKind"):  # torch 2.10: no record to read, every store refused
+        stores, why = _recorded(_flags, _Box(), x)
+        assert stores == () and why.startswith("dynamo's record of the step's side effects is not readable"), why
+        return
     assert _recorded(_flags, _Box(), x) == (
         (ConstantStore("L['box']", "flag", True), ConstantStore("L['box']", "name", "on")), None)
     stores, why = _recorded(_computed, _Box(), x)

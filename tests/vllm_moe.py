@@ -32,6 +32,7 @@ import torch
 from tests import vllm_real as real
 
 from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed import parallel_state  # noqa: E402
 from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
 from vllm.platforms.interface import PlatformEnum  # noqa: E402
 
@@ -108,7 +109,13 @@ TINY_GLM4_MOE = {
 
 def build(config: Any, seed: int = 0, num_blocks: int = 64) -> real.Model:
     """`vllm_real.build`'s model, then vLLM's profiling run on it (eagerly, before any compile): the MoE
-    layers set their `moe_quant_config` at their first forward (`ensure_moe_quant_config_init`)."""
+    layers set their `moe_quant_config` at their first forward (`ensure_moe_quant_config_init`). Where an
+    earlier model of the process (a dense one, `vllm_real`'s) made the model-parallel groups, vLLM left
+    out the expert-parallel group it makes only for MoE models: the groups are made again under `config`."""
+    if parallel_state._WORLD is not None and parallel_state._EP is None:
+        parallel_state.destroy_model_parallel()
+        with set_current_vllm_config(config):
+            parallel_state.ensure_model_parallel_initialized(1, 1)
     model = real.build(config, seed, num_blocks)
     run_profile(model)
     return model
