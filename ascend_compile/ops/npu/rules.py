@@ -11,7 +11,7 @@ device (`ops/npu/form_probe.py`). Each check raises a ValueError starting with t
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -126,9 +126,15 @@ def check_fia_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
          f"or 192, the later SplitFuse path at most 256, fused_infer_attention_score_tiling.cpp L1035-1038)",
          head_dim),
     )
+    _refuse_unmet(rules, FIA_KERNEL)
+
+
+def _refuse_unmet(rules: Iterable[tuple[str, bool, str, Any]], kernel: str) -> None:
+    """Raise for the first of `rules` (argument, met, what `kernel` takes, what it got) not met, naming
+    the argument."""
     for arg, ok, expected, got in rules:
         if not ok:
-            raise ValueError(f"{arg}: {FIA_KERNEL} takes {expected}, got {got}")
+            raise ValueError(f"{arg}: {kernel} takes {expected}, got {got}")
 
 
 def check_tnd_sequences(count: int, kernel: str = FIA_KERNEL) -> None:
@@ -226,9 +232,7 @@ def check_mla_shape(num_heads: int, latent_dim: int, rope_dim: int, block_size: 
         ("q_nope", dtype in MLA_DTYPES, "float16 or bfloat16 queries and caches ('数据类型支持float16、bfloat16', "
                                         "L8597-8598)", dtype),
     )
-    for arg, ok, expected, got in rules:
-        if not ok:
-            raise ValueError(f"{arg}: {MLA_KERNEL} takes {expected}, got {got}")
+    _refuse_unmet(rules, MLA_KERNEL)
 
 
 def check_mla_sequences(count: int, kernel: str = MLA_KERNEL) -> None:
@@ -293,6 +297,4 @@ def check_sinks(query: torch.dtype, sinks: torch.dtype, sinks_shape: Sequence[in
         ("value_cache", head_dim <= SINKS_MAX_HEAD_DIM, f"a value head dim of at most {SINKS_MAX_HEAD_DIM} with "
                                                         f"learnable_sink ('仅支持value的d小于等于128', L8757)", head_dim),
     )
-    for arg, ok, expected, got in rules:
-        if not ok:
-            raise ValueError(f"{arg}: {SINKS_KERNEL} takes {expected}, got {got}")
+    _refuse_unmet(rules, SINKS_KERNEL)
