@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ascend_compile.passes.split_pieces import EagerNode
 from examples import llama
 from examples.llama import PagedBatch
 from tests.test_failed_steps import assert_close, caches
@@ -47,3 +48,40 @@ def test_an_in_place_scatter_of_an_earlier_pieces_index_is_captured_on_the_steps
     where = {n.name: i for i, p in enumerate(graph.pieces) for n in p.gm.graph.nodes}
     scatters = [name for name in where if name.startswith("scatter_")]
     assert scatters and all(where[s] > 0 for s in scatters), where  # in a piece after the first
+
+
+
+class _Accumulates(torch.nn.Module):
+    """The example model, also adding its logits into a buffer the caller passes: a write into a caller's
+    tensor (not a KV cache) that is not idempotent, run twice it adds twice."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.model = llama.build(cfg)
+
+    def forward(self, out, **inputs):
+        logits = self.model(**inputs)
+        out.add_(logits)
+        return logits
+
+
+def test_a_node_writing_a_callers_tensor_runs_once_per_step_not_in_the_capture_too():
+    """`out.add_(logits)` runs between pieces (`split_pieces`: it writes graph input storage,
+    `EagerNode.writes_caller`); the capture on the step's values skips it, so each step (two of them
+    capturing their piecewise size) adds its logits once, as eager does."""
+    cfg, _, _ = _llama()
+    model, reference = _Accumulates(cfg), _Accumulates(cfg)
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    with torch.no_grad():
+        for lens, qlens in ([40], [40]), ([60, 7, 9], [20, 1, 1]), ([100, 30], [33, 30]):
+            inputs = batch.step(lens, qlens)
+            got = torch.ones(inputs["input_ids"].shape[0], cfg.vocab_size)
+            want = got.clone()
+            assert_close(fn(out=got, **inputs), reference(out=want, **inputs))
+            assert_close(got, want)
+    art = artifacts[-1]
+    assert art.stats["piecewise_steps"] == 3 and art.stats["piecewise_captures"] == 2, art.stats
+    segments = next(iter(art.piecewise.values())).segments
+    eager = {s.node.name: s.writes_caller for s in segments if isinstance(s, EagerNode)}
+    assert sorted(n for n, writes in eager.items() if writes) == ["add_"], eager  # not the attention kernels

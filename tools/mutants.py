@@ -1202,7 +1202,7 @@ MUTANTS = (
     ),
     Mutant(
         "piecewise: a write into a caller's buffer captured in a piece", "ascend_compile/passes/split_pieces.py",
-        '            return f"writes graph input storage ({written.name})"', "            pass",
+        '            return Why(f"writes graph input storage ({written.name})", writes_caller=True)', "            pass",
         ("tests/test_runtime_graphs.py::test_writes_that_overlap_only_when_padded_run_eagerly",
          f"{PIECEWISE}::test_a_piecewise_step_failing_on_a_later_layer_leaves_every_cache_as_before"),
     ),

@@ -16,9 +16,9 @@ What runs twice (here and in the step that follows): the pieces (they write only
 and the padding-safe cache writes, which write the same rows again) and the eager nodes writing no
 caller's tensor (attention kernels into a piece's `out`, cache writes at the step's slots, in-place
 ops on values pieces made, all recomputed by the step). A node writing a caller's tensor other than a
-KV cache (`split_pieces`: "writes graph input storage", or a view it writes through) is not run
-here, where running it twice could change what the step computes; what it (or anything after it)
-makes keeps its padding values in the capture.
+KV cache (`split_pieces.EagerNode.writes_caller`: it writes graph input storage, or is a view such a
+node writes through) is not run here, where running it twice could change what the step computes;
+what it (or anything after it) makes keeps its padding values in the capture.
 
 Not where the graph holds functional collectives: the ranks agree on a capture's outcome only once it
 ends (`capture_failures.agreed_failure`), so a rank whose device refused a piece would stop there while
@@ -38,9 +38,6 @@ from ..runtime.base import GraphRuntime
 from .capture_failures import collective_groups
 from .inputs import Step
 from .piecewise import _narrow
-
-#: `split_pieces.eager_nodes`' reasons for a node writing a caller's tensor (not a KV cache).
-_WRITES_CALLER = ("writes graph input storage", "a view ")
 
 
 class LiveCapture:
@@ -95,7 +92,7 @@ class LiveCapture:
         """The node between pieces, run as the step runs it (unless it writes a caller's tensor, or reads
         what such a node made)."""
         node = segment.node
-        if segment.why.startswith(_WRITES_CALLER) or any(a in self.skipped for a in node.all_input_nodes):
+        if segment.writes_caller or any(a in self.skipped for a in node.all_input_nodes):
             self.skipped.add(node)
             return
         self.env[node] = self.graph.run_eager(self.runtime, node, self.value, self.workspace, self.use_kernels)

@@ -48,12 +48,27 @@ class Piece:
     outputs: list[fx.Node]
 
 
+class Why(str):
+    """Why a node runs eagerly (the text plan.json and the logs show), and whether it writes a caller's
+    tensor other than a KV cache (`writes_caller`): graph input storage, or a view of it that such a node
+    writes through. A capture run on the step's values must not run such a node a second time
+    (`lowering/piecewise_live.py`)."""
+
+    writes_caller: bool
+
+    def __new__(cls, text: str, writes_caller: bool = False) -> Why:
+        why = super().__new__(cls, text)
+        why.writes_caller = writes_caller
+        return why
+
+
 @dataclasses.dataclass
 class EagerNode:
-    """One node run eagerly between pieces, and why."""
+    """One node run eagerly between pieces, why, and whether it writes a caller's tensor (`Why`)."""
 
     node: fx.Node
     why: str
+    writes_caller: bool = False
 
 
 Segment = Piece | EagerNode
@@ -120,7 +135,7 @@ def eager_nodes(gm: fx.GraphModule, piece_symbols: Collection[sympy.Symbol],
         if why.startswith("writes"):
             for written in written_args(node):
                 for view in _view_chain(written, input_storages):
-                    eager.setdefault(view, f"a view {node.name} writes through")
+                    eager.setdefault(view, Why(f"a view {node.name} writes through", _writes_caller(why)))
     return eager
 
 
@@ -140,12 +155,16 @@ def _why_eager(node: fx.Node, eager: dict[fx.Node, str], input_storages: set, al
         return "unpacks an eager node's result"
     for written in written_args(node):
         if isinstance(written, fx.Node) and _storage(example_value(written)) in input_storages:
-            return f"writes graph input storage ({written.name})"
+            return Why(f"writes graph input storage ({written.name})", writes_caller=True)
     for value in [*_values(node), *(example_value(a) for a in node.all_input_nodes)]:
         extra = _symbols(value) - allowed
         if extra:
             return f"holds the size{'s' if len(extra) > 1 else ''} {', '.join(sorted(map(str, extra)))} (not the token count)"
     return None
+
+
+def _writes_caller(why: str) -> bool:
+    return isinstance(why, Why) and why.writes_caller
 
 
 def _view_chain(value: Any, input_storages: set) -> Iterable[fx.Node]:
@@ -203,7 +222,8 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
             segments.append(Piece(members, [], []))
         if rank < len(ranked):
             where[ranked[rank]] = len(segments)
-            segments.append(EagerNode(ranked[rank], eager[ranked[rank]]))
+            why = eager[ranked[rank]]
+            segments.append(EagerNode(ranked[rank], why, _writes_caller(why)))
     _wire(gm, segments, where, extra_reads or {})
     return segments
 
