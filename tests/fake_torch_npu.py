@@ -47,7 +47,11 @@ binding does); the `.out` overloads' softmax_lse is reserved (any tensor, never 
 write non-contiguous inputs, slot
 dtypes other than int32/int64, slots past the cache or repeated (negative ones it skips, as the
 kernel source does). FIA's max-workspace query answers the most any lengths the block table holds
-can need, in the query's dtype (its bytes are `numel * element_size`); PA's query, like its kernel,
+can need, in the query's dtype (its bytes are `numel * element_size`); under `fia_workspace=` it answers per form
+instead, as the older kernel source sizes it (a call whose every sequence has one query token asks more) or as a
+device sizing v1, its band and v2 with sinks apart, and its kernel refuses less than its call's form needs
+(`tests/fake_torch_npu_sources.py`). A query and caches of different half dtypes are the device's refusal (a
+RuntimeError: no kernel is built for the pair, `fake_torch_npu_sources.MIXED_HALVES`). PA's query, like its kernel,
 refuses lengths its block table's rows do not hold. Each stream has a core limit;
 a task update issued on a stream limited otherwise than the task's capture is refused (it would
 re-tile the kernel for other cores). `graph.__enter__` empties both allocators' caches as torch_npu's
@@ -314,6 +318,7 @@ def _fia_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list
     _contiguous("npu_fused_infer_attention_score: '不支持非连续的Tensor'", query=query, key=key, value=value)
     for name, t, line in (("query", query, "L8065"), ("key", key, "L8067"), ("value", value, "L8070")):
         _half(name, t, f"npu_fused_infer_attention_score: '数据类型支持float16、bfloat16、int8', {line}")
+    fake_torch_npu_sources.check_one_half_dtype(query, key, value)
     heads, dim = query.shape[1], query.shape[2]
     if kw["num_heads"] != heads:
         _fail("num_heads", f"the query's head count {heads}", kw["num_heads"])
@@ -362,6 +367,8 @@ def _fia_out(query, key, value, **kwargs):
         shape = tiling.AttentionShape.of(query, key4)
         spans = [features.span(n, q) for n, q in zip(kv_lens, query_lens)]
         workspace = torch.empty(tiling.workspace_nbytes(tiling.FIA, shape, spans, query_lens), dtype=torch.uint8)
+    if kw["workspace"] is not None:  # aclnn's own is sized by its own tiling
+        fia_workspace_check(query, key4, kw, kw["sparse_mode"] == 4, False, workspace)
     library.check_fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, workspace, attention_out)
     _executed(tiling.FIA, kv_lens)
     reference.fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, query_lens, kw["scale"],
@@ -433,7 +440,27 @@ def _fia_max_workspace(query, key, value, **kwargs):
     key4, *_ = _fia_layout(query, key, value, kw)
     kv_capacity = kw["block_table"].shape[1] * key4.shape[1]
     nbytes = tiling.max_workspace(tiling.FIA, tiling.AttentionShape.of(query, key4), query.shape[0], kv_capacity).nbytes
+    nbytes = fia_workspace_answer(query, key4, kw, kw["sparse_mode"] == 4, False, nbytes)
     return torch.empty(-(-nbytes // query.element_size()), dtype=query.dtype, device=query.device)
+
+
+def fia_workspace_answer(query, key4, kw, band: bool, sinks: bool, reference_nbytes: int) -> int:
+    """FIA's max-workspace answer (v1, or v2 with sinks) for a checked call: the reference tiling's maximum
+    `reference_nbytes`, or the fake's per-form size (`FakeNpu.fia_workspace`)."""
+    from tests import fake_torch_npu_sources
+    mode = _ACTIVE.fia_workspace if _ACTIVE is not None else None
+    if mode is None:
+        return reference_nbytes
+    return fake_torch_npu_sources.fia_workspace_nbytes(mode, query, key4.shape[2], kw["block_table"].shape[0],
+                                                       kw["block_table"].shape[1] * key4.shape[1], band, sinks)
+
+
+def fia_workspace_check(query, key4, kw, band: bool, sinks: bool, workspace: torch.Tensor) -> None:
+    """A FIA call (v1, or v2 with sinks) given less workspace than its form needs is refused (`FakeNpu.fia_workspace`)."""
+    from tests import fake_torch_npu_sources
+    fake_torch_npu_sources.fia_workspace_refusal(_ACTIVE.fia_workspace if _ACTIVE is not None else None, query,
+                                                 key4.shape[2], kw["block_table"].shape[0],
+                                                 kw["block_table"].shape[1] * key4.shape[1], band, sinks, workspace)
 
 
 _LIBRARIES: list[torch.library.Library] = []
@@ -611,6 +638,9 @@ class FakeNpu:
         #: The FIA kernel source whose TND rules the fake plays: None (the docs' only), "c29bc106" or "bfbbec83"
         #: (`tests/fake_torch_npu_sources.py`).
         self.kernel_source: str | None = None
+        #: How FIA's workspace query answers and its kernel checks the workspace given: None (the reference tiling,
+        #: every form alike), "c29bc106" or "per-form" (`tests/fake_torch_npu_sources.py`, `fia_workspace_nbytes`).
+        self.fia_workspace: str | None = None
 
     def log(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.batches.issued(name, kwargs, self.capturing is not None)
@@ -1009,11 +1039,14 @@ def _op_exports(version: str) -> dict[str, Any]:
 
 def install(
     monkeypatch: pytest.MonkeyPatch, device_kernels: tuple[str, ...] = DEVICE_KERNELS,
-    band_at_single_query: bool = False, band_reading: str = "docs", version: str = VERSION,
+    band_at_single_query: bool | str = False, band_reading: str = "docs", version: str = VERSION,
+    fia_workspace: str | None = None,
 ) -> FakeNpu:
     """Install a fresh fake as `torch_npu` and `torch.npu` until the test ends; returns its state.
     `device_kernels`: the ops besides torch's own that its simulator records as one task each;
-    `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`);
+    `band_at_single_query`: FIA's band applied at one query token per sequence too (`FakeNpu`), or "broken" / "refused"
+    (`tests/fake_torch_npu_features.py`: a band of the wrong width there, or the device's refusal);
+    `fia_workspace`: how FIA's workspace is sized per form (`FakeNpu.fia_workspace`);
     `band_reading`: how many keys a band of pre_tokens P attends ("docs" P + 1, "vllm-ascend" P, "neither");
     `version`: the torch_npu release played (`VERSIONS`): only what its fixture lists is offered, and its ops
     must have the schemas defined in this process (one per op: a version whose schemas differ is refused).
@@ -1031,6 +1064,7 @@ def install(
     fake = FakeNpu(device_kernels, version)
     fake.band_at_single_query = band_at_single_query
     fake.band_reading = band_reading
+    fake.fia_workspace = fia_workspace
     monkeypatch.setattr(sys.modules[__name__], "_ACTIVE", fake)
     fake.default_stream = Stream()
 

@@ -17,8 +17,9 @@ the fake follows the docs by default: `pre_tokens` and `next_tokens` have no eff
 无效", L8110, L8111; v2 L8629, L8630), nor does `sparse_mode` ("Q_S为1且不带rope输入时该参数无效", L8117, L8635),
 so such a call attends every key. `FakeNpu.band_at_single_query = True` (`install(..., band_at_single_query=
 True)`) applies the band there too, the reading vLLM-Ascend's decode graphs rely on (`attention_v1.py`
-`full_graph_fia` passes `pre_tokens` at one token per sequence). Which one a device computes, the
-binding asks it (`ascend_compile/ops/npu/band_probe.py`).
+`full_graph_fia` passes `pre_tokens` at one token per sequence). `"broken"` plays a device whose band there is
+neither (about half the keys `pre_tokens` means), `"refused"` one refusing the call (`SINGLE_QUERY_BROKEN`). Which
+one a device computes, the binding asks it (`ascend_compile/ops/npu/band_probe.py`).
 
 How many keys a band of `pre_tokens` P attends at all is the fake's other switch, `FakeNpu.band_reading`
 (`install(..., band_reading=)`, `BAND_READINGS`): the docs' P + 1 by default, vLLM-Ascend's P (its
@@ -71,12 +72,32 @@ def band_window(kw: dict[str, Any], query_lens: Sequence[int], kv_lens: Sequence
                  f"pre_tokens={pre}, next_tokens={nxt} for query length {q}, KV length {kv}")
     if nxt != 0:
         raise NotImplementedError(f"next_tokens: the fake computes bands ending at the query's own key (0), got {nxt}")
-    if all(q == 1 for q in query_lens) and not getattr(base._ACTIVE, "band_at_single_query", False):
+    single = getattr(base._ACTIVE, "band_at_single_query", False)
+    if all(q == 1 for q in query_lens) and single in SINGLE_QUERY_BROKEN:
+        return broken_single_query_band(single, pre)
+    if all(q == 1 for q in query_lens) and not single:
         return None  # "Q_S为1时该参数无效" (L8110, L8111, L8629, L8630): every key of the sequence attended
     keys = pre + BAND_READINGS[getattr(base._ACTIVE, "band_reading", "docs")]
     if keys < 1:
         raise NotImplementedError(f"pre_tokens: a band of {pre} attends no key under the fake's reading")
     return keys  # docs: keys p - pre_tokens .. p, pre_tokens before the query's own, and its own
+
+
+#: The one-query-token band of a device neither reading describes (`install(..., band_at_single_query=)`): "broken", a
+#: band of about half the keys `pre_tokens` means (wrong, silently); "refused", the call refused (the device's
+#: RuntimeError). No source read here does either: the docs say the band has no effect at Q_S 1 (L8110), the older
+#: kernel source has a branch of its own there (c29bc106 `prompt_flash_attention_tiling.cpp` L5027-5043: a whole head
+#: group per block where every sequence has one query token) whose band no device was seen to compute; so the
+#: binding's probe must read either as "not applied" (`ascend_compile/ops/npu/band_probe.py`).
+SINGLE_QUERY_BROKEN = ("broken", "refused")
+
+
+def broken_single_query_band(how: str, pre: int) -> int:
+    """The window a one-query-token band call computes on a device whose band there is `how` (`SINGLE_QUERY_BROKEN`)."""
+    if how == "refused":
+        base.device_refusal("sparse_mode", "no band (sparse_mode 4) when every sequence has one query token (this "
+                            "fake device's one-query-token branch refuses it)", 4)
+    return max(1, (pre + 1) // 2)
 
 
 def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int],
@@ -91,8 +112,7 @@ def _sinks_layout(query, key, value, kw) -> tuple[torch.Tensor, torch.Tensor, li
     _require(kw["input_layout"] == "TND", "input_layout", "'TND' with learnable_sink ('仅支持TND、NTD_TND', L8756; "
              "the layout the fake implements)", repr(kw["input_layout"]))
     _require(query.dtype == torch.bfloat16, "query", "bfloat16 ('数据类型仅支持BFLOAT16', L8733)", query.dtype)
-    for name, t in (("key", key), ("value", value)):
-        _require(t.dtype == query.dtype, name, f"the query's dtype {query.dtype}", t.dtype)
+    fake_torch_npu_sources.check_one_half_dtype(query, key, value)  # the device's refusal, a RuntimeError
     base._contiguous(f"{_DOC}, npu_fused_infer_attention_score_v2: '不支持非连续的Tensor', L8589-8593", query=query,
                      key=key, value=value, learnable_sink=sinks)
     _require(kw["num_query_heads"] == heads and heads <= 256, "num_query_heads", f"the query's {heads} heads, at most "
@@ -146,6 +166,8 @@ def sinks_out(query, key, value, kw):
         spans = [features.span(n, q) for n, q in zip(kv_lens, query_lens)]
         workspace = torch.empty(tiling.workspace_nbytes(tiling.FIA, tiling.AttentionShape.of(query, key4), spans,
                                                         query_lens), dtype=torch.uint8)
+    if kw["workspace"] is not None:  # aclnn's own is sized by its own tiling
+        base.fia_workspace_check(query, key4, kw, kw["sparse_mode"] == 4, True, workspace)
     base._executed(tiling.FIA, kv_lens)
     reference.fused_infer_attention(query, key4, value4, kw["block_table"], ends, kv_lens, query_lens,
                                     kw["softmax_scale"], workspace, attention_out, features, kw["learnable_sink"])
@@ -159,4 +181,5 @@ def sinks_max_workspace(query, key, value, kw):
     key4, *_ = _sinks_layout(query, key, value, kw)
     capacity = kw["block_table"].shape[1] * key4.shape[1]
     nbytes = tiling.max_workspace(tiling.FIA, tiling.AttentionShape.of(query, key4), query.shape[0], capacity).nbytes
+    nbytes = base.fia_workspace_answer(query, key4, kw, kw["sparse_mode"] == 4, True, nbytes)
     return torch.empty(-(-nbytes // query.element_size()), dtype=query.dtype, device=query.device)

@@ -83,3 +83,77 @@ def mla_max_workspace(source: str | None) -> int | None:
     fd_params = FAKE_CUBE_CORES * 2 * m_base
     flash_decode = (fd_params * head_dim_align + 2 * fd_params * 8) * 4
     return FAKE_LIBAPI_BYTES + normal + flash_decode
+
+
+# ----------------------------------------------------------------------------- FIA's workspace, per form
+#: The fake's FIA workspace answers (`FakeNpu.fia_workspace`, `install(..., fia_workspace=)`): None, the default, the
+#: reference tiling's maximum for every form alike (`ascend_compile/ops/tiling.py`); OLDER, the sum the older source's
+#: TND template asks (`fia_workspace_nbytes`); PER_FORM, that sum with a band's and sinks' own share on top, a device
+#: whose answer also differs between FIA v1, its band and v2 with sinks (no source read here sizes them apart: see
+#: `fia_workspace_nbytes`), so that a plan sized by another form's answer is seen.
+PER_FORM = "per-form"
+FIA_WORKSPACES = (None, OLDER, PER_FORM)
+#: PER_FORM's share of a band (sparse 4) and of `learnable_sink` (FIA v2), per cube core: made-up sizes, only different.
+PER_FORM_BAND_BYTES, PER_FORM_SINKS_BYTES = 64 << 10, 192 << 10
+
+
+def fia_workspace_nbytes(mode: str, query: torch.Tensor, kv_heads: int, sequences: int, kv_capacity: int, band: bool,
+                         sinks: bool) -> int:
+    """FIA's workspace for a TND paged call of `query` `[T, H, D]` in `sequences` sequences, block-table rows of
+    `kv_capacity` keys, band mode or not, sinks or not, as the fake's `mode` sizes it (`FIA_WORKSPACES`, not None).
+
+    OLDER follows hicann/ops-transformer c29bc106 `attention/prompt_flash_attention/op_host/
+    prompt_flash_attention_tiling.cpp`, the PFA tiling every TND call of this project takes there: its TND template's
+    workspace (L5068-5073) is, per cube core, three copies of the first matmul's result of `nRatio` basic blocks and
+    four of the second's, plus a fixed 16 MiB reserve (`WORK_SPACE_RESERVE_SIZE`, L171). The basic blocks are fixed by
+    the value head dim (`MatchTemplate`, L3632-3646: 512 query rows and a ratio of 4 up to D 128, else 256 and 8;
+    128 keys), cut to the aligned query and key sizes (L4923-4926, L5000-5008; under the max-workspace query the key
+    size is the block table's width in keys, L2253-2254); the first result holds a whole head group, G query heads
+    per KV head, where every sequence has one query token and G is at most 16 without rope or LSE (L5027-5043), and
+    one head otherwise (`SetTensorSizeParams`, L3101-3107). So the one-query-token form (here: as many sequences as
+    query tokens, none empty) asks up to G times the matmul share of another call of the same tokens. Neither the
+    band (the sparse type and its tokens go into the tiling data only, L4956-4996) nor `learnable_sink` (L4956) enters
+    that sum: under OLDER, FIA v1, its band and v2 with sinks answer alike. The score is float32 here (4 bytes).
+    """
+    tokens, heads, dim = (int(n) for n in query.shape)
+    group = heads // kv_heads
+    small = dim <= 128
+    s1_best, ratio = (512, 4) if small else (256, 8)
+    align = lambda n: -(-n // 16) * 16  # noqa: E731
+    s1, s2 = min(s1_best, align(tokens)), min(128, align(kv_capacity))
+    ratio = min(ratio, -(-align(kv_capacity) // s2))
+    g_base = group if sequences == tokens and group <= 16 else 1
+    per_core = ratio * g_base * s1 * s2 * 4 * 3 + 4 * s1 * align(dim) * 4
+    if mode == PER_FORM:
+        per_core += PER_FORM_BAND_BYTES * band + PER_FORM_SINKS_BYTES * sinks
+    elif mode != OLDER:
+        raise ValueError(f"fia_workspace: the fake sizes {FIA_WORKSPACES}, not {mode!r}")
+    return per_core * FAKE_CUBE_CORES + (16 << 20)
+
+
+def fia_workspace_refusal(mode: str | None, query: torch.Tensor, kv_heads: int, sequences: int, kv_capacity: int,
+                          band: bool, sinks: bool, workspace: torch.Tensor) -> None:
+    """Refuse a FIA call given less workspace than `mode` sizes its form (nothing for None: the library's check of
+    the reference tiling's need is the fake's then)."""
+    if mode is None:
+        return
+    need = fia_workspace_nbytes(mode, query, kv_heads, sequences, kv_capacity, band, sinks)
+    if workspace.numel() * workspace.element_size() < need:
+        raise ValueError(f"workspace: expected at least {need} bytes for this call's form ({sequences} sequences of "
+                         f"{query.shape[0]} query tokens{', band' if band else ''}{', sinks' if sinks else ''}; "
+                         f"fia_workspace={mode!r}), got {workspace.numel() * workspace.element_size()}")
+
+
+#: Where the older source compiles FIA's half-precision kernels: for a float16 query with float16 keys (L125) and a
+#: bfloat16 query with bfloat16 keys (L337) only, in c29bc106 `attention/fused_infer_attention_score/op_kernel/
+#: fused_infer_attention_score_template_tilingkey.h`; the other pairs it lists quantise the keys (int8, int4). A
+#: query of one half dtype with caches of the other has no kernel to run: the call fails on the device.
+MIXED_HALVES = ("a key and value of the query's dtype: FIA's half-precision kernels are built for float16/float16 and "
+                "bfloat16/bfloat16 query/key pairs only (c29bc106 fused_infer_attention_score_template_tilingkey.h "
+                "L125, L337)")
+
+
+def check_one_half_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Refuse, as the device does (a RuntimeError), a query and caches of different half dtypes."""
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        base.device_refusal("key", MIXED_HALVES, f"a {query.dtype} query with {key.dtype} key and {value.dtype} value")

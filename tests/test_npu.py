@@ -523,10 +523,14 @@ def test_workspace_probes_are_caches_of_a_few_blocks_the_device_accepts(fake_npu
     assert queries.paged_attention(shape, [512, 300, 129, 1], 4) == tiling.workspace_nbytes(
         tiling.PA, shape, [512, 300, 129, 1])
     assert queries.fused_infer_attention_max(shape, 300, 2) == tiling.max_workspace(tiling.FIA, shape, 300, 256).nbytes
-    pa_call, fia_call = fake_npu.calls[-2:]
+    pa_call, fia_call, decode_call = fake_npu.calls[-3:]
     assert pa_call.args[1].shape[0] == 1 and pa_call.args[6].shape == (4, 4)
     assert fia_call.args[1].shape[0] == 3 and fia_call.kwargs["block_table"].shape == (2, 2)
     assert fia_call.kwargs["actual_seq_lengths_kv"] == [256, 44] and fia_call.kwargs["actual_seq_lengths"] == [256, 300]
+    # and in the one-query-token form (a decode step's): 300 sequences of one token, one key in all, one block
+    assert decode_call.args[1].shape[0] == 1 and decode_call.kwargs["block_table"].shape == (300, 2)
+    assert decode_call.kwargs["actual_seq_lengths"] == list(range(1, 301))
+    assert decode_call.kwargs["actual_seq_lengths_kv"] == [1] + [0] * 299
     assert fia_probe_lengths(5, 2) == ([2, 2, 1], [2, 2, 1]) and fia_probe_lengths(4, 2) == ([2, 2], [2, 2])
 
 

@@ -446,7 +446,9 @@ def test_workspaces_are_asked_once_per_graph_on_probe_tensors_that_do_not_grow_w
     for max_model_len in (8192, 32768):
         cost = probe_cost(fake_npu, max_model_len)
         assert cost.peak_bytes <= 64 << 20, (max_model_len, cost)
-        assert cost.fia_queries == cost.fia_graphs == 35  # one shape, all layers: one query per graph
+        # one shape, all layers: one question per graph in each form (packed, one query token per sequence), one
+        # for the graph of a single token (its packed form is that one)
+        assert cost.fia_graphs == 35 and cost.fia_queries == 2 * cost.fia_graphs - 1
         assert cost.pa_queries == cost.pa_graphs == 5
         # The slot covers FIA's every length up to max_model_len for the largest bucket.
         assert cost.slot_bytes >= tiling.max_workspace(tiling.FIA, SHAPE, 256, max_model_len).nbytes

@@ -61,11 +61,13 @@ def test_the_fia_probe_sends_only_non_empty_sequences_and_refuses_a_graph_above_
     queries = NpuWorkspaceQuery(npu_ops.NpuKernels(npu_ops.load_torch_npu(), CPU), DTYPE)
     exact = tiling.max_workspace(tiling.FIA, SHAPE, 4096, MAX_LEN).nbytes
     assert exact <= queries.fused_infer_attention_max(SHAPE, 4096, MAX_LEN // NPU_BLOCK) < exact + 2
-    (call,) = [c for c in fake_npu.calls if c.name == "_npu_fused_infer_attention_score_get_max_workspace"]
+    # packed, then in the one-query-token form (a decode step's 4096 sequences, the most the kernel takes)
+    call, decode = [c for c in fake_npu.calls if c.name == "_npu_fused_infer_attention_score_get_max_workspace"]
     assert call.kwargs["actual_seq_lengths_kv"] == [1024] * 4 and call.kwargs["block_table"].shape[0] == 4
+    assert decode.kwargs["actual_seq_lengths"] == list(range(1, 4097)) and decode.kwargs["block_table"].shape[0] == 4096
     with pytest.raises(ValueError, match=r"capture_sizes: .* at most 4096 sequences per TND call"):
         queries.fused_infer_attention_max(SHAPE, 4097, MAX_LEN // NPU_BLOCK)
-    assert fake_npu.count("_npu_fused_infer_attention_score_get_max_workspace") == 1
+    assert fake_npu.count("_npu_fused_infer_attention_score_get_max_workspace") == 2
 
 
 def _compile_fia(**options):
@@ -99,10 +101,9 @@ def test_a_fia_graph_above_4096_tokens_is_refused_at_compile_naming_the_layer(fa
 def test_a_piecewise_size_of_8192_compiles_on_the_devices_runtime_error_path(fake_npu, monkeypatch, caplog):
     # A device whose tiling refuses what no rule here knows: the compile takes its RuntimeError as the answer
     # for that size (no piecewise graphs from it up, logged with the device's message) and serves the rest. Here
-    # the rule is lifted and the fake device refuses more than 4 entries, which the probe sends from 8192 tokens
-    # at rows of 1024 (8 sequences) and not at 4096 (4).
+    # the rule is lifted and the fake device refuses more than its 4096 entries, which the probe's one-query-token
+    # question sends from 8192 tokens (8192 sequences) and not at 4096.
     monkeypatch.setattr(npu_rules, "TND_MAX_SEQUENCES", 1 << 20)
-    monkeypatch.setattr(fake_torch_npu, "TND_MAX_ENTRIES", 4)
     with caplog.at_level("INFO", logger="ascend_compile"):
         art = _compile_fia(piecewise_sizes=(16, 4096, 8192))
     assert [k.bucket for k in art.rewritten.piecewise.keys] == [16, 4096]

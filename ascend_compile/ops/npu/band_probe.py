@@ -29,7 +29,9 @@ runs eagerly, through the model's own attention (`passes/npu_checks.window_guard
 refuses such a call (`REFUSAL`, `NpuKernels.fused_infer_attention`), so nothing computes it silently
 wrong. Steps with a sequence of several query tokens (PromptFlashAttention, where the band's arguments
 take effect) and decode steps whose sequences all fit their window (the band then cuts nothing) keep
-their graphs. The other ways considered are not exact or not sound: giving FIA only the window's blocks
+their graphs, their calls made without the band (`single_query`): what the device's band does at S 1 is then
+never read, so a device whose band there matches neither reading (a probe output of neither, or a refused call)
+computes them exactly too. The other ways considered are not exact or not sound: giving FIA only the window's blocks
 (a shifted block table) reads from the window's first *block*, exact only where the window starts at
 a block's first key; an explicit mask at S 1 (sparse 0 with `(B, 1, Q_S, KV_S)`, L8077-8078; `(B, KV_S)`
 only in BSH / BSND / BNSD, L8079), rebuilt on the device every step, at least `maxBlockNumPerSeq *
@@ -122,12 +124,19 @@ _ANSWERS: "weakref.WeakKeyDictionary[Any, dict[tuple[str, BandForm], bool]]" = w
 _EDGES: "weakref.WeakKeyDictionary[Any, dict[tuple[str, BandForm], int | None]]" = weakref.WeakKeyDictionary()
 
 
+def single_query(query_ends: Sequence[int]) -> bool:
+    """Whether a call is FIA's S-1 branch: every sequence one query token (ends `[1, 2, ..., B]`). Where the S=1
+    probe found the band not applied there (ignored, or broken: an output matching neither reference, or refused),
+    such a call of a windowed layer is made without the band (`NpuKernels.fused_infer_attention`): exact for the
+    calls it serves, whose every sequence fits the window, whatever the device's band does at S 1."""
+    ends = [int(e) for e in query_ends]
+    return bool(ends) and ends == list(range(1, len(ends) + 1))
+
+
 def single_query_outside(query_ends: Sequence[int], kv_lens: Sequence[int], window: int | None) -> bool:
     """Whether a call is FIA's S-1 branch (every sequence one query token: ends `[1, 2, ..., B]`) with a
     sequence longer than `window`: the calls the two readings compute differently."""
-    ends = [int(e) for e in query_ends]
-    return window is not None and bool(ends) and ends == list(range(1, len(ends) + 1)) and \
-        max(int(n) for n in kv_lens) > window
+    return window is not None and single_query(query_ends) and max(int(n) for n in kv_lens) > window
 
 
 def known(kernels: Any) -> dict[BandForm, bool]:

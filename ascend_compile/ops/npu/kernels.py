@@ -224,6 +224,8 @@ class NpuKernels:
                 not self.band_at_single_query(form):
             raise ValueError(f"window: a call of one query token per sequence with one longer than the window of "
                              f"{window} would attend the whole context: {npu_band_probe.REFUSAL}")
+        if window is not None and npu_band_probe.single_query(actual_seq_lengths) and not self.band_at_single_query(form):
+            pre_tokens = None  # no band where the device's S=1 band is not the window: every key, within the window
         self.launch_fia(query, key_cache, value_cache, block_table, ends, kv_lens, scale, workspace, out, pre_tokens,
                         sinks)
 

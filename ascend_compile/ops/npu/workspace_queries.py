@@ -17,7 +17,11 @@ Its length values are placeholders the device does not read (the stand-in arrays
 the ones sent are the smallest the docs accept: the tokens packed into as few sequences as the table allows,
 each its query length as KV length, and no empty sequence (the lists' sizes the kernel does check, at most 4096
 entries: `npu_rules.TND_MAX_SEQUENCES`; the graph's own calls may hold `tokens` sequences, so a graph above
-that is refused before the question). "blocknum不能小于...的block数量之和" (L8220) is met by
+that is refused before the question). The lists' sizes are read: where every sequence has one query token (as
+many sequences as tokens, a decode step) the older source's TND tiling holds a whole head group per block and asks
+up to G times the matmul share (hicann/ops-transformer c29bc106 `prompt_flash_attention_tiling.cpp` L5027-5043,
+L3101-3107, L5068-5073). So FIA is asked a second time in that form, `tokens` sequences of one query token (one key
+in the first sequence, none in the others: one probe block), and the larger answer sizes the graph. "blocknum不能小于...的block数量之和" (L8220) is met by
 `ceil(tokens / block_size)` blocks, so the probe cache is a few blocks, not `bucket * max_model_len / block_size`.
 
 **MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
@@ -68,6 +72,13 @@ def fia_probe_lengths(tokens: int, kv_capacity: int) -> tuple[list[int], list[in
     return query_lens, list(query_lens)
 
 
+def fia_decode_kv_lens(tokens: int) -> list[int]:
+    """KV lengths of the one-query-token question's `tokens` sequences: one key in the first, none in the others (the
+    max path reads the lists' sizes, not their values, and KV lengths below the query's are accepted), so its probe
+    cache is one block however many sequences the graph's decode steps hold."""
+    return [1] + [0] * (tokens - 1)
+
+
 class NpuWorkspaceQuery:
     """Asks torch_npu's workspace queries on probe tensors of a given dtype (a `passes.probe.WorkspaceQueries`)."""
 
@@ -99,6 +110,14 @@ class NpuWorkspaceQuery:
         as vLLM-Ascend asks with its call's own arguments (`attention_v1.py`, `full_graph_fia(_v2)`)."""
         npu_rules.check_tnd_sequences(tokens)  # the graph's calls, unlike the probe's, may hold `tokens` sequences
         query_lens, kv_lens = fia_probe_lengths(tokens, max_blocks * shape.block_size)
+        packed = self._fia_asked(shape, tokens, max_blocks, features, query_lens, kv_lens)
+        if len(query_lens) == tokens:
+            return packed  # the packed form is the one-query-token form already
+        # ... and in the one-query-token form (a decode step's, `tokens` sequences), whose tiling may ask more
+        return max(packed, self._fia_asked(shape, tokens, max_blocks, features, [1] * tokens, fia_decode_kv_lens(tokens)))
+
+    def _fia_asked(self, shape: AttentionShape, tokens: int, max_blocks: int, features: AttentionFeatures,
+                   query_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
         table, used = self._probe_table(max_blocks, kv_lens, shape.block_size)
         ends = torch.tensor(query_lens).cumsum(0).tolist()
         query = self._query(tokens, shape)
