@@ -114,6 +114,10 @@ def fia_workspace_nbytes(mode: str, query: torch.Tensor, kv_heads: int, sequence
     query tokens, none empty) asks up to G times the matmul share of another call of the same tokens. Neither the
     band (the sparse type and its tokens go into the tiling data only, L4956-4996) nor `learnable_sink` (L4956) enters
     that sum: under OLDER, FIA v1, its band and v2 with sinks answer alike. The score is float32 here (4 bytes).
+    The max-workspace query is answered with this sum at the question's own form, read from the lists' sizes (the
+    max path keeps only those: `FakeArray`, `aclnn_fused_infer_attention_score_inner.cpp` L106-120); whether a device
+    tells the form apart there is not shown by the source (its PFA tiling refuses data-less TND lengths,
+    L4269-4271): the fake plays the device that does, the one a plan asking a single form would under-size.
     """
     tokens, heads, dim = (int(n) for n in query.shape)
     group = heads // kv_heads

@@ -17,11 +17,13 @@ Its length values are placeholders the device does not read (the stand-in arrays
 the ones sent are the smallest the docs accept: the tokens packed into as few sequences as the table allows,
 each its query length as KV length, and no empty sequence (the lists' sizes the kernel does check, at most 4096
 entries: `npu_rules.TND_MAX_SEQUENCES`; the graph's own calls may hold `tokens` sequences, so a graph above
-that is refused before the question). The lists' sizes are read: where every sequence has one query token (as
-many sequences as tokens, a decode step) the older source's TND tiling holds a whole head group per block and asks
-up to G times the matmul share (hicann/ops-transformer c29bc106 `prompt_flash_attention_tiling.cpp` L5027-5043,
-L3101-3107, L5068-5073). So FIA is asked a second time in that form, `tokens` sequences of one query token (one key
-in the first sequence, none in the others: one probe block), and the larger answer sizes the graph. "blocknum不能小于...的block数量之和" (L8220) is met by
+that is refused before the question). A call whose every sequence has one query token (a decode step) is another
+form to the tiling: the older source's TND tiling then holds a whole head group per block, up to G times the matmul
+share of the same tokens packed (hicann/ops-transformer c29bc106 `prompt_flash_attention_tiling.cpp` L5027-5043,
+L3101-3107, L5068-5073). Its max path keeps only the lists' sizes, which tell that form apart (as many sequences as
+tokens, none empty), though no source read here shows it doing so (c29bc106's PFA tiling even refuses data-less TND
+lengths, L4269-4271). So FIA is asked a second time in that form, `tokens` sequences of one query token (one key in
+the first, none in the others: one probe block), and the larger answer sizes the graph, whichever the device reads. "blocknum不能小于...的block数量之和" (L8220) is met by
 `ceil(tokens / block_size)` blocks, so the probe cache is a few blocks, not `bucket * max_model_len / block_size`.
 
 **MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
