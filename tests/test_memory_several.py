@@ -186,7 +186,8 @@ def test_a_graph_returning_a_view_of_a_temporary_keeps_the_base_until_the_caller
     assert model.large.stats()["allocated_bytes"] == 2 * _block(40)
     for handle in held.values():
         model.release(handle)
-    assert pool_reserved(sim_pool_model(_block(40)), [(trace, {tokens: 40})] * 3) == model.reserved_bytes() == 2 * _block(40)
+    three = pool_reserved(sim_pool_model(_block(40)), [(trace, {tokens: 40})] * 3)
+    assert three == model.reserved_bytes() == 2 * _block(40)
 
 
 def test_three_models_on_one_runtime_share_its_graph_budget_each_given_what_the_others_left(request):
