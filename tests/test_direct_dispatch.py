@@ -8,7 +8,9 @@ artifact reports calls dynamo makes, not direct ones.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
+import types
 
 import pytest
 import torch
@@ -401,3 +403,60 @@ def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_onl
     box = _Box()
     box.flag = True
     assert _recorded(_deletes, box, x) == ((), "the step sets L['box'].flag to DeletedVariable")  # what it is set to
+
+
+class _Stepper(torch.nn.Module):
+    def forward(self, x, y=2, *, z=3):
+        return x
+
+
+class _Host:
+    def step(this, x, y):
+        return x
+
+
+def _plain(x, y=1):
+    return x
+
+
+def _varying(x, *rest):
+    return x
+
+
+def _keywords(x, **extra):
+    return x
+
+
+def test_a_frame_and_its_locals_per_layout():
+    """`dispatch/frame.py`'s contract: what `frame_of` finds of a module, a bound method, a plain function
+    and what dynamo does not trace (refused, saying why), and each local of a layout as an expression
+    over `a`, `k`, `S` and `D`, or why calls of that layout do not bind (the words Route's refusal shows)."""
+    from ascend_compile.dispatch.frame import Frame, frame_of, layout_key, local_expressions
+
+    module = _Stepper()
+    frame = frame_of(module)
+    assert frame == Frame(_Stepper.forward, module, module, ("x", "y", "z"), {"y": 2, "z": 3})
+    assert frame.self_name == "self"
+    assert layout_key((1, 2), {"z": 4, "x": 5}) == (2, ("z", "x"))
+    assert local_expressions(frame, (1, ("z",))) == {"x": "a[0]", "y": "D['y']", "z": "k['z']", "self": "S"}
+    assert local_expressions(frame, (0, ("y", "x"))) == {"y": "k['y']", "x": "k['x']", "z": "D['z']", "self": "S"}
+    assert local_expressions(frame, (3, ())) == {"x": "a[0]", "y": "a[1]", "z": "a[2]", "self": "S"}
+    assert local_expressions(frame, (4, ())) == "4 positional arguments; _Stepper.forward takes 3"
+    assert local_expressions(frame, (1, ("w",))) == "keyword 'w' does not bind to one parameter of _Stepper.forward"
+    assert local_expressions(frame, (1, ("x",))) == "keyword 'x' does not bind to one parameter of _Stepper.forward"
+    assert local_expressions(frame, (0, ("y",))) == "_Stepper.forward needs 'x'"
+    host = _Host()
+    frame = frame_of(host.step)
+    assert frame == Frame(_Host.step, host, None, ("x", "y"), {}) and frame.self_name == "this"
+    assert local_expressions(frame, (2, ())) == {"x": "a[0]", "y": "a[1]", "this": "S"}
+    frame = frame_of(_plain)
+    assert frame == Frame(_plain, None, None, ("x", "y"), {"y": 1}) and frame.self_name is None
+    assert local_expressions(frame, (1, ())) == {"x": "a[0]", "y": "D['y']"}
+    assert frame_of(_varying).refusal == "_varying takes *rest: its locals depend on the call"
+    assert frame_of(_keywords).refusal == "_keywords takes *extra: its locals depend on the call"
+    assert frame_of(_varying).names == ("x", "rest") and frame_of(_keywords).defaults == {}
+    assert frame_of(torch.relu) == Frame(torch.relu, None, None, (), {},
+                                         "builtin_function_or_method is not a Python function dynamo traces")
+    module.forward = types.MethodType(functools.partial(_plain), module)  # bound, but no Python function's code
+    assert frame_of(module) == Frame(module.forward.__func__, module, module, (), {},
+                                     "partial is not a Python function dynamo traces")
