@@ -61,16 +61,19 @@ def test_the_fake_answers_fias_workspace_per_form_as_the_sources_say(monkeypatch
         assert older[name] == _need(sources.OLDER, 8, 8, features) <= asked < older[name] + 2, name
 
 
+@pytest.mark.parametrize("applies", [True, False], ids=["band-at-s1", "no-band-at-s1"])
 @pytest.mark.parametrize("mode", [sources.OLDER, sources.PER_FORM])
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("tokens", [1, 8, 512])
-def test_fias_workspace_plan_holds_every_form_its_graph_calls(monkeypatch, mode, form, tokens):
+def test_fias_workspace_plan_holds_every_form_its_graph_calls(monkeypatch, mode, form, tokens, applies):
     # A graph of `tokens` tokens is called with its tokens packed (a mixed step) or one per sequence (a decode step),
-    # in its layer's form: the plan's answer holds each, on a device sizing them apart.
-    fake_torch_npu.install(monkeypatch, fia_workspace=mode)
+    # in its layer's form (a windowed layer's decode calls in band mode only where the device applies the band at
+    # S 1): the plan's answer holds each, on a device sizing them apart.
+    fake_torch_npu.install(monkeypatch, fia_workspace=mode, band_at_single_query=applies)
     features = FORMS[form]
     planned = NpuWorkspaceQuery(_kernels(), DTYPE).fused_infer_attention_max(SHAPE, tokens, TABLE, features)
-    needs = {n: _need(mode, tokens, n, features) for n in (1, tokens)}
+    decode = features if applies else AttentionFeatures(None, None, features.sinks)
+    needs = {n: _need(mode, tokens, n, decode if n == tokens else features) for n in (1, tokens)}
     assert planned >= max(needs.values()), (planned, needs)
     assert planned < max(needs.values()) + 2  # no more than the largest form's answer
 
@@ -123,19 +126,30 @@ def test_a_broken_one_query_token_band_is_read_as_not_applied(monkeypatch, caplo
         kernels.fused_infer_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_table, [1, 2],
                                       prob.seq_lens, prob.scale, torch.empty(1 << 22, dtype=torch.uint8),
                                       torch.empty_like(prob.query), WINDOW, None, SINKS.to(DTYPE) if sinks else None)
-    # the form probe's own S=1 call is a band call too: a device refusing it refuses the windowed form
-    refusal = npu_form_probe.refusal(kernels, SHAPE, DTYPE, WINDOW, sinks)
-    assert (refusal is None) == (how == "broken"), refusal
-    if how == "refused":
-        assert "at 1 query token(s)" in refusal and "sparse_mode" in refusal
+    # within the window such a call is made without the band: exact whatever the device's band does at S 1, and the
+    # form probe asks that call, so the windowed form is served (its S=1 band refused is the band probe's answer)
+    within = make_problem([20, 9], block_size=NPU_BLOCK, dtype=DTYPE)
+    out = torch.empty_like(within.query)
+    kernels.fused_infer_attention(within.query, within.key_cache, within.value_cache, within.block_table, [1, 2],
+                                  within.seq_lens, within.scale, torch.empty(1 << 24, dtype=torch.uint8), out, WINDOW,
+                                  None, SINKS.to(DTYPE) if sinks else None)
+    full = torch.empty_like(out)
+    kernels.fused_infer_attention(within.query, within.key_cache, within.value_cache, within.block_table, [1, 2],
+                                  within.seq_lens, within.scale, torch.empty(1 << 24, dtype=torch.uint8), full, None,
+                                  None, SINKS.to(DTYPE) if sinks else None)
+    torch.testing.assert_close(out, full, rtol=0, atol=0)
+    assert npu_form_probe.refusal(kernels, SHAPE, DTYPE, WINDOW, sinks) is None
 
 
-def test_a_windowed_model_on_a_broken_one_query_token_band_runs_its_long_decode_steps_eagerly(monkeypatch):
+@pytest.mark.parametrize("how", ["broken", "refused"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["fia", "fia-v2-sinks"])
+def test_a_windowed_model_on_a_broken_one_query_token_band_runs_its_long_decode_steps_eagerly(monkeypatch, how,
+                                                                                                sinks):
     # The plan falls to what a device that ignores the band at S 1 gets: decode steps with a sequence longer than
     # the window eagerly (through the model's own attention), every other step replayed, each equal to eager.
-    fake_torch_npu.install(monkeypatch, band_at_single_query="broken")
+    fake_torch_npu.install(monkeypatch, band_at_single_query=how)
     cfg = LlamaConfig(dtype=DTYPE, num_layers=2, num_blocks=128, block_size=NPU_BLOCK, layer_types=("full", "sliding"),
-                      sliding_window=WINDOW)
+                      sliding_window=WINDOW, sinks=sinks)
     run_replayed(cfg, band_at_single_query=False)
 
 

@@ -17,7 +17,9 @@ compile-time rule (`npu_rules.check_fia_heads`: D <= 256; `check_attention_dtype
 The form is what those paths branch on: query heads, KV heads, head dim, dtype, block size, and whether the
 layer is windowed (band mode, sparse 4) or has sinks (FIA v2's `learnable_sink`). The call is the layer's
 own kind, once at one query token (a decode step's call) and once at two (a mixed step's), on a one-block
-cache: its workspace query, then the kernel. A RuntimeError (an aclnn error: the kernel's tiling refused the
+cache: its workspace query, then the kernel; a windowed layer's at one query token without the band (its band
+there is the S=1 band probe's question, `ops/npu/band_probe.py`: a refused call read as the band not applied, and
+such calls then made without it). A RuntimeError (an aclnn error: the kernel's tiling refused the
 form) is the answer: the layer is refused at compile time naming it and the device's message, instead of
 failing at its first capture or warm-up with no eager fallback. The answers are kept in the persisted plan
 (`plan_cache.py`): a warm start calls no probe.
@@ -72,15 +74,19 @@ def _ask(kernels: Any, shape: AttentionShape, dtype: torch.dtype, windowed: bool
     cache = torch.zeros(1, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     sink = torch.zeros(shape.num_heads, dtype=torch.bfloat16, device=device) if sinks else None
-    # band mode of the band probes' pre_tokens (any band would do: whether the form takes sparse 4 at all)
+    # band mode of the band probes' pre_tokens (any band would do: whether the form takes sparse 4 at all), at two
+    # query tokens: a windowed layer's S=1 calls take the band only where the S=1 band probe found it applied, whose
+    # own call is that form's question (a refused one read as "not applied", `band_probe.band_at_single_query`), and
+    # are made without it otherwise (`NpuKernels.fused_infer_attention`): here its S=1 call is the band-less one
     pre = npu_band_probe.PROBE_WINDOW - 1 if windowed else None
     for tokens in (1, 2):
         query = torch.zeros(tokens, shape.num_heads, shape.head_dim, dtype=dtype, device=device)
         out = torch.empty_like(query)
+        band = pre if tokens > 1 else None
         try:
-            nbytes = kernels.band_workspace_nbytes(query, cache, cache, table, [tokens], [tokens], 1.0, out, pre, sink)
+            nbytes = kernels.band_workspace_nbytes(query, cache, cache, table, [tokens], [tokens], 1.0, out, band, sink)
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            kernels.launch_fia(query, cache, cache, table, [tokens], [tokens], 1.0, workspace, out, pre, sink)
+            kernels.launch_fia(query, cache, cache, table, [tokens], [tokens], 1.0, workspace, out, band, sink)
         except RuntimeError as err:
             return f"the device's FIA refused a call of this layer's form at {tokens} query token(s): {err}"
     return None

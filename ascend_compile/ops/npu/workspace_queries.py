@@ -23,7 +23,9 @@ share of the same tokens packed (hicann/ops-transformer c29bc106 `prompt_flash_a
 L3101-3107, L5068-5073). Its max path keeps only the lists' sizes, which tell that form apart (as many sequences as
 tokens, none empty), though no source read here shows it doing so (c29bc106's PFA tiling even refuses data-less TND
 lengths, L4269-4271). So FIA is asked a second time in that form, `tokens` sequences of one query token (one key in
-the first, none in the others: one probe block), and the larger answer sizes the graph, whichever the device reads. "blocknum不能小于...的block数量之和" (L8220) is met by
+the first, none in the others: one probe block), and the larger answer sizes the graph, whichever the device reads;
+a windowed layer's in band mode only where the device's S=1 band probe found the band applied at one query token
+(elsewhere its calls there are made without it: `NpuKernels.fused_infer_attention`). "blocknum不能小于...的block数量之和" (L8220) is met by
 `ceil(tokens / block_size)` blocks, so the probe cache is a few blocks, not `bucket * max_model_len / block_size`.
 
 **MLA: FIA v2's query, likewise once per graph.** `_npu_fused_infer_attention_score_v2_get_max_workspace`
@@ -48,11 +50,13 @@ table names the probe cache's one block.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 
 from .. import tiling
+from . import band_probe as npu_band_probe
 from . import rules as npu_rules
 from ..features import PLAIN, AttentionFeatures
 from .kernels import NpuKernels
@@ -120,6 +124,9 @@ class NpuWorkspaceQuery:
 
     def _fia_asked(self, shape: AttentionShape, tokens: int, max_blocks: int, features: AttentionFeatures,
                    query_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
+        if features.window is not None and all(q == 1 for q in query_lens) and \
+                not self.kernels.band_at_single_query(npu_band_probe.form(shape, self.dtype, features.sinks)):
+            features = dataclasses.replace(features, window=None)  # as the binding calls it: no band at S 1
         table, used = self._probe_table(max_blocks, kv_lens, shape.block_size)
         ends = torch.tensor(query_lens).cumsum(0).tolist()
         query = self._query(tokens, shape)
