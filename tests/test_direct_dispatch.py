@@ -311,6 +311,49 @@ def test_frozen_parameters_and_direct_dispatch_still_check_the_kv_caches():
     close(result, reference(**step))
 
 
+@torch.no_grad()
+def test_concurrent_direct_callers_each_get_their_own_inputs():
+    """A route writes a call's inputs into the argument list an earlier call left (`Route._fill`):
+    a call running while another holds that list (another thread) must gather a list of its own,
+    or its step runs on the other call's tokens. Switching threads every microsecond makes the
+    calls interleave between gathering and the runner's lock."""
+    import sys
+    import threading
+
+    from tests.test_backend import DisjointBatch
+
+    cfg = LlamaConfig(num_layers=1, num_blocks=2048)
+    model, reference = build(cfg), build(cfg)
+    fn, _ = compiled(model, frozen_parameters=True)
+    batch = DisjointBatch(cfg)
+    steps = [batch.step(lens) for lens in ([5, 30, 9], [7, 3], [40, 2, 11, 6], [9], [3, 3, 3], [60, 1])]
+    for step in steps[:2]:
+        assert call(fn, step)[0] is not None and reference(**step) is not None
+    assert not call(fn, batch.step([4, 8]))[1]  # the route is armed: later calls go straight to the graph
+    errors = []
+
+    def worker(items):
+        try:
+            with torch.no_grad():
+                for step in items:
+                    close(fn(**step), reference(**step))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(steps[2:] * 15,)) for _ in range(2)]
+        threads += [threading.Thread(target=worker, args=(list(reversed(steps[2:])) * 15,))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]
+
+
 def test_dispatch_values_are_checked():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         ascend_compile.compile(build(CFG), dispatch="fast")

@@ -132,7 +132,7 @@ MUTANTS = (
     ),
     Mutant(
         "direct vLLM steps skip the deferred compile's per-step checks", "ascend_compile/integrations/vllm/deferred.py",
-        "        return self._step(tuple(args), direct=True, fixed=fixed)\n",
+        "        return self._step(args, direct=True, fixed=fixed)\n",
         "        return self.compiled.call_direct(args, fixed)\n",
         ("tests/test_vllm_real.py::test_a_request_longer_than_our_max_model_len_runs_as_traced_not_failing_the_engine",),
         vllm33=True,  # the fast path is armed on vLLM 0.33's torch 2.14, not on 0.23's 2.11
@@ -142,6 +142,13 @@ MUTANTS = (
         'TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d"})\n',
         'TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional"})\n',
         ("tests/test_tensor_parallel.py::test_every_step_on_every_rank_matches_the_unsplit_model",),
+    ),
+    Mutant(
+        "a direct call writes its inputs into the route's list while another call holds it",
+        "ascend_compile/dispatch/route.py",
+        "        if self._fill is not None and self._filling.acquire(False):\n",
+        "        if self._fill is not None and (self._filling.acquire(False) or True):\n",
+        ("tests/test_direct_dispatch.py::test_concurrent_direct_callers_each_get_their_own_inputs",),
     ),
     Mutant(
         "a direct call runs with tensor-subclass dispatch on", "ascend_compile/dispatch/route.py",

@@ -44,7 +44,7 @@ def evaluate(expr: str, namespace: dict[str, Any], a: tuple, k: dict) -> Any:
     return eval(expr, namespace, {"a": a, "k": k})
 
 
-def compile_function(name: str, body: Sequence[str], namespace: dict[str, Any]) -> Any:
-    """`def name(a, k):` with `body`, its globals `namespace`."""
-    exec(compile("\n".join([f"def {name}(a, k):", *body]), f"<ascend_compile route {name}>", "exec"), namespace)
+def compile_function(name: str, body: Sequence[str], namespace: dict[str, Any], params: str = "a, k") -> Any:
+    """`def name(params):` with `body`, its globals `namespace`."""
+    exec(compile("\n".join([f"def {name}({params}):", *body]), f"<ascend_compile route {name}>", "exec"), namespace)
     return namespace[name]

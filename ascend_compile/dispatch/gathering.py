@@ -82,6 +82,17 @@ class Gathering:
             return [f"    A = {' + '.join(expr for expr, _ in parts)}"]
         return [f"    A = ({', '.join(items)},)"]
 
+    def fill(self, checks: Sequence[Check], namespace: dict[str, Any]) -> Callable[[tuple, dict, list], list | None]:
+        """`fill(a, k, A)`: the graph's arguments for a call written into `A`, a list of an earlier
+        call's (its positions gathered once are those of every call, and stay): only the per-call
+        inputs are written. None where one of `checks` fails (`A` then holds some of this call's)."""
+        pre = [c.expr for c in checks if c.before_gather]
+        post = [c.expr for c in checks if not c.before_gather]
+        body = [f"    if not ({' and '.join(pre)}):", "        return None"] if pre else []
+        body += [f"    A[{i}] = {self.expressions[i]}" for i in self.per_call]
+        body += [f"    if not ({' and '.join(post)}):", "        return None"] if post else []
+        return compile_function("fill", [*body, "    return A"], namespace, "a, k, A")
+
     def build(self, namespace: dict[str, Any]) -> Callable[[tuple, dict], tuple]:
         """`build(a, k)`: the graph's arguments for a call, unchecked."""
         return compile_function("build", [*self._lines(), "    return A"], namespace)

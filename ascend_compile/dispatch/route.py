@@ -18,6 +18,7 @@ stays on dynamo's path.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,7 +61,8 @@ class Route:
 
     def __init__(self, artifact: Any, gather: Callable, build: Callable, checks: Sequence[Check],
                  namespace: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any],
-                 torch_function_disabled: bool = False, fixed: frozenset[int] = frozenset()) -> None:
+                 torch_function_disabled: bool = False, fixed: frozenset[int] = frozenset(),
+                 fill: Callable | None = None, graph_args: Sequence[Any] = ()) -> None:
         self.artifact = artifact
         #: the positions gathered once, the same objects at every call: the artifact's token for them
         self.fixed = fixed
@@ -72,10 +74,25 @@ class Route:
         self._checks = checks
         self._namespace = namespace
         self._rebuild = rebuild
+        #: The graph's arguments of an earlier call, into which `fill` writes a call's per-call inputs
+        #: (the positions gathered once hold the same objects at every call): no list of every input
+        #: is built and freed per call. A call takes it only while no other holds it (`_filling`);
+        #: another thread's call, or a call made inside a call, gathers a list of its own instead.
+        self._fill = fill
+        self._args = list(graph_args)
+        self._filling = threading.Lock()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        if self._fill is not None and self._filling.acquire(False):
+            try:
+                return self._run(self._fill, args, kwargs, self._args)
+            finally:
+                self._filling.release()
+        return self._run(self._gather, args, kwargs)
+
+    def _run(self, gather: Callable, args: tuple, kwargs: dict, *into: list) -> Any:
         try:
-            graph_args = self._gather(args, kwargs)
+            graph_args = gather(args, kwargs, *into)
         except Exception as err:  # the call's objects have another structure: dynamo's path tells how
             raise Fallback("the graph's inputs could not be gathered", f"{type(err).__name__}: {err}") from None
         if graph_args is None:
@@ -225,4 +242,4 @@ def arm(frame: Frame, key: LayoutKey, calls: Sequence[Served], args: tuple, kwar
     log.debug("ascend_compile: dispatch='direct': %s: %d inputs gathered once, %d per call, %d checks",
               frame.func.__qualname__, len(gathering.state), len(gathering.per_call), len(checks))
     return Route(artifact, gathering.gather(checks, namespace), build, checks, namespace, rebuild,
-                 torch_function_disabled, frozenset(gathering.state))
+                 torch_function_disabled, frozenset(gathering.state), gathering.fill(checks, namespace), graph_args)

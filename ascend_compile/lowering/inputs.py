@@ -271,7 +271,15 @@ def host_value(step: Step, source: HostSource, geometry: Geometry) -> list[int]:
     if source.conversion is Conversion.LIST:
         lens = step.seq_lens[source.source]
         return [*lens, *_padding_kv_lens(step, geometry.seqs - len(lens), geometry.tokens, geometry.seqs)]
-    return padded_start_loc(step.query_start_loc[source.source], step.tokens, geometry.tokens, geometry.seqs)[1:]
+    return list(_decode_ends(len(step.query_start_loc[source.source]), step.tokens, geometry.tokens, geometry.seqs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_ends(length: int, tokens: int, padded_tokens: int, padded_seqs: int) -> tuple[int, ...]:
+    """The padded query ends of a decode step whose `query_start_loc` has `length` entries: that
+    list is `_decode_start_loc(length)` (`read_step` decides decode by it), so its padding depends
+    on the sizes only."""
+    return tuple(padded_start_loc(_decode_start_loc(length), tokens, padded_tokens, padded_seqs)[1:])
 
 
 @functools.lru_cache(maxsize=1024)

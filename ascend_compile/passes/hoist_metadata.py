@@ -39,12 +39,13 @@ class Prologue:
     names: tuple[str, ...] = ()
     provider: Provider | None = None
 
-    def extend(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        """The step's inputs followed by the provided inputs and the hoisted metadata."""
+    def extend(self, args: Sequence[Any]) -> Sequence[Any]:
+        """The step's inputs followed by the provided inputs and the hoisted metadata (`args`
+        itself where there are none: read during the step, never written)."""
         if self.provider is not None:
             args = (*args, *self.provider.read(args))
         if self.graph is None:
-            return tuple(args)
+            return args
         return (*args, *self.graph(*args))
 
     def host_copies(self, args: Sequence[Any]) -> Mapping[str, list[int]]:

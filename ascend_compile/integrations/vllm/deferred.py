@@ -91,7 +91,7 @@ class DeferredCompile:
     def call_direct(self, args: Sequence[Any], fixed: frozenset[int] | None = None) -> Any:
         """One step from the direct dispatcher: the same checks as `__call__`, then the artifact's
         `call_direct` (moved in-place inputs raise `MovedInputs`: the step goes through dynamo)."""
-        return self._step(tuple(args), direct=True, fixed=fixed)
+        return self._step(args, direct=True, fixed=fixed)
 
     def _step(self, args: Sequence[Any], direct: bool, fixed: frozenset[int] | None = None) -> Any:
         if self.compiled is None:
