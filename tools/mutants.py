@@ -118,6 +118,20 @@ EAGLE = "tests/test_vllm_eagle.py"
 
 MUTANTS = (
     Mutant(
+        "FIA's workspace is asked in the packed form only, never a decode step's one-query-token form",
+        "ascend_compile/ops/npu/workspace_queries.py",
+        "        return max(packed, self._fia_asked(shape, tokens, max_blocks, features, [1] * tokens, fia_decode_kv_lens(tokens)))\n",
+        "        return packed\n",
+        ("tests/test_npu_fake_forms.py::test_fias_workspace_plan_holds_every_form_its_graph_calls",),
+    ),
+    Mutant(
+        "a windowed decode call keeps the band where the device's one-query-token band is not the window",
+        "ascend_compile/ops/npu/kernels.py",
+        "            pre_tokens = None  # no band where the device's S=1 band is not the window: every key, within the window\n",
+        "            pass\n",
+        ("tests/test_npu_fake_forms.py::test_a_windowed_model_on_a_broken_one_query_token_band_runs_its_long_decode_steps_eagerly",),
+    ),
+    Mutant(
         "undo reads a layer's halves one element apart", "ascend_compile/lowering/undo.py",
         "    delta = value.storage_offset() - key.storage_offset()\n",
         "    delta = min(1, value.storage_offset() - key.storage_offset())\n",
