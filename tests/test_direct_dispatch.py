@@ -104,35 +104,37 @@ def test_an_input_of_another_dtype_goes_through_dynamo(caplog):
 
 
 class _Flagged(torch.nn.Module):
-    """Logits doubled on `flag is True` (a constant checked by type and value), cast to `like`'s dtype (a
-    tensor the graph does not take: its checks read it from the call's arguments)."""
+    """Logits doubled on `flag is True` (a constant checked by type and value), cast to `like`'s and
+    `other`'s dtype (tensors the graph does not take: their checks read them from the call's arguments)."""
 
     def __init__(self):
         super().__init__()
         self.model = build(CFG)
 
-    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, flag, like):
+    def forward(self, input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping, flag, like, other):
         out = self.model(input_ids, positions, block_table, seq_lens, query_start_loc, slot_mapping).to(like.dtype)
+        out = out.to(other.dtype)
         return out * 2 if flag is True else out
 
 
 @torch.no_grad()
 def test_a_later_check_failing_is_named_for_positional_arguments(caplog):
     """`Route.explain` evaluates the checks up to the first failing one (`Check.holds`) over a call's
-    positional arguments `a` and the gathered `A`, and names it with what differs (`Check.detail`, over
-    both), nothing where the check says no more: the constant's check, after the ambient ones; the tensor
-    check, after the aliasing check. mutmut's `Check.holds` and `Check.detail` survivors fail here."""
+    positional arguments `a`, keyword arguments `k` and the gathered `A`, and names it with what differs
+    (`Check.detail`, over all three), nothing where the check says no more: the constant's check, after
+    the ambient ones; the tensor check, after the aliasing check. mutmut's `Check.holds` and
+    `Check.detail` survivors fail here."""
     model, reference = _Flagged(), _Flagged()
     fn, artifacts = compiled(model)
     batch = PagedBatch(CFG, seed=1)
-    went, like = [], torch.zeros(2)
+    went, like, other = [], torch.zeros(2), torch.zeros(3)
     with caplog.at_level(logging.DEBUG, logger="ascend_compile"):
         for lens, flag, dtype in (([5, 30, 9], True, torch.long), ([7, 3], True, torch.long), ([5, 9], 1, torch.long),
                                   ([6, 2], 1, torch.long), ([3, 4], 1, torch.int32)):
             step = batch.step(lens)
             step["input_ids"] = step["input_ids"].to(dtype)
-            result, through_dynamo = call(lambda **s: fn(*s.values(), flag, like), step)
-            close(result, reference(**step, flag=flag, like=like))
+            result, through_dynamo = call(lambda **s: fn(*s.values(), flag, like, other=other), step)
+            close(result, reference(**step, flag=flag, like=like, other=other))
             went.append(through_dynamo)
     assert went == [True, False, True, False, True] and len(artifacts) == 3
     why = [m.removeprefix("ascend_compile: dispatch='direct': ") for m in caplog.messages if "goes through" in m]
