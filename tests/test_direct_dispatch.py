@@ -416,6 +416,18 @@ def _deletes_a_slot(obj, x):
     return x + 1
 
 
+def _two_boxes(box, other, x):
+    box.flag = True
+    other.flag = False
+    return x + 1
+
+
+def _fills_and_empties_a_slot(obj, x):
+    obj.flag = True
+    del obj.flag
+    return x + 1
+
+
 def _deletes(box, x):
     del box.flag
     return x + 1
@@ -445,6 +457,9 @@ def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_onl
     slotted.flag = True  # held in a slot, not an instance dict: its deletion is a side effect all the same
     stores, why = _recorded(_deletes_a_slot, slotted, x)
     assert stores == () and why.startswith("the step sets L['obj'].flag to ")
+    assert _recorded(_fills_and_empties_a_slot, _Slotted(), x) == ((), None)  # an empty slot: nothing happened
+    assert _recorded(_two_boxes, _Box(), _Box(), x) == (
+        (ConstantStore("L['box']", "flag", True), ConstantStore("L['other']", "flag", False)), None)  # each object's
     box = _Box()
     box.flag = True
     assert _recorded(_deletes, box, x) == ((), "the step sets L['box'].flag to DeletedVariable")  # what it is set to
