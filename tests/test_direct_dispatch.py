@@ -442,6 +442,8 @@ def test_side_effects_a_direct_call_may_replay_are_constant_attribute_stores_onl
 
     from ascend_compile.dispatch.side_effects import ConstantStore
     x = torch.ones(3)
+    from ascend_compile.dispatch.side_effects import record
+    assert record() == ((), "the graph was not compiled from a frame dynamo traced")  # asked outside dynamo
     if not hasattr(dynamo_side_effects, "AttrMutationKind"):  # torch 2.10: no record to read, every store refused
         stores, why = _recorded(_flags, _Box(), x)
         assert stores == () and why.startswith("dynamo's record of the step's side effects is not readable"), why
