@@ -118,6 +118,13 @@ EAGLE = "tests/test_vllm_eagle.py"
 
 MUTANTS = (
     Mutant(
+        "the live capture runs a node writing a caller's tensor again: the flag is not passed to its segment",
+        "ascend_compile/passes/split_pieces.py",
+        "            segments.append(EagerNode(ranked[rank], why, _writes_caller(why)))\n",
+        "            segments.append(EagerNode(ranked[rank], why))\n",
+        ("tests/test_piecewise_live.py::test_a_node_writing_a_callers_tensor_runs_once_per_step_not_in_the_capture_too",),
+    ),
+    Mutant(
         "FIA's workspace is asked in the packed form only, never a decode step's one-query-token form",
         "ascend_compile/ops/npu/workspace_queries.py",
         "        return max(packed, self._fia_asked(shape, tokens, max_blocks, features, [1] * tokens, fia_decode_kv_lens(tokens)))\n",
