@@ -118,6 +118,13 @@ EAGLE = "tests/test_vllm_eagle.py"
 
 MUTANTS = (
     Mutant(
+        "a layer's vLLM cache views are carried from one step's read to the next unchecked",
+        "ascend_compile/integrations/vllm/context.py",
+        "        if self._checked is not None and self._checked == PASS.current:\n",
+        "        if self._pair is not None:\n",
+        ("tests/test_vllm_cache_views.py",),
+    ),
+    Mutant(
         "the live capture runs a node writing a caller's tensor again: the flag is not passed to its segment",
         "ascend_compile/passes/split_pieces.py",
         "            segments.append(EagerNode(ranked[rank], why, _writes_caller(why)))\n",

@@ -28,7 +28,7 @@ from torch import fx
 
 from ...passes.fx_utils import example_value, fill_fake_values, is_op, node_arg, placeholders
 from ...passes.providers import Provider, ProvidedInput, add_provided_input, fake_like, fake_mode_of
-from .context import CacheViews, has_cache, kv_transfer_configured, split_cache, step_semantics
+from .context import CacheViews, begin_pass, end_pass, has_cache, kv_transfer_configured, split_cache, step_semantics
 from .layers import (UnsupportedAttention, layer_features, refuse_cache_dtype, refuse_metadata,
                      refuse_unsupported)
 from .metadata import bind_metadata
@@ -294,7 +294,11 @@ class ForwardContextBinder:
 
 
 def _read_all(ctx: Any, readers: Sequence[_Reader]) -> list[torch.Tensor]:
-    return [r.read(ctx) for r in readers]
+    token = begin_pass()  # a layer's key and value readers check its cache once (`CacheViews`)
+    try:
+        return [r.read(ctx) for r in readers]
+    finally:
+        end_pass(token)
 
 
 def _host_all(ctx: Any, hosts: Sequence[Callable[[Any], dict[str, list[int]]]]) -> dict[str, list[int]]:

@@ -10,6 +10,7 @@ gives, which `FlashAttentionImpl` splits with `kv_cache.transpose(1, 2).split(he
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -98,11 +99,38 @@ def cache_pair(ctx: Any, layer: str, where: str) -> tuple[torch.Tensor, torch.Te
     return split_cache(attn_layer.kv_cache, where, getattr(attn_layer, "head_size", None))
 
 
+class _Pass:
+    """The step's read of its provided inputs under way (`binder._read_all`), a number no other read
+    had; None between reads."""
+
+    current: int | None = None
+
+
+PASS = _Pass()
+_passes = itertools.count()
+
+
+def begin_pass() -> int:
+    """A read of a step's provided inputs begins: what `CacheViews` checked in an earlier one is checked again."""
+    PASS.current = token = next(_passes)
+    return token
+
+
+def end_pass(token: int) -> None:
+    if PASS.current == token:
+        PASS.current = None
+
+
 class CacheViews:
     """One layer's key and value views (`cache_pair`), read every step: split again only when the
     layer's cache is another tensor than the last step's, or the same one moved or resized (a view
     made earlier would keep the old storage). The views hold that storage, so no other tensor can
-    have its address meanwhile. A (key, value) pair is read as it is."""
+    have its address meanwhile. A (key, value) pair is read as it is.
+
+    The key's and the value's readers both call it in one read of the step's inputs (`begin_pass`):
+    the second finds the cache checked in that read and takes the views as the first left them (no
+    code runs between the two, so nothing could move the cache); a read that is not one's own (a new
+    number, or none) checks again."""
 
     def __init__(self, layer: str, where: str) -> None:
         self.layer, self.where = layer, where
@@ -110,12 +138,16 @@ class CacheViews:
         self._address: int | None = None
         self._shape: Any = None
         self._pair: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._checked: int | None = None  # the read the views were last checked in
 
     def __call__(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._checked is not None and self._checked == PASS.current:
+            return self._pair
         cache = ctx.no_compile_layers[self.layer].kv_cache
         if not isinstance(cache, torch.Tensor):
             return cache_pair(ctx, self.layer, self.where)
         if cache is not self._cache or cache.data_ptr() != self._address or cache.shape != self._shape:
             self._pair = cache_pair(ctx, self.layer, self.where)
             self._cache, self._address, self._shape = cache, cache.data_ptr(), cache.shape
+        self._checked = PASS.current
         return self._pair
