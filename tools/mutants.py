@@ -125,10 +125,10 @@ MUTANTS = (
         ("tests/test_vllm_cache_views.py",),
     ),
     Mutant(
-        "the live capture runs a node writing a caller's tensor again: the flag is not passed to its segment",
+        "the live capture runs a node writing a caller's tensor again: its segment does not read the flag",
         "ascend_compile/passes/split_pieces.py",
-        "            segments.append(EagerNode(ranked[rank], why, _writes_caller(why)))\n",
-        "            segments.append(EagerNode(ranked[rank], why))\n",
+        "        return _writes_caller(self.why)\n",
+        "        return False\n",
         ("tests/test_piecewise_live.py::test_a_node_writing_a_callers_tensor_runs_once_per_step_not_in_the_capture_too",),
     ),
     Mutant(

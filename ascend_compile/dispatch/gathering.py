@@ -86,12 +86,8 @@ class Gathering:
         """`fill(a, k, A)`: the graph's arguments for a call written into `A`, a list of an earlier
         call's (its positions gathered once are those of every call, and stay): only the per-call
         inputs are written. None where one of `checks` fails (`A` then holds some of this call's)."""
-        pre = [c.expr for c in checks if c.before_gather]
-        post = [c.expr for c in checks if not c.before_gather]
-        body = [f"    if not ({' and '.join(pre)}):", "        return None"] if pre else []
-        body += [f"    A[{i}] = {self.expressions[i]}" for i in self.per_call]
-        body += [f"    if not ({' and '.join(post)}):", "        return None"] if post else []
-        return compile_function("fill", [*body, "    return A"], namespace, "a, k, A")
+        stores = [f"    A[{i}] = {self.expressions[i]}" for i in self.per_call]
+        return compile_function("fill", _checked(checks, stores), namespace, "a, k, A")
 
     def build(self, namespace: dict[str, Any]) -> Callable[[tuple, dict], tuple]:
         """`build(a, k)`: the graph's arguments for a call, unchecked."""
@@ -99,9 +95,15 @@ class Gathering:
 
     def gather(self, checks: Sequence[Check], namespace: dict[str, Any]) -> Callable[[tuple, dict], tuple | None]:
         """`gather(a, k)`: the graph's arguments for a call, or None where one of `checks` fails."""
-        pre = [c.expr for c in checks if c.before_gather]
-        post = [c.expr for c in checks if not c.before_gather]
-        body = [f"    if not ({' and '.join(pre)}):", "        return None"] if pre else []
-        body += self._lines()
-        body += [f"    if not ({' and '.join(post)}):", "        return None"] if post else []
-        return compile_function("gather", [*body, "    return A"], namespace)
+        return compile_function("gather", _checked(checks, self._lines()), namespace)
+
+
+def _checked(checks: Sequence[Check], lines: list[str]) -> list[str]:
+    """A body making `A` by `lines`, returning it, or None where one of `checks` fails: those that run
+    before the arguments are gathered first, the others after."""
+    pre = [c.expr for c in checks if c.before_gather]
+    post = [c.expr for c in checks if not c.before_gather]
+    body = [f"    if not ({' and '.join(pre)}):", "        return None"] if pre else []
+    body += lines
+    body += [f"    if not ({' and '.join(post)}):", "        return None"] if post else []
+    return [*body, "    return A"]

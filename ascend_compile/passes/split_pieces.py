@@ -68,7 +68,11 @@ class EagerNode:
 
     node: fx.Node
     why: str
-    writes_caller: bool = False
+
+    @property
+    def writes_caller(self) -> bool:
+        """Whether the node writes a caller's tensor other than a KV cache (what its `Why` says)."""
+        return _writes_caller(self.why)
 
 
 Segment = Piece | EagerNode
@@ -222,8 +226,7 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
             segments.append(Piece(members, [], []))
         if rank < len(ranked):
             where[ranked[rank]] = len(segments)
-            why = eager[ranked[rank]]
-            segments.append(EagerNode(ranked[rank], why, _writes_caller(why)))
+            segments.append(EagerNode(ranked[rank], eager[ranked[rank]]))
     _wire(gm, segments, where, extra_reads or {})
     return segments
 
