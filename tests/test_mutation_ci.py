@@ -85,3 +85,18 @@ def test_every_listed_module_exists_and_names_existing_test_files():
         assert tests and all((root / t).is_file() for t in tests), (module, tests)
     for module, *_ in mutation_ci.load_equivalents():
         assert module in modules, module
+
+
+def test_equivalents_are_read_from_every_file_of_the_directory(tmp_path):
+    entry = ("[[equivalent]]\nmodule = \"pkg/{m}.py\"\nfunction = \"f\"\nbefore = '''x = 1'''\n"
+             "after = '''x = 2'''\nreason = \"unread\"\n")
+    (tmp_path / "a.toml").write_text(entry.format(m="a"))
+    (tmp_path / "b.toml").write_text(entry.format(m="b") + "\n" + entry.format(m="b").replace("x = 2", "x = 3"))
+    (tmp_path / "notes.txt").write_text(entry.format(m="c"))
+    listed = mutation_ci.load_equivalents(tmp_path)
+    assert set(listed) == {("pkg/a.py", "f", "x = 1", "x = 2", 1), ("pkg/b.py", "f", "x = 1", "x = 2", 1),
+                           ("pkg/b.py", "f", "x = 1", "x = 3", 1)}
+    # the repository's own: each file lists only its module's survivors
+    for file in mutation_ci.EQUIVALENTS_DIR.glob("*.toml"):
+        modules = {key[0] for key in mutation_ci.load_equivalents(file)}
+        assert modules == {"ascend_compile/" + file.stem.replace(".", "/") + ".py"}, file.name

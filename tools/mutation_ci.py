@@ -1,5 +1,5 @@
 """Mutants written by a tool: mutmut 3 over the modules of `tools/mutation/modules.toml`, each survivor
-either killed by a test or listed as equivalent, with its reason, in `tools/mutation/equivalents.toml`.
+either killed by a test or listed as equivalent, with its reason, in `tools/mutation/equivalents/` (a file per module).
 
     python tools/mutation_ci.py [--modules PATH ...] [--changed-since BASE] [--max-children N]
                                 [--workdir DIR] [--json FILE] [--no-run]
@@ -14,7 +14,7 @@ tests of the group that called the mutated function (its trampolines record whic
 first failure.
 
 A survivor (mutmut's "survived", or "no tests": no test of the group reaches the function) is
-**listed** when an entry of the equivalents file has its module, its function and the lines its diff
+**listed** when an entry of the equivalents files has its module, its function and the lines its diff
 removes and adds (whitespace-stripped; and which of the function's survivors making that same edit it is,
 `occurrence`, where there are several), so an entry survives the function moving in its file, and is
 lost when the mutated line itself changes (then the survivor is shown again, to be judged again).
@@ -44,7 +44,7 @@ from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULES_FILE = ROOT / "tools" / "mutation" / "modules.toml"
-EQUIVALENTS_FILE = ROOT / "tools" / "mutation" / "equivalents.toml"
+EQUIVALENTS_DIR = ROOT / "tools" / "mutation" / "equivalents"  # one file per module
 DETECTED = ("killed", "timeout", "segfault", "caught by type check")
 SURVIVING = ("survived", "no tests")
 RESULT_LINE = re.compile(r"^\s+(\S+): (.+)$")
@@ -71,13 +71,14 @@ def load_modules(path: Path = MODULES_FILE) -> dict[str, tuple[str, ...]]:
         return {module: tuple(tests) for module, tests in tomllib.load(f)["modules"].items()}
 
 
-def load_equivalents(path: Path = EQUIVALENTS_FILE) -> dict[tuple[str, str, str, str, int], str]:
-    """The listed equivalent mutants, keyed as `Mutant.key` (`occurrence` 1 unless given), each to its
-    reason."""
-    if not path.exists():
-        return {}
-    with path.open("rb") as f:
-        entries = tomllib.load(f).get("equivalent", [])
+def load_equivalents(path: Path = EQUIVALENTS_DIR) -> dict[tuple[str, str, str, str, int], str]:
+    """The listed equivalent mutants of `path` (a file, or every `.toml` file of a directory: one per
+    module), keyed as `Mutant.key` (`occurrence` 1 unless given), each to its reason."""
+    files = sorted(path.glob("*.toml")) if path.is_dir() else [path] if path.exists() else []
+    entries = []
+    for file in files:
+        with file.open("rb") as f:
+            entries += tomllib.load(f).get("equivalent", [])
     return {(e["module"], e["function"], _strip(e["before"]), _strip(e["after"]), e.get("occurrence", 1)): e["reason"]
             for e in entries}
 
