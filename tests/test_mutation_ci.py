@@ -100,3 +100,46 @@ def test_equivalents_are_read_from_every_file_of_the_directory(tmp_path):
     for file in mutation_ci.EQUIVALENTS_DIR.glob("*.toml"):
         modules = {key[0] for key in mutation_ci.load_equivalents(file)}
         assert modules == {"ascend_compile/" + file.stem.replace(".", "/") + ".py"}, file.name
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_a_recorded_run_stands_until_the_module_its_tests_or_what_they_import_change(tmp_path):
+    modules = {"ascend_compile/m.py": ("tests/test_m.py",), "ascend_compile/n.py": ("tests/test_n.py",)}
+    _tree(tmp_path, {"ascend_compile/m.py": "x = 1\n", "ascend_compile/n.py": "y = 1\n",
+                     "tests/test_m.py": "from tests import fake_m, other\nfrom tests.helper_m import f\n",
+                     "tests/fake_m.py": "A = 1\n", "tests/other.py": "", "tests/helper_m.py": "",
+                     "tests/test_n.py": "import tests.fake_n\n", "tests/fake_n.py": ""})
+    assert mutation_ci.sources("ascend_compile/m.py", modules["ascend_compile/m.py"], tmp_path) == [
+        "ascend_compile/m.py", "tests/fake_m.py", "tests/helper_m.py", "tests/other.py", "tests/test_m.py",
+        "tools/mutation/equivalents/m.toml"]
+    assert "tests/fake_n.py" in mutation_ci.sources("ascend_compile/n.py", modules["ascend_compile/n.py"], tmp_path)
+    runs_file = tmp_path / "runs.toml"
+    table = {"ascend_compile/m.py": {"mutants": 3, "killed": 2, "equivalent": 1, "survived": 0}}
+    mutation_ci.record({}, table, modules, {"ascend_compile/m.py": tmp_path}, runs_file)
+    runs = mutation_ci.load_runs(runs_file)
+    assert runs["ascend_compile/m.py"]["killed"] == 2 and set(runs) == {"ascend_compile/m.py"}
+    # n was never run to completion: named, not chosen; m stands
+    assert mutation_ci.never_run(modules, runs) == ["ascend_compile/n.py"]
+    assert mutation_ci.stale(modules, runs, tmp_path) == {}
+    for changed in ("ascend_compile/m.py", "tests/test_m.py", "tests/fake_m.py", "tests/helper_m.py"):
+        before = (tmp_path / changed).read_text()
+        (tmp_path / changed).write_text(before + "# weakened\n")
+        assert mutation_ci.stale(modules, runs, tmp_path) == {"ascend_compile/m.py": ("tests/test_m.py",)}, changed
+        (tmp_path / changed).write_text(before)
+    assert mutation_ci.stale(modules, runs, tmp_path) == {}
+    (tmp_path / "ascend_compile/n.py").write_text("y = 2\n")  # not recorded: still not chosen
+    assert mutation_ci.stale(modules, runs, tmp_path) == {}
+
+
+def test_the_recorded_runs_are_complete_runs_of_listed_modules():
+    """Every module recorded in tools/mutation/runs.toml is a listed module whose run was complete: every
+    mutant killed or listed (whether it still stands is CI's `--stale` run)."""
+    runs, modules = mutation_ci.load_runs(), mutation_ci.load_modules()
+    assert set(runs) <= set(modules)
+    for module, run in runs.items():
+        assert run["killed"] + run["equivalent"] == run["mutants"] and run["survived"] == 0, module

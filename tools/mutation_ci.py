@@ -2,7 +2,7 @@
 either killed by a test or listed as equivalent, with its reason, in `tools/mutation/equivalents/` (a file per module).
 
     python tools/mutation_ci.py [--modules PATH ...] [--changed-since BASE] [--max-children N]
-                                [--workdir DIR] [--json FILE] [--no-run]
+                                [--workdir DIR] [--json FILE] [--no-run] [--stale] [--record]
 
 Why a driver and not a bare `mutmut run`: mutmut's stats phase runs every test it is given once, and its
 test selection is one setting for the whole run; the suite takes 15 minutes on two cores. Here each
@@ -25,12 +25,20 @@ checked"), with a skeleton entry printed for each unlisted survivor; 0 otherwise
 itself, or one of its test files (a test weakened can let a killed mutant live). The scratch copies
 stay (default under the system's temporary directory), so a survivor can be looked at with
 `cd WORKDIR/GROUP && mutmut show NAME` (the command is printed with it).
+
+`--record` writes each module of the run with every mutant decided and no unlisted survivor to
+`tools/mutation/runs.toml`, with a digest of what its verdicts rest on (`sources`: the module and its
+test files as mutmut ran them, the `tests/` modules those import, its equivalents file) and its figures.
+`--stale` mutates only the recorded modules whose digest changed since: what CI runs (`.ci/run`), so a
+change pays for the modules it touches and nothing else, and a landing whose every touched module was run
+and recorded pays nothing. Modules never run to completion are named, not run.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import fnmatch
+import hashlib
 import json
 import os
 import re
@@ -45,6 +53,8 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parent.parent
 MODULES_FILE = ROOT / "tools" / "mutation" / "modules.toml"
 EQUIVALENTS_DIR = ROOT / "tools" / "mutation" / "equivalents"  # one file per module
+RUNS_FILE = ROOT / "tools" / "mutation" / "runs.toml"
+TEST_IMPORT = re.compile(r"^\s*(?:from tests(?:\.(\w+))? import ([\w, ()]+)|import tests\.(\w+))", re.M)
 DETECTED = ("killed", "timeout", "segfault", "caught by type check")
 SURVIVING = ("survived", "no tests")
 RESULT_LINE = re.compile(r"^\s+(\S+): (.+)$")
@@ -112,6 +122,74 @@ def groups(modules: dict[str, tuple[str, ...]]) -> list[tuple[tuple[str, ...], l
     for module, tests in sorted(modules.items()):
         by_tests.setdefault(tests, []).append(module)
     return sorted(by_tests.items())
+
+
+def sources(module: str, tests: Sequence[str], root: Path = ROOT) -> list[str]:
+    """What a module's verdicts rest on: the module, its test files, the `tests/` modules those import
+    (fakes, stand-ins, helpers: one level), and its equivalents file."""
+    paths = [module, *tests]
+    for test in tests:
+        file = root / test
+        text = file.read_text() if file.exists() else ""
+        for match in TEST_IMPORT.finditer(text):
+            sub, names, plain = match.groups()
+            names = [sub] if sub else [plain] if plain else re.findall(r"\w+", names or "")
+            paths += [f"tests/{n}.py" for n in names if (root / "tests" / f"{n}.py").exists()]
+    paths.append(str(EQUIVALENTS_DIR.relative_to(ROOT) / equivalents_name(module)))
+    return sorted(set(paths))
+
+
+def equivalents_name(module: str) -> str:
+    """The module's equivalents file: `ascend_compile/lowering/budget.py` -> `lowering.budget.toml`."""
+    return module.removeprefix("ascend_compile/").removesuffix(".py").replace("/", ".") + ".toml"
+
+
+def fingerprint(module: str, tests: Sequence[str], root: Path = ROOT) -> str:
+    """A digest of everything `sources` names (a missing file counts as empty): the module and its tests
+    as in `root` (the tree mutmut ran on), the equivalents as in the repository (what judged the run)."""
+    digest = hashlib.sha256()
+    for path in sources(module, tests, root):
+        file = (ROOT if path.startswith("tools/") else root) / path
+        digest.update(path.encode() + b"\0" + (file.read_bytes() if file.exists() else b"") + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def load_runs(path: Path = RUNS_FILE) -> dict[str, dict]:
+    """Each module's last complete run (every mutant decided, no unlisted survivor): its fingerprint and
+    figures."""
+    if not path.exists():
+        return {}
+    with path.open("rb") as f:
+        return tomllib.load(f).get("run", {})
+
+
+def stale(modules: dict[str, tuple[str, ...]], runs: dict[str, dict],
+          root: Path = ROOT) -> dict[str, tuple[str, ...]]:
+    """The modules whose complete run no longer stands: something it rested on changed since. Modules
+    never run to completion are not chosen (`never_run` names them)."""
+    return {m: t for m, t in modules.items() if m in runs and runs[m]["fingerprint"] != fingerprint(m, t, root)}
+
+
+def never_run(modules: dict[str, tuple[str, ...]], runs: dict[str, dict]) -> list[str]:
+    return sorted(m for m in modules if m not in runs)
+
+
+def record(runs: dict[str, dict], table: dict[str, dict[str, int]], modules: dict[str, tuple[str, ...]],
+           clean: dict[str, Path], path: Path = RUNS_FILE) -> None:
+    """Write the runs file with each module of `clean` (run, every mutant decided, no unlisted survivor)
+    recorded at the fingerprint of the tree it ran on (`clean`'s value: its scratch copy)."""
+    runs = dict(runs)
+    for module, root in clean.items():
+        runs[module] = {"fingerprint": fingerprint(module, modules[module], root), **table[module]}
+    lines = ["# Each module's last complete mutmut run (tools/mutation_ci.py --record): the digest of what its",
+             "# verdicts rest on (`sources`: the module, its tests, the tests/ modules they import, its",
+             "# equivalents file) and its figures. CI (`--stale`) runs mutmut again over a module whose digest",
+             "# changed; every survivor must then be killed or listed again.", ""]
+    for module in sorted(runs):
+        lines.append(f'[run."{module}"]')
+        lines += [f"{k} = {json.dumps(v)}" for k, v in sorted(runs[module].items())]
+        lines.append("")
+    path.write_text("\n".join(lines))
 
 
 def copy_tree(dest: Path) -> None:
@@ -251,9 +329,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "ascend-mutation")
     parser.add_argument("--json", type=Path, help="write the per-module table here")
     parser.add_argument("--no-run", action="store_true", help="report the last run in --workdir, run nothing")
+    parser.add_argument("--stale", action="store_true",
+                        help="only modules whose last complete run (tools/mutation/runs.toml) no longer stands")
+    parser.add_argument("--record", action="store_true",
+                        help="record each module run here with every survivor killed or listed in runs.toml")
     args = parser.parse_args(argv)
     changed = changed_files(args.changed_since) if args.changed_since else None
-    chosen = select(load_modules(), args.modules, changed)
+    listed, runs = load_modules(), load_runs()
+    chosen = select(listed, args.modules, changed)
+    if args.stale:
+        print(f"mutation: never run to completion (not chosen): {', '.join(never_run(chosen, runs)) or 'none'}")
+        chosen = stale(chosen, runs)
     if not chosen:
         print("mutation: no listed module to mutate")
         return 0
@@ -266,6 +352,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     table, unlisted, undecided = report(mutants, load_equivalents(), workdirs)
     if args.json:
         args.json.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    if args.record:
+        failing = {m.module for m in (*unlisted, *undecided)}
+        clean = {m: workdirs[m] for m in table if m not in failing}
+        record(load_runs(), table, listed, clean)
+        print(f"mutation: recorded {', '.join(sorted(clean)) or 'nothing'} in {RUNS_FILE.relative_to(ROOT)}")
     print(f"\nmutation: {len(mutants)} mutants, {len(unlisted)} unlisted survivors, {len(undecided)} without verdict")
     return 1 if unlisted or undecided else 0
 
