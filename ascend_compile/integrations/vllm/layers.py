@@ -102,7 +102,7 @@ def layer_features(name: str, layer: Any) -> AttentionFeatures:
     stated = getattr(layer, "sliding_window", None)
     if stated is not None and stated != window:
         raise UnsupportedAttention(name, f"sliding window layer.sliding_window={stated!r} that the impl does not "
-                                         f"apply as such (impl.sliding_window={impl.sliding_window!r})")
+                                         f"apply as such (impl.sliding_window={getattr(impl, 'sliding_window', None)!r})")
     cap = getattr(impl, "logits_soft_cap", None) or None  # FlashAttention keeps 0 for "none"
     sinks = getattr(impl, "sinks", None)
     if sinks is None and getattr(layer, "has_sink", False):
