@@ -247,6 +247,14 @@ def test_an_input_goes_into_the_leading_region_and_the_rest_is_padded_by_its_rol
     assert dest.tolist() == [[1, 1, 0, 0, 0]] * 4
 
 
+def test_padding_is_a_constant_of_the_buffers_dtype_on_its_device():
+    for spec, shape in ((InputSpec(0, "block_table", Role.BLOCK_TABLE, (B, W)), (2, 3)),
+                        (InputSpec(0, "query_start_loc", Role.QUERY_START_LOC, (Q,)), (3,))):
+        dest = torch.empty((4, 5) if len(shape) == 2 else (5,), dtype=torch.int32, device="meta")
+        padding = [source for _, source in padded_copies(spec, shape, dest, 5, 8) if source is not None]
+        assert padding and all(p.dtype == torch.int32 and p.device.type == "meta" for p in padding)
+
+
 def test_query_start_loc_is_padded_with_the_padded_sequences_ends_on_the_buffers_device_and_dtype():
     loc = InputSpec(0, "query_start_loc", Role.QUERY_START_LOC, (Q,))
     dest = torch.full((5,), 99, dtype=torch.int32)

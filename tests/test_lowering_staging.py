@@ -120,6 +120,14 @@ def test_a_step_is_copied_in_padded_by_role_each_step_shape_planned_once(monkeyp
     assert staging.buffers[3].tolist() == [[9, 0, 0]] * 3 + [[0, 0, 0]] and len(planned) == 2
 
 
+def test_a_steps_copy_in_is_one_batched_copy_that_does_not_wait_for_the_device(monkeypatch):
+    staging, calls = _staging(), []
+    copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dests, sources, **kw: calls.append(kw) or copy(dests, sources))
+    staging.copy_in(_step([5, 6], [0, 1, 3], [3, 4, 5], [[1, 2], [3, 4]]))
+    assert calls == [{"non_blocking": True}] and staging.buffers[0].tolist() == [5, 6, 0, 0]
+
+
 def test_a_per_step_shape_cache_makes_each_value_once_and_starts_again_empty_when_full(monkeypatch):
     monkeypatch.setattr(staging_mod, "MAX_STEP_SHAPES", 2)
     cache, made = {}, []
@@ -238,6 +246,16 @@ def test_a_route_verified_on_a_call_that_moved_reads_the_arguments_after():
     assert captured.changed(first, fixed) == [0]
     assert captured.changed(list(args), fixed) == []  # not the moved tensor kept: the arguments read
     assert captured.changed(first, fixed) == [0]
+
+
+def test_a_route_fixing_exactly_the_identified_and_checked_positions_is_verified():
+    args = _inputs()
+    captured, fixed = CapturedInputs(args, [0, 1], [], []), frozenset({0, 1})
+    assert captured.changed(list(args), fixed) == []
+    assert captured.changed([torch.zeros(4), torch.zeros(2), *args[2:]], fixed) == []  # the kept ones read
+    captured, fixed = CapturedInputs(args, [], [], [3]), frozenset({3})
+    assert captured.changed(list(args), fixed) == []
+    assert captured.changed([*args[:3], torch.zeros(3), 7], fixed) == []
 
 
 def test_a_route_not_holding_every_identified_position_is_never_verified():

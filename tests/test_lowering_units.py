@@ -88,6 +88,24 @@ def test_a_probe_sees_the_calls_reported_inside_it_in_order_and_nested_probes_ea
         outer[0].artifact = "z"
 
 
+def test_a_probe_and_unreported_work_in_a_thread_that_never_had_either():
+    seen = []
+
+    def fresh(first):
+        with served.probe() as calls:
+            if first == "unreported":
+                with served.unreported():
+                    served.report("silent", (), None)
+            served.report("heard", (), None)
+        seen.append([s.artifact for s in calls])
+
+    for first in ("probe", "unreported"):
+        thread = threading.Thread(target=fresh, args=(first,))
+        thread.start()
+        thread.join()
+    assert seen == [["heard"], ["heard"]]
+
+
 def test_calls_inside_unreported_are_not_reported_and_the_block_ends_it_even_nested():
     with served.probe() as calls:
         with served.unreported():
@@ -304,6 +322,14 @@ def test_without_pieces_or_a_piecewise_variant_nothing_is_dropped(pieces):
     rewritten = _Rewritten([16, 32], FULL)
     b = fit(rewritten, SimRuntime(), CompileConfig(graph_budget=1))
     assert (b.sizes, b.dropped) == ([16, 32], []) and rewritten.piecewise is not None
+
+
+def test_a_budget_below_the_full_graphs_keeps_no_piecewise_size_even_of_one_piece(pieces):
+    pieces[0] = 1
+    b = fit(_Rewritten([16, 32], FULL), SimRuntime(), CompileConfig(graph_budget=2))
+    assert (b.sizes, b.dropped) == ([], [16, 32])
+    b = fit(_Rewritten([16, 32], FULL), SimRuntime(), CompileConfig(graph_budget=4))
+    assert (b.sizes, b.dropped) == ([32], [16])
 
 
 def test_a_piecewise_size_captures_the_pieces_its_variant_splits_into():
