@@ -1,0 +1,150 @@
+"""The runner's contract, at the artifact (`lowering/runner.py`, with `piecewise_serve.py`): what serves
+each step (a full graph, the pieces of the smallest piecewise size holding it, else eager) and why, each
+reason logged once and counted; the step's counters; a step that raises counted, logged and noted with
+the graph that ran it; `capture_all` capturing every decode bucket at the first capture. The two-layer
+example Llama on the simulator: each test compiles in about a second."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ascend_compile.lowering.graph_entry import GraphEntry
+from ascend_compile.lowering.piecewise import PiecewiseGraph
+from examples.llama import PagedBatch
+from tests.test_failed_steps import assert_close
+from tests.test_piecewise import _compile, _llama
+
+NO_GRAPH = "no graph for {} tokens in {} sequences (buckets [4, 8])"
+
+
+class Raised(RuntimeError):
+    """The failure a test puts into a step."""
+
+
+def _steps(fn, reference, batch, steps):
+    with torch.no_grad():
+        for lens, qlens in steps:
+            inputs = batch.step(lens, qlens)
+            assert_close(fn(**inputs), reference(**inputs))
+
+
+def test_each_step_is_served_by_a_full_graph_the_pieces_or_eagerly_each_reason_logged_once(caplog):
+    """Buckets 4 and 8, piecewise sizes 16 and 64: decodes in a bucket replay the full graph; a 40-token
+    prefill goes to the p64 pieces (captured once); a 100-token prefill, above both, runs eagerly. Every
+    step is counted with its host conversions (two length inputs each, no host copy); each reason is
+    counted per step and logged once (the 41-token prefill of 40 query tokens gives the
+    same reason as the first); every step equals eager."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[16, 64])
+    batch = PagedBatch(cfg, seed=4)
+    steps = [([5, 9], None), ([40], [40]), ([100], [100]), ([6, 10], None), ([41], [40]), ([101], [100])]
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, batch, steps)
+    art = artifacts[-1]
+    stats = art.stats
+    assert (stats["steps"], stats["host_conversions"], stats["host_copies"]) == (6, 12, 0), stats
+    assert (stats["captures"], stats["replays"], stats["updates"]) == (1, 2, 4), stats
+    assert (stats["piecewise_captures"], stats["piecewise_steps"], stats["eager_fallbacks"]) == (1, 2, 2), stats
+    assert stats["failed_steps"] == 0 and stats["recaptures"] == 0, stats
+    assert art.served == {("decode", "full"): 2, ("prefill", "piecewise"): 2, ("prefill", "eager"): 2}
+    piecewise = NO_GRAPH.format(40, 1)
+    eager = f"{NO_GRAPH.format(100, 1)}; above the largest piecewise size (64 tokens)"
+    assert art.not_full == {piecewise: 2, eager: 2}  # the reason names the query tokens: the same twice
+    assert caplog.text.count(f"ascend_compile: {piecewise}: serving it piecewise (p64)") == 1
+    assert caplog.text.count(f"ascend_compile: {eager}: running eagerly") == 1
+    assert [str(k) for k, _ in art.graphs] == ["b4.decode"] and [str(k) for k, _ in art.piecewise] == ["p64"]
+    assert art.seconds["host"] > 0 and art.seconds["launch_and_updates"] > 0, art.seconds
+    assert art.pieces.launches["replays"] == 2 * len(next(iter(art.piecewise.values())).pieces)
+
+
+@pytest.mark.parametrize("options, why", [
+    (dict(runtime="sim", piecewise_sizes=[]), "piecewise_sizes is empty"),
+    (dict(runtime="eager"), "the runtime captures no graphs"),
+])
+def test_without_piecewise_graphs_a_step_no_bucket_holds_runs_eagerly_saying_why(options, why, caplog):
+    """No piecewise variant (none asked, or a runtime without graphs): the step runs eagerly, the reason
+    naming why there are no pieces; the decode step in a bucket is still served as full."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, **options)
+    batch = PagedBatch(cfg, seed=4)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([5, 9], None), ([40], [40])])
+    art = artifacts[-1]
+    reason = f"{NO_GRAPH.format(40, 1)}; not piecewise: {why}"
+    assert art.not_full == {reason: 1} and art.served == {("decode", "full"): 1, ("prefill", "eager"): 1}
+    assert art.stats["eager_fallbacks"] == 1 and art.stats["piecewise_steps"] == 0
+    assert f"ascend_compile: {reason}: running eagerly" in caplog.text
+
+
+def test_capture_all_captures_every_decode_bucket_largest_first_at_the_first_capture(caplog):
+    """`capture_all`: the first step captures the decode graphs of both buckets, 8 then 4; later steps
+    capture nothing more; a mixed step's own graph is captured when it comes."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", capture_all=True)
+    batch = PagedBatch(cfg, seed=4)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([5, 9], None), ([6, 10, 3, 4, 7], None)])
+    art = artifacts[-1]
+    assert sorted(str(k) for k, _ in art.graphs) == ["b4.decode", "b8.decode"]
+    assert art.stats["captures"] == 2 and art.stats["replays"] == 2, art.stats
+    captured = [line.split("captured ")[1].split(" in ")[0] for line in caplog.messages if "captured b" in line]
+    assert captured == ["b8.decode", "b4.decode"], caplog.messages
+    _steps(fn, reference, batch, [([9, 3], [2, 1])])
+    assert art.stats["captures"] == 3 and sorted(str(k) for k, _ in art.graphs)[-1] == "b8.decode"
+
+
+def test_a_full_graph_step_that_raises_is_counted_logged_and_names_its_graph(monkeypatch, caplog):
+    """A replay raising: the error reaches the caller with a note naming the graph, one WARNING names the
+    graph and the error's type, `failed_steps` counts it; the next step (replay restored) equals eager."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    replay = GraphEntry.replay
+
+    def raising(*args, **kwargs):
+        raise Raised("injected")
+
+    monkeypatch.setattr(GraphEntry, "replay", raising)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ascend_compile"), \
+            pytest.raises(Raised) as err:
+        fn(**batch.step([6, 10], None))
+    art = artifacts[-1]
+    assert art.stats["failed_steps"] == 1 and art.stats["steps"] == 2, art.stats
+    notes = getattr(err.value, "__notes__", [])
+    assert len(notes) == 1 and notes[0].startswith("ascend_compile: b4.decode: "), notes
+    assert "ascend_compile: b4.decode: the step raised Raised; " in caplog.text
+    monkeypatch.setattr(GraphEntry, "replay", replay)
+    _steps(fn, reference, batch, [([7, 11], None)])
+    assert art.stats["failed_steps"] == 1 and art.stats["replays"] == 2
+
+
+def test_a_piecewise_step_that_raises_names_its_pieces(monkeypatch, caplog):
+    """A piecewise step raising (after its capture): noted and logged with the piecewise graph's name,
+    counted; a step raising while its pieces are captured on its values: the same, said to be captured."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([40], [40])])
+    art = artifacts[-1]
+    name = str(next(iter(art.piecewise))[0])
+
+    def raising(*args, **kwargs):
+        raise Raised("injected")
+
+    monkeypatch.setattr(PiecewiseGraph, "run", raising)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ascend_compile"), pytest.raises(Raised) as err:
+        fn(**batch.step([41], [40]))
+    assert err.value.__notes__[0].startswith(f"ascend_compile: {name}: "), err.value.__notes__
+    assert f"ascend_compile: {name}: the step raised Raised; " in caplog.text
+    assert art.stats["failed_steps"] == 1, art.stats
+    monkeypatch.setattr(PiecewiseGraph, "capture", raising)
+    caplog.clear()
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ascend_compile"), pytest.raises(Raised) as err:
+        fn(**batch.step([300], [300]))  # a new piecewise size: captured for this step
+    key = f"p{next(s for s in art.config.piecewise_sizes if s >= 300)}"  # not kept: its capture raised
+    assert key != name and [str(k) for k, _ in art.piecewise] == [name] and err.value.__notes__[0].startswith(f"ascend_compile: {key}: "), err.value.__notes__
+    assert f"ascend_compile: {key}: the step raised Raised while captured; " in caplog.text
+    assert art.stats["failed_steps"] == 2, art.stats
