@@ -1,0 +1,471 @@
+"""The direct route's contract, on small modules compiled with a stand-in artifact (`Artifact`: what the
+backend's artifact is to the dispatcher, without the passes, the capture or the simulator), so that each
+test compiles in well under a second: `dispatch/dispatcher.py` (a layout armed from one call through
+dynamo, later calls direct; what keeps a layout on dynamo's path and for how long), `dispatch/route.py`
+(arming: what is refused and why; a direct call's fallbacks, named), `dispatch/checks.py` (each check
+fails on what it stands for among dynamo's guards, naming it, and on nothing else),
+`dispatch/gathering.py` (the graph's arguments gathered per call and once) and `dispatch/graph_inputs.py`
+(what the backend keeps of dynamo's placeholders). The compile-level tests with the real artifact are
+`tests/test_direct_dispatch.py` and `tests/test_direct_soundness.py`; mutmut's tests for these modules
+are this file and `tests/test_direct_units.py`."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.autograd.forward_ad as forward_ad
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import ascend_compile
+from ascend_compile.dispatch import dispatcher as dispatcher_mod
+from ascend_compile.dispatch import graph_inputs
+from ascend_compile.dispatch.route import Fallback
+from ascend_compile.lowering import served
+from ascend_compile.lowering.graph_entry import MovedInputs
+
+
+class Artifact:
+    """The backend's artifact as the dispatcher sees it: dynamo's calls reported (`served.report`), direct
+    calls recorded (`direct`: the arguments and the fixed positions), `moved` raising `MovedInputs`."""
+
+    def __init__(self, gm):
+        self.gm, self.graph_inputs, self.direct, self.moved = gm, graph_inputs.record(gm), [], None
+
+    def __call__(self, *args):
+        result = self.gm(*args)
+        served.report(self, args, result)
+        return result
+
+    def call_direct(self, args, fixed=None):
+        if self.moved:
+            raise MovedInputs(self.moved)
+        self.direct.append((tuple(args), fixed))
+        return self.gm(*args)
+
+
+def compiled(model):
+    """`model` compiled with dispatch="direct" on the stand-in artifact, and the artifacts made."""
+    torch._dynamo.reset()
+    artifacts = []
+
+    def backend(gm, example_inputs):
+        artifacts.append(Artifact(gm))
+        return artifacts[-1]
+
+    return ascend_compile.compile(model, backend=backend, dispatch="direct"), artifacts
+
+
+def call(fn, *args, **kwargs):
+    """(the call's result, whether it went through dynamo)."""
+    with served.probe() as calls:
+        result = fn(*args, **kwargs)
+    return result, bool(calls)
+
+
+def armed(model, *args, **kwargs):
+    """`model` compiled and called twice with these arguments: through dynamo, then directly."""
+    fn, artifacts = compiled(model)
+    assert call(fn, *args, **kwargs)[1]
+    assert not call(fn, *args, **kwargs)[1], fn.dispatcher.routes
+    return fn, artifacts
+
+
+def fallback(fn, *args, **kwargs):
+    """The route of this call's layout asked directly: (kind, detail) of the fallback it raises."""
+    route = fn.dispatcher.routes[len(args), tuple(kwargs)]
+    with pytest.raises(Fallback) as caught:
+        route(args, kwargs)
+    return caught.value.kind, caught.value.detail
+
+
+def passes(fn, *args, **kwargs):
+    """Whether the route of this call's layout serves it directly."""
+    route = fn.dispatcher.routes[len(args), tuple(kwargs)]
+    return torch.is_tensor(route(args, kwargs))
+
+
+class Linear(nn.Module):
+    """A linear layer with a buffer and a constant argument by default."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("shift", torch.ones(4))
+
+    def forward(self, x, scale=2.0):
+        return self.lin(x) * scale + self.shift
+
+
+X = torch.randn(3, 4)
+
+
+@torch.no_grad()
+def test_later_calls_of_a_layout_go_straight_to_the_graph_with_the_same_result():
+    model = Linear()
+    fn, artifacts = compiled(model)
+    went = []
+    for rows in (3, 5, 2):
+        x = torch.randn(rows, 4)
+        result, through_dynamo = call(fn, x)
+        torch.testing.assert_close(result, model(x))
+        went.append(through_dynamo)
+    assert went == [True, False, False] and len(artifacts) == 1
+    inputs = artifacts[0].graph_inputs
+    assert inputs.sources == ("L['self']._modules['lin']._parameters['weight']",
+                              "L['self']._modules['lin']._parameters['bias']", "L['x'].size()[0]", "L['x']",
+                              "L['self']._buffers['shift']")
+    assert inputs.static_sizes == ((4, 4), (4,), None, (None, None), (4,))  # every size of the caller's symbolic
+    assert inputs.static_strides == ((4, 1), (1,), None, (None, 1), (1,))
+    assert (inputs.unread, inputs.stores, inputs.refusal, inputs.hoisted) == ((), (), None, ())
+    # the parameters and the buffer are gathered once (the same objects, the fixed positions); the rest per call
+    (args, fixed), (args2, fixed2) = artifacts[0].direct
+    assert fixed == fixed2 == frozenset({0, 1, 4})
+    assert args2[0] is model.lin.weight and args2[1] is model.lin.bias and args2[4] is model.shift
+    assert args2[2] == 2 and args2[3].shape == (2, 4)
+    # a keyword call is another layout: armed through dynamo once, then direct
+    assert [call(fn, x=X)[1], call(fn, x=X)[1]] == [True, False]
+    assert set(fn.dispatcher.routes) == {(1, ()), (0, ("x",))}
+
+
+class Returns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return out, ((out, None), y + 1)
+
+
+@torch.no_grad()
+def test_the_return_value_is_rebuilt_of_the_graphs_outputs():
+    fn, _ = armed(Returns(), X, X.clone())
+    result, through_dynamo = call(fn, X, X * 2)
+    out, ((again, none), other) = result
+    assert not through_dynamo and none is None and again is out
+    torch.testing.assert_close(other, X * 2 + 1)
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+class Flagging(Linear):
+    def forward(self, x, scale=2.0):
+        self.flag = True
+        return super().forward(x, scale)
+
+
+def _direct_messages(caplog):
+    return [(r.levelno, r.getMessage().removeprefix("ascend_compile: dispatch='direct': ")) for r in caplog.records
+            if r.name == "ascend_compile" and "dispatch='direct'" in r.getMessage()]
+
+
+@torch.no_grad()
+def test_a_step_changing_an_attribute_every_call_stays_on_dynamos_path_logged_once(caplog):
+    fn, artifacts = compiled(Counting())
+    with caplog.at_level(logging.DEBUG, logger="ascend_compile"):
+        went = [call(fn, X)[1] for _ in range(4)]
+    assert went == [True] * 4 and fn.dispatcher.routes[1, ()] == "the step changes L['self'].calls on every call"
+    assert _direct_messages(caplog) == [
+        (logging.DEBUG, "not armed yet: its constant stores are read before the next call through dynamo"),
+        (logging.INFO, "the step changes L['self'].calls on every call: calls of this layout go through dynamo")]
+
+
+@torch.no_grad()
+def test_a_constant_store_arms_once_the_attribute_holds_it_and_is_checked_at_each_call(caplog):
+    model = Flagging()
+    fn, _ = compiled(model)
+    with caplog.at_level(logging.DEBUG, logger="ascend_compile"):
+        went = [call(fn, X)[1] for _ in range(3)]
+    assert went == [True, True, False]  # the first call's store is read before the second: then armed
+    assert _direct_messages(caplog)[-1] == (logging.INFO, "calls of Flagging.forward go straight to their graph")
+    model.flag = False
+    assert fallback(fn, X) == ("L['self'].flag is no longer True, which the step stores", "")
+    del model.flag
+    assert fallback(fn, X) == ("L['self'].flag is no longer True, which the step stores", "")
+    model.flag = True
+    assert passes(fn, X)
+
+
+class Varying(nn.Module):
+    def forward(self, x, *rest):
+        return x + 1
+
+
+@torch.no_grad()
+def test_a_frame_whose_locals_depend_on_the_call_stays_on_dynamos_path(caplog):
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        fn, _ = compiled(Varying())
+        went = [call(fn, X)[1] for _ in range(3)]
+    assert went == [True] * 3 and fn.dispatcher.routes == {}
+    assert _direct_messages(caplog) == [
+        (logging.INFO, "Varying.forward takes *rest: its locals depend on the call: calls go through dynamo")]
+
+
+@torch.no_grad()
+def test_grad_mode_keeps_calls_on_dynamo_and_the_route_for_later(caplog):
+    fn, _ = armed(Linear(), X)
+    with caplog.at_level(logging.DEBUG, logger="ascend_compile"), torch.enable_grad():
+        assert call(fn, X)[1] and call(fn, X)[1]
+    route = fn.dispatcher.routes[1, ()]
+    assert not call(fn, X)[1] and fn.dispatcher.routes[1, ()] is route
+    with torch.enable_grad():
+        kind, detail = fallback(fn, X)
+    assert kind == "torch's global state differs from the traced call's" and "grad" in detail.lower()
+    failed = f"torch's global state differs from the traced call's: this call goes through dynamo's guards ({detail})"
+    meanwhile = "grad mode is on (direct calls serve inference: no autograd): calls go through dynamo meanwhile"
+    assert _direct_messages(caplog) == [(logging.INFO, failed), (logging.INFO, meanwhile), (logging.DEBUG, failed),
+                                        (logging.DEBUG, meanwhile)]  # INFO the first time each, then DEBUG
+    fresh, _ = compiled(Linear())
+    with caplog.at_level(logging.INFO, logger="ascend_compile"), torch.enable_grad():
+        assert call(fresh, X)[1]
+    assert fresh.dispatcher.routes == {}  # nothing armed from a call made in grad mode
+    assert _direct_messages(caplog)[-1] == (logging.INFO, meanwhile)
+
+
+@torch.no_grad()
+def test_recheck_sends_the_next_call_through_dynamo():
+    fn, _ = armed(Linear(), X)
+    fn.recheck()
+    assert fn.dispatcher.routes == {}
+    assert [call(fn, X)[1], call(fn, X)[1]] == [True, False]
+
+
+@torch.no_grad()
+def test_routes_failing_at_their_first_call_four_times_keep_the_layout_on_dynamo(caplog):
+    model = Linear()
+    fn, _ = armed(model, X)
+    went = []
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        for _ in range(6):
+            model.lin.weight = nn.Parameter(torch.randn(4, 4))  # an assignment: every route fails at its first call
+            went.append(call(fn, X)[1])
+    assert went == [True] * 6
+    kind = "parameters, buffers or submodules of a module were assigned"
+    assert fn.dispatcher.routes[1, ()] == f"4 routes in a row failed at their first call ({kind})"
+    assert _direct_messages(caplog)[-1] == (
+        logging.INFO, f"4 routes in a row failed at their first call ({kind}): calls of this layout go through dynamo")
+    # a route that served a call and then fails starts the count again
+    fn, _ = armed(model, X)
+    for _ in range(3):
+        model.lin.weight = nn.Parameter(torch.randn(4, 4))
+        assert call(fn, X)[1]
+    assert not call(fn, X)[1]  # the third route served
+    for _ in range(3):
+        model.lin.weight = nn.Parameter(torch.randn(4, 4))
+        assert call(fn, X)[1]
+    assert type(fn.dispatcher.routes[1, ()]) is not str
+
+
+class Unrouted(Linear):
+    """A step whose return value is not one of its graph's outputs."""
+
+    def forward(self, x, scale=2.0):
+        return super().forward(x, scale), 3
+
+
+@torch.no_grad()
+def test_a_refused_layout_stays_on_dynamo_and_a_state_changing_call_arms_later(caplog, monkeypatch):
+    fn, _ = compiled(Unrouted())
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        assert [call(fn, X)[1], call(fn, X)[1]] == [True, True]
+    assert fn.dispatcher.routes[1, ()] == "the step returns a int that is not one of its graph's outputs"
+    fn, _ = compiled(Linear())
+    real = fn.compiled
+
+    def switching(*args, **kwargs):  # the call through dynamo leaves torch in another global state
+        torch.use_deterministic_algorithms(True)
+        return real(*args, **kwargs)
+
+    fn.compiled = switching
+    try:
+        for attempt in range(1, 5):
+            assert call(fn, X)[1]
+            torch.use_deterministic_algorithms(False)
+            assert (1, ()) not in fn.dispatcher.routes or attempt == 4
+            assert fn.dispatcher._unused[1, ()] == attempt
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert fn.dispatcher.routes[1, ()].startswith("the call changed torch's global state (")
+    fn.compiled = real
+    fn.recheck()
+    assert [call(fn, X)[1], call(fn, X)[1]] == [True, False]
+
+
+@torch.no_grad()
+def test_the_fallbacks_of_a_direct_call_say_why():
+    model = Linear()
+    fn, artifacts = armed(model, X)
+    assert fallback(fn, "not a tensor")[0] in ("the graph's inputs could not be gathered",
+                                              "a tensor argument's type, dtype, device, requires_grad, static size "
+                                              "or stride differs")
+    kind, detail = fallback(fn, [1, 2])
+    assert kind == "the graph's inputs could not be gathered" and detail == "AttributeError: 'list' object has no attribute 'size'"
+    artifacts[0].moved = ["L['x']", "L['self']._buffers['shift']"]
+    assert fallback(fn, X) == ("in-place inputs moved since their graph was captured",
+                               "L['x'], L['self']._buffers['shift']")
+    artifacts[0].moved = None
+    assert fn.dispatcher.routes[1, ()].used
+
+
+class Mode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_each_ambient_check_fails_on_the_state_it_stands_for(monkeypatch):
+    """What dynamo's global guards see, each changed alone after arming: the route names the first check
+    that fails, and serves the call again once the state is back."""
+    model, other = Linear(), nn.Linear(1, 1)
+    fn, _ = armed(model, X)
+    torch.set_default_dtype(torch.float64)
+    try:
+        kind, detail = fallback(fn, X)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert kind == "torch's global state differs from the traced call's" and "default_dtype" in detail
+    with Mode():
+        assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
+    monkeypatch.setattr(torch.utils._device, "CURRENT_DEVICE", torch.device("meta"))
+    assert fallback(fn, X) == ("the default device differs from the traced call's", "")
+    monkeypatch.undo()
+    with torch.compiler.set_stance("eager_on_recompile"):
+        assert fallback(fn, X) == ("the torch.compiler stance is no longer 'default'", "")
+    with forward_ad.dual_level():
+        assert fallback(fn, X) == ("a functorch transform or forward-AD level is active", "")
+    other.register_forward_hook(lambda *_: None)  # on any module: the count of registrations moves
+    assert fallback(fn, X) == ("a hook was registered on a module (or a tensor)", "")
+    fn, _ = armed(model, X)
+    model.eval()
+    assert fallback(fn, X) == ("module 'self' was switched to eval mode", "")
+    fn, _ = armed(model, X)
+    model.train()
+    assert fallback(fn, X) == ("module 'self' was switched to training mode", "")
+    fn, _ = armed(model, X)
+
+    class Other(nn.Linear):
+        pass
+
+    model.lin.__class__ = Other  # runs no hook: the assignment count does not move
+    assert fallback(fn, X) == ("a module's class was changed (module.__class__ = ...)", "")
+    model.lin.__class__ = nn.Linear
+    assert passes(fn, X)
+
+
+@torch.no_grad()
+def test_the_function_modes_of_the_traced_call_are_checked_by_identity():
+    mode = Mode()
+    with mode:
+        fn, _ = armed(Linear(), X)
+        assert passes(fn, X)
+    with Mode():
+        assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
+    assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
+    with mode, Mode():
+        assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
+
+
+@torch.no_grad()
+def test_hooks_traced_in_are_checked_and_call_hooks_refuse(caplog):
+    model = Linear()
+    handle = model.lin.register_forward_hook(lambda module, args, out: out * 2)
+    fn, _ = armed(model, X)
+    torch.testing.assert_close(call(fn, X)[0], model(X))
+    handle.remove()
+    assert fallback(fn, X) == ("a hook traced into the graph was removed", "")
+    model.register_forward_pre_hook(lambda *_: None)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        fn, _ = compiled(model)
+        assert call(fn, X)[1] and call(fn, X)[1]
+    assert fn.dispatcher.routes[1, ()] == "Linear has call hooks, which run around its forward"
+
+
+class WithSub(nn.Module):
+    """A submodule passed as an argument (its parameters gathered once), and arguments the graph does not
+    read: a constant, an object, a tensor, a list and a dict read through."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, sub, flag=True, opts=None, extra=None, xs=(), named=None):
+        out = sub(self.lin(x)) + xs[0]
+        return out + named["b"] if flag is True else out
+
+
+class Opts:
+    pass
+
+
+@torch.no_grad()
+def test_arguments_are_checked_as_dynamo_guards_them():
+    model, sub, opts, another = WithSub(), nn.Linear(4, 4), Opts(), nn.Linear(4, 4)
+    xs, named, extra = [torch.ones(4)], {"b": torch.ones(4)}, torch.zeros(2)
+    args = dict(sub=sub, flag=True, opts=opts, extra=extra, xs=xs, named=named)
+    fn, artifacts = armed(model, X, **args)
+    assert artifacts[0].direct[-1][1] == frozenset({0, 1, 4, 5})  # the submodule argument's too
+
+    def fails(**changed):
+        return fallback(fn, X, **{**args, **changed})
+
+    assert fails(sub=another) == ("argument 'sub' is another module than in the traced call", "")
+    assert fails(flag=1) == ("argument 'flag' differs from the traced call's", "")  # equal, of another type
+    assert fails(flag=False) == ("argument 'flag' differs from the traced call's", "")
+    assert fails(opts=Opts()) == ("argument 'opts' is another object than in the traced call", "")
+    assert fails(extra=nn.Parameter(extra, requires_grad=False)) == ("argument 'extra' is another type of tensor", "")
+    assert fails(xs=(xs[0],)) == ("argument 'xs' is of another type or length than in the traced call", "")
+    assert fails(xs=[xs[0], xs[0]]) == ("argument 'xs' is of another type or length than in the traced call", "")
+    assert fails(named={"b": named["b"], "c": 1}) == (
+        "argument 'named' is of another type or length than in the traced call", "")
+    assert fails(named={"c": named["b"]})[0] in ("argument 'named' is of another type or length than in the traced call",
+                                                 "the graph's inputs could not be gathered")
+    assert passes(fn, X, **{**args, "xs": [torch.zeros(4)], "named": {"b": torch.zeros(4)}, "extra": torch.ones(3)})
+    sub.train(False)
+    assert fails() == ("module 'sub' was switched to eval mode", "")
+    sub.train(True)
+    assert passes(fn, X, **args)
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.lin(x) + y
+
+
+@torch.no_grad()
+def test_tensors_passed_as_one_object_or_distinct_ones_stay_so():
+    y = torch.randn(3, 4)
+    fn, _ = armed(Pair(), X, y)
+    assert fallback(fn, X, X) == ("tensor arguments that were distinct objects are one, or a parameter or buffer", "")
+    model = Pair()
+    fn, _ = armed(model, X, X)
+    assert fallback(fn, X, X.clone()) == ("tensor arguments that were one object are not", "")
+    assert passes(fn, y, y)
+    fn, _ = compiled(model)
+    assert call(fn, X, model.lin.bias)[1] and call(fn, X, model.lin.bias)[1]
+    assert fn.dispatcher.routes[2, ()] == "the call passes a parameter or buffer of the model as an argument"
+
+
+@torch.no_grad()
+def test_a_tensors_metadata_and_the_shape_guards_are_checked():
+    fn, _ = armed(Pair(), X, X.clone())
+    kind, detail = fallback(fn, X.double(), X.clone())
+    assert kind == "a tensor argument's type, dtype, device, requires_grad, static size or stride differs"
+    assert detail == "tensor 'L['x']' dtype mismatch. expected Float, actual Double"
+    kind, _ = fallback(fn, torch.randn(3, 4), torch.randn(5, 4))
+    assert kind.startswith("dynamo's shape guard ") and kind.endswith(" fails") and "L['y'].size()[0]" in kind
+    assert passes(fn, torch.randn(7, 4), torch.randn(7, 4))
+
