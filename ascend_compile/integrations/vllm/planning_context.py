@@ -31,10 +31,14 @@ class _WithCache:
 
 
 def _spec(layer: Any, vllm_config: Any) -> Any:
+    """The layer's KV-cache spec (vLLM groups layers by it), or `id(layer)`: a layer whose spec cannot
+    be had, or cannot key a group (not hashable), is a group of its own."""
     try:
-        return layer.get_kv_cache_spec(vllm_config)
+        spec = layer.get_kv_cache_spec(vllm_config)
+        hash(spec)
     except Exception:  # noqa: BLE001 - a layer without a (hashable) spec: a group of its own
         return id(layer)
+    return spec
 
 
 def planning_context(names: Sequence[str], vllm_config: Any, device: torch.device, fake_mode: Any,

@@ -1,0 +1,702 @@
+"""The vLLM integration's memory bookkeeping and planning inputs, module by module, without vLLM and
+without compiling: our graphs' memory taken out of vLLM's KV-cache budget (`kv_budget.py`), the
+figures and log lines of `memory.py` around the estimate (the graphs tracked, the override, the
+report after each capture), the planning context the estimate rewrites against
+(`planning_context.py`), and a metadata group's provided inputs and vLLM-Ascend's host lengths
+(`metadata.py`). vLLM's workers, configs and layers are plain objects with the fields read. Each test
+runs in milliseconds (the mutation selection of these modules, `tools/mutation/modules.toml`)."""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from ascend_compile.integrations.vllm import kv_budget, memory, metadata, planning_context
+
+NS = types.SimpleNamespace
+MIB = 1 << 20
+
+
+@pytest.fixture
+def logs(caplog):
+    caplog.set_level(logging.DEBUG, logger="ascend_compile")
+    return caplog
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """This process's graphs tracked, handed-over count and reservation flag, fresh; no override set."""
+    monkeypatch.setattr(memory, "_TRACKED", memory.weakref.WeakKeyDictionary())
+    monkeypatch.setattr(memory, "_HANDED_OVER", [0])
+    monkeypatch.setattr(memory, "_RESERVED", [False])
+    monkeypatch.delenv(memory.ENV, raising=False)
+
+
+class _Graph:
+    """A handed-over graph (`DeferredCompile`) as the budget sees it."""
+
+    def __init__(self, figure=None, compiled=None):
+        self.figure, self.compiled, self.reserved = figure, compiled, None
+
+
+# ------------------------------------------------------------------------------ memory.py: bookkeeping
+
+
+def test_graphs_are_tracked_in_the_order_handed_over_until_compiled(fresh):
+    assert memory.handed_over() == 0 and memory.tracked() == []
+    a, b = _Graph(), _Graph()
+    memory.track(a)
+    since = memory.handed_over()
+    memory.track(b)
+    c = _Graph()
+    memory.track(c)
+    assert since == 1 and memory.handed_over() == 3
+    assert memory.tracked() == [a, b, c]
+    assert memory.tracked(since) == [b, c] and memory.tracked(3) == []
+    b.compiled = object()
+    assert memory.tracked() == [a, c] and memory.tracked(1) == [c]
+
+
+def test_a_graph_no_longer_referenced_is_not_tracked(fresh):
+    memory.track(_Graph())
+    kept = _Graph()
+    memory.track(kept)
+    assert memory.tracked() == [kept] and memory.handed_over() == 2
+
+
+def test_the_estimate_totals_its_parts_and_describes_them_in_mib():
+    figure = memory.GraphMemoryEstimate(3 * MIB, MIB // 2, 5 * MIB, 4)
+    assert figure.total == 3 * MIB + MIB // 2 + 5 * MIB
+    assert figure.describe() == ("8.5 MiB (workspaces 3.0, static buffers 0.5, graph pool 5.0 MiB, over 4 graphs)")
+
+
+def _report(pool=True, piecewise=True):
+    report = {"workspace_bytes": {"pa": 3 * MIB, "fia": MIB},
+              "graphs": {"b4.decode": {"static_inputs_bytes": 100}, "b8.decode": {"static_inputs_bytes": 20}}}
+    if piecewise:
+        report["piecewise"] = {"p32": {"static_inputs_bytes": 3}, "p64": {"static_inputs_bytes": 5000}}
+    if pool:
+        report["pool"] = {"graph": {"reserved_bytes": 2 * MIB}}
+    return report
+
+
+def test_the_reported_graph_memory_is_workspaces_every_graphs_and_sizes_buffers_and_the_graph_pool():
+    assert memory.graph_memory(_report()) == {"workspaces": 4 * MIB, "buffers": 5123, "pool": 2 * MIB}
+    assert memory.graph_memory(_report(pool=False, piecewise=False)) == {"workspaces": 4 * MIB, "buffers": 120,
+                                                                         "pool": 0}
+    assert memory.graph_memory({**_report(pool=False), "pool": {}})["pool"] == 0
+    assert memory.graph_memory({**_report(pool=False), "pool": {"graph": {}}})["pool"] == 0
+
+
+class _Artifact:
+    def __init__(self, report, captures=2, pieces=1):
+        self._report, self.stats = report, {"captures": captures, "piecewise_captures": pieces}
+
+    def memory_report(self):
+        return self._report
+
+
+DETAIL = "(workspaces 4.0, static buffers 0.0, graph pool 2.0 MiB)"
+
+
+def _report_of(total_extra=0):
+    report = _report(piecewise=False)
+    report["graphs"] = {"b4.decode": {"static_inputs_bytes": total_extra}}
+    return report
+
+
+def test_after_a_capture_with_nothing_reserved_the_figure_to_reserve_is_logged(fresh, logs):
+    total = 6 * MIB
+    assert memory.log_graph_memory(_Artifact(_report_of())) == total
+    (record,) = logs.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        f"ascend_compile: vLLM graphs take 6.0 MiB outside vLLM's KV-cache budget after 3 captures {DETAIL}: "
+        f"reserve it by lowering gpu_memory_utilization or kv_cache_memory_bytes")
+
+
+def test_a_graph_handed_over_after_the_kv_cache_was_sized_warns_that_none_of_it_is_reserved(fresh, logs):
+    memory.reserved_once()
+    assert memory._RESERVED == [True]
+    assert memory.log_graph_memory(_Artifact(_report_of(), captures=4, pieces=0)) == 6 * MIB
+    (record,) = logs.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        f"ascend_compile: a vLLM graph handed over after the KV cache was sized (dynamo compiled the model again) "
+        f"takes 6.0 MiB after 4 captures {DETAIL} outside vLLM's KV-cache budget, none of it reserved: set "
+        f"ASCEND_COMPILE_GRAPH_MEMORY to the total of every graph's figure logged")
+
+
+def test_more_than_reserved_warns_with_the_bytes_to_set(fresh, logs):
+    total = 6 * MIB + 1
+    assert memory.log_graph_memory(_Artifact(_report_of(1)), reserved=6 * MIB) == total
+    (record,) = logs.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        f"ascend_compile: vLLM graphs take 6.0 MiB after 3 captures {DETAIL}, more than the 6.0 MiB reserved "
+        f"before the KV cache was sized: set ASCEND_COMPILE_GRAPH_MEMORY to at least {total}")
+
+
+@pytest.mark.parametrize("reserved", [6 * MIB, 9 * MIB, 0 + 6 * MIB])
+def test_within_what_was_reserved_is_logged_beside_it(fresh, logs, reserved):
+    memory.reserved_once()  # a graph with its share: reserved before the KV cache was sized
+    assert memory.log_graph_memory(_Artifact(_report_of()), reserved=reserved) == 6 * MIB
+    (record,) = logs.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        f"ascend_compile: vLLM graphs take 6.0 MiB after 3 captures {DETAIL}, of the {reserved / MIB:.1f} MiB "
+        f"reserved before the KV cache was sized")
+
+
+def test_a_reserved_figure_of_zero_bytes_is_a_reservation(fresh, logs):
+    memory.log_graph_memory(_Artifact(_report_of()), reserved=0)
+    assert logs.records[0].levelno == logging.WARNING and "more than the 0.0 MiB reserved" in logs.text
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), ("auto", None), (" auto ", None), ("0", 0),
+                                             ("1048576", MIB), (" 7 ", 7)])
+def test_the_override_is_bytes_or_auto(fresh, monkeypatch, value, expected):
+    assert memory.ENV == "ASCEND_COMPILE_GRAPH_MEMORY"
+    if value is not None:
+        monkeypatch.setenv(memory.ENV, value)
+    assert memory.override() == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "lots", "", "AUTO"])
+def test_an_override_not_bytes_is_refused_naming_it(fresh, monkeypatch, value):
+    monkeypatch.setenv(memory.ENV, value)
+    with pytest.raises(ValueError) as err:
+        memory.override()
+    assert str(err.value) == f"ASCEND_COMPILE_GRAPH_MEMORY: expected 'auto' or a number of bytes >= 0, got {value!r}"
+
+
+def test_the_planning_target_sizes_workspaces_by_its_estimate_and_is_the_target_otherwise():
+    asked = []
+    target = NS(workspace_estimate=lambda config, dtype: asked.append((config, dtype)) or "estimate",
+                workspace_need=lambda config, dtype: "need", runtime="runtime")
+    planning = memory._Planning(target)
+    assert planning.workspace_need("config", torch.float16) == "estimate"
+    assert asked == [("config", torch.float16)]
+    assert planning.runtime == "runtime"
+    with pytest.raises(AttributeError):
+        planning.no_such_attribute
+
+
+def test_the_estimates_rewrite_logs_nothing_below_warning_and_the_level_comes_back(logs):
+    log = logging.getLogger("ascend_compile")
+    for level in (logging.NOTSET, logging.INFO, logging.ERROR):
+        log.setLevel(level)
+        with memory._quiet():
+            assert log.level == max(level, logging.WARNING)
+        assert log.level == level
+    log.setLevel(logging.DEBUG)
+    with pytest.raises(KeyError), memory._quiet():
+        raise KeyError("x")
+    assert log.level == logging.DEBUG
+
+
+# -------------------------------------------------------------------------------------------- kv_budget.py
+
+
+class _Worker:
+    """vLLM's worker: `determine_available_memory` answers after the profiling run handed graphs over."""
+
+    GIB = 1 << 30
+
+    def __init__(self, during=(), user_set=None, plan=None, fields=True):
+        self.during, self.plan, self.fields = list(during), plan, fields
+        self.cache_config, self.vllm_config = NS(kv_cache_memory_bytes=user_set), object()
+        self.handed = []
+
+    def determine_available_memory(self):
+        """vLLM's answer."""
+        self.handed = [_Graph(figure) for figure in self.during]
+        for graph in self.handed:
+            memory.track(graph)
+        if self.plan is not None:  # vLLM 0.33 applying its startup plan
+            self.cache_config.kv_cache_memory_bytes = self.plan
+        if self.fields:
+            self.available_kv_cache_memory_bytes, self.peak_activation_memory = 10 * self.GIB, self.GIB
+        return 10 * self.GIB
+
+
+def _estimate(graph, vllm_config):
+    if isinstance(graph.figure, Exception):
+        raise graph.figure
+    if graph.figure is None:
+        return None
+    return memory.GraphMemoryEstimate(graph.figure - 300, 200, 100, 2)
+
+
+@pytest.fixture
+def worker_cls(fresh, monkeypatch):
+    monkeypatch.setattr(memory, "estimate", _estimate)
+    cls = type("Worker", (_Worker,), {})
+    kv_budget.wrap(cls)
+    return cls
+
+
+def test_the_wrapped_answer_is_vllms_less_our_graphs_with_its_bookkeeping_moved_alike(worker_cls, logs):
+    before = _Graph(MIB)
+    memory.track(before)  # handed over before this profiling run: not in its figure
+    worker = worker_cls(during=[3 * MIB, MIB])
+    left = 10 * _Worker.GIB - 4 * MIB
+    assert worker.determine_available_memory() == left
+    assert worker.available_kv_cache_memory_bytes == left
+    assert worker.peak_activation_memory == _Worker.GIB + 4 * MIB
+    assert [g.reserved for g in worker.handed] == [3 * MIB, MIB] and before.reserved is None
+    assert memory._RESERVED == [True]
+    assert logs.messages == [
+        f"ascend_compile: 4.0 MiB taken out of vLLM's KV-cache budget for our graphs (estimated: "
+        f"{_estimate(worker.handed[0], None).describe()}; {_estimate(worker.handed[1], None).describe()}): "
+        f"{left / MIB:.1f} MiB left for the KV cache"]
+
+
+def test_the_wrapper_keeps_the_name_and_wraps_once(worker_cls):
+    wrapped = worker_cls.determine_available_memory
+    assert wrapped.__name__ == "determine_available_memory" and wrapped.__doc__ == "vLLM's answer."
+    assert getattr(wrapped, kv_budget._WRAPPED) is True and not hasattr(_Worker.determine_available_memory,
+                                                                         kv_budget._WRAPPED)
+    kv_budget.wrap(worker_cls)
+    assert worker_cls.determine_available_memory is wrapped
+    worker = worker_cls(during=[MIB])
+    assert worker.determine_available_memory() == 10 * _Worker.GIB - MIB  # taken out once
+
+
+def test_no_graph_handed_over_leaves_vllms_answer(worker_cls, logs):
+    worker = worker_cls()
+    assert worker.determine_available_memory() == 10 * _Worker.GIB
+    assert worker.peak_activation_memory == _Worker.GIB and memory._RESERVED == [False] and logs.messages == []
+
+
+def test_a_worker_without_vllms_bookkeeping_fields_still_gets_the_reduced_answer(worker_cls):
+    worker = worker_cls(during=[MIB], fields=False)
+    assert worker.determine_available_memory() == 10 * _Worker.GIB - MIB
+    assert not hasattr(worker, "available_kv_cache_memory_bytes") and not hasattr(worker, "peak_activation_memory")
+
+
+def test_the_override_replaces_the_estimate_as_each_graphs_share_and_the_total(worker_cls, monkeypatch, logs):
+    monkeypatch.setenv(memory.ENV, str(2 * MIB))
+    worker = worker_cls(during=[ValueError("never estimated"), None])
+    assert worker.determine_available_memory() == 10 * _Worker.GIB - 2 * MIB
+    assert [g.reserved for g in worker.handed] == [2 * MIB, 2 * MIB]
+    assert logs.messages == [
+        f"ascend_compile: 2.0 MiB taken out of vLLM's KV-cache budget for our graphs "
+        f"(ASCEND_COMPILE_GRAPH_MEMORY={2 * MIB}): {(10 * _Worker.GIB - 2 * MIB) / MIB:.1f} MiB left for the KV cache"]
+
+
+def test_an_override_of_zero_takes_nothing_out(worker_cls, monkeypatch):
+    monkeypatch.setenv(memory.ENV, "0")
+    worker = worker_cls(during=[MIB])
+    assert worker.determine_available_memory() == 10 * _Worker.GIB
+    assert worker.peak_activation_memory == _Worker.GIB and worker.handed[0].reserved == 0
+
+
+def test_a_refusal_fails_start_up_as_the_compile_would(worker_cls):
+    worker = worker_cls(during=[MIB, ValueError("layer refused")])
+    with pytest.raises(ValueError, match="^layer refused$"):
+        worker.determine_available_memory()
+
+
+def test_an_estimate_that_fails_reserves_nothing_and_says_how_to_reserve(worker_cls, logs):
+    worker = worker_cls(during=[MIB, KeyError("x")])
+    assert worker.determine_available_memory() == 10 * _Worker.GIB
+    assert worker.peak_activation_memory == _Worker.GIB and memory._RESERVED == [False]
+    assert [r.levelno for r in logs.records] == [logging.WARNING, logging.WARNING]
+    assert logs.messages == [
+        "ascend_compile: no graph memory estimate (KeyError: 'x')",
+        "ascend_compile: graph memory not reserved in vLLM's KV-cache budget (no estimate, see above): set "
+        "ASCEND_COMPILE_GRAPH_MEMORY to the bytes to reserve, or lower gpu_memory_utilization"]
+    assert [g.reserved for g in worker.handed] == [None, None]
+
+
+def test_a_graph_without_an_estimate_reserves_nothing(worker_cls, logs):
+    worker = worker_cls(during=[None, MIB])
+    assert worker.determine_available_memory() == 10 * _Worker.GIB
+    assert memory._RESERVED == [False] and [g.reserved for g in worker.handed] == [None, None]
+    assert len(logs.records) == 1 and "(no estimate, see above)" in logs.messages[0]
+
+
+def test_a_kv_cache_size_the_user_set_is_left_with_a_warning_of_what_our_graphs_take(worker_cls, logs):
+    worker = worker_cls(during=[3 * MIB], user_set=5 * _Worker.GIB)
+    assert worker.determine_available_memory() == 10 * _Worker.GIB
+    assert worker.available_kv_cache_memory_bytes == 10 * _Worker.GIB and worker.peak_activation_memory == _Worker.GIB
+    assert worker.handed[0].reserved == 3 * MIB and memory._RESERVED == [True]
+    (record,) = logs.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        f"ascend_compile: kv_cache_memory_bytes={5 * _Worker.GIB} is set: vLLM's KV cache is not reduced for our "
+        f"graphs, which will take 3.0 MiB more (estimated: {_estimate(worker.handed[0], None).describe()})")
+
+
+def test_vllms_startup_plan_already_left_our_graphs_out(worker_cls, logs):
+    worker = worker_cls(during=[3 * MIB], plan=7 * _Worker.GIB)  # set by vLLM inside the call, not by the user
+    assert worker.determine_available_memory() == 10 * _Worker.GIB
+    assert worker.peak_activation_memory == _Worker.GIB and worker.handed[0].reserved == 3 * MIB
+    (record,) = logs.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        f"ascend_compile: vLLM applied its startup plan (kv_cache_memory_bytes={7 * _Worker.GIB}), saved with our "
+        f"graphs' 3.0 MiB already left out")
+
+
+@pytest.mark.parametrize("figure", [10 * _Worker.GIB, 10 * _Worker.GIB + 1])
+def test_nothing_left_for_the_kv_cache_is_refused_naming_the_figures(worker_cls, monkeypatch, figure):
+    monkeypatch.setenv(memory.ENV, str(figure))
+    worker = worker_cls(during=[MIB])
+    with pytest.raises(ValueError) as err:
+        worker.determine_available_memory()
+    assert str(err.value) == (
+        f"ascend_compile: our graphs need {figure} bytes (ASCEND_COMPILE_GRAPH_MEMORY={figure}) outside vLLM's "
+        f"KV-cache budget, but vLLM has only {10 * _Worker.GIB} bytes for the KV cache: raise "
+        f"gpu_memory_utilization, lower max_model_len or the capture sizes, or set ASCEND_COMPILE_GRAPH_MEMORY")
+    assert worker.peak_activation_memory == _Worker.GIB
+
+
+def test_one_byte_left_is_kept(worker_cls, monkeypatch):
+    monkeypatch.setenv(memory.ENV, str(10 * _Worker.GIB - 1))
+    assert worker_cls(during=[MIB]).determine_available_memory() == 1
+
+
+def test_reserve_reads_the_figure_it_is_given_not_the_workers_bookkeeping(fresh, monkeypatch):
+    monkeypatch.setattr(memory, "estimate", _estimate)
+    worker = NS(cache_config=NS(kv_cache_memory_bytes=None), vllm_config=None, available_kv_cache_memory_bytes=50,
+                peak_activation_memory=5)
+    assert kv_budget.reserve(worker, 1000, None, [_Graph(400)]) == 600
+    assert (worker.available_kv_cache_memory_bytes, worker.peak_activation_memory) == (-350, 405)
+
+
+def test_the_estimate_is_asked_with_the_workers_vllm_config(fresh, monkeypatch):
+    asked = []
+    monkeypatch.setattr(memory, "estimate", lambda graph, config: asked.append(config) or
+                        memory.GraphMemoryEstimate(1, 1, 1, 1))
+    worker = NS(cache_config=NS(kv_cache_memory_bytes=None), vllm_config="config")
+    assert kv_budget.reserve(worker, 100, None, [_Graph(), _Graph()]) == 94
+    assert asked == ["config", "config"]
+
+
+class _Resolved:
+    pass
+
+
+def test_the_worker_class_is_vllms_parallel_config_worker_cls_a_class_or_its_qualified_name(monkeypatch, logs):
+    module = types.ModuleType("hd_workers")
+    module.NPUWorker = _Resolved
+    monkeypatch.setitem(sys.modules, "hd_workers", module)
+    assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls=_Resolved))) is _Resolved
+    assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls="hd_workers.NPUWorker"))) is _Resolved
+    for unresolved in (None, "auto", 3):  # vLLM resolves "auto" later
+        assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls=unresolved))) is None
+    assert kv_budget.worker_class(NS()) is None
+    assert logs.messages == []
+
+
+@pytest.mark.parametrize("name, error", [("hd_no_such_module.Worker", "ModuleNotFoundError: No module named "
+                                                                       "'hd_no_such_module'"),
+                                         ("hd_workers.Missing", "AttributeError: ")])
+def test_a_worker_class_that_does_not_import_is_warned_of(monkeypatch, logs, name, error):
+    monkeypatch.setitem(sys.modules, "hd_workers", types.ModuleType("hd_workers"))
+    assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls=name))) is None
+    (record,) = logs.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        f"ascend_compile: graph memory not reserved in vLLM's KV-cache budget: worker class {name} does not "
+        f"import ({error}")
+
+
+def test_install_wraps_the_worker_class_vllm_runs(fresh, monkeypatch, logs):
+    cls = type("Worker", (_Worker,), {})
+    kv_budget.install(NS(parallel_config=NS(worker_cls=cls)))
+    assert getattr(cls.determine_available_memory, kv_budget._WRAPPED)
+    assert logs.messages == []
+
+
+def test_install_without_a_resolved_worker_class_says_so(logs):
+    kv_budget.install(NS(parallel_config=NS(worker_cls="auto")))
+    kv_budget.install(NS())
+    assert logs.messages == [
+        "ascend_compile: graph memory not reserved in vLLM's KV-cache budget: parallel_config.worker_cls is not "
+        "resolved ('auto')",
+        "ascend_compile: graph memory not reserved in vLLM's KV-cache budget: parallel_config.worker_cls is not "
+        "resolved (None)"]
+    assert all(r.levelno == logging.INFO for r in logs.records)
+
+
+# -------------------------------------------------------------------------------------- planning_context.py
+
+
+class _Backend:
+    def __init__(self, writes_cache):
+        if writes_cache is not None:
+            self.forward_includes_kv_cache_update = writes_cache
+
+
+class _Layer:
+    def __init__(self, spec="spec", heads=2, head_size=8, writes_cache=False, mla=None):
+        self.spec, self.num_kv_heads, self.head_size = spec, heads, head_size
+        self.attn_backend, self.kv_cache, self.scale = _Backend(writes_cache), "the layer's own", 0.5
+        if mla is not None:
+            self.kv_lora_rank, self.qk_rope_head_dim = mla
+
+    def get_kv_cache_spec(self, vllm_config):
+        if isinstance(self.spec, Exception):
+            raise self.spec
+        return self.spec
+
+
+def _vllm_config(layers, block_size=16, dtype=torch.float16):
+    return NS(cache_config=NS(block_size=str(block_size)), model_config=NS(dtype=dtype),
+              compilation_config=NS(static_forward_context=layers))
+
+
+def _context(layers, names=None, max_blocks=5, **kwargs):
+    mode = FakeTensorMode()
+    return planning_context.planning_context(list(names or layers), _vllm_config(layers, **kwargs),
+                                             torch.device("cpu"), mode, max_blocks), mode
+
+
+def _shape(t):
+    return tuple(t.shape), t.dtype
+
+
+def test_each_layer_is_seen_with_a_fake_one_block_cache_of_its_layout_and_is_otherwise_itself():
+    layers = {"a": _Layer(heads=2, head_size=8), "m": _Layer(spec="mla", mla=(12, 4))}
+    context, mode = _context(layers, block_size=32)
+    a, m = context.no_compile_layers["a"], context.no_compile_layers["m"]
+    assert isinstance(a.kv_cache, FakeTensor) and a.kv_cache.fake_mode is mode
+    assert _shape(a.kv_cache) == ((1, 2, 32, 2, 8), torch.float16)
+    assert _shape(m.kv_cache) == ((1, 32, 16), torch.float16)
+    assert a.scale == 0.5 and a.head_size == 8 and layers["a"].kv_cache == "the layer's own"
+    assert set(context.no_compile_layers) == {"a", "m"}
+
+
+def test_only_the_named_layers_are_in_the_context():
+    layers = {"a": _Layer(), "b": _Layer()}
+    context, _ = _context(layers, names=["b"])
+    assert list(context.no_compile_layers) == list(context.attn_metadata) == list(context.slot_mapping) == ["b"]
+
+
+class _Spec:
+    """vLLM's `KVCacheSpec`: a frozen dataclass (hashable, equal by value), with the cache's dtype."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __hash__(self):
+        return hash(self.dtype)
+
+    def __eq__(self, other):
+        return isinstance(other, _Spec) and other.dtype == self.dtype
+
+
+def test_the_caches_dtype_is_the_specs_else_the_models():
+    layers = {"a": _Layer(spec=_Spec(torch.bfloat16)), "b": _Layer(spec=_Spec(None)), "c": _Layer(spec="s")}
+    context, _ = _context(layers, dtype=torch.float32)
+    assert [context.no_compile_layers[n].kv_cache.dtype for n in "abc"] == [torch.bfloat16, torch.float32,
+                                                                            torch.float32]
+
+
+def test_layers_of_one_spec_share_a_metadata_object_and_slot_mapping_as_vllm_groups_them():
+    layers = {"a": _Layer(spec="full"), "b": _Layer(spec="sliding"), "c": _Layer(spec="full"),
+              "d": _Layer(spec=TypeError("unhashable")), "e": _Layer(spec=TypeError("unhashable"))}
+    context, _ = _context(layers)
+    meta, slots = context.attn_metadata, context.slot_mapping
+    assert meta["a"] is meta["c"] and slots["a"] is slots["c"]
+    assert len({id(meta[n]) for n in "abde"}) == 4 and len({id(slots[n]) for n in "abde"}) == 4  # each its own
+    assert all(_shape(slots[n]) == ((1,), torch.int64) for n in "abcde")
+
+
+def test_a_layer_whose_spec_is_not_hashable_is_a_group_of_its_own():
+    layers = {"a": _Layer(spec=NS(dtype=torch.bfloat16)), "b": _Layer(spec=NS(dtype=torch.bfloat16))}
+    context, _ = _context(layers, dtype=torch.float32)
+    assert context.attn_metadata["a"] is not context.attn_metadata["b"]
+    assert context.no_compile_layers["a"].kv_cache.dtype == torch.float32  # the spec not read: the model's dtype
+    unhashable = _Layer(spec=NS(dtype=None))
+    assert planning_context._spec(unhashable, None) == id(unhashable)
+
+
+def test_a_layers_spec_is_asked_with_vllms_config_and_a_failing_one_is_its_own_group():
+    config, layer = object(), _Layer()
+    seen = []
+    layer.get_kv_cache_spec = lambda c: seen.append(c) or "spec"
+    assert planning_context._spec(layer, config) == "spec" and seen == [config]
+    failing = _Layer(spec=RuntimeError("no spec"))
+    assert planning_context._spec(failing, config) == id(failing)
+
+
+def test_flash_attention_metadata_is_one_request_with_a_max_blocks_wide_table():
+    context, _ = _context({"a": _Layer(writes_cache=False)}, max_blocks=7)
+    meta = context.attn_metadata["a"]
+    assert sorted(vars(meta)) == ["block_table", "num_actual_tokens", "query_start_loc", "seq_lens"]
+    assert meta.num_actual_tokens == 1
+    assert [_shape(meta.seq_lens), _shape(meta.query_start_loc), _shape(meta.block_table)] == [
+        ((1,), torch.int32), ((2,), torch.int32), ((1, 7), torch.int32)]
+
+
+@pytest.mark.parametrize("writes_cache", [True, None])  # vLLM-Ascend's backends; a backend not saying: the same
+def test_a_backend_writing_the_cache_in_its_op_gets_vllm_ascends_metadata(writes_cache):
+    context, _ = _context({"a": _Layer(writes_cache=writes_cache)}, max_blocks=3)
+    meta = context.attn_metadata["a"]
+    assert sorted(vars(meta)) == ["block_tables", "num_actual_tokens", "query_start_loc", "seq_lens", "slot_mapping"]
+    assert meta.num_actual_tokens == 1
+    assert [_shape(meta.seq_lens), _shape(meta.query_start_loc), _shape(meta.block_tables),
+            _shape(meta.slot_mapping)] == [((1,), torch.int32), ((2,), torch.int32), ((1, 3), torch.int32),
+                                           ((1,), torch.int64)]
+
+
+def test_mla_metadata_is_one_decode_and_no_prefill():
+    context, _ = _context({"m": _Layer(mla=(8, 8))}, max_blocks=4)
+    meta = context.attn_metadata["m"]
+    assert (meta.num_reqs, meta.num_decodes, meta.num_prefills, meta.num_actual_tokens, meta.prefill) == (
+        1, 1, 0, 1, None)
+    assert _shape(meta.query_start_loc) == ((2,), torch.int32)
+    assert sorted(vars(meta.decode)) == ["block_table", "seq_lens"]
+    assert [_shape(meta.decode.seq_lens), _shape(meta.decode.block_table)] == [((1,), torch.int32),
+                                                                                 ((1, 4), torch.int32)]
+
+
+def test_the_planning_context_allocates_nothing_real():
+    context, _ = _context({"a": _Layer(), "b": _Layer(writes_cache=True, spec="other")})
+    tensors = [context.no_compile_layers["a"].kv_cache, context.slot_mapping["a"], context.attn_metadata["b"].slot_mapping,
+               context.attn_metadata["a"].block_table, context.attn_metadata["b"].block_tables]
+    assert all(isinstance(t, FakeTensor) and t.device == torch.device("cpu") for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------- metadata.py
+
+
+def _ascend_metadata(seqs=3, loc=4, tokens=5, lens=None, ends=None, host=True, table="block_tables"):
+    meta = NS(seq_lens=torch.tensor([7, 8, 9][:seqs] + [1] * max(0, seqs - 3), dtype=torch.int32),
+              query_start_loc=torch.arange(loc, dtype=torch.int32) * 2, num_actual_tokens=tokens,
+              slot_mapping=torch.arange(10, dtype=torch.int32))
+    setattr(meta, table, torch.arange(seqs * 6, dtype=torch.int32).view(seqs, 6) if seqs else torch.zeros(0, 6))
+    if host:
+        meta.seq_lens_list = list(range(seqs)) if lens is None else lens
+        meta.actual_seq_lengths_q = [2 * (i + 1) for i in range(seqs)] if ends is None else ends
+    return meta
+
+
+def _bind(meta, index=2, layer="model.layers.0.attn", tokens=17):
+    provided = {}
+
+    def provide(name, source, read, fake, host=None):
+        provided[name] = (source, read, fake, host)
+        return f"node:{name}"
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    inputs = metadata.bind_metadata(index, layer, meta, tokens, mode, provide)
+    return inputs, provided
+
+
+def _ctx(meta, layer="model.layers.0.attn"):
+    return NS(attn_metadata={layer: meta})
+
+
+def test_flash_attention_metadata_provides_lengths_cut_to_the_sequences_and_the_block_table():
+    meta = _ascend_metadata(host=False, table="block_table", loc=6)
+    inputs, provided = _bind(meta)
+    assert inputs == {"seq_lens": "node:vllm_seq_lens_2", "query_start_loc": "node:vllm_query_start_loc_2",
+                      "block_table": "node:vllm_block_table_2"}
+    where = "forward_context.attn_metadata['model.layers.0.attn']"
+    assert {name: p[0] for name, p in provided.items()} == {
+        "vllm_seq_lens_2": f"{where}.seq_lens", "vllm_query_start_loc_2": f"{where}.query_start_loc[:num_reqs + 1]",
+        "vllm_block_table_2": f"{where}.block_table[:num_reqs]"}
+    assert all(p[3] is None for p in provided.values())
+    step = _ascend_metadata(seqs=2, loc=9, host=False, table="block_table")
+    ctx = _ctx(step)
+    assert provided["vllm_seq_lens_2"][1](ctx) is step.seq_lens
+    assert provided["vllm_query_start_loc_2"][1](ctx).tolist() == [0, 2, 4]
+    assert provided["vllm_block_table_2"][1](ctx).tolist() == step.block_table[:2].tolist()
+
+
+def test_the_fakes_have_one_fresh_symbolic_sequence_count_and_the_steps_dtypes():
+    meta = _ascend_metadata(host=False, table="block_table")
+    _, provided = _bind(meta, index=5)
+    lens, loc, table = (provided[n][2] for n in ("vllm_seq_lens_5", "vllm_query_start_loc_5", "vllm_block_table_5"))
+    (seqs,) = lens.shape
+    assert isinstance(seqs, torch.SymInt) and str(seqs.node.expr).startswith("s")
+    assert loc.shape[0] == seqs + 1 and table.shape[0] == seqs and table.shape[1] == 6
+    assert all(t.dtype == torch.int32 for t in (lens, loc, table))
+
+
+def test_vllm_ascends_metadata_also_provides_the_ops_slots_cut_to_the_steps_tokens():
+    meta = _ascend_metadata(host=False)
+    inputs, provided = _bind(meta, index=0, layer="l", tokens=11)
+    assert inputs["block_table"] == "node:vllm_block_table_0" and inputs["slot_mapping"] == "node:vllm_slot_mapping_0"
+    assert provided["vllm_block_table_0"][0] == "forward_context.attn_metadata['l'].block_tables[:num_reqs]"
+    assert provided["vllm_slot_mapping_0"][0] == "forward_context.attn_metadata['l'].slot_mapping[:num_actual_tokens]"
+    step = _ascend_metadata(seqs=1, tokens=4, host=False)
+    ctx = _ctx(step, "l")
+    assert provided["vllm_slot_mapping_0"][1](ctx).tolist() == [0, 1, 2, 3]
+    assert provided["vllm_block_table_0"][1](ctx).tolist() == [list(range(6))]
+    slots = provided["vllm_slot_mapping_0"][2]
+    assert tuple(slots.shape) == (11,) and slots.dtype == torch.int32
+
+
+def test_slots_are_provided_only_where_the_op_writes_the_cache():
+    meta = _ascend_metadata(host=False, table="block_table")  # a slot mapping, but FLASH_ATTN's table
+    inputs, _ = _bind(meta)
+    assert "slot_mapping" not in inputs
+
+
+def test_vllm_ascends_host_lengths_are_given_to_the_seq_lens_input():
+    meta = _ascend_metadata()
+    _, provided = _bind(meta, index=1, layer="l")
+    source, _, _, host = provided["vllm_seq_lens_1"]
+    assert source == "forward_context.attn_metadata['l'].seq_lens (on the host: .seq_lens_list)"
+    assert provided["vllm_query_start_loc_1"][0] == (
+        "forward_context.attn_metadata['l'].query_start_loc[:num_reqs + 1] (on the host: [0] + .actual_seq_lengths_q)")
+    assert isinstance(host, metadata.HostLengths) and (host.layer, host.names) == (
+        "l", ("vllm_seq_lens_1", "vllm_query_start_loc_1"))
+    assert host(_ctx(_ascend_metadata(), "l")) == {"vllm_seq_lens_1": [0, 1, 2], "vllm_query_start_loc_1": [0, 2, 4, 6]}
+
+
+def test_host_copies_are_kept_only_by_metadata_with_both_lists():
+    assert metadata.HostLengths.FIELDS == ("seq_lens_list", "actual_seq_lengths_q")
+    assert metadata.HostLengths.kept_by(_ascend_metadata())
+    half = _ascend_metadata()
+    del half.actual_seq_lengths_q
+    assert not metadata.HostLengths.kept_by(half)
+    half = _ascend_metadata()
+    del half.seq_lens_list
+    assert not metadata.HostLengths.kept_by(half)
+
+
+@pytest.mark.parametrize("meta, problem", [
+    (_ascend_metadata(lens=(0, 1, 2)), "seq_lens_list / actual_seq_lengths_q are not lists (tuple, list)"),
+    (_ascend_metadata(ends=torch.tensor([2, 4, 6])), "seq_lens_list / actual_seq_lengths_q are not lists (list, Tensor)"),
+    (_ascend_metadata(lens=[1, 2]), "seq_lens_list (2 entries) and actual_seq_lengths_q (3) do not have one entry per "
+                                    "sequence of seq_lens (3)"),
+    (_ascend_metadata(ends=[2, 4, 6, 8]), "seq_lens_list (3 entries) and actual_seq_lengths_q (4) do not have one "
+                                          "entry per sequence of seq_lens (3)"),
+    (_ascend_metadata(loc=3), "query_start_loc has 3 entries for 3 sequences"),
+    (_ascend_metadata(tokens=7), "actual_seq_lengths_q ends at 6, before the step's num_actual_tokens=7 (stale)"),
+])
+def test_host_copies_failing_a_check_are_named_why(meta, problem):
+    assert metadata.HostLengths.problem(meta, meta.seq_lens_list, meta.actual_seq_lengths_q) == problem
+
+
+@pytest.mark.parametrize("meta", [_ascend_metadata(), _ascend_metadata(tokens=6, loc=9), _ascend_metadata(tokens=0),
+                                  _ascend_metadata(seqs=0, loc=1, tokens=3, lens=[], ends=[])])
+def test_host_copies_passing_every_check_are_the_steps(meta):
+    assert metadata.HostLengths.problem(meta, meta.seq_lens_list, meta.actual_seq_lengths_q) is None
+
+
+def test_a_failed_check_reads_the_tensors_warning_once_then_at_debug(logs):
+    host = metadata.HostLengths("l", "lens", "loc")
+    assert host.warned is False
+    stale = _ctx(_ascend_metadata(tokens=9), "l")
+    assert host(stale) == {} and host(stale) == {}
+    assert [r.levelno for r in logs.records] == [logging.WARNING, logging.DEBUG]
+    assert logs.messages == [
+        "ascend_compile: forward_context.attn_metadata['l']: actual_seq_lengths_q ends at 6, before the step's "
+        "num_actual_tokens=9 (stale); reading seq_lens and query_start_loc from their tensors instead (a "
+        "device-to-host sync per step; logged once)",
+        "ascend_compile: forward_context.attn_metadata['l']: actual_seq_lengths_q ends at 6, before the step's "
+        "num_actual_tokens=9 (stale)"]
+    assert host(_ctx(_ascend_metadata(), "l")) == {"lens": [0, 1, 2], "loc": [0, 2, 4, 6]}
