@@ -1,0 +1,175 @@
+"""`lowering/piecewise.py` at its functions: a padded value cut to a step's sizes (`_narrow`, `sym_value`),
+and a `PiecewiseGraph` of the two-layer example Llama on the simulator (p64: three pieces around the two
+attention kernels): what `describe` and `memory` report, the step's plan under the target's refusals
+(`plan`), the nodes run between pieces (`run_eager`), and what a capture refuses (`_capture_input`)."""
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from ascend_compile.lowering.piecewise import _narrow, real_plan, sym_value
+from ascend_compile.passes.fx_utils import example_value
+from ascend_compile.passes.split_pieces import EagerNode, Piece
+from examples.llama import PagedBatch
+from tests.test_piecewise import _compile, _llama
+
+
+def test_sym_value_gives_an_int_a_float_or_a_bool_at_the_symbols_values():
+    s0 = sympy.Symbol("s0")
+    s = ShapeEnv().create_symintnode(s0, hint=5)
+    assert sym_value(s * 2, {s0: 3}) == 6 and type(sym_value(s * 2, {s0: 3})) is int
+    assert sym_value(s * 1.5, {s0: 3}) == 4.5 and type(sym_value(s * 1.5, {s0: 3})) is float
+    assert sym_value(s > 2, {s0: 3}) is True and sym_value(s > 2, {s0: 1}) is False
+
+
+def test_narrow_cuts_a_padded_tensor_to_its_examples_sizes_and_leaves_the_rest():
+    s0 = sympy.Symbol("s0")
+    padded = torch.arange(24.0).reshape(8, 3)
+    cut = _narrow(padded, torch.empty(5, 3), {})
+    assert cut.shape == (5, 3) and cut.data_ptr() == padded.data_ptr() and torch.equal(cut, padded[:5])
+    assert _narrow(padded, torch.empty(8, 3), {}) is padded  # already the step's sizes: the value itself
+    assert _narrow(padded, None, {}) is padded  # no shape known: as is
+    pair = _narrow((padded, [padded]), (torch.empty(2, 3), [torch.empty(8, 1)]), {})
+    assert type(pair) is tuple and pair[0].shape == (2, 3) and type(pair[1]) is list and pair[1][0].shape == (8, 1)
+    s = ShapeEnv().create_symintnode(s0, hint=5)
+    assert _narrow(64, s + 1, {s0: 6}) == 7  # a SymInt example: its value at the step's sizes
+    assert _narrow("x", 3, {}) == "x"
+
+
+@pytest.fixture(scope="module")
+def p64():
+    """The artifact, its p64 graph after a 40-token prefill (captured for it) and the step and arguments
+    of a 50-token prefill it served next."""
+    cfg, model, _ = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    with torch.no_grad():
+        inputs = batch.step([40], [40])
+        fn(**inputs)
+    art = artifacts[-1]
+    (key, _), graph = next(iter(art.piecewise.items()))
+    assert str(key) == "p64"
+    seen = []
+    graph.plan = lambda step, args: seen.append((step, args)) or type(graph).plan(graph, step, args)
+    try:
+        with torch.no_grad():
+            fn(**batch.step([50], [50]))  # a 50-token prefill on the same pieces: its step kept
+    finally:
+        del graph.plan
+    return art, graph, seen[0]
+
+
+def test_describe_counts_pieces_eager_nodes_and_why_and_says_what_was_asked(p64):
+    _, graph, _ = p64
+    assert graph.describe() == {"pieces": 3, "eager_nodes": 2, "eager_why": {"attention kernel: takes the step's lengths": 2},
+                                "captured": True, "capture_seconds": round(graph.capture_seconds, 4), "replays": 2}
+    assert 0 < graph.capture_seconds
+    graph.refusals["MLA takes 1-16 query tokens"] += 2
+    graph.verified, graph.eager_reason = {"ok": True}, "p64: why not"
+    try:
+        described = graph.describe()
+        assert described["attention_op_steps"] == {"MLA takes 1-16 query tokens": 2}
+        assert described["verified"] == {"ok": True} and described["eager_reason"] == "p64: why not"
+        pieces, graph.pieces = graph.pieces, []
+        assert graph.describe()["captured"] is False  # no piece captured
+        graph.pieces = pieces
+        segments = graph.segments
+        graph.segments = [*segments, EagerNode(graph.output, "uncapturable (sort)"),
+                          EagerNode(graph.output, "uncapturable (topk)")]
+        assert graph.describe()["eager_why"] == {"attention kernel: takes the step's lengths": 2, "uncapturable": 2}
+        assert graph.describe()["eager_nodes"] == 4 and graph.describe()["pieces"] == 3
+        graph.segments = segments
+    finally:
+        graph.refusals.clear()
+        graph.verified, graph.eager_reason = None, None
+
+
+def test_memory_counts_the_static_input_buffers_and_the_outputs_still_held(p64):
+    """The first piece copies positions, input ids and slot mapping in (64 int64 each); every static
+    output is released after the capture (held as weak aliases: the pool's memory)."""
+    _, graph, _ = p64
+    copied = [(n.name, tuple(b.shape), b.dtype) for n, b in graph.pieces[0].copied]
+    assert sorted(copied) == sorted([("l_positions_", (64,), torch.int64), ("l_input_ids_", (64,), torch.int64),
+                                     ("l_slot_mapping_", (64,), torch.int64)])
+    assert graph.memory() == {"static_inputs_bytes": 3 * 64 * 8, "outputs_bytes": 0}
+    last = graph.pieces[-1]
+    released = set(last.released)
+    last.released.clear()
+    try:
+        assert graph.memory()["outputs_bytes"] == sum(o.numel() * o.element_size() for o in last.outputs)
+    finally:
+        last.released.update(released)
+
+
+def test_last_uses_name_each_values_last_reader_and_the_output_past_the_last_segment(p64):
+    _, graph, _ = p64
+    where = {n: i for i, s in enumerate(graph.segments) for n in (s.nodes if isinstance(s, Piece) else [s.node])}
+    uses = graph.last_uses()
+    for node, last in uses.items():
+        readers = [where[u] for u in node.users if u.op != "output" and where.get(u) is not None]
+        readers += [where[k] for k, (_, nodes) in graph.fallbacks.items() if node in nodes]
+        readers += [len(graph.segments)] if graph.output in node.users else []
+        assert last == max(r for r in readers if r != where.get(node)), node
+    assert all(uses[n] == len(graph.segments) for n in graph.output.all_input_nodes)
+    produced = set(graph.produced)
+    assert produced and {n for n in produced if n in uses} == {n for n in produced
+                                                               if any(where.get(u) != where[n] for u in n.users)}
+
+
+def test_plan_takes_the_steps_own_lists_and_says_what_the_target_refuses(p64):
+    """The step's plan is unpadded; a target refusing the kernels every step: the attention ops run, no
+    refusal; refusing this step's lengths: counted, the ops run; a kernel without an op to run instead:
+    the step refused, naming it."""
+    _, graph, (step, args) = p64
+    plan, use, why = graph.plan(step, args)
+    assert (use, why) == (True, None) and plan.host == real_plan(step, graph.sources).host
+    assert [len(v) for v in plan.host.values()] == [1, 1]  # one sequence: no padding to the 64 tokens
+    saved = graph.kernels_refused, graph.step_guard, graph.unbacked
+    try:
+        graph.kernels_refused = "the kernels are refused"
+        assert graph.plan(step, args)[1:] == (False, None)
+        graph.kernels_refused, graph.step_guard = None, lambda host, args: "too many query tokens"
+        assert graph.plan(step, args)[1:] == (False, None) and graph.refusals == {"too many query tokens": 1}
+        graph.unbacked = "fia_0"
+        assert graph.plan(step, args)[1:] == (False, "too many query tokens, and fia_0 has no attention op to run "
+                                                    "instead")
+        assert graph.refusals == {"too many query tokens": 1}  # a refused step is not counted as run
+        graph.step_guard = lambda host, args: None
+        assert graph.plan(step, args)[1:] == (True, None)
+    finally:
+        graph.kernels_refused, graph.step_guard, graph.unbacked = saved
+        graph.refusals.clear()
+
+
+def test_run_eager_runs_a_function_or_a_method_and_refuses_other_nodes(p64):
+    art, graph, _ = p64
+    g = fx.Graph()
+    x = g.placeholder("x")
+    method = g.call_method("add", (x, 2))
+    function = g.call_function(torch.mul, (x,), {"other": 3})
+    values = {x: torch.ones(2)}
+    run = lambda node: graph.run_eager(art.runtime, node, values.get, None, True)  # noqa: E731
+    assert torch.equal(run(method), torch.full((2,), 3.0))
+    assert torch.equal(run(function), torch.full((2,), 3.0))
+    with pytest.raises(ValueError, match="x: a placeholder node cannot run between pieces"):
+        run(x)
+
+
+def test_a_piece_reading_a_non_tensor_made_outside_it_is_refused_by_name(p64):
+    art, graph, _ = p64
+    g = fx.Graph()
+    made = g.call_function(len, ([],))
+    made.meta["val"] = "a string"
+    with pytest.raises(ValueError, match=r"len(_1)?: a piece reads a non-tensor value made outside it \(str\)"):
+        graph._capture_input(art.runtime, None, made, [])
+    assert example_value(made) == "a string"
+
+
+def test_eager_nodes_between_pieces_are_the_attention_kernels(p64):
+    _, graph, _ = p64
+    eager = [s for s in graph.segments if isinstance(s, EagerNode)]
+    assert [type(s).__name__ for s in graph.segments] == ["Piece", "EagerNode", "Piece", "EagerNode", "Piece"]
+    assert all(s.node in graph.fallbacks and not s.writes_caller for s in eager)
