@@ -1,0 +1,221 @@
+"""`integrations/vllm/binder.py`'s `ForwardContextBinder` outside a compile: what it reads from the forward
+context before and between compiled steps (whether a step can be compiled against, the longest sequence
+from the metadata's host copies, a step whose metadata asks for other attention), the layer names of the
+graph's vLLM op nodes (constant or hoisted `LayerName` inputs), the refusals it gathers, and one step's read
+of its provided inputs (one pass, the host copies merged). vLLM's ops are the stand-in's
+(`tests/vllm_standin.py`); the rewrite itself, compiled: `tests/test_vllm.py`."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import fx
+
+from ascend_compile.integrations.vllm import binder as binder_module
+from ascend_compile.integrations.vllm import context
+from ascend_compile.integrations.vllm.binder import ForwardContextBinder, _host_all, _read_all, _Reader
+from ascend_compile.integrations.vllm.layers import UnsupportedAttention
+from tests import vllm_standin as v
+
+FLASH_ATTN = type("FlashAttentionBackend", (), {"__module__": "vllm.v1.attention.backends.flash_attn",
+                                                 "__qualname__": "FlashAttentionBackend"})
+
+
+@pytest.fixture(autouse=True)
+def ops():
+    v.register()
+
+
+def _binder(ctx) -> ForwardContextBinder:
+    return ForwardContextBinder(lambda: ctx)
+
+
+def _layer(cache) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache=cache, attn_backend=FLASH_ATTN, impl=SimpleNamespace(scale=0.5))
+
+
+# ---------------------------------------------------------------- the forward context
+
+
+def test_outside_a_forward_context_there_is_none():
+    def vllms():  # vLLM's get_forward_context asserts there is one
+        raise AssertionError("Forward context is not set.")
+
+    assert ForwardContextBinder(vllms).current_context() is None
+    ctx = object()
+    assert _binder(ctx).current_context() is ctx
+
+
+@pytest.mark.parametrize("ctx, reason", [
+    (None, "no forward context"),
+    (SimpleNamespace(attn_metadata=None, no_compile_layers={}), "no attention metadata (vLLM's profiling run)"),
+    (SimpleNamespace(attn_metadata=[{}, {}], no_compile_layers={}),
+     "attn_metadata is a list (DBO / micro-batching), which ascend_graph does not support"),
+    (SimpleNamespace(attn_metadata={}, no_compile_layers={"l0": _layer(torch.zeros(2, 2, 4, 1, 8))}),
+     "layer 'l1' has no KV cache bound (forward_context.no_compile_layers['l1'].kv_cache)"),
+    (SimpleNamespace(attn_metadata={}, no_compile_layers={"l0": _layer(torch.zeros(2, 2, 4, 1, 8)),
+                                                          "l1": _layer(torch.zeros(0))}),
+     "layer 'l1' has no KV cache bound (forward_context.no_compile_layers['l1'].kv_cache)"),
+    (SimpleNamespace(attn_metadata={}, no_compile_layers={"l0": _layer(torch.zeros(2, 2, 4, 1, 8)),
+                                                          "l1": SimpleNamespace()}),
+     "layer 'l1' has no KV cache bound (forward_context.no_compile_layers['l1'].kv_cache)"),
+])
+def test_a_step_that_cannot_be_compiled_against_says_why(ctx, reason):
+    assert _binder(ctx).not_ready(["l0", "l1"]) == reason
+
+
+def test_a_step_whose_layers_all_have_caches_can_be_compiled_against():
+    ctx = SimpleNamespace(attn_metadata={}, no_compile_layers={
+        "l0": _layer(torch.zeros(2, 2, 4, 1, 8)), "l1": _layer((torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))),
+        "mla": _layer(torch.zeros(2, 4, 40))})  # an MLA layer's latent cache
+    assert _binder(ctx).not_ready(["l0", "l1", "mla"]) is None
+
+
+def test_the_longest_sequence_is_read_from_every_bound_groups_host_copy():
+    metadata = {"a": SimpleNamespace(max_seq_len=40), "b": SimpleNamespace(seq_lens_list=[3, 90, 7]),
+                "c": SimpleNamespace(max_seq_len=None, seq_lens_list=[]), "z": SimpleNamespace(max_seq_len=0),
+                "d": SimpleNamespace(max_seq_len=12, seq_lens_list=[500])}
+    binder = _binder(SimpleNamespace(attn_metadata=metadata))
+    for groups, longest in ((["a", "b"], 90), (["b", "a"], 90), (["a"], 40), (["c"], None), ([], None),
+                            (["z"], 0), (["z", "c"], 0), (["d"], 12), (["c", "a"], 40)):
+        binder.group_layers = groups
+        assert binder.longest_sequence() == longest, groups
+    binder.group_layers = ["a"]
+    metadata["a"].max_seq_len = torch.tensor(41)
+    assert binder.longest_sequence() == 41 and type(binder.longest_sequence()) is int
+
+
+def test_a_step_whose_metadata_asks_for_other_attention_is_named_by_its_first_layer():
+    metadata = {"a": SimpleNamespace(), "b": SimpleNamespace(causal=False), "c": SimpleNamespace(rswa_prefix_lens=1)}
+    binder = _binder(SimpleNamespace(attn_metadata=metadata))
+    binder.group_layers = ["a"]
+    assert binder.unserved_step() is None
+    binder.group_layers = ["a", "b", "c"]
+    assert binder.unserved_step() == "layer 'b''s metadata asks for non-causal attention (attn_metadata.causal=False)"
+
+
+# ---------------------------------------------------------------- layer names
+
+
+def _graph(layer_args: tuple) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """A graph calling the cache update, then the attention op, for each of `layer_args` (a name or a
+    placeholder name: a hoisted input)."""
+    graph = fx.Graph()
+    q, k, val, out = (graph.placeholder(n) for n in ("q", "k", "v", "out"))
+    inputs = {name: graph.placeholder(name) for name in layer_args if name.startswith("L_")}
+    updates, attentions = [], []
+    for name in layer_args:
+        arg = inputs.get(name, name)
+        updates.append(graph.call_function(torch.ops.vllm.unified_kv_cache_update.default, (k, val, arg)))
+        attentions.append(graph.call_function(torch.ops.vllm.unified_attention_with_output.default,
+                                              (q, k, val, out, arg)))
+    graph.output(out)
+    return fx.GraphModule(torch.nn.Module(), graph), updates, attentions
+
+
+def test_the_graphs_vllm_nodes_are_found_in_order():
+    gm, updates, attentions = _graph(("l0", "l1"))
+    assert binder_module.vllm_graph_nodes(gm) == (attentions, updates)
+    assert binder_module.vllm_graph_nodes(fx.symbolic_trace(lambda x: x + 1)) == ([], [])
+
+
+def test_a_vllm_op_missing_from_torch_ops_vllm_is_none():
+    assert binder_module._vllm_op("no_such_op") is None
+    assert binder_module._vllm_op(binder_module.ATTENTION_OP) is torch.ops.vllm.unified_attention_with_output
+
+
+def test_layer_names_are_read_from_each_ops_own_argument():
+    gm, updates, attentions = _graph(("model.layers.0.attn", "model.layers.1.attn"))
+    binder = _binder(None)
+    assert [binder.layer_name(gm, n) for n in updates] == ["model.layers.0.attn", "model.layers.1.attn"]
+    assert binder.layer_names(gm) == ["model.layers.0.attn", "model.layers.1.attn"]
+
+
+def test_a_layer_name_hoisted_to_a_graph_input_is_read_from_its_example_input():
+    gm, updates, attentions = _graph(("L_a", "L_b"))
+    examples = [None] * 4 + [v.LayerName("model.layers.0.attn"), "model.layers.1.attn"]
+    binder = ForwardContextBinder(lambda: None, examples)
+    assert binder.layer_names(gm) == ["model.layers.0.attn", "model.layers.1.attn"]
+    assert binder.layer_name(gm, updates[1]) == "model.layers.1.attn"
+    placeholder = gm.graph.find_nodes(op="placeholder")[5]  # past the example inputs: its example value
+    placeholder.meta["example_value"] = "model.layers.9.attn"
+    assert ForwardContextBinder(lambda: None, examples[:5]).layer_name(gm, attentions[1]) == "model.layers.9.attn"
+
+
+def test_a_layer_name_of_another_type_is_refused():
+    gm, updates, attentions = _graph(("L_a",))
+    binder = ForwardContextBinder(lambda: None, [None] * 4 + [7])
+    with pytest.raises(TypeError) as err:
+        binder.layer_name(gm, attentions[0])
+    assert str(err.value) == f"{attentions[0].name}.layer_name: expected a str or vLLM LayerName, got int"
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_a_configured_kv_transfer_connector_is_refused_naming_the_first_layer(monkeypatch):
+    gm, *_ = _graph(("l0", "l1"))
+    ctx = SimpleNamespace(no_compile_layers={"l0": _layer(None), "l1": _layer(None)})
+    binder = _binder(ctx)
+    monkeypatch.setattr(binder_module, "kv_transfer_configured", lambda: False)
+    binder.refuse_unsupported(gm, ctx)
+    monkeypatch.setattr(binder_module, "kv_transfer_configured", lambda: True)
+    with pytest.raises(UnsupportedAttention) as err:
+        binder.refuse_unsupported(gm, ctx)
+    assert err.value.layer == "l0" and err.value.feature.startswith("a KV-transfer connector (kv_transfer_config")
+
+
+def test_each_layer_of_the_graph_is_checked():
+    gm, *_ = _graph(("l0", "l1"))
+    ctx = SimpleNamespace(no_compile_layers={"l0": _layer(None), "l1": SimpleNamespace(
+        attn_backend=FLASH_ATTN, impl=SimpleNamespace(alibi_slopes=torch.ones(1)))})
+    with pytest.raises(UnsupportedAttention) as err:
+        _binder(ctx).refuse_unsupported(gm, ctx)
+    assert (err.value.layer, err.value.feature) == ("l1", "ALiBi (impl.alibi_slopes)")
+
+
+def test_a_graph_without_vllm_attention_is_not_bound():
+    assert _binder(None)(fx.symbolic_trace(lambda x: x + 1)) is None
+
+
+@pytest.mark.parametrize("metadata, says", [(None, "got None"), ([{}], "got a list (DBO / ubatching: not supported)")])
+def test_compiling_without_per_layer_metadata_is_refused(metadata, says):
+    gm, *_ = _graph(("l0",))
+    ctx = SimpleNamespace(attn_metadata=metadata, no_compile_layers={"l0": _layer(None)})
+    with pytest.raises(ValueError) as err:
+        _binder(ctx)(gm)
+    assert str(err.value) == ("forward_context.attn_metadata: expected a dict of per-layer metadata at compile time "
+                              f"(a step with metadata), {says}")
+
+
+# ---------------------------------------------------------------- one step's read
+
+
+def test_one_steps_read_is_one_pass_ended_after_it_even_when_a_reader_fails():
+    seen = []
+
+    def read(ctx):
+        seen.append(context.PASS.current)
+        return torch.tensor(ctx)
+
+    readers = [_Reader(None, read), _Reader(None, read)]
+    values = _read_all(3, readers)
+    assert [t.item() for t in values] == [3, 3]
+    assert seen[0] is not None and seen[0] == seen[1] and context.PASS.current is None
+    second = []
+    _read_all(4, [_Reader(None, lambda c: second.append(context.PASS.current))])
+    assert second[0] not in (None, seen[0])  # a new number each read
+
+    def failing(ctx):
+        raise KeyError("layer")
+
+    with pytest.raises(KeyError):
+        _read_all(5, [_Reader(None, read), _Reader(None, failing)])
+    assert context.PASS.current is None
+
+
+def test_the_host_copies_of_every_group_are_merged():
+    hosts = [lambda c: {"seq_lens_0": [c, 1]}, lambda c: {"seq_lens_1": [2]}, lambda c: {}]
+    assert _host_all(9, hosts) == {"seq_lens_0": [9, 1], "seq_lens_1": [2]}
+    assert _host_all(9, []) == {}
