@@ -148,3 +148,49 @@ def test_a_piecewise_step_that_raises_names_its_pieces(monkeypatch, caplog):
     assert key != name and [str(k) for k, _ in art.piecewise] == [name] and err.value.__notes__[0].startswith(f"ascend_compile: {key}: "), err.value.__notes__
     assert f"ascend_compile: {key}: the step raised Raised while captured; " in caplog.text
     assert art.stats["failed_steps"] == 2, art.stats
+
+
+@pytest.mark.parametrize("dispatch", ["dynamo", "direct"])
+def test_a_moved_kv_cache_captures_the_full_graph_and_the_pieces_again(dispatch, caplog):
+    """A KV cache replaced after a decode and a piecewise step: the next decode and piecewise steps
+    capture their graphs again (logged once, counted), equal to eager. Through the direct dispatcher the
+    direct call stops at the moved cache (`MovedInputs`) and the step goes through dynamo: each step
+    counted once."""
+    import ascend_compile
+    from ascend_compile.backend import backend
+    from ascend_compile.config import CompileConfig
+
+    cfg, model, reference = _llama()
+    torch._dynamo.reset()
+    artifacts = []
+    config = CompileConfig(max_model_len=1024, capture_sizes=(4, 8), runtime="sim")
+    fn = ascend_compile.compile(model, backend=backend(config, on_compiled=artifacts.append),
+                                **({"dispatch": "direct"} if dispatch == "direct" else {}))
+    batch = PagedBatch(cfg, seed=6)
+    _steps(fn, reference, batch, [([5, 9], None), ([40], [40])])
+    for m in (model, reference):
+        m.layers[0].attn.key_cache = m.layers[0].attn.key_cache.clone()
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([6, 10], None), ([41], [40])])
+    assert len(artifacts) == 1
+    stats = artifacts[-1].stats
+    assert (stats["steps"], stats["host_conversions"]) == (4, 8), stats
+    assert (stats["recaptures"], stats["captures"], stats["piecewise_captures"]) == (2, 2, 2), stats
+    assert (stats["replays"], stats["piecewise_steps"]) == (2, 2), stats
+    assert caplog.text.count("moved since b4.decode was captured: re-capturing it") == 1
+
+
+def test_verify_every_checks_the_first_replay_and_every_nth_of_full_and_piecewise_graphs():
+    """`verify_every=2`: replays 1, 3 and 5 of the full graph and steps 1, 3 and 5 of the pieces are
+    checked against eager, each record naming its replay; none differs."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", verify=True, verify_every=2)
+    batch = PagedBatch(cfg, seed=6)
+    _steps(fn, reference, batch, [([5, 9], None)] * 5 + [([40], [40])] * 5)
+    art = artifacts[-1]
+    assert (art.stats["verified_replays"], art.stats["verify_failures"]) == (6, 0), art.stats
+    (entry,), (graph,) = art.graphs.values(), art.piecewise.values()
+    assert entry.verified["ok"] and entry.verified["replay"] == 5 and entry.replays == 5
+    assert graph.verified["ok"] and graph.verified["replay"] == 5 and graph.replays == 5
+    assert entry.eager_reason is None and graph.eager_reason is None
+    assert art.served == {("decode", "full"): 5, ("prefill", "piecewise"): 5}
