@@ -194,3 +194,45 @@ def test_verify_every_checks_the_first_replay_and_every_nth_of_full_and_piecewis
     assert graph.verified["ok"] and graph.verified["replay"] == 5 and graph.replays == 5
     assert entry.eager_reason is None and graph.eager_reason is None
     assert art.served == {("decode", "full"): 5, ("prefill", "piecewise"): 5}
+
+
+def test_an_op_a_piece_capture_refuses_is_run_between_pieces_and_no_full_graph_tries_it(monkeypatch, caplog):
+    """An uncapturable op (`test_uncapturable.host_gate`, a host read) first met in a piece's capture: the
+    pieces are split again around it (every layer's call run between pieces), one WARNING names it, and
+    the decode graph holding it is never tried (no capture, not counted as a failed one): its steps go
+    to the pieces, the reason naming the op. Without piecewise graphs the decode graph's own capture
+    meets it: counted, warned without the pieces' clause, its steps eager."""
+    from examples import llama
+    from ascend_compile.passes.split_pieces import EagerNode
+    from tests import test_uncapturable
+
+    monkeypatch.setattr(llama.Attention, "attend", test_uncapturable._attend)
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=6)
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([40], [40]), ([5, 9], None), ([6, 10], None)])
+    art = artifacts[-1]
+    (why,) = art.uncapturable.values()
+    assert why.startswith("uncapturable_test.host_gate (node ") and " cannot be captured: Tensor.tolist()" in why
+    assert caplog.messages == [f"ascend_compile: {why}: graphs holding it run their steps eagerly; piecewise "
+                               f"graphs run it eagerly"]
+    stats = art.stats
+    assert (stats["captures"], stats["uncapturable_graphs"], stats["eager_fallbacks"]) == (0, 0, 0), stats
+    assert (stats["piecewise_captures"], stats["piecewise_steps"]) == (2, 3), stats
+    assert art.not_full == {NO_GRAPH.format(40, 1): 1, f"b4.decode: not captured, {why}": 2}
+    assert {str(k): e.eager_reason for (k, _), e in art.graphs.items()} == {"b4.decode": f"b4.decode: not captured, {why}"}
+    for graph in art.piecewise.values():
+        eager = [s.why for s in graph.segments if isinstance(s, EagerNode)]
+        assert eager.count("uncapturable_test.host_gate cannot be captured") == 2, eager
+
+    caplog.clear()
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[])
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([5, 9], None), ([6, 10], None)])
+    art = artifacts[-1]
+    (why,) = art.uncapturable.values()
+    assert caplog.messages == [f"ascend_compile: {why}: graphs holding it run their steps eagerly"]
+    assert (art.stats["uncapturable_graphs"], art.stats["eager_fallbacks"], art.stats["captures"]) == (1, 2, 0)
+    assert art.not_full == {f"b4.decode: not captured, {why}; not piecewise: piecewise_sizes is empty": 2}
