@@ -236,3 +236,24 @@ def test_an_op_a_piece_capture_refuses_is_run_between_pieces_and_no_full_graph_t
     assert caplog.messages == [f"ascend_compile: {why}: graphs holding it run their steps eagerly"]
     assert (art.stats["uncapturable_graphs"], art.stats["eager_fallbacks"], art.stats["captures"]) == (1, 2, 0)
     assert art.not_full == {f"b4.decode: not captured, {why}; not piecewise: piecewise_sizes is empty": 2}
+
+
+def test_a_capture_the_device_refuses_costs_that_graph_and_that_piece_size_only(caplog):
+    """The simulator refusing b4.decode's capture and p32's second piece (an error inside each): b4's steps
+    go to the p16 pieces, p32's eagerly, its pieces freed; b8.decode is captured and replays; each
+    refused graph counted and warned once, not counted as captured."""
+    from tests.test_capture_failures import _serve
+
+    steps = [[10, 20, 30], [5] * 20, [40, 50, 60, 70, 80, 90, 11], [11, 21, 31], [6] * 20]
+    art = _serve([("b4.decode", "inside"), ("p32 piece 1", "inside")], caplog, steps=steps)
+    assert set(art.failures.graphs) == {"b4.decode", "p32"} and art.stats["failed_captures"] == 2
+    graphs = {entry.name: entry for entry in art.graphs.values()}
+    assert graphs["b4.decode"].graph is None and "failed on the device" in graphs["b4.decode"].eager_reason
+    assert graphs["b8.decode"].graph is not None and graphs["b8.decode"].replays == 1
+    pieces = {g.name: g for g in art.piecewise.values()}
+    assert pieces["p16"].replays == 2 and pieces["p32"].pieces == [] and pieces["p32"].produced == {}
+    assert "failed on the device" in pieces["p32"].eager_reason
+    assert (art.stats["captures"], art.stats["piecewise_captures"]) == (1, 1), art.stats
+    assert art.served == {("decode", "piecewise"): 2, ("decode", "eager"): 2, ("decode", "full"): 1}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "b4.decode" in warnings[0] and "p32" in warnings[1], warnings
