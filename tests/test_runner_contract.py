@@ -257,3 +257,36 @@ def test_a_capture_the_device_refuses_costs_that_graph_and_that_piece_size_only(
     assert art.served == {("decode", "piecewise"): 2, ("decode", "eager"): 2, ("decode", "full"): 1}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "b4.decode" in warnings[0] and "p32" in warnings[1], warnings
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_outputs_are_the_callers_own_unless_clone_outputs_is_off_and_host_seconds_leave_out_the_device(clone):
+    """A full graph's and a piecewise graph's outputs survive the next step of the same graph (copies of
+    the static outputs), or under `clone_outputs=False` are those static outputs (the next step writes
+    them). The host seconds of steps are at most their wall time less the device's."""
+    import time
+
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", clone_outputs=clone)
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None), ([40], [40])])  # both graphs captured
+    art = artifacts[-1]
+    before, wall = dict(art.seconds), 0.0
+    for lens, qlens in [([5, 9], None), ([40], [40])]:
+        with torch.no_grad():
+            first_inputs = batch.step(lens, qlens)
+            start = time.perf_counter()
+            first = fn(**first_inputs)
+            wall += time.perf_counter() - start
+            want = reference(**first_inputs)
+            kept = first.clone()
+            start = time.perf_counter()
+            second = fn(**batch.step([n + 1 for n in lens], qlens))
+            wall += time.perf_counter() - start
+        assert (first.data_ptr() == second.data_ptr()) is not clone
+        assert_close(kept, want)
+        if clone:
+            assert_close(first, want)  # untouched by the second step
+    host = art.seconds["host"] - before["host"]
+    device = art.seconds.device - sum(before[k] for k in before if k != "host")
+    assert 0 < host and 0 < device and host + device <= wall, (host, device, wall)
