@@ -290,3 +290,38 @@ def test_outputs_are_the_callers_own_unless_clone_outputs_is_off_and_host_second
     host = art.seconds["host"] - before["host"]
     device = art.seconds.device - sum(before[k] for k in before if k != "host")
     assert 0 < host and 0 < device and host + device <= wall, (host, device, wall)
+
+
+@pytest.mark.parametrize("runtime", ["sim", "eager"])
+def test_a_key_captures_up_to_max_specializations_values_of_a_specialized_size(runtime, caplog):
+    """A caller's buffer of fixed width under `dynamic=True` (a specialized size): bucket 4 captures widths
+    20 and 30 (each logged), a third width runs eagerly saying why; the p16 pieces too, where the runtime
+    has graphs; the buffer written as eager writes it (the eager runtime locating the write)."""
+    from tests.test_runtime_graphs import Caller, compiled, make_step
+
+    torch._dynamo.reset()
+    body = "buf[0, :n].copy_(tokens)\nreturn logits"
+    fn, artifacts = compiled(make_step(body), dynamic=True, max_specializations=2, runtime=runtime)
+    reference, caller = make_step(body), Caller(0)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="ascend_compile"):
+        for size, width in ((3, 20), (3, 30), (3, 40), (3, 20), (9, 20), (9, 30), (9, 40)):
+            inputs = caller.step(size)
+            got, want = torch.zeros(1, width, dtype=torch.int64), torch.zeros(1, width, dtype=torch.int64)
+            assert_close(fn(**inputs, buf=got), reference(**inputs, buf=want))
+            assert torch.equal(got, want)
+    art = artifacts[-1]
+    (symbol,) = [str(s) for s in art.signature.specialized]
+    assert sorted((str(k), s) for k, s in art.graphs) == [("b4.decode", ((symbol, 20),)), ("b4.decode", ((symbol, 30),))]
+    full = f"b4.decode already has 2 captures for other values of ['{symbol}']"
+    assert caplog.messages.count(f"ascend_compile: b4.decode: new specialized sizes {{'{symbol}': 20}}: capturing it") == 1
+    assert caplog.messages.count(f"ascend_compile: b4.decode: new specialized sizes {{'{symbol}': 30}}: capturing it") == 1
+    nine = "no graph for 9 tokens in 9 sequences (buckets [1, 2, 4, 8])"
+    if runtime == "eager":
+        assert art.not_full == {full: 1, f"{nine}; not piecewise: the runtime captures no graphs": 3}
+        assert art.stats["eager_fallbacks"] == 4 and art.served == {("decode", "full"): 3, ("decode", "eager"): 4}
+        return
+    assert art.not_full == {full: 1, nine: 2, f"{nine}; p16 already has 2 captures for other values of the "
+                                              f"specialized sizes": 1}
+    assert sorted((str(k), s) for k, s in art.piecewise) == [("p16", ((symbol, 20),)), ("p16", ((symbol, 30),))]
+    assert [g.name for g in art.piecewise.values()] == [f"p16[{symbol}=20]", f"p16[{symbol}=30]"]
+    assert (art.stats["captures"], art.stats["piecewise_captures"], art.stats["eager_fallbacks"]) == (2, 2, 2)
