@@ -335,3 +335,91 @@ def test_the_check_compares_within_the_depths_tolerance():
 
 def test_the_module_logs_to_the_packages_logger():
     assert verify.log.name == "ascend_compile"
+
+
+class Clock:
+    """`time` for verify: perf_counter reads 1.0, then 1.0 + `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        self.readings = [1.0, 1.0 + seconds]
+
+    def perf_counter(self) -> float:
+        return self.readings.pop(0)
+
+
+def test_the_record_and_the_log_give_the_checks_seconds(monkeypatch, caplog):
+    monkeypatch.setattr(verify, "time", Clock(0.123456))
+    step = Step()
+    with caplog.at_level(logging.DEBUG, logger="ascend_compile"):
+        _, record = step.check()
+    assert record["seconds"] == 0.1235  # to a tenth of a millisecond
+    assert [r.getMessage() for r in caplog.records] == ["ascend_compile: b4.decode: first replay equals eager (0.123 s)"]
+
+
+def test_the_warning_joins_the_mismatches(caplog):
+    step = Step()
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _, record = step.check(replay_delta=5.0)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert len(record["mismatches"]) == 2
+    assert warning == ("ascend_compile: b4.decode: first replay differs from eager: "
+                       f"{'; '.join(record['mismatches'])}; its steps run eagerly")
+
+
+def test_eagers_outputs_are_taken_as_they_were_when_it_returned():
+    """An output eager leaves in a scratch buffer that the replay's run overwrites (not a written input,
+    not an output of the replay) is compared, and returned, as eager returned it."""
+    step = Step()
+    scratch = torch.zeros(3)
+
+    def eager():
+        step.run(1.0)
+        scratch.fill_(4.0)
+        return scratch, 7  # a tensor and a host value
+    def replay(garbage: float):
+        def run():
+            step.run(1.0)
+            scratch.fill_(garbage)
+            return torch.full((3,), 4.0), 7
+        return run
+    outputs, record = first_replay_check("b4", step.regions, step.args, eager, replay(-1.0), step.names, step.kept)
+    assert record["ok"] and outputs[0].tolist() == [4.0] * 3 and outputs[1] == 7
+    step = Step()
+    outputs, record = first_replay_check("b4", step.regions, step.args, eager, lambda: (torch.zeros(3), 8),
+                                         step.names, step.kept)
+    assert not record["ok"] and record["mismatches"][1] == "output 1: max |diff| inf (exact)"
+    assert outputs[0].tolist() == [4.0] * 3 and outputs[1] == 7  # eager's, as it returned them
+
+
+def test_outputs_are_compared_within_the_depths_tolerance():
+    for layers, ok in ((1, False), (4, True)):
+        step = Step()
+        eager = lambda: torch.tensor([[1.0, 0.0]])  # noqa: E731
+        replay = lambda: torch.tensor([[1.003, 0.0]])  # noqa: E731
+        _, record = first_replay_check("b4", [], step.args, eager, replay, step.names, step.kept, layers)
+        assert record["ok"] is ok, layers
+
+
+def test_by_default_a_graph_is_one_layer_deep():
+    step = Step()
+    eager = lambda: torch.tensor([[1.0, 0.0]])  # noqa: E731
+    replay = lambda: torch.tensor([[1.0025, 0.0]])  # noqa: E731  (within 2e-3 sqrt(2), not 2e-3)
+    _, record = first_replay_check("b4", [], step.args, eager, replay, step.names, step.kept)
+    assert not record["ok"]
+
+
+def test_a_single_output_keeps_its_shape():
+    step = Step()
+    outputs, record = step.check(replay_delta=5.0, as_tuple=False)
+    assert outputs.shape == (1,) and not record["ok"]
+    outputs, record = first_replay_check("b4", [], [], lambda: torch.ones(2, 3), lambda: torch.zeros(2, 3), {},
+                                         step.kept)
+    assert not record["ok"] and outputs.shape == (2, 3) and outputs.eq(1).all()
+
+
+def test_an_infinity_beside_a_finite_element_adds_nothing_to_its_rows_norm():
+    want = torch.tensor([[INF, 1.0]])
+    got = torch.tensor([[INF, 1.0025]])  # 2.5e-3 of the row's finite norm (1): over float32's 2e-3
+    m = compare("x", got, want)
+    assert m is not None and m.error == pytest.approx(2.5e-3, rel=1e-3)
+    assert compare("x", torch.tensor([[INF, 1.0015]]), want) is None
