@@ -25,6 +25,22 @@ from ascend_compile.passes.roles import GraphSignature, InputSpec, Role
 from ascend_compile.passes.split_pieces import EagerNode, Piece, Why, eager_nodes, padding_safe_writes, piece_module, split
 
 ascend = torch.ops.ascend
+
+
+@torch.library.custom_op("split_pieces_test::bump_all", mutates_args=("ys",))
+def bump_all(ys: list[torch.Tensor], by: float) -> None:
+    """Adds `by` to each of `ys` in place: an op writing a list of tensors (`Tensor(a!)[]`)."""
+    for y in ys:
+        y.add_(by)
+
+
+@bump_all.register_fake
+def _(ys, by) -> None:
+    return None
+
+
+BUMP_ALL = torch.ops.split_pieces_test.bump_all.default
+
 KERNEL = "attention kernel: takes the step's lengths"
 ATTENTION = "attention op (its layer served eagerly): takes the step's lengths"
 WORKSPACE = "workspace: the artifact's slot"
@@ -221,6 +237,22 @@ def test_a_write_into_a_graph_input_runs_eagerly_and_so_does_each_view_it_writes
     assert not any(node.op == "placeholder" for node in eager)  # the input itself is no node run eagerly
 
 
+def test_a_view_sized_by_a_graph_input_is_followed_back_to_the_input_it_views():
+    """A view reading a size input (a SymInt placeholder) beside the view it is of: the walk back from the
+    write passes the size input and goes on to the view of the written input."""
+    b = Builder()
+    x = b.input("x", b.tensor(4, 6, dynamic=(0,)))
+    count = b.input("count", x.meta["val"].shape[0])
+    buf = b.input("buf", b.tensor(8, 6))
+    rows = b.call(torch.ops.aten.slice.Tensor, buf, 1, 0, 4, name="rows")
+    first = b.call(torch.ops.aten.slice.Tensor, rows, 0, 0, count, name="first")  # reads rows, then count
+    bumped = b.method("add_", first, 1.0)
+    gm = b.module(bumped, x)
+    eager = eager_nodes(gm, _symbols(x.meta["val"]))
+    assert _names(eager) == {"add_": "writes graph input storage (first)", "first": "a view add_ writes through",
+                             "rows": "a view add_ writes through"}
+
+
 def test_the_views_a_cache_write_writes_through_run_eagerly_writing_no_callers_tensor():
     """vLLM's caches: one `[blocks, 2, ...]` tensor, its key and value caches views of it."""
     b = Builder()
@@ -285,7 +317,7 @@ def _cache_writes() -> tuple[fx.GraphModule, dict[str, fx.Node]]:
 def test_a_cache_write_into_caches_used_in_place_at_the_slot_mapping_input_is_padding_safe(key_role, value_role):
     gm, n = _cache_writes()
     signature = _signature(gm, {"kc": key_role, "vc": value_role, "slots": Role.SLOT_MAPPING})
-    names = ["plain", "through_view", "made_slots", "reads", "no_such_node"]
+    names = ["no_such_node", "plain", "through_view", "made_slots", "reads"]
     assert padding_safe_writes(gm, signature, names) == {n["plain"]}
     assert padding_safe_writes(gm, signature, ["through_view", "made_slots"]) == set()
 
@@ -305,9 +337,10 @@ def test_a_node_writing_nothing_or_with_no_arguments_is_no_padding_safe_write():
     slots = b.input("slots", b.tensor(4, dtype=torch.int64))
     empty = b.call(torch.ops.aten.empty.memory_format, [4])  # no tensor argument
     reads = b.call(torch.mul, empty, slots)  # last argument the slot mapping, writes nothing
-    gm = b.module(reads)
+    zeros = b.call(torch.ops.aten.zeros.default, size=[4], name="zeros")  # no positional argument at all
+    gm = b.module(reads, zeros)
     signature = _signature(gm, {"slots": Role.SLOT_MAPPING})
-    assert padding_safe_writes(gm, signature, ["empty", "mul"]) == set()
+    assert padding_safe_writes(gm, signature, ["empty", "zeros", "mul", "slots"]) == set()
 
 
 # --- the split: where each node goes -------------------------------------------------------------------------------
@@ -409,19 +442,21 @@ def test_workspaces_are_neither_pieces_nor_eager_nodes_and_what_reads_a_kernels_
     b, n, tokens = _attention_graph()
     n["view"] = b.call(torch.ops.aten.view.default, n["out"], [-1], name="view")  # reads what the kernel wrote
     n["scaled"] = b.call(torch.mul, n["k"], 3, name="scaled")  # reads only what the first piece made
-    gm = b.module(n["total"], n["mla"], n["view"], n["scaled"])
+    n["peek"] = b.call(torch.sum, n["c_cache"], name="peek")  # reads the cache the last piece's write writes
+    gm = b.module(n["total"], n["mla"], n["view"], n["scaled"], n["peek"])
     eager = eager_nodes(gm, _symbols(n["q"].meta["val"]), padding_safe={n["write"], n["mla_write"]})
     segments = split(gm, eager, padding_safe={n["write"], n["mla_write"]})
     # `c`, `pe_row`, `scaled` read only what the first piece reads or makes; `total` and `view` read the
     # kernel's `out`; the cache writes (padding-safe, kept in pieces) stay between the eager nodes they were
     assert _layout(segments) == [["k", "write", "out", "c", "pe_row", "scaled"], ("eager", "attn"),
-                                 ("eager", "kernel"), ["total", "view"], ("eager", "mla"), ["mla_write"]]
+                                 ("eager", "kernel"), ["total", "view"], ("eager", "mla"), ["mla_write", "peek"]]
     assert not any(isinstance(s, EagerNode) and s.node is n["ws"] for s in segments)
     first, second, third = (s for s in segments if isinstance(s, Piece))
     assert first.inputs == [n["q"], n["kc"], n["vc"], n["slots"], n["pe"]]
     assert first.outputs == [n["out"], n["c"], n["pe_row"], n["scaled"]]
     assert second.inputs == [n["attn"], n["out"]] and second.outputs == [n["total"], n["view"]]
-    assert third.inputs == [n["c"], n["pe_row"], n["c_cache"], n["pe_cache"], n["slots"]] and third.outputs == []
+    assert third.inputs == [n["c"], n["pe_row"], n["c_cache"], n["pe_cache"], n["slots"]]
+    assert third.outputs == [n["peek"]]
 
 
 def test_a_node_a_piece_writes_stays_in_place_with_its_writer():
@@ -484,9 +519,11 @@ def test_a_write_into_what_an_eager_node_made_and_what_follows_from_it_run_eager
                                                                                dtype=torch.int64))
     values = b.call(operator.getitem, made, 0)
     bumped = b.method("add_", values, 1.0)
-    gm = b.module(bumped)
+    after = b.call(torch.mul, bumped, 2)  # reads a moved node: a piece's node, after it
+    gm = b.module(after)
     eager = eager_nodes(gm, _symbols(x.meta["val"]), uncapturable={"cumsum"})
-    split(gm, eager)
+    assert _layout(split(gm, eager)) == [["zeros_like"], ("eager", "cumsum"), ("eager", "topk"), ("eager", "getitem"),
+                                         ("eager", "add_"), ["mul"]]
     assert _names(eager) == {"cumsum": "cumsum cannot be captured",
                              "topk": "writes cumsum, zeros_like, which another piece made", "getitem": UNPACKS,
                              "add_": "writes getitem, which another piece made"}
@@ -501,3 +538,49 @@ def test_a_write_into_a_value_its_own_piece_made_stays_in_the_piece():
     gm = b.module(cum)
     eager = eager_nodes(gm, _symbols(x.meta["val"]), uncapturable={"cumsum"})
     assert _layout(split(gm, eager)) == [["mul", "add_"], ("eager", "cumsum")]
+
+
+# --- writes through a list argument (`Tensor(a!)[]`) ---------------------------------------------------------------
+
+
+def test_a_write_into_a_graph_input_held_in_a_list_argument_runs_eagerly_with_its_views():
+    b = Builder()
+    x = b.input("x", b.tensor(4, 6, dynamic=(0,)))
+    buf = b.input("buf", b.tensor(4, 6))
+    fresh = b.call(torch.mul, x, 2, name="fresh")
+    rows = b.call(torch.ops.aten.slice.Tensor, buf, 0, 0, 2, name="rows")
+    bumped = b.call(BUMP_ALL, [fresh, rows], 1.0, name="bumped")
+    gm = b.module(fresh, bumped)
+    eager = eager_nodes(gm, _symbols(x.meta["val"]))
+    assert _names(eager) == {"bumped": "writes graph input storage (rows)", "rows": "a view bumped writes through"}
+    assert all(EagerNode(node, why).writes_caller for node, why in eager.items())
+
+
+def test_a_write_into_another_pieces_value_held_in_a_list_argument_runs_eagerly():
+    b = Builder()
+    x = b.input("x", b.tensor(4, 6, dynamic=(0,)))
+    fresh = b.call(torch.mul, x, 2, name="fresh")
+    cum = b.method("cumsum", x, 1)
+    mine = b.call(torch.mul, cum, 2, name="mine")
+    bumped = b.call(BUMP_ALL, [mine, fresh], 1.0, name="bumped")  # `mine` its piece's, `fresh` the first piece's
+    after = b.call(torch.mul, fresh, 3, name="after")
+    gm = b.module(after, mine)
+    eager = eager_nodes(gm, _symbols(x.meta["val"]), uncapturable={"cumsum"})
+    segments = split(gm, eager)
+    assert eager[bumped] == "writes mine, fresh, which another piece made"
+    assert _layout(segments) == [["fresh"], ("eager", "cumsum"), ["mine"], ("eager", "bumped"), ["after"]]
+    x = torch.randn(5, 6)
+    assert all(torch.equal(g, w) for g, w in zip(_run(gm, segments, [x]), gm(x), strict=True))
+
+
+def test_a_write_held_in_a_list_into_a_value_its_own_piece_made_stays_in_the_piece():
+    b = Builder()
+    x = b.input("x", b.tensor(4, 6, dynamic=(0,)))
+    cum = b.method("cumsum", x, 1)
+    mine = b.call(torch.mul, cum, 2, name="mine")
+    bumped = b.call(BUMP_ALL, [mine], 1.0, name="bumped")
+    late = b.call(torch.sin, x, name="late")  # reads only x, but after a write of its piece: hoisted all the same
+    after = b.call(torch.mul, mine, 3, name="after")
+    gm = b.module(after, late, bumped)
+    eager = eager_nodes(gm, _symbols(x.meta["val"]), uncapturable={"cumsum"})
+    assert _layout(split(gm, eager)) == [["late"], ("eager", "cumsum"), ["mine", "bumped", "after"]]

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .fx_utils import example_value, is_op, placeholders, shape_exprs, written_args
+from .fx_utils import example_value, is_op, nodes_in, placeholders, shape_exprs, written_args
 from .kernel_call import is_kernel
 from .roles import CACHE_WRITES, IN_PLACE_ROLES, GraphSignature, Role
 
@@ -95,6 +95,11 @@ def _symbols(value: Any) -> set[sympy.Symbol]:
     return {s for d in shape or () if not isinstance(d, int) for s in d.free_symbols}
 
 
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The nodes `node` writes: each written argument's, a list argument's (`Tensor(a!)[]`) included."""
+    return nodes_in(written_args(node))
+
+
 def _values(node: fx.Node) -> list[Any]:
     value = example_value(node)
     return list(value) if isinstance(value, (tuple, list)) else [value]
@@ -111,7 +116,7 @@ def padding_safe_writes(gm: fx.GraphModule, signature: GraphSignature, names: Co
         node = by_name.get(name)
         if node is None:
             continue
-        written = [w for w in written_args(node) if isinstance(w, fx.Node)]
+        written = _written(node)
         mapping = node.args[-1] if node.args else None
         if (written and all(roles.get(inputs.get(w)) in IN_PLACE_ROLES for w in written)
                 and isinstance(mapping, fx.Node) and roles.get(inputs.get(mapping)) is Role.SLOT_MAPPING):
@@ -137,7 +142,7 @@ def eager_nodes(gm: fx.GraphModule, piece_symbols: Collection[sympy.Symbol],
             eager[node] = why
     for node, why in list(eager.items()):  # a write through a view of an input: the view too
         if why.startswith("writes"):
-            for written in written_args(node):
+            for written in _written(node):
                 for view in _view_chain(written, input_storages):
                     eager.setdefault(view, Why(f"a view {node.name} writes through", _writes_caller(why)))
     return eager
@@ -157,8 +162,8 @@ def _why_eager(node: fx.Node, eager: dict[fx.Node, str], input_storages: set, al
         return f"{node.target} cannot be captured"
     if node.target is operator.getitem and node.args and node.args[0] in eager:
         return "unpacks an eager node's result"
-    for written in written_args(node):
-        if isinstance(written, fx.Node) and _storage(example_value(written)) in input_storages:
+    for written in _written(node):
+        if _storage(example_value(written)) in input_storages:
             return Why(f"writes graph input storage ({written.name})", writes_caller=True)
     for value in [*_values(node), *(example_value(a) for a in node.all_input_nodes)]:
         extra = _symbols(value) - allowed
@@ -171,9 +176,9 @@ def _writes_caller(why: str) -> bool:
     return isinstance(why, Why) and why.writes_caller
 
 
-def _view_chain(value: Any, input_storages: set) -> Iterable[fx.Node]:
+def _view_chain(value: fx.Node, input_storages: set) -> Iterable[fx.Node]:
     """The nodes computing `value` that are views of graph inputs, back to the placeholder."""
-    stack = [value] if isinstance(value, fx.Node) else []
+    stack = [value]
     seen: set[fx.Node] = set()
     while stack:
         node = stack.pop()
@@ -201,13 +206,12 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
     position = {n: i for i, n in enumerate(nodes)}
     while True:
         slot = _slots(nodes, eager)
-        moved = [n for n in nodes if n not in eager and n not in padding_safe and written_args(n)
+        moved = [n for n in nodes if n not in eager and n not in padding_safe and _written(n)
                  and _writes_elsewhere(n, slot, eager, nodes[:position[n]])]
         if not moved:
             break
         for n in moved:
-            eager[n] = f"writes {', '.join(w.name for w in written_args(n) if isinstance(w, fx.Node))}, which " \
-                       f"another piece made"
+            eager[n] = f"writes {', '.join(w.name for w in _written(n))}, which another piece made"
             for user in n.users:
                 if user.target is operator.getitem:
                     eager.setdefault(user, "unpacks an eager node's result")
@@ -241,12 +245,12 @@ def _slots(nodes: list[fx.Node], eager: dict[fx.Node, str]) -> dict[fx.Node, int
     writes or a piece's node writes its value, the piece it was in (a value only eager nodes write, as a
     kernel's `out`, is made before them either way)."""
     written = _storages(example_value(w) for n in nodes if n not in eager  # in a piece: keep order with them
-                        for w in written_args(n) if isinstance(w, fx.Node))
+                        for w in _written(n))
     slot: dict[fx.Node, int] = {}
     rank = 0
     writes_so_far: list[tuple[set, int]] = []  # (storages an eager or in-place node wrote, the slot after it)
     for n in nodes:
-        writes = _storages(example_value(w) for w in written_args(n) if isinstance(w, fx.Node))
+        writes = _storages(example_value(w) for w in _written(n))
         if n in eager:
             slot[n] = rank
             rank += 1
@@ -273,9 +277,7 @@ def _writes_elsewhere(n: fx.Node, slot: dict[fx.Node, int], eager: dict[fx.Node,
                       ) -> bool:
     """Whether piece node `n` writes a storage that no node of its own piece made first (a graph
     input's, an eager node's, another piece's); `earlier`: the nodes before it, in graph order."""
-    for w in written_args(n):
-        if not isinstance(w, fx.Node):
-            continue
+    for w in _written(n):
         storage = _storage(example_value(w))
         owner = next((m for m in [*earlier, n] if storage in _storages(_values(m))), None)
         if owner is None or owner in eager or slot[owner] != slot[n]:
