@@ -98,6 +98,7 @@ def test_the_groups_a_graphs_collectives_name_once_each_in_name_order(ranks):
                 (c10d.all_gather_into_tensor.default, (2, "tp"), {}))
     assert collective_groups(gm) == ["pg:dp", "pg:tp"]
     assert collective_groups(_graph((torch.ops.aten.relu.default, (), {}))) == []
+    assert collective_groups(_graph((torch.relu, (), {}))) == []  # a Python function: no schema to read
 
 
 def test_a_call_module_named_like_a_collective_is_no_collective(ranks):
