@@ -325,3 +325,70 @@ def test_a_key_captures_up_to_max_specializations_values_of_a_specialized_size(r
     assert sorted((str(k), s) for k, s in art.piecewise) == [("p16", ((symbol, 20),)), ("p16", ((symbol, 30),))]
     assert [g.name for g in art.piecewise.values()] == [f"p16[{symbol}=20]", f"p16[{symbol}=30]"]
     assert (art.stats["captures"], art.stats["piecewise_captures"], art.stats["eager_fallbacks"]) == (2, 2, 2)
+
+
+def test_under_save_cache_rows_each_step_saves_its_own_cache_rows_counted():
+    """`save_cache_rows`: each step, full or piecewise, saves the rows of its slots in every KV cache
+    (4 caches of 2 heads x 16 float32: 128 bytes a row) before it runs, the saves counted as launches
+    outside the graph; by default nothing is saved and both counts stay 0."""
+    for save, rows in ((True, (2, 40)), (False, (0, 0))):
+        cfg, model, reference = _llama()
+        fn, artifacts = _compile(model, runtime="sim", save_cache_rows=save)
+        batch = PagedBatch(cfg, seed=4)
+        _steps(fn, reference, batch, [([5, 9], None)])
+        stats = artifacts[-1].stats
+        assert stats["saved_bytes"] == 4 * rows[0] * 128 and (stats["launches_outside_graph"] > 0) is save, stats
+        launches = stats["launches_outside_graph"]
+        _steps(fn, reference, batch, [([40], [40])])
+        assert stats["saved_bytes"] == 4 * sum(rows) * 128 and stats["piecewise_steps"] == 1, stats
+        assert stats["launches_outside_graph"] == 2 * launches, stats  # as many saves per step
+
+
+def test_a_full_graph_whose_checked_replay_differs_serves_no_later_step():
+    """`verify_every=1`; from the second step on the task updates are skipped (stale lengths): that
+    replay differs from eager, eager's result is returned, and the graph serves no later step (its
+    steps go to the pieces, the reason naming the replay and the first mismatch)."""
+    from tests.test_verify import RecordOnly
+
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", verify=True, verify_every=1)
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    art = artifacts[-1]
+    art.target.updates = RecordOnly()
+    _steps(fn, reference, batch, [([6, 10], None), ([7, 11], None)])
+    (entry,) = art.graphs.values()
+    assert entry.verified["replay"] == 2 and not entry.verified["ok"] and entry.replays == 2
+    reason = f"b4.decode: its replay 2 differed from eager ({entry.verified['mismatches'][0]})"
+    assert entry.eager_reason == reason and art.not_full == {reason: 1}
+    assert (art.stats["verified_replays"], art.stats["verify_failures"], art.stats["replays"]) == (3, 1, 2)
+    assert art.served == {("decode", "full"): 2, ("decode", "piecewise"): 1}
+
+
+def test_a_step_with_an_input_requiring_grad_under_grad_mode_runs_as_traced():
+    """The artifact called under grad mode with weights requiring grad (as dynamo 2.10's guards let
+    through): the step runs as traced, its output requiring grad, counted as an eager fallback only."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    seen = []
+    _steps(fn, reference, batch, [([5, 9], None)])
+    art = artifacts[-1]
+    call = art._call
+    art._call = lambda args, direct, fixed=None: (seen.append(args), call(args, direct, fixed))[1]
+    _steps(fn, reference, batch, [([6, 10], None)])
+    del art._call
+    args = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+            and a.dim() == 2 and a.shape[0] == a.shape[1] else a for a in seen[0]]
+    assert any(getattr(a, "requires_grad", False) for a in args)
+    before = dict(art.stats)
+    with torch.enable_grad():
+        (out,) = art(*args)
+    assert out.requires_grad and out.grad_fn is not None
+    assert art.stats["eager_fallbacks"] == 1 and art.stats["steps"] == before["steps"] == 2
+    assert art.stats["replays"] == before["replays"] and sum(art.not_full.values()) == 0
+    assert art._fallbacks_logged == {"grad mode is on and an input requires grad (autograd kept)"}
+    with torch.no_grad():
+        (again,) = art(*seen[0])  # the same step's arguments, no grad: replayed
+    assert_close(again, out.detach())
+    assert art.stats["replays"] == before["replays"] + 1
