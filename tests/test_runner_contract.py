@@ -392,3 +392,22 @@ def test_a_step_with_an_input_requiring_grad_under_grad_mode_runs_as_traced():
         (again,) = art(*seen[0])  # the same step's arguments, no grad: replayed
     assert_close(again, out.detach())
     assert art.stats["replays"] == before["replays"] + 1
+
+
+def test_an_output_viewing_a_callers_tensor_is_returned_as_that_view_full_and_piecewise():
+    """`return logits, buf[0]` after writing `buf`: the second output is the caller's own row (its
+    storage), as eager returns it, whether a full graph (3 tokens) or the pieces (9 tokens) served."""
+    from tests.test_runtime_graphs import Caller, compiled, make_step
+
+    torch._dynamo.reset()
+    body = "buf[0, :n].copy_(tokens)\nreturn logits, buf[0]"
+    fn, artifacts = compiled(make_step(body), runtime="sim")
+    reference, caller = make_step(body), Caller(0)
+    with torch.no_grad():
+        for size in (3, 9, 9, 3):
+            inputs = caller.step(size)
+            got, want = torch.zeros(1, 40, dtype=torch.int64), torch.zeros(1, 40, dtype=torch.int64)
+            (logits, row), (want_logits, want_row) = fn(**inputs, buf=got), reference(**inputs, buf=want)
+            assert row.data_ptr() == got.data_ptr() and torch.equal(row, want_row) and torch.equal(got, want)
+            assert_close(logits, want_logits)
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) == 2 and sum(a.stats["replays"] for a in artifacts) >= 1
