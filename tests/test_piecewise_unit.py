@@ -173,3 +173,18 @@ def test_eager_nodes_between_pieces_are_the_attention_kernels(p64):
     eager = [s for s in graph.segments if isinstance(s, EagerNode)]
     assert [type(s).__name__ for s in graph.segments] == ["Piece", "EagerNode", "Piece", "EagerNode", "Piece"]
     assert all(s.node in graph.fallbacks and not s.writes_caller for s in eager)
+
+
+def test_a_step_copies_its_rows_in_once_a_piece_and_pads_the_slot_mapping_with_minus_one(p64):
+    """After the 40- and 50-token steps: one copy-in per step (only the first piece reads values made
+    outside the pieces), each piece replayed and each attention kernel run once a step; the slot
+    mapping's buffer holds the last step's 50 slots, then -1 (the cache writes skip it)."""
+    art, graph, (step, args) = p64
+    assert dict(art.pieces.launches) == {"copies": 2, "replays": 6, "eager_ops": 4}
+    assert graph.replays == 2
+    (node, buffer), = [(n, b) for n, b in graph.pieces[0].copied if n.name == "l_slot_mapping_"]
+    slots = args[graph.index[node]]
+    assert slots.shape == (50,) and torch.equal(buffer[:50], slots) and bool((buffer[50:] == -1).all())
+    (ids, ids_buffer), = [(n, b) for n, b in graph.pieces[0].copied if n.name == "l_input_ids_"]
+    assert torch.equal(ids_buffer[:50], args[graph.index[ids]])
+    assert art.seconds["copy_in"] > 0 and art.seconds["launch_and_updates"] > 0
