@@ -22,7 +22,8 @@ import ascend_compile.ops.library  # noqa: F401  (registers the ascend ops)
 import ascend_compile.ops.mla  # noqa: F401
 from ascend_compile.passes import split_pieces as sp
 from ascend_compile.passes.roles import GraphSignature, InputSpec, Role
-from ascend_compile.passes.split_pieces import EagerNode, Piece, Why, eager_nodes, padding_safe_writes, piece_module, split
+from ascend_compile.passes.split_pieces import (EagerNode, Piece, Why, eager_nodes, padding_safe_writes, piece_module,
+                                                split)
 
 ascend = torch.ops.ascend
 
@@ -73,7 +74,8 @@ class Builder:
         return node
 
     def call(self, target: Any, *args: Any, name: str | None = None, **kwargs: Any) -> fx.Node:
-        node = self.graph.create_node("call_function", target, args, kwargs, name=name or getattr(target, "_opname", None))
+        name = name or getattr(target, "_opname", None)  # an overload's node named as its packet's
+        node = self.graph.create_node("call_function", target, args, kwargs, name=name)
         with self.mode:
             node.meta["val"] = target(*_vals(args), **_vals(kwargs))
         return node
@@ -212,7 +214,8 @@ def test_a_tuple_value_holding_another_size_runs_eagerly():
     both.meta["val"] = (both.meta["val"][0], lens)  # a tuple whose second tensor has the sequence count
     gm = b.module(both)
     (lens_sym,) = _symbols(lens)
-    assert _names(eager_nodes(gm, _symbols(x.meta["val"]))) == {"topk": f"holds the size {lens_sym} (not the token count)"}
+    assert _names(eager_nodes(gm, _symbols(x.meta["val"]))) == {
+        "topk": f"holds the size {lens_sym} (not the token count)"}
 
 
 def test_a_write_into_a_graph_input_runs_eagerly_and_so_does_each_view_it_writes_through():
@@ -253,6 +256,21 @@ def test_a_view_sized_by_a_graph_input_is_followed_back_to_the_input_it_views():
                              "rows": "a view add_ writes through"}
 
 
+def test_every_view_of_the_written_input_a_written_view_is_computed_from_runs_eagerly():
+    """A written view computed from two views of the input (`view_as`): the walk back goes through both."""
+    b = Builder()
+    x = b.input("x", b.tensor(4, 6, dynamic=(0,)))
+    buf = b.input("buf", b.tensor(4, 6))
+    top = b.call(torch.ops.aten.slice.Tensor, buf, 0, 0, 2, name="top")
+    bottom = b.call(torch.ops.aten.slice.Tensor, buf, 0, 2, 4, name="bottom")
+    shaped = b.method("view_as", top, bottom)  # a view of `top`, shaped as `bottom`
+    bumped = b.method("add_", shaped, 1.0)
+    gm = b.module(bumped, x)
+    eager = _names(eager_nodes(gm, _symbols(x.meta["val"])))
+    assert eager["add_"] == "writes graph input storage (view_as)"
+    assert eager["view_as"] == eager["top"] == "a view add_ writes through"  # the view written through, its base
+
+
 def test_the_views_a_cache_write_writes_through_run_eagerly_writing_no_callers_tensor():
     """vLLM's caches: one `[blocks, 2, ...]` tensor, its key and value caches views of it."""
     b = Builder()
@@ -281,7 +299,8 @@ def test_why_is_its_text_and_says_whether_a_callers_tensor_is_written():
 def test_a_value_without_storage_is_no_graph_inputs_storage():
     b = Builder()
     x = b.input("x", b.tensor(4, 6))
-    sparse = b.input("sparse", torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0), (3, 3), check_invariants=False))
+    empty = torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0), (3, 3), check_invariants=False)
+    sparse = b.input("sparse", empty)
     y = b.call(torch.mul, x, 2)
     gm = b.module(y, sparse)
     assert eager_nodes(gm, set()) == {}

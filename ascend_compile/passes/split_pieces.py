@@ -216,7 +216,7 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
                 if user.target is operator.getitem:
                     eager.setdefault(user, "unpacks an eager node's result")
     segments: list[Segment] = []
-    where: dict[fx.Node, int] = {n: -1 for n in gm.graph.nodes if n.op == "placeholder" or is_op(n, _WORKSPACE)}
+    where: dict[fx.Node, int] = {}  # each piece's and eager node's segment (placeholders and workspaces read nothing)
     by_slot: dict[int, list[fx.Node]] = {}
     for n in nodes:
         if n not in eager:
