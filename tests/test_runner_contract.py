@@ -411,3 +411,24 @@ def test_an_output_viewing_a_callers_tensor_is_returned_as_that_view_full_and_pi
             assert row.data_ptr() == got.data_ptr() and torch.equal(row, want_row) and torch.equal(got, want)
             assert_close(logits, want_logits)
     assert sum(a.stats["piecewise_steps"] for a in artifacts) == 2 and sum(a.stats["replays"] for a in artifacts) >= 1
+
+
+def test_a_step_the_targets_guard_refuses_goes_to_the_pieces_which_run_the_attention_ops(monkeypatch):
+    """A target whose step guard refuses sequences of 101-999 tokens (the capture step's 1,024 pass): the
+    decode step holding one goes to the p4 pieces, whose kernels the guard refuses too, so the layers'
+    attention ops run between them (counted per reason); every step equals eager."""
+    from ascend_compile.targets import Target
+
+    why = "a sequence of 101-999 tokens"
+    monkeypatch.setattr(Target, "step_guard", lambda self, gm, key, config: lambda host, args: (
+        why if any(100 < n < 1000 for lens in host.values() for n in lens) else None))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None), ([5, 120], None), ([130], [40]), ([40], [40]), ([6, 10], None)])
+    art = artifacts[-1]
+    assert art.not_full == {why: 1, NO_GRAPH.format(40, 1): 2}
+    assert art.served == {("decode", "full"): 2, ("decode", "piecewise"): 1, ("prefill", "piecewise"): 2}
+    assert (art.stats["replays"], art.stats["piecewise_steps"], art.stats["eager_fallbacks"]) == (2, 3, 0)
+    refused = {str(k): dict(g.refusals) for (k, _), g in art.piecewise.items()}
+    assert refused == {"p4": {why: 1}, "p64": {why: 1}}

@@ -1254,8 +1254,8 @@ MUTANTS = (
     ),
     Mutant(
         "piecewise: the kernel run where the target refuses its lengths", "ascend_compile/lowering/piecewise.py",
-        "        self.refusals[refusal] += 1\n        return plan, False, None",
-        "        self.refusals[refusal] += 1\n        return plan, True, None",
+        "            self.refusals[refusal] += 1\n        return plan, False, None",
+        "            self.refusals[refusal] += 1\n        return plan, True, None",
         (f"{PIECEWISE}::test_mla_prefill_chunks_on_npu_are_served_piecewise",),
     ),
     Mutant(

@@ -287,7 +287,7 @@ class PiecewiseGraph:
 
     # -- one step ------------------------------------------------------------------------------------
 
-    def plan(self, step: Step, args: Sequence[Any]) -> tuple[StepPlan, bool, str | None]:
+    def plan(self, step: Step, args: Sequence[Any], counted: bool = True) -> tuple[StepPlan, bool, str | None]:
         """The step's own host lists, whether its kernels run (else the layers' attention ops), and why
         the step cannot run on these pieces (the target refuses a kernel that has no op to run instead)."""
         plan = real_plan(step, self.sources)
@@ -298,7 +298,8 @@ class PiecewiseGraph:
             return plan, True, None
         if self.unbacked:
             return plan, False, f"{refusal}, and {self.unbacked} has no attention op to run instead"
-        self.refusals[refusal] += 1
+        if counted:  # a refused step counted once: not in the capture's plan of the step `serve` plans again
+            self.refusals[refusal] += 1
         return plan, False, None
 
     def run(self, runtime: GraphRuntime, step: Step, plan: StepPlan, use_kernels: bool, args: Sequence[Any],

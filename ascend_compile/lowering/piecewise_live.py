@@ -51,7 +51,7 @@ class LiveCapture:
         self.step = step
         self.args = args
         self.workspace = workspace
-        self.plan, self.use_kernels, refusal = graph.plan(step, args)
+        self.plan, self.use_kernels, refusal = graph.plan(step, args, counted=False)  # `serve` plans it again
         #: not run: the step cannot run on these pieces (a kernel the target refuses has no op to run
         #: instead), or the graph holds functional collectives (below)
         self.refused = refusal is not None or bool(collective_groups(graph.gm))
