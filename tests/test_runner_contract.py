@@ -432,3 +432,31 @@ def test_a_step_the_targets_guard_refuses_goes_to_the_pieces_which_run_the_atten
     assert (art.stats["replays"], art.stats["piecewise_steps"], art.stats["eager_fallbacks"]) == (2, 3, 0)
     refused = {str(k): dict(g.refusals) for (k, _), g in art.piecewise.items()}
     assert refused == {"p4": {why: 1}, "p64": {why: 1}}
+
+
+def test_a_staged_input_overlapping_one_the_graph_writes_runs_eagerly_saying_which(caplog):
+    """The caller's buffer a view of the value cache (`test_audit36_survivors.WritesBeforeAttending`): the
+    step runs eagerly, the reason naming the overlapping inputs, each step counted; a buffer of its own
+    (no overlap) is replayed."""
+    from tests.test_audit36_survivors import WritesBeforeAttending, _rows_of_first_block
+    from tests.test_runtime_graphs import Caller, compiled
+
+    torch._dynamo.reset()
+    model, reference = WritesBeforeAttending(), WritesBeforeAttending()
+    fn, artifacts = compiled(model, runtime="sim")
+    caller = Caller(0)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="ascend_compile"):
+        for size in (3, 3):
+            inputs = caller.step(size)
+            got = fn(**inputs, buf=_rows_of_first_block(model, inputs["block_table"]))
+            assert_close(got, reference(**inputs, buf=_rows_of_first_block(reference, inputs["block_table"])))
+            assert_close(model.value_cache, reference.value_cache)
+        inputs = caller.step(3)
+        own = torch.zeros_like(_rows_of_first_block(model, inputs["block_table"]))
+        assert_close(fn(**inputs, buf=own), reference(**inputs, buf=own.clone()))
+    art = artifacts[-1]
+    (why,) = art.not_full
+    assert why.startswith("inputs [") and why.endswith("] overlap in memory and the graph writes one of them"), why
+    assert art.not_full[why] == 2 and art.served[("decode", "eager")] == 2 and art.stats["eager_fallbacks"] == 2
+    assert caplog.text.count(f"{why}: running eagerly") == 1 and art.stats["steps"] == 3
+    assert art.served[("decode", "full")] == 1 and art.stats["replays"] == 1, art.stats
