@@ -11,6 +11,8 @@ are this file and `tests/test_direct_units.py`."""
 from __future__ import annotations
 
 import logging
+import sys
+import types
 
 import pytest
 import torch
@@ -469,3 +471,138 @@ def test_a_tensors_metadata_and_the_shape_guards_are_checked():
     assert kind.startswith("dynamo's shape guard ") and kind.endswith(" fails") and "L['y'].size()[0]" in kind
     assert passes(fn, torch.randn(7, 4), torch.randn(7, 4))
 
+
+
+@torch.no_grad()
+def test_a_route_is_given_up_after_exactly_four_routes_fail_at_their_first_call():
+    model = Linear()
+    fn, _ = compiled(model)
+    assert call(fn, X)[1]  # armed, not yet used
+    given_up = []
+    for _ in range(5):
+        model.lin.weight = nn.Parameter(torch.randn(4, 4))
+        assert call(fn, X)[1]
+        given_up.append(type(fn.dispatcher.routes[1, ()]) is str)
+    assert given_up == [False, False, False, True, True]
+
+
+@torch.no_grad()
+def test_a_failed_route_is_dropped_when_arming_again_is_refused():
+    """A route that served, then fails while every call through dynamo changes torch's state: the failed
+    route is not kept, so the refusals count up and the layout is given up at the fourth attempt."""
+    model = Linear()
+    fn, _ = armed(model, X)
+    real = fn.compiled
+
+    def switching(*args, **kwargs):
+        torch.use_deterministic_algorithms(True)
+        return real(*args, **kwargs)
+
+    fn.compiled, given_up = switching, []
+    try:
+        for _ in range(4):
+            model.lin.weight = nn.Parameter(torch.randn(4, 4))
+            assert call(fn, X)[1]
+            torch.use_deterministic_algorithms(False)
+            given_up.append(fn.dispatcher.routes.get((1, ())))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert given_up[:2] == [None, None] and given_up[2].startswith("the call changed torch's global state (")
+
+
+@torch.no_grad()
+def test_the_guard_policy_is_asked_before_a_route_stands_in_for_dynamos_guards():
+    asked = []
+    model = Linear()
+    dispatcher = dispatcher_mod.DirectDispatcher(model, guard_policy=lambda guards: asked.append(guards) or
+                                                 "the guards read a global")
+    fn, _ = compiled(model)
+    through = lambda a, k: fn._through_dynamo(a, k)  # noqa: E731
+    assert dispatcher((X,), {}, through) is not None and dispatcher.routes[1, ()] == "the guards read a global"
+    assert type(asked[0]).__name__ == "GuardManagerWrapper"
+
+
+@torch.no_grad()
+def test_direct_calls_are_armed_only_on_a_torch_that_proved_them(monkeypatch, caplog):
+    monkeypatch.setattr(dispatcher_mod, "fast_path_refusal", lambda name: f"{name} is proven on torch 9.9 only")
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        fn, _ = compiled(Linear())
+        assert [call(fn, X)[1], call(fn, X)[1]] == [True, True]
+    assert fn.dispatcher.frame.refusal == "direct is proven on torch 9.9 only" and fn.dispatcher.routes == {}
+    assert _direct_messages(caplog) == [(logging.INFO, "direct is proven on torch 9.9 only: calls go through dynamo")]
+    assert dispatcher_mod.DirectDispatcher(Varying()).frame.refusal == (
+        "Varying.forward takes *rest: its locals depend on the call")  # the frame's own refusal kept
+
+
+# A hoisted value-type opaque object (vLLM's `LayerName`): dynamo's code builds it before each call from a
+# module attribute it guards, and passes it to the graph; a direct call passes the object of the armed call.
+try:
+    from torch._library.opaque_object import OpaqueBase, register_opaque_type
+except ImportError:  # torch < 2.11: no opaque types
+    OpaqueBase, register_opaque_type = object, None
+
+
+class Tag(OpaqueBase):
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, Tag) and self.value == other.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __fx_repr__(self):
+        return f"Tag({self.value!r})", {"Tag": Tag}
+
+
+def _tagged(x: torch.Tensor, tag: Tag) -> torch.Tensor:
+    return x * (2.0 if tag.value == "double" else 1.0)
+
+
+if register_opaque_type is not None:
+    Tag.__module__ = "ascend_compile_test_tags"  # dynamo's code imports the class from its module
+    sys.modules[Tag.__module__] = types.SimpleNamespace(Tag=Tag)
+    register_opaque_type(Tag, typ="value", hoist=True)
+    _LIB = torch.library.Library("ascend_compile_test", "FRAGMENT")
+    _LIB.define("tagged" + torch.library.infer_schema(_tagged, mutates_args=()))
+    _LIB.impl("tagged", _tagged, "CompositeExplicitAutograd")
+    _LIB._register_fake("tagged", lambda x, tag: torch.empty_like(x))
+
+
+class Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.tag_name = nn.Linear(4, 4), "double"
+
+    def forward(self, x):
+        return torch.ops.ascend_compile_test.tagged(self.lin(x), Tag(self.tag_name))
+
+
+class TaggedFromList(Tagged):
+    """The tag's value read from a list: not a plain attribute, which a direct call could take as traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.tag_names = ["double"]
+
+    def forward(self, x):
+        return torch.ops.ascend_compile_test.tagged(self.lin(x), Tag(self.tag_names[0]))
+
+
+@pytest.mark.skipif(register_opaque_type is None, reason="torch without opaque types")
+@torch.no_grad()
+def test_a_hoisted_opaque_input_is_passed_as_dynamo_passed_it_when_armed():
+    model = Tagged()
+    fn, artifacts = armed(model, X)
+    inputs = artifacts[0].graph_inputs
+    assert inputs.hoisted == (4,) and inputs.sources[4] == "H[4]" and inputs.refusal is None
+    assert inputs.static_sizes[4] is None and inputs.static_strides[4] is None
+    assert not any("A[4]" in guard for guard in inputs.shape_guards)
+    result, through_dynamo = call(fn, X)
+    assert not through_dynamo and artifacts[0].direct[-1][0][4] == Tag("double")
+    torch.testing.assert_close(result, model.lin(X) * 2)
+    fn, _ = compiled(TaggedFromList())
+    assert call(fn, X)[1] and call(fn, X)[1]
+    assert fn.dispatcher.routes[1, ()] == (
+        "dynamo's code for TaggedFromList.forward does more than call the graph: LOAD_ATTR 'tag_names'")

@@ -238,6 +238,16 @@ def test_the_return_value_is_made_of_the_graphs_outputs():
     assert not route._same(1, True) and not route._same(1, 1.0) and not route._same(1, 2)
 
 
+_GLOBAL_BOX = types.SimpleNamespace(n="global")
+
+
+class _StoreHost:
+    flag = "host"
+
+    def step(this, x, other=types.SimpleNamespace(n="default")):
+        return x
+
+
 def test_constant_stores_are_read_before_the_call_and_must_hold_their_value():
     box = types.SimpleNamespace(flag=True)
 
@@ -249,6 +259,12 @@ def test_constant_stores_are_read_before_the_call_and_must_hold_their_value():
                                                                        ("L['other']", "n"): MISSING}
     assert route.read_stores(frame, (1, ("box",)), stores[:1], (1,), {"box": 5}) == {("L['box']", "flag"): MISSING}
     assert route.read_stores(frame, (4, ()), stores, (1, box, 2, 3), {}) == {}  # the layout does not bind
+    host = _StoreHost()
+    reached = [ConstantStore("L['this']", "flag", 1), ConstantStore("L['other']", "n", 2),
+               ConstantStore("G['_GLOBAL_BOX']", "n", 3), ConstantStore("L['x'].inner", "n", 4)]
+    assert route.read_stores(frame_of(host.step), (1, ()), reached, (box,), {}) == {
+        ("L['this']", "flag"): "host", ("L['other']", "n"): "default", ("G['_GLOBAL_BOX']", "n"): "global",
+        ("L['x'].inner", "n"): MISSING}  # through the bound object, a default, a global; a target not there
     route._check_stores([], None)
     for before in (None, {("L['box']", "flag"): True}):
         with pytest.raises(route.Refused) as refused:
@@ -311,6 +327,7 @@ class _Recording:
 
     def call_direct(self, args, fixed=None):
         self.calls.append((list(args), torch._C._is_torch_function_enabled()))
+        self.fixed = fixed
         if self.inner is not None:
             inner, self.inner = self.inner, None
             inner()
@@ -326,7 +343,7 @@ def test_a_route_fills_its_list_unless_another_call_holds_it_and_says_why_it_fal
     made = Route = route.Route(art, gathering.gather([check], namespace), gathering.build(namespace), [check], namespace,
                                lambda outs: outs, fixed=frozenset({1}), fill=gathering.fill([check], namespace),
                                graph_args=[0, sentinel])
-    assert made((1,), {}) == 1 and made._args == [1, sentinel] and made.used
+    assert made((1,), {}) == 1 and made._args == [1, sentinel] and made.used and art.fixed == frozenset({1})
     art.inner = lambda: made((2,), {})  # a call inside a call: a fresh tuple, the outer's list untouched
     assert made((3,), {}) == 3 and made._args == [3, sentinel]
     assert [args for args, _ in art.calls] == [[1, sentinel], [3, sentinel], [2, sentinel]]
@@ -334,13 +351,18 @@ def test_a_route_fills_its_list_unless_another_call_holds_it_and_says_why_it_fal
         made((7,), {})
     assert (why.value.kind, why.value.detail, str(why.value)) == ("x is small", "", "x is small")
     assert str(route.Fallback("kind", "detail")) == "kind: detail"
-    assert made.explain((1,), {}).kind == "a check failed"
+    failed = made.explain((1,), {})
+    assert (failed.kind, failed.detail, str(failed)) == ("a check failed", "", "a check failed")
     broken = route.Route(art, lambda a, k: None, lambda a, k: a[5], [check], namespace, lambda outs: outs)
     fell = broken.explain((1,), {})
     assert (fell.kind, fell.detail) == ("the graph's inputs could not be gathered", "IndexError: tuple index out of range")
     plain = route.Route(art, gathering.gather([check], namespace), gathering.build(namespace), [check], namespace,
                         lambda outs: outs, torch_function_disabled=True)
-    assert not plain.used and plain((4,), {}) == 4 and art.calls[-1] == ([4, sentinel], False)
+    assert plain.used is False and plain((4,), {}) == 4 and art.calls[-1] == ([4, sentinel], False)
+    assert plain.used is True and art.fixed == frozenset()
+    disabled = route.Route(art, gathering.gather([check], namespace), gathering.build(namespace), [check], namespace,
+                           lambda outs: outs, True, frozenset({1}))
+    assert disabled((2,), {}) == 2 and art.fixed == frozenset({1}) and art.calls[-1] == ([2, sentinel], False)
     assert art.calls[0][1] is True  # dispatch on where dynamo's graph runs with it on
 
 
