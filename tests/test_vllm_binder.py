@@ -219,3 +219,18 @@ def test_the_host_copies_of_every_group_are_merged():
     hosts = [lambda c: {"seq_lens_0": [c, 1]}, lambda c: {"seq_lens_1": [2]}, lambda c: {}]
     assert _host_all(9, hosts) == {"seq_lens_0": [9, 1], "seq_lens_1": [2]}
     assert _host_all(9, []) == {}
+
+
+def test_by_default_the_forward_context_is_vllms(monkeypatch):
+    import sys
+    import types
+
+    ctx = object()
+    module = types.ModuleType("vllm.forward_context")
+    module.get_forward_context = lambda: ctx
+    monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("vllm") or types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.forward_context", module)
+    monkeypatch.setattr(sys.modules["vllm"], "forward_context", module, raising=False)
+    binder = ForwardContextBinder()
+    assert binder.get_forward_context is binder_module._default_forward_context
+    assert binder.current_context() is ctx and binder.example_inputs == [] and binder.group_layers == []
