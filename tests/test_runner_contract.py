@@ -76,6 +76,9 @@ def test_without_piecewise_graphs_a_step_no_bucket_holds_runs_eagerly_saying_why
     assert art.not_full == {reason: 1} and art.served == {("decode", "full"): 1, ("prefill", "eager"): 1}
     assert art.stats["eager_fallbacks"] == 1 and art.stats["piecewise_steps"] == 0
     assert f"ascend_compile: {reason}: running eagerly" in caplog.text
+    if options["runtime"] == "eager":  # the counters of work outside graphs are shown even at 0
+        shown = ("launches_outside_graph", "saved_bytes", "synchronizes")
+        assert set(shown) <= set(art.stats) and all(art.stats[k] == 0 for k in shown), art.stats
 
 
 def test_capture_all_captures_every_decode_bucket_largest_first_at_the_first_capture(caplog):
@@ -170,6 +173,7 @@ def test_a_moved_kv_cache_captures_the_full_graph_and_the_pieces_again(dispatch,
     _steps(fn, reference, batch, [([5, 9], None), ([40], [40])])
     for m in (model, reference):
         m.layers[0].attn.key_cache = m.layers[0].attn.key_cache.clone()
+        m.layers[1].down.weight = torch.nn.Parameter(m.layers[1].down.weight * 1.5)  # a new weight too
     with caplog.at_level(logging.INFO, logger="ascend_compile"):
         _steps(fn, reference, batch, [([6, 10], None), ([41], [40])])
     assert len(artifacts) == 1
@@ -178,6 +182,7 @@ def test_a_moved_kv_cache_captures_the_full_graph_and_the_pieces_again(dispatch,
     assert (stats["recaptures"], stats["captures"], stats["piecewise_captures"]) == (2, 2, 2), stats
     assert (stats["replays"], stats["piecewise_steps"]) == (2, 2), stats
     assert caplog.text.count("moved since b4.decode was captured: re-capturing it") == 1
+    assert "1 KV cache input" in caplog.text and "1 parameter" in caplog.text, caplog.text
 
 
 def test_verify_every_checks_the_first_replay_and_every_nth_of_full_and_piecewise_graphs():
@@ -460,3 +465,42 @@ def test_a_staged_input_overlapping_one_the_graph_writes_runs_eagerly_saying_whi
     assert art.not_full[why] == 2 and art.served[("decode", "eager")] == 2 and art.stats["eager_fallbacks"] == 2
     assert caplog.text.count(f"{why}: running eagerly") == 1 and art.stats["steps"] == 3
     assert art.served[("decode", "full")] == 1 and art.stats["replays"] == 1, art.stats
+
+
+def test_plan_json_says_what_was_captured_and_served_and_a_runtime_verifying_by_default_verifies(tmp_path):
+    """With `dump_dir`: plan.json names the captured decode graph and piecewise size; the artifact's
+    `describe` and `memory_report` answer. A runtime whose first replays are verified by default (as the
+    devices') verifies them with `verify` unset; `verify=False` turns it off."""
+    import glob
+    import json
+
+    import ascend_compile
+    from ascend_compile.backend import backend
+    from ascend_compile.config import CompileConfig
+    from ascend_compile.runtime.sim import SimRuntime
+    from ascend_compile.targets import Target
+
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", dump_dir=str(tmp_path))
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None), ([40], [40])])
+    art = artifacts[-1]
+    (path,) = glob.glob(str(tmp_path / "**" / "plan.json"), recursive=True)
+    plan = json.loads(open(path).read())
+    assert plan["graphs"]["b4.decode"]["capture_seconds"] > 0 and "update_table" in plan["graphs"]["b4.decode"]
+    assert plan["piecewise"]["graphs"]["p64"]["captured"] is True
+    described = art.describe()
+    assert described["piecewise"]["graphs"]["p64"]["replays"] == 1 and "workspace_group" not in described
+    assert set(art.memory_report()) == {"workspace_bytes", "graphs", "piecewise", "pool"}
+
+    for verify, checked in ((None, 2), (False, 0)):
+        sim = SimRuntime()
+        sim.verify_first_replays = True
+        cfg, model, reference = _llama()
+        torch._dynamo.reset()
+        artifacts = []
+        config = CompileConfig(max_model_len=1024, capture_sizes=(4, 8), verify=verify)
+        fn = ascend_compile.compile(model, backend=backend(config, on_compiled=artifacts.append,
+                                                            target=lambda device, config: Target(sim)))
+        _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([40], [40]), ([6, 10], None)])
+        assert artifacts[-1].stats["verified_replays"] == checked, (verify, artifacts[-1].stats)
