@@ -216,7 +216,7 @@ def split(gm: fx.GraphModule, eager: dict[fx.Node, str], extra_reads: dict[fx.No
                 if user.target is operator.getitem:
                     eager.setdefault(user, "unpacks an eager node's result")
     segments: list[Segment] = []
-    where: dict[fx.Node, int] = {}  # each piece's and eager node's segment (placeholders and workspaces read nothing)
+    where: dict[fx.Node, int] = {}  # each segment node's segment: every reader of a piece's node is one
     by_slot: dict[int, list[fx.Node]] = {}
     for n in nodes:
         if n not in eager:
@@ -300,7 +300,7 @@ def _wire(gm: fx.GraphModule, segments: list[Segment], where: dict[fx.Node, int]
         members = set(segment.nodes)
         segment.inputs = list(dict.fromkeys(a for n in segment.nodes for a in n.all_input_nodes if a not in members))
         segment.outputs = [n for n in segment.nodes
-                           if any(u is output or where.get(u, index) != index for u in [*n.users, *read_by.get(n, ())])]
+                           if any(u is output or where[u] != index for u in [*n.users, *read_by.get(n, ())])]
 
 
 def piece_module(gm: fx.GraphModule, piece: Piece) -> fx.GraphModule:
