@@ -268,7 +268,8 @@ def test_a_capture_the_device_refuses_costs_that_graph_and_that_piece_size_only(
 def test_outputs_are_the_callers_own_unless_clone_outputs_is_off_and_host_seconds_leave_out_the_device(clone):
     """A full graph's and a piecewise graph's outputs survive the next step of the same graph (copies of
     the static outputs), or under `clone_outputs=False` are those static outputs (the next step writes
-    them). The host seconds of steps are at most their wall time less the device's."""
+    them). The host seconds of steps are at most their wall time less the device's; the host's waits
+    are counted."""
     import time
 
     cfg, model, reference = _llama()
@@ -277,6 +278,7 @@ def test_outputs_are_the_callers_own_unless_clone_outputs_is_off_and_host_second
     _steps(fn, reference, batch, [([5, 9], None), ([40], [40])])  # both graphs captured
     art = artifacts[-1]
     before, wall = dict(art.seconds), 0.0
+    waits, counted = art.runtime.synchronizes, art.stats["synchronizes"]
     for lens, qlens in [([5, 9], None), ([40], [40])]:
         with torch.no_grad():
             first_inputs = batch.step(lens, qlens)
@@ -295,6 +297,8 @@ def test_outputs_are_the_callers_own_unless_clone_outputs_is_off_and_host_second
     host = art.seconds["host"] - before["host"]
     device = art.seconds.device - sum(before[k] for k in before if k != "host")
     assert 0 < host and 0 < device and host + device <= wall, (host, device, wall)
+    # the host's waits for the device inside these steps, each counted once
+    assert art.stats["synchronizes"] - counted == art.runtime.synchronizes - waits > 0, art.stats
 
 
 @pytest.mark.parametrize("runtime", ["sim", "eager"])
