@@ -390,6 +390,10 @@ def test_the_worker_class_is_vllms_parallel_config_worker_cls_a_class_or_its_qua
     monkeypatch.setitem(sys.modules, "hd_workers", module)
     assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls=_Resolved))) is _Resolved
     assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls="hd_workers.NPUWorker"))) is _Resolved
+    package = types.ModuleType("hd_workers.npu")  # vLLM-Ascend's "vllm_ascend.worker.worker_v1.NPUWorker": dotted
+    package.NPUWorker = _Resolved
+    monkeypatch.setitem(sys.modules, "hd_workers.npu", package)
+    assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls="hd_workers.npu.NPUWorker"))) is _Resolved
     for unresolved in (None, "auto", 3):  # vLLM resolves "auto" later
         assert kv_budget.worker_class(NS(parallel_config=NS(worker_cls=unresolved))) is None
     assert kv_budget.worker_class(NS()) is None
@@ -700,3 +704,69 @@ def test_a_failed_check_reads_the_tensors_warning_once_then_at_debug(logs):
         "ascend_compile: forward_context.attn_metadata['l']: actual_seq_lengths_q ends at 6, before the step's "
         "num_actual_tokens=9 (stale)"]
     assert host(_ctx(_ascend_metadata(), "l")) == {"lens": [0, 1, 2], "loc": [0, 2, 4, 6]}
+
+
+# ------------------------------------------------------------------------ memory.py: the pieces' pool replay
+
+
+class _Trace:
+    """A piece's allocation trace: what its replay leaves held (by id) and which ids each output holds."""
+
+    def __init__(self, name, handles, outputs, events):
+        self.name, self.handles, self.outputs, self.events = name, handles, outputs, events
+
+    def replay_held(self, model, values):
+        self.events.append(("replay", self.name, values))
+        return dict(self.handles)
+
+
+def _pieces(monkeypatch, events, traces):
+    """A piecewise graph of pieces P0, an eager node E1, pieces P2 and P3, as `_piece_pool` reads it:
+    P0 makes `a`, its view `v` (one storage: id 0) and `t` (id 1), and a temporary (id 2); E1 reads `t`,
+    P2 reads `v`, P3 reads `a` and makes the graph's output `o`."""
+    from ascend_compile.passes import split_pieces
+
+    a, v, t, x, o = "a", "v", "t", "x", "o"
+    segments = [split_pieces.Piece([a, v, t], [], [a, v, t]), NS(node="E1"), split_pieces.Piece([x], [v], []),
+                split_pieces.Piece([o], [a], [o])]
+    graph = NS(segments=segments, padded={"s0": 64}, gm="gm", last_uses=lambda: {a: 3, v: 2, t: 1, o: 4})
+    keys = []
+    monkeypatch.setattr(memory, "_piecewise_graph", lambda rewritten, key: keys.append(key) or graph)
+    monkeypatch.setattr(split_pieces, "piece_module", lambda gm, piece: (gm, segments.index(piece)))
+    kernels = []
+
+    def trace_allocations(module, one_kernel):
+        kernels.append(one_kernel)
+        return traces[module[1]]
+
+    monkeypatch.setattr(memory, "trace_allocations", trace_allocations)
+    model = NS(release=lambda handle: events.append(("release", handle)))
+    return model, keys, kernels
+
+
+def test_each_pieces_outputs_are_held_until_their_last_reader_is_captured(monkeypatch):
+    events = []
+    traces = {0: _Trace("P0", {0: "h0", 1: "h1", 2: "h2"}, ((0,), (0,), (1,)), events),
+              2: _Trace("P2", {0: "h4"}, (), events), 3: _Trace("P3", {0: "h3"}, ((0,),), events)}
+    model, keys, kernels = _pieces(monkeypatch, events, traces)
+    runtime = NS(device_kernels=NS(is_kernel=lambda op: False))
+    rewritten = NS(piecewise=NS(keys=["p16", "p32", "p64"]))
+    assert memory._piece_pool(rewritten, runtime, model) is True
+    assert keys == ["p64"]  # the largest size's pieces
+    assert kernels == [runtime.device_kernels.is_kernel] * 3  # traced as the runtime records kernels
+    values = {"s0": 64}
+    assert events == [
+        ("replay", "P0", values), ("release", "h2"),  # a temporary: let go with the capture
+        ("release", "h1"),  # `t`: read by E1 only, let go before P2 is captured
+        ("replay", "P2", values), ("release", "h4"),
+        # `a` and its view `v` (one storage): held while P3, `a`'s reader, is captured, though `v` is read by P2
+        ("replay", "P3", values),
+        ("release", "h0"), ("release", "h3")]  # what is still held, let go at the end
+
+
+def test_a_piece_whose_allocations_cannot_be_traced_stops_the_replay(monkeypatch):
+    events = []
+    traces = {0: _Trace("P0", {0: "h0"}, ((0,), (0,), ()), events), 2: None, 3: _Trace("P3", {}, ((),), events)}
+    model, _, kernels = _pieces(monkeypatch, events, traces)
+    assert memory._piece_pool(NS(piecewise=NS(keys=["p8"])), NS(), model) is False
+    assert len(kernels) == 2 and [e[:2] for e in events] == [("replay", "P0")]
