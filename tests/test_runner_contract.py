@@ -76,6 +76,9 @@ def test_without_piecewise_graphs_a_step_no_bucket_holds_runs_eagerly_saying_why
     assert art.not_full == {reason: 1} and art.served == {("decode", "full"): 1, ("prefill", "eager"): 1}
     assert art.stats["eager_fallbacks"] == 1 and art.stats["piecewise_steps"] == 0
     assert f"ascend_compile: {reason}: running eagerly" in caplog.text
+    art.rewritten.piecewise_reason = None  # no reason given (not from the passes): the default one
+    _steps(fn, reference, batch, [([41], [41])])
+    assert art.not_full[f"{NO_GRAPH.format(41, 1)}; not piecewise: the runtime has no graphs"] == 1
     if options["runtime"] == "eager":  # the counters of work outside graphs are shown even at 0
         shown = ("launches_outside_graph", "saved_bytes", "synchronizes")
         assert set(shown) <= set(art.stats) and all(art.stats[k] == 0 for k in shown), art.stats
