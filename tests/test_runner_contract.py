@@ -31,13 +31,13 @@ def _steps(fn, reference, batch, steps):
 
 
 def test_each_step_is_served_by_a_full_graph_the_pieces_or_eagerly_each_reason_logged_once(caplog):
-    """Buckets 4 and 8, piecewise sizes 16 and 64: decodes in a bucket replay the full graph; a 40-token
+    """Buckets 4 and 8, piecewise sizes 16, 32 and 64: decodes in a bucket replay the full graph; a 40-token
     prefill goes to the p64 pieces (captured once); a 100-token prefill, above both, runs eagerly. Every
     step is counted with its host conversions (two length inputs each, no host copy); each reason is
     counted per step and logged once (the 41-token prefill of 40 query tokens gives the
     same reason as the first); every step equals eager."""
     cfg, model, reference = _llama()
-    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[16, 64])
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[16, 32, 64])
     batch = PagedBatch(cfg, seed=4)
     steps = [([5, 9], None), ([40], [40]), ([100], [100]), ([6, 10], None), ([41], [40]), ([101], [100])]
     with caplog.at_level(logging.INFO, logger="ascend_compile"):
@@ -511,3 +511,13 @@ def test_plan_json_says_what_was_captured_and_served_and_a_runtime_verifying_by_
                                                             target=lambda device, config: Target(sim)))
         _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([40], [40]), ([6, 10], None)])
         assert artifacts[-1].stats["verified_replays"] == checked, (verify, artifacts[-1].stats)
+
+
+def test_a_step_of_exactly_a_piecewise_size_runs_on_that_size():
+    """16 and 64 query tokens: the p16 and p64 pieces (the smallest size holding the step), not eager."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[16, 64])
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([16], [16]), ([64], [64]), ([70], [64])])
+    art = artifacts[-1]
+    assert sorted(str(k) for k, _ in art.piecewise) == ["p16", "p64"]
+    assert art.stats["piecewise_steps"] == 3 and art.stats["eager_fallbacks"] == 0, art.stats
