@@ -188,3 +188,38 @@ def test_a_step_copies_its_rows_in_once_a_piece_and_pads_the_slot_mapping_with_m
     (ids, ids_buffer), = [(n, b) for n, b in graph.pieces[0].copied if n.name == "l_input_ids_"]
     assert torch.equal(ids_buffer[:50], args[graph.index[ids]])
     assert art.seconds["copy_in"] > 0 and art.seconds["launch_and_updates"] > 0
+
+
+def test_capture_input_gives_each_input_what_a_piece_is_captured_with(p64):
+    """An earlier piece's static output itself; a weight (used in place) the caller's tensor; a SymInt
+    its padded value; a non-tensor argument as passed; a value copied in each step one static buffer
+    (made once, padded by role: a slot mapping with -1), shared by every piece reading it."""
+    from ascend_compile.lowering.piecewise import _CapturedPiece
+
+    art, graph, (step, args) = p64
+    by_name = {n.name: n for n in graph.inputs}
+    captured = _CapturedPiece(graph.pieces[1].piece, graph.pieces[1].gm)
+    take = lambda node: graph._capture_input(art.runtime, captured, node, args)  # noqa: E731
+    made, (producer, i) = next(iter(graph.produced.items()))
+    assert take(made) is producer.outputs[i]
+    weight = by_name["l_self_modules_embed_parameters_weight_"]
+    assert take(weight) is args[graph.index[weight]]
+    assert take(by_name["s72"]) == 64 and type(take(by_name["s72"])) is int
+    positions = by_name["l_positions_"]
+    assert take(positions) is graph.buffers[positions] and captured.copied == []  # the first piece copies it
+    slots = by_name["l_slot_mapping_"]
+    kept = graph.buffers.pop(slots)
+    try:
+        buffer = take(slots)
+        assert buffer is not kept and buffer.shape == (64,) and bool((buffer == -1).all())
+        assert captured.copied == [(slots, buffer)] and graph.buffers[slots] is buffer
+        assert take(slots) is buffer and len(captured.copied) == 1
+    finally:
+        graph.buffers[slots] = kept
+    scalar = fx.Graph().placeholder("scale")
+    scalar.meta["val"] = 2.5
+    graph.index[scalar] = 0
+    try:
+        assert take(scalar) is args[0]
+    finally:
+        del graph.index[scalar]
