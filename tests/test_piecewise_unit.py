@@ -4,6 +4,8 @@ attention kernels): what `describe` and `memory` report, the step's plan under t
 (`plan`), the nodes run between pieces (`run_eager`), and what a capture refuses (`_capture_input`)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import sympy
 import torch
@@ -48,10 +50,12 @@ def p64():
     batch = PagedBatch(cfg, seed=4)
     with torch.no_grad():
         inputs = batch.step([40], [40])
+        start = time.perf_counter()
         fn(**inputs)
+        wall = time.perf_counter() - start  # the compile, the capture and the step
     art = artifacts[-1]
     (key, _), graph = next(iter(art.piecewise.items()))
-    assert str(key) == "p64"
+    assert str(key) == "p64" and 0 < graph.capture_seconds < wall
     seen = []
     graph.plan = lambda step, args: seen.append((step, args)) or type(graph).plan(graph, step, args)
     try:
