@@ -227,3 +227,101 @@ def test_capture_input_gives_each_input_what_a_piece_is_captured_with(p64):
         assert take(scalar) is args[0]
     finally:
         del graph.index[scalar]
+
+
+# -- `piecewise_live.LiveCapture` on a stand-in graph: what it runs, skips and copies ---------------------
+
+
+class _Graph:
+    """What `LiveCapture` asks of a `PiecewiseGraph`: its plan of the step, nodes and values."""
+
+    def __init__(self, refusal=None):
+        g = fx.Graph()
+        self.x, self.y, self.h = g.placeholder("x"), g.placeholder("y"), g.placeholder("h")
+        self.made, self.eager, self.later = g.call_function(torch.neg, (self.x,)), g.call_function(torch.abs, (self.y,)), \
+            g.call_function(torch.relu, (self.y,))
+        self.gm, self.workspace_nodes = fx.GraphModule(torch.nn.Module(), g), []
+        self.refusal, self.ran, self.copies = refusal, [], None
+        self.index = {self.x: 0, self.y: 1}
+        self.host = {self.h: "lens"}
+        self.produced = {}
+
+    def plan(self, step, args, counted=True):
+        self.counted = counted
+        return type("Plan", (), {"host": {"lens": [3, 4]}})(), self.refusal is None, self.refusal
+
+    def run_eager(self, runtime, node, value, workspace, use_kernels):
+        self.ran.append((node.name, use_kernels, workspace))
+        return f"{node.name} result"
+
+    def piece_copies(self, captured, symbols):
+        return self.copies
+
+
+class _Runtime:
+    def __init__(self):
+        self.calls = []
+
+    def after_piece(self):
+        self.calls.append("after_piece")
+
+    def after_piecewise_step(self):
+        self.calls.append("after_piecewise_step")
+
+
+def _live(monkeypatch, graph, collectives=()):
+    from ascend_compile.lowering import piecewise_live
+
+    monkeypatch.setattr(piecewise_live, "collective_groups", lambda gm: list(collectives) if gm is graph.gm else None)
+    step = type("Step", (), {"symbols": {}})()
+    return piecewise_live.LiveCapture(graph, _Runtime(), step, ["x arg", "y arg"], "workspace")
+
+
+def test_live_capture_is_refused_where_the_step_is_or_the_graph_holds_collectives(monkeypatch):
+    """Not run where the step cannot run on the pieces (a refusal), or where the graph holds functional
+    collectives (the ranks agree on a capture only once it ends); the step planned uncounted (`serve`
+    plans it again)."""
+    graph = _Graph()
+    live = _live(monkeypatch, graph)
+    assert live.refused is False and graph.counted is False and live.use_kernels is True
+    assert _live(monkeypatch, _Graph(refusal="no op to run instead")).refused is True
+    assert _live(monkeypatch, _Graph(), collectives=["tp group"]).refused is True
+    assert live.env == {} and live.skipped == set()
+
+
+def test_live_capture_runs_the_nodes_between_pieces_skipping_writes_to_a_callers_tensor(monkeypatch):
+    """A node writing a caller's tensor is not run, nor any node reading what it made; the others run on
+    the step's values, with the workspace and the plan's kernel choice; each value read from the step's
+    results, an earlier piece's outputs, the plan's host lists or the arguments; the copy-in skips values
+    of skipped nodes and adds the padding; the runtime told after a piece and at the end."""
+    graph = _Graph()
+    live = _live(monkeypatch, graph)
+    from ascend_compile.passes.split_pieces import Why
+
+    writes = EagerNode(graph.made, Why("writes graph input storage (x)", writes_caller=True))
+    assert writes.writes_caller
+    live.run(writes)
+    live.run(EagerNode(graph.eager, "attention kernel: takes the step's lengths"))
+    assert live.skipped == {graph.made} and graph.ran == [(graph.eager.name, True, "workspace")]
+    assert live.env[graph.eager] == f"{graph.eager.name} result"
+    reads_skipped = graph.later
+    reads_skipped.args = (graph.made,)
+    live.run(EagerNode(reads_skipped, "attention kernel: takes the step's lengths"))
+    assert live.skipped == {graph.made, graph.later} and len(graph.ran) == 1
+    assert live.value(graph.eager) == f"{graph.eager.name} result" and live.value(graph.h) == [3, 4]
+    assert live.value(graph.x) == "x arg" and live.value(graph.y) == "y arg"
+    static = torch.arange(6.0).view(6, 1)
+    graph.produced[graph.y] = (type("Captured", (), {"outputs": (static,)})(), 0)
+    graph.y.meta["val"] = torch.empty(2, 1)
+    assert torch.equal(live.value(graph.y), static[:2]) and live.value(graph.y).data_ptr() == static.data_ptr()
+    live.env[graph.y] = "y made"
+    assert live.value(graph.y) == "y made"  # the step's own result first
+    dest_x, dest_skipped, pad, pad_value = torch.zeros(2), torch.zeros(2), torch.zeros(3), torch.full((3,), -1.0)
+    graph.copies = ([dest_x, dest_skipped], [(pad, pad_value)])
+    live.env[graph.x] = torch.tensor([5.0, 6.0])
+    live.copy_in(type("Captured", (), {"copied": [(graph.x, None), (graph.made, None)]})())
+    assert dest_x.tolist() == [5.0, 6.0] and dest_skipped.tolist() == [0.0, 0.0] and pad.tolist() == [-1.0] * 3
+    replayed = []
+    live.replay(type("Captured", (), {"graph": type("G", (), {"replay": lambda self: replayed.append(1)})()})())
+    live.end()
+    assert replayed == [1] and live.runtime.calls == ["after_piece", "after_piecewise_step"]
