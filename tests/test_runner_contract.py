@@ -260,7 +260,7 @@ def test_a_capture_the_device_refuses_costs_that_graph_and_that_piece_size_only(
     assert graphs["b8.decode"].graph is not None and graphs["b8.decode"].replays == 1
     pieces = {g.name: g for g in art.piecewise.values()}
     assert pieces["p16"].replays == 2 and pieces["p32"].pieces == [] and pieces["p32"].produced == {}
-    assert "failed on the device" in pieces["p32"].eager_reason
+    assert "failed on the device" in pieces["p32"].eager_reason and pieces["p32"].describe()["capture_seconds"] == 0
     assert (art.stats["captures"], art.stats["piecewise_captures"]) == (1, 1), art.stats
     assert art.served == {("decode", "piecewise"): 2, ("decode", "eager"): 2, ("decode", "full"): 1}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -521,3 +521,21 @@ def test_a_step_of_exactly_a_piecewise_size_runs_on_that_size():
     art = artifacts[-1]
     assert sorted(str(k) for k, _ in art.piecewise) == ["p16", "p64"]
     assert art.stats["piecewise_steps"] == 3 and art.stats["eager_fallbacks"] == 0, art.stats
+
+
+def test_kernels_the_target_refuses_every_step_leave_full_graphs_uncaptured_and_pieces_on_the_attention_ops(
+        monkeypatch):
+    """A target refusing every graph's kernels (`Target.eager_reason`): no full graph is captured, its steps
+    going to the pieces (the reason the target's), whose layers' attention ops run between them instead
+    of the kernels; every step equals eager."""
+    from ascend_compile.targets import Target
+
+    monkeypatch.setattr(Target, "eager_reason", lambda self, gm, key: f"{key}: its kernels are refused")
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([40], [40]), ([6, 10], None)])
+    art = artifacts[-1]
+    assert (art.stats["captures"], art.stats["piecewise_captures"], art.stats["piecewise_steps"]) == (0, 2, 3)
+    assert art.not_full == {"b4.decode: its kernels are refused": 2, NO_GRAPH.format(40, 1): 1}
+    assert {g.name: (g.kernels_refused, g.eager_reason, g.replays) for g in art.piecewise.values()} == {
+        "p4": ("p4: its kernels are refused", None, 2), "p64": ("p64: its kernels are refused", None, 1)}
