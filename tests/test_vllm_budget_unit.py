@@ -770,3 +770,42 @@ def test_a_piece_whose_allocations_cannot_be_traced_stops_the_replay(monkeypatch
     model, _, kernels = _pieces(monkeypatch, events, traces)
     assert memory._piece_pool(NS(piecewise=NS(keys=["p8"])), NS(), model) is False
     assert len(kernels) == 2 and [e[:2] for e in events] == [("replay", "P0")]
+
+
+def test_the_pieces_buffers_are_one_per_value_read_from_outside_the_pieces_at_every_size(monkeypatch):
+    """`_piece_buffers`: a piece's input that no piece made, is a tensor, and is not used in place (a KV
+    cache, a static input) nor a scalar gets a static buffer, once however many pieces read it, at each
+    piecewise size's padded sizes (tokens, and the block table's width where a piece reads it)."""
+    from ascend_compile.passes import split_pieces
+    from ascend_compile.passes.providers import fresh_size
+    from ascend_compile.passes.roles import Role
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    tokens, blocks = fresh_size(mode, 8, "tokens"), fresh_size(mode, 5, "blocks")
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name, shape, dtype in [("hidden", (tokens, 4), torch.float32), ("table", (3, blocks), torch.int32),
+                               ("cache", (tokens, 2), torch.float16), ("scale", (1,), torch.float32),
+                               ("weight", (6,), torch.float64), ("made", (tokens,), torch.float32)]:
+        nodes[name] = graph.placeholder(name)
+        with mode:
+            nodes[name].meta["val"] = torch.empty(shape, dtype=dtype)
+    nodes["count"] = graph.placeholder("count")
+    nodes["count"].meta["val"] = tokens  # a size, not a tensor
+    n = nodes
+    pieces = [split_pieces.Piece([n["made"]], [n["hidden"], n["table"], n["cache"], n["count"]], [n["made"]]),
+              NS(node="eager"),
+              split_pieces.Piece([], [n["hidden"], n["made"], n["scale"], n["weight"]], [])]
+    roles = {0: Role.BATCH, 1: Role.BLOCK_TABLE, 2: Role.KV_CACHE, 3: Role.SCALAR, 4: Role.STATIC}
+    index = {n[name]: i for i, name in enumerate(["hidden", "table", "cache", "scale", "weight"])}
+    keys = []
+    monkeypatch.setattr(memory, "_piecewise_graph",
+                        lambda rewritten, key: keys.append(key) or NS(segments=pieces, index=index, roles=roles))
+    t, b = tokens.node.expr, blocks.node.expr
+    signature = NS(padded_symbols=lambda bucket, max_blocks: {t: bucket, b: max_blocks})
+    rewritten = NS(signature=signature, max_blocks=7, piecewise=NS(keys=[NS(bucket=16), NS(bucket=64)]))
+    # hidden [T, 4] float32 and table [3, max_blocks] int32, at 16 and 64 tokens
+    assert memory._piece_buffers(rewritten) == (16 * 4 * 4 + 3 * 7 * 4) + (64 * 4 * 4 + 3 * 7 * 4)
+    assert [k.bucket for k in keys] == [64]
+    del index[n["weight"]]  # an input the signature does not know (a value another segment made): copied
+    assert memory._piece_buffers(rewritten) == (16 * 4 * 4 + 3 * 7 * 4 + 48) + (64 * 4 * 4 + 3 * 7 * 4 + 48)

@@ -152,8 +152,8 @@ def test_the_estimate_neither_dumps_nor_logs_what_the_compile_would(small_segmen
         "ascend_compile: rewritten (warning)"]
 
 
-def test_the_piecewise_sizes_buffers_and_pieces_pool_are_added(small_segments, monkeypatch):
-    sizes = (16, 64)
+@pytest.mark.parametrize("sizes", [(16, 64), (64,)])  # one size alone too (the user's `piecewise_sizes`)
+def test_the_piecewise_sizes_buffers_and_pieces_pool_are_added(small_segments, monkeypatch, sizes):
     served = Served(capture_all=True, piecewise_sizes=sizes, kernel_policy="pa", pa_max_batch=4)
     full = memory.estimate(Served(capture_all=True, piecewise_sizes=(), kernel_policy="pa", pa_max_batch=4).graph,
                            served.config)
