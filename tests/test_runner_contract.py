@@ -23,6 +23,14 @@ class Raised(RuntimeError):
     """The failure a test puts into a step."""
 
 
+class RaisedWithoutNotes(RuntimeError):
+    """A failure without `add_note`, as every exception before Python 3.11: raised as it is."""
+
+    @property
+    def add_note(self):
+        raise AttributeError("add_note")
+
+
 def _steps(fn, reference, batch, steps):
     with torch.no_grad():
         for lens, qlens in steps:
@@ -103,7 +111,8 @@ def test_capture_all_captures_every_decode_bucket_largest_first_at_the_first_cap
 
 def test_a_full_graph_step_that_raises_is_counted_logged_and_names_its_graph(monkeypatch, caplog):
     """A replay raising: the error reaches the caller with a note naming the graph, one WARNING names the
-    graph and the error's type, `failed_steps` counts it; the next step (replay restored) equals eager."""
+    graph and the error's type, `failed_steps` counts it (an error that takes no note: raised as it is);
+    the next step (replay restored) equals eager."""
     cfg, model, reference = _llama()
     fn, artifacts = _compile(model, runtime="sim")
     batch = PagedBatch(cfg, seed=4)
@@ -122,9 +131,12 @@ def test_a_full_graph_step_that_raises_is_counted_logged_and_names_its_graph(mon
     notes = getattr(err.value, "__notes__", [])
     assert len(notes) == 1 and notes[0].startswith("ascend_compile: b4.decode: "), notes
     assert "ascend_compile: b4.decode: the step raised Raised; " in caplog.text
+    monkeypatch.setattr(GraphEntry, "replay", lambda *args, **kwargs: (_ for _ in ()).throw(RaisedWithoutNotes()))
+    with torch.no_grad(), pytest.raises(RaisedWithoutNotes):
+        fn(**batch.step([6, 10], None))
     monkeypatch.setattr(GraphEntry, "replay", replay)
     _steps(fn, reference, batch, [([7, 11], None)])
-    assert art.stats["failed_steps"] == 1 and art.stats["replays"] == 2
+    assert art.stats["failed_steps"] == 2 and art.stats["replays"] == 2
 
 
 def test_a_piecewise_step_that_raises_names_its_pieces(monkeypatch, caplog):
@@ -154,6 +166,13 @@ def test_a_piecewise_step_that_raises_names_its_pieces(monkeypatch, caplog):
     assert key != name and [str(k) for k, _ in art.piecewise] == [name] and err.value.__notes__[0].startswith(f"ascend_compile: {key}: "), err.value.__notes__
     assert f"ascend_compile: {key}: the step raised Raised while captured; " in caplog.text
     assert art.stats["failed_steps"] == 2, art.stats
+    monkeypatch.setattr(PiecewiseGraph, "capture", lambda *a, **k: (_ for _ in ()).throw(RaisedWithoutNotes()))
+    with torch.no_grad(), pytest.raises(RaisedWithoutNotes):
+        fn(**batch.step([300], [300]))
+    monkeypatch.setattr(PiecewiseGraph, "run", lambda *a, **k: (_ for _ in ()).throw(RaisedWithoutNotes()))
+    with torch.no_grad(), pytest.raises(RaisedWithoutNotes):
+        fn(**batch.step([42], [40]))
+    assert art.stats["failed_steps"] == 4, art.stats
 
 
 @pytest.mark.parametrize("dispatch", ["dynamo", "direct"])
