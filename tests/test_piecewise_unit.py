@@ -73,8 +73,10 @@ def test_describe_counts_pieces_eager_nodes_and_why_and_says_what_was_asked(p64)
     assert 0 < graph.capture_seconds
     graph.refusals["MLA takes 1-16 query tokens"] += 2
     graph.verified, graph.eager_reason = {"ok": True}, "p64: why not"
+    seconds, graph.capture_seconds = graph.capture_seconds, 0.123456
     try:
         described = graph.describe()
+        assert described["capture_seconds"] == 0.1235  # to 0.1 ms
         assert described["attention_op_steps"] == {"MLA takes 1-16 query tokens": 2}
         assert described["verified"] == {"ok": True} and described["eager_reason"] == "p64: why not"
         pieces, graph.pieces = graph.pieces, []
@@ -88,7 +90,7 @@ def test_describe_counts_pieces_eager_nodes_and_why_and_says_what_was_asked(p64)
         graph.segments = segments
     finally:
         graph.refusals.clear()
-        graph.verified, graph.eager_reason = None, None
+        graph.verified, graph.eager_reason, graph.capture_seconds = None, None, seconds
 
 
 def test_memory_counts_the_static_input_buffers_and_the_outputs_still_held(p64):
