@@ -606,3 +606,113 @@ def test_a_hoisted_opaque_input_is_passed_as_dynamo_passed_it_when_armed():
     assert call(fn, X)[1] and call(fn, X)[1]
     assert fn.dispatcher.routes[1, ()] == (
         "dynamo's code for TaggedFromList.forward does more than call the graph: LOAD_ATTR 'tag_names'")
+
+
+class Cast(Linear):
+    """A tensor read for its dtype only: dynamo wraps it without passing it to the graph."""
+
+    def forward(self, x, like):
+        return super().forward(x).to(like.dtype)
+
+
+@torch.no_grad()
+def test_a_tensor_read_for_its_metadata_alone_is_checked_as_dynamo_wrapped_it():
+    like = torch.zeros(2, dtype=torch.float64)
+    fn, artifacts = armed(Cast(), X, like)
+    assert artifacts[0].graph_inputs.unread == (("L['like']", (None,), (1,)),)
+    assert passes(fn, X, torch.ones(5, dtype=torch.float64))
+    kind, detail = fallback(fn, X, like.float())
+    assert kind == "a tensor argument's type, dtype, device, requires_grad, static size or stride differs"
+    assert detail == "tensor 'L['like']' dtype mismatch. expected Double, actual Float"
+    assert fallback(fn, X, X)[0] == "tensor arguments that were distinct objects are one, or a parameter or buffer"
+
+
+class Applies(nn.Module):
+    """A module reading none of its own parameters: it is not a root of the gathering, its tree is checked all the
+    same (its hooks and its submodules' classes run around and inside its forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x, sub):
+        return self.act(sub(x))
+
+
+class _Host:
+    def __init__(self):
+        self.lin = nn.Linear(4, 4)
+
+    def step(self, x):
+        return self.lin(x) + 1
+
+
+def _step(x, sub):
+    return sub(x) * 2
+
+
+@torch.no_grad()
+def test_the_steps_own_module_tree_is_checked_and_steps_of_no_module_are_routed():
+    model, sub = Applies(), nn.Linear(4, 4)
+    fn, _ = armed(model, X, sub)
+
+    class Other(nn.ReLU):
+        pass
+
+    model.act.__class__ = Other
+    assert fallback(fn, X, sub) == ("a module's class was changed (module.__class__ = ...)", "")
+    model.act.__class__ = nn.ReLU
+    assert passes(fn, X, sub)
+    for step, args in ((_step, (X, sub)), (_Host().step, (X,))):
+        fn, artifacts = armed(step, *args)
+        result, through_dynamo = call(fn, *args)
+        torch.testing.assert_close(result, step(*args))
+
+
+@torch.no_grad()
+def test_a_call_failing_a_check_made_before_gathering_gathers_nothing():
+    """The checks of torch's state and of the modules run before the graph's arguments are gathered: a call
+    they refuse leaves the route's list as the last direct call left it."""
+    model, other = Linear(), nn.Linear(1, 1)
+    fn, _ = armed(model, X)
+    route, y = fn.dispatcher.routes[1, ()], torch.randn(3, 4)
+
+    class Other(nn.Linear):
+        pass
+
+    def kept(kind):
+        assert fallback(fn, y)[0] == kind
+        return route._args[3] is X
+
+    with torch.enable_grad():
+        assert kept("torch's global state differs from the traced call's")
+    with Mode():
+        assert kept("torch function modes differ from the traced call's")
+    with torch.compiler.set_stance("eager_on_recompile"):
+        assert kept("the torch.compiler stance is no longer 'default'")
+    with forward_ad.dual_level():
+        assert kept("a functorch transform or forward-AD level is active")
+    original = torch.utils._device.CURRENT_DEVICE
+    torch.utils._device.CURRENT_DEVICE = torch.device("meta")
+    try:
+        assert kept("the default device differs from the traced call's")
+    finally:
+        torch.utils._device.CURRENT_DEVICE = original
+    model.train(False)
+    assert kept("module 'self' was switched to eval mode")
+    model.train(True)
+    model.lin.__class__ = Other
+    assert kept("a module's class was changed (module.__class__ = ...)")
+    model.lin.__class__ = nn.Linear
+    other.register_forward_hook(lambda *_: None)
+    assert kept("a hook was registered on a module (or a tensor)")
+    model.lin.weight = nn.Parameter(torch.randn(4, 4))
+    assert kept("parameters, buffers or submodules of a module were assigned")
+    model, sub = WithSub(), nn.Linear(4, 4)
+    handle = model.lin.register_forward_hook(lambda module, args, out: out)
+    args = dict(sub=sub, flag=True, opts=None, extra=None, xs=[torch.ones(4)], named={"b": torch.ones(4)})
+    fn, _ = armed(model, X, **args)
+    route = fn.dispatcher.routes[1, tuple(args)]
+    position = next(i for i, value in enumerate(route._args) if value is X)
+    handle.remove()
+    assert fallback(fn, y, **args)[0] == "a hook traced into the graph was removed" and route._args[position] is X
