@@ -542,3 +542,31 @@ def test_a_frame_ending_in_return_const_is_a_frame_end():
     torch.compile(_stores_a_flag, backend=grab, fullgraph=True)(box, torch.ones(2))
     stored = ((ConstantStore("L['box']", "flag", True),), None)
     assert seen == [stored, stored, ((), "the graph was compiled at a graph break (CALL)")]
+
+
+def test_a_graph_not_compiled_by_dynamo_is_refused_saying_what_is_missing():
+    traced = torch.fx.symbolic_trace(_twice)  # placeholders with no source, and no dynamo frame
+    inputs = graph_inputs.record(traced)
+    assert inputs.sources == ("", "") and inputs.refusal == "placeholder x has no source dynamo recorded"
+    assert inputs.static_sizes == (None, None) and inputs.unread == () and inputs.stores == ()
+    constant = torch.fx.symbolic_trace(lambda: torch.ones(1))
+    assert graph_inputs.record(constant).refusal == "dynamo's record of the tensors it wrapped is not readable"
+
+
+def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(monkeypatch):
+    seen = []
+
+    def grab(gm, example_inputs):
+        with monkeypatch.context() as patched:
+            patched.setattr(torch._guards.TracingContext, "try_get", staticmethod(lambda: None))
+            seen.append(graph_inputs.record(gm))
+        seen.append(graph_inputs.record(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    x, y = torch.ones(4), torch.ones(4)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(y, 0)
+    torch.compile(_twice, backend=grab, fullgraph=True)(x, y)
+    assert seen[0].refusal == "the graph's shape environment is not reachable from the backend"
+    assert seen[0].shape_guards == () and seen[1].refusal is None and seen[1].shape_guards
