@@ -495,3 +495,68 @@ def test_the_schedule_guard_makes_the_event_waits_and_resets_it():
     event = UpdateSchedule().guard(Tasks(), "pa_3")
     assert event.name == "pa_3" and LOG == [("event", "pa_3"), ("wait", "pa_3"), ("reset", "pa_3")]
     assert cap.WorkspaceFor is not None
+
+
+def test_each_workspace_node_gets_its_own_slot():
+    slots = {}
+
+    def per_node(node: fx.Node) -> torch.Tensor:
+        return slots.setdefault(node.name, torch.zeros(64, dtype=torch.uint8))
+    seen = []
+
+    def pa(*args):
+        seen.append(args[6])
+        return args[0]
+    gm = _pa_graph(kernels=2)
+    capture_graph(gm, Tasks({PA: pa}, warms_up=True), _args(), per_node, UpdateSchedule(), WorkspaceLifetime())
+    first, second = (n.args[6].name for n in gm.graph.nodes if n.target is PA)
+    assert [s is slots[first] for s in seen] == [True, False, True, False]  # warm-up, then capture
+    assert [s is slots[second] for s in seen] == [False, True, False, True]
+
+
+def test_an_uncapturable_op_names_its_node_and_op():
+    op = raiser(HostSync("read"))
+    with pytest.raises(UncapturableOp) as raised:
+        _capture(_op_graph(op), Tasks())
+    assert raised.value.node == "the_op" and raised.value.op is op
+
+
+def test_a_bound_op_gets_the_nodes_keyword_arguments():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (x, x), {"alpha": 3}))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    seen = []
+    runtime = Plain({torch.ops.aten.add.Tensor: lambda *a, **k: seen.append(k) or a[0]})
+    WarmupInterpreter(gm, runtime).run(torch.ones(1))
+    assert seen == [{"alpha": 3}]
+
+
+def test_the_graphs_label_is_empty_unless_given():
+    runtime = Tasks({PA: fake_pa})
+    capture_graph(_pa_graph(), runtime, _args(), workspaces, UpdateSchedule(), WorkspaceLifetime())
+    assert runtime.graphs[0].label == ""
+
+
+def test_after_a_warm_up_an_op_failing_only_in_the_capture_is_uncapturable():
+    """The capture knows the graph ran eagerly just before (the device graph's `warms_up`): then any
+    error of an unbound op in the capture is the op's (on a device, a host sync refused)."""
+    for warms_up, expected in ((True, UncapturableOp), (False, RuntimeError)):
+        runtime = Tasks({PA: fake_pa}, warms_up=warms_up)
+
+        def in_capture_only(x):
+            if runtime.graphs[-1].capturing:
+                raise RuntimeError("NPU function error: aclrtSynchronizeStream, error code is 107027")
+            return x
+        with pytest.raises(RuntimeError) as raised:
+            capture_graph(_op_graph(in_capture_only), runtime, [torch.zeros(2)], workspaces, UpdateSchedule(),
+                          WorkspaceLifetime())
+        assert type(raised.value) is expected, warms_up
+
+
+def test_an_inner_compiled_graph_is_warmed_up_with_the_capture_arguments():
+    gm = _pa_graph()
+    inner = gm.meta[INNER_KEY] = Inner()
+    args = _args()
+    capture_graph(gm, Plain(warms_up=True), args, workspaces, UpdateSchedule(), WorkspaceLifetime(), "b8")
+    assert inner.calls[0] == (args, workspaces) and inner.calls[0][0] is args
