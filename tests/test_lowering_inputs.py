@@ -84,6 +84,11 @@ def test_host_copies_stand_for_their_tensors_and_one_of_another_length_is_refuse
     step = read_step(_signature(), args, 100, host_copies={"seq_lens": [50, 60], "query_start_loc": [0, 2, 3]})
     assert (step.reads, step.copies, step.decode) == (0, 2, False)
     assert read_step(_signature(), args, 8, host_copies={}).reads == 2
+    step = read_step(_signature(), args, 8, host_copies={"query_start_loc": [0, 1, 2]})
+    assert (step.reads, step.copies) == (1, 1)  # seq_lens read, query_start_loc copied
+    extra = InputSpec(4, "seq_lens_2", Role.SEQ_LENS, (B,))
+    step = read_step(_signature(extra), [*args, torch.tensor([1, 2])], 8)
+    assert (step.reads, step.copies) == (3, 0)  # every length input read counted
     with pytest.raises(ValueError) as error:
         read_step(_signature(), args, 8, host_copies={"query_start_loc": [0, 1]})
     assert str(error.value) == ("query_start_loc: its host copy has 2 entries and the tensor 3: a provider's host "
@@ -95,6 +100,7 @@ def test_host_copies_stand_for_their_tensors_and_one_of_another_length_is_refuse
 def test_without_host_lengths_nothing_is_read_decode_is_tokens_equal_sequences_and_the_device_checks():
     args = _args([5, 6], [0, 1, 2])
     step = read_step(_signature(), args, 8, host_lengths=False)
+    assert step.args is args and step.symbols == {T: 2, B: 2, Q: 3, W: 2}
     assert (step.tokens, step.seqs, step.decode, step.seq_lens, step.query_start_loc, step.reads) == (
         2, 2, True, {}, {}, 0)
     assert not read_step(_signature(), _args([5, 6], [0, 2, 3]), 8, host_lengths=False).decode
@@ -102,8 +108,10 @@ def test_without_host_lengths_nothing_is_read_decode_is_tokens_equal_sequences_a
     with pytest.raises(RuntimeError, match=r"seq_lens: a sequence exceeds max_model_len=8, the longest the graphs' "
                                            r"workspaces were sized for; compile with a larger max_model_len"):
         read_step(_signature(), _args([5, 9], [0, 1, 2]), 8, host_lengths=False)
-    with pytest.raises(RuntimeError, match="query_start_loc: every sequence needs at least one query token"):
-        read_step(_signature(), _args([5, 6], [0, 2, 2]), 8, host_lengths=False)
+    for loc in ([0, 2, 2], [0, 0, 2], [0, 0]):
+        with pytest.raises(RuntimeError) as error:
+            read_step(_signature(), _args([5, 6][:len(loc) - 1], loc), 8, host_lengths=False)
+        assert str(error.value) == "query_start_loc: every sequence needs at least one query token"
     empty = read_step(_signature(), _args([], [0]), 8, host_lengths=False)  # nothing to check
     assert (empty.tokens, empty.seqs) == (0, 0)
     extra = InputSpec(4, "seq_lens_2", Role.SEQ_LENS, (B,))
@@ -121,6 +129,7 @@ def test_the_bucket_is_the_smallest_holding_the_tokens_and_the_sequences_with_a_
     assert choose_bucket(buckets, 3, 5) == 8 and choose_bucket(buckets, 8, 9) == 16
     assert choose_bucket(buckets, 15, 16) is None and choose_bucket(buckets, 16, 16) == 16
     assert choose_bucket(buckets, 2, 3) == 4 and choose_bucket((), 1) is None
+    assert choose_bucket((1, 2, 4), 0) == 1 and choose_bucket((1, 2, 4), 1) == 1  # no sequences asked by default
 
 
 # --- overlapping_inputs -------------------------------------------------------------------------------------
@@ -140,6 +149,10 @@ def test_inputs_overlapping_a_written_one_where_either_is_staged_are_named_the_w
     assert overlapping_inputs(sig, group, {0}, set(), args) == []  # both in place: as in eager
     assert overlapping_inputs(sig, group, {3}, {0, 1, 2, 3}, args) == []  # the written one in no group
     assert overlapping_inputs(sig, [frozenset({0, 2}), frozenset({0, 1})], {0}, {0}, args) == ["in0", "in1"]
+    assert overlapping_inputs(sig, group, {2}, {2}, args) == ["in2", "in1"]  # in0 ends where in2 starts
+    # a group written nowhere, or staged nowhere, is passed over for the next
+    assert overlapping_inputs(sig, [frozenset({2, 3}), frozenset({0, 1})], {0}, {0}, args) == ["in0", "in1"]
+    assert overlapping_inputs(sig, [frozenset({0, 3}), frozenset({1, 2})], {0, 1}, {1}, args) == ["in1", "in2"]
 
 
 def test_overlap_is_by_the_bytes_a_strided_view_spans():
@@ -154,6 +167,14 @@ def test_overlap_is_by_the_bytes_a_strided_view_spans():
     assert overlapping_inputs(sig, [frozenset({0, 3})], {0}, {0}, args) == []  # an empty view spans nothing
     assert inputs._extent(every_other) == (base.data_ptr(), base.data_ptr() + (3 * 6 + 4 + 1) * 4)
     assert inputs._extent(empty) == (empty.data_ptr(), empty.data_ptr())
+    assert inputs._extent(base[0, :1]) == (base.data_ptr(), base.data_ptr() + 4)  # one element: its 4 bytes
+
+
+def test_a_one_element_input_at_the_start_of_a_written_one_overlaps_it():
+    flat = torch.zeros(16)
+    sig = _overlap_signature(2)
+    assert overlapping_inputs(sig, [frozenset({0, 1})], {0}, {0}, [flat[0:8], flat[0:1]]) == ["in0", "in1"]
+    assert overlapping_inputs(sig, [frozenset({0, 1})], {0}, {0}, [flat[0:8], flat[8:9]]) == []
 
 
 # --- padded lists -------------------------------------------------------------------------------------------
@@ -203,7 +224,8 @@ def test_a_plan_holds_each_sources_padded_list():
 def test_a_graph_is_captured_with_no_real_tokens_every_sequence_at_seq_len_or_all_padding():
     plan = capture_plan([LENS, ENDS], Geometry(4, 4), 128)
     assert plan.host == {LENS: [128] * 4, ENDS: [1, 2, 3, 4]}
-    assert (plan.step.tokens, plan.step.seqs, plan.step.decode, plan.step.args) == (0, 0, True, ())
+    assert (plan.step.tokens, plan.step.seqs, plan.step.decode, plan.step.args, plan.step.symbols) == (
+        0, 0, True, (), {})
     assert capture_plan([LENS, ENDS], Geometry(8, 4), None).host == {LENS: [1, 1, 1, 5], ENDS: [1, 2, 3, 8]}
     packed = capture_plan([LENS, ENDS], Geometry(8, 4, 3), None, packed=True)
     assert not packed.step.decode and packed.host == {LENS: [3, 3, 2], ENDS: [3, 6, 8]}
@@ -216,6 +238,8 @@ def test_step_kind_is_decode_prefill_with_every_sequence_above_one_token_else_mi
     assert step_kind(mixed) == "prefill"
     mixed.query_start_loc = {"query_start_loc": [0, 1, 3]}
     assert step_kind(mixed) == "mixed"
+    mixed.query_start_loc = {"query_start_loc": [0, 2, 3]}  # the one-token sequence last
+    assert step_kind(mixed) == "mixed"
     mixed.query_start_loc = {}
     assert step_kind(mixed) == "mixed"
 
@@ -223,7 +247,9 @@ def test_step_kind_is_decode_prefill_with_every_sequence_above_one_token_else_mi
 # --- staging copies -----------------------------------------------------------------------------------------
 
 def _staged(spec, value, dest, tokens=0, padded_tokens=0):
+    """`value` staged into `dest` by `padded_copies`' copies, which split `dest` into regions, none empty."""
     copies = padded_copies(spec, value.shape, dest, tokens, padded_tokens)
+    assert all(region.numel() for region, _ in copies) and sum(r.numel() for r, _ in copies) == dest.numel()
     for region, source in copies:
         region.copy_(value[tuple(slice(0, n) for n in region.shape)] if source is None else source)
     return copies
@@ -245,6 +271,14 @@ def test_an_input_goes_into_the_leading_region_and_the_rest_is_padded_by_its_rol
     dest = torch.full((4, 5), 99)
     _staged(table, torch.ones(4, 2, dtype=torch.long), dest)  # only the width padded
     assert dest.tolist() == [[1, 1, 0, 0, 0]] * 4
+
+
+def test_an_input_of_a_role_with_no_padding_value_is_padded_with_zeros():
+    """A piece's copied input may be of any role not used in place (`piecewise.py` fills its buffer with
+    `PAD_VALUE.get(role, 0)` at capture): a step pads it the same."""
+    dest = torch.full((6,), 99)
+    _staged(InputSpec(0, "metadata", Role.UNUSED, (T,)), torch.tensor([7, 8]), dest)
+    assert dest.tolist() == [7, 8, 0, 0, 0, 0]
 
 
 def test_padding_is_a_constant_of_the_buffers_dtype_on_its_device():
@@ -275,6 +309,10 @@ def test_an_input_larger_than_its_buffer_is_refused_saying_what_of_a_block_table
     assert str(error.value) == ("block_table: shape (6, 3) does not fit the graph's padded shape (4, 5) (block_table "
                                 "has 6 rows, more than the graph's 4 sequences: it takes one row per sequence of the "
                                 "step, as many as seq_lens has)")
+    with pytest.raises(ValueError) as error:
+        padded_copies(table, (5, 5), dest, 0, 0)  # as wide as the graph's: only the rows said
+    assert str(error.value).endswith("(4, 5) (block_table has 5 rows, more than the graph's 4 sequences: it takes "
+                                     "one row per sequence of the step, as many as seq_lens has)")
     with pytest.raises(ValueError) as error:
         padded_copies(table, (4, 6), dest, 0, 0)
     assert str(error.value).endswith("(4, 5) (block_table is wider than max_model_len / block_size)")

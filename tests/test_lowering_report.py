@@ -14,6 +14,7 @@ from ascend_compile.passes.workspaces import GraphKey
 
 NS = types.SimpleNamespace
 DECODE, MIXED, P16, P32 = GraphKey(4, True), GraphKey(4, False), GraphKey(16, False, True), GraphKey(32, False, True)
+P64 = GraphKey(64, False, True)
 
 
 class _Numel:
@@ -133,6 +134,9 @@ def test_a_graph_not_captured_says_why_by_name_and_one_not_captured_without_a_re
     assert plan["graphs"][str(DECODE)] == {"kernels": [{"kernel": "pa"}],
                                            "not_captured": {"b4.decode": "an op that cannot be captured"}}
     assert plan["graphs"][str(MIXED)] == {"kernels": []}
+    graphs = {(DECODE, ()): _Graph("b4.decode", graph=None, eager_reason="refused"),
+              (MIXED, ()): _Graph("b4.mixed", seconds=1.0)}  # a graph after one not captured still described
+    assert report.describe(_art(graphs=graphs))["graphs"][str(MIXED)]["capture_seconds"] == 1.0
 
 
 def test_served_steps_are_by_kind_then_path_sorted_and_not_full_most_common_first():
@@ -146,8 +150,8 @@ def test_served_steps_are_by_kind_then_path_sorted_and_not_full_most_common_firs
 
 
 def _piecewise_art(first_eager=None, uncapturable=None, graphs=None):
-    variant = NS(keys=[P16, P32], kernels=("fia", "pa", "fia"))
-    rewritten = NS(piecewise=variant, plan=NS(graph_slot={str(P16): 0, str(P32): 2}))
+    variant = NS(keys=[P16, P32, P64], kernels=("fia", "pa", "fia"))
+    rewritten = NS(piecewise=variant, plan=NS(graph_slot={str(P16): 0, str(P32): 1, str(P64): 2}))
     pieces = graphs if graphs is not None else {
         (P16, ()): _Graph("p16", graph=None, pieces=(1,), eager=first_eager or {}, described={"n": 16}),
         (P32, ()): _Graph("p32", graph=None, pieces=(1,), eager={_Node("other"): "x"}, described={"n": 32})}
@@ -157,14 +161,14 @@ def _piecewise_art(first_eager=None, uncapturable=None, graphs=None):
 def test_the_piecewise_plan_gives_sizes_kernels_the_largest_sizes_slot_each_graph_and_the_first_ones_eager_nodes():
     art = _piecewise_art(first_eager={_Node("attn_0"): "attention", _Node("print_1"): "an op not captured"})
     assert report._piecewise(art) == {
-        "enabled": True, "sizes": [16, 32], "kernels": ["fia", "pa"], "workspace_slot": 2,
+        "enabled": True, "sizes": [16, 32, 64], "kernels": ["fia", "pa"], "workspace_slot": 2,
         "graphs": {"p16": {"n": 16}, "p32": {"n": 32}},
         "eager_nodes": {"attn_0": "attention", "print_1": "an op not captured"}}
 
 
 def test_the_piecewise_plan_names_the_uncapturable_ops_and_without_graphs_no_eager_nodes():
     art = _piecewise_art(uncapturable={"aten.nonzero": "dynamic shape"}, graphs={})
-    assert report._piecewise(art) == {"enabled": True, "sizes": [16, 32], "kernels": ["fia", "pa"],
+    assert report._piecewise(art) == {"enabled": True, "sizes": [16, 32, 64], "kernels": ["fia", "pa"],
                                       "workspace_slot": 2, "graphs": {},
                                       "uncapturable_ops": {"aten.nonzero": "dynamic shape"}}
 
@@ -173,7 +177,7 @@ def test_describe_includes_the_piecewise_plan():
     art = _art()
     piecewise = _piecewise_art(graphs={})
     art.rewritten.piecewise, art.rewritten.plan = piecewise.rewritten.piecewise, piecewise.rewritten.plan
-    assert report.describe(art)["piecewise"]["sizes"] == [16, 32]
+    assert report.describe(art)["piecewise"]["sizes"] == [16, 32, 64]
 
 
 def test_memory_is_each_workspace_slots_size_each_captured_graphs_and_piecewise_keys_and_the_pool():

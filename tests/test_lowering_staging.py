@@ -86,6 +86,14 @@ def test_each_copied_input_gets_a_buffer_of_its_padded_shape_and_graph_dtype_the
     assert staging.written_views == []
 
 
+def test_a_mixed_steps_dummy_limit_is_asked_at_the_graphs_padded_sizes(monkeypatch):
+    """A dummy sequence's keys lie in one block-table row: the limit depends on the padded width."""
+    asked = []
+    monkeypatch.setattr(staging_mod, "dummy_limit", lambda gm, padded=None: asked.append(dict(padded or {})) or (
+        128 if padded is None else min(128, padded[W] * 16)))
+    assert _staging(padded={T: 8, B: 4, W: 3}).geometry == Geometry(8, 4, 48) and asked == [{T: 8, B: 4, W: 3}]
+
+
 def test_the_graphs_arguments_are_the_buffers_the_padded_symints_and_the_in_place_inputs_as_given():
     staging = _staging()
     step = _step([5, 6], [0, 1, 2], [3, 4], [[1, 2], [3, 4]])

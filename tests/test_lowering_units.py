@@ -124,12 +124,20 @@ def test_calls_inside_unreported_are_not_reported_and_the_block_ends_it_even_nes
 
 
 def test_a_probe_is_the_threads_own():
+    errors = []
+
+    def elsewhere():  # a thread that never set a probe: its reports go nowhere, and raise nothing
+        try:
+            served.report("elsewhere", (), None)
+        except Exception as error:  # noqa: BLE001 - the test's finding
+            errors.append(error)
+
     with served.probe() as calls:
-        thread = threading.Thread(target=served.report, args=("elsewhere", (), None))
+        thread = threading.Thread(target=elsewhere)
         thread.start()
         thread.join()
         served.report("here", (), None)
-    assert [s.artifact for s in calls] == ["here"]
+    assert [s.artifact for s in calls] == ["here"] and errors == []
 
 
 # --- startup.py ---------------------------------------------------------------------------------------------
@@ -356,3 +364,27 @@ def test_a_piecewise_size_captures_the_pieces_its_variant_splits_into():
     assert art.startup.budget.pieces == 3
     art.rewritten.piecewise = None
     assert budget_mod.pieces_per_size(art.rewritten) == 0
+
+
+def test_the_pieces_are_counted_on_the_graph_split_as_served_its_padding_safe_writes_kept_in_pieces(monkeypatch):
+    """A padding-safe cache write stays in a piece where it is served (`piecewise_serve.py`): the count splits
+    the variant the same way, with no step guard or refusal (a write made eager between two nodes of a piece
+    would split it in two)."""
+    from ascend_compile.passes.split_pieces import EagerNode, Piece
+
+    built = []
+
+    class Graph:
+        def __init__(self, key, specialization, variant, gm, signature, padded, uncapturable, step_guard,
+                     kernels_refused=None, padding_safe=()):
+            built.append((key, gm, signature, uncapturable, step_guard, kernels_refused, set(padding_safe)))
+            self.segments = [Piece.__new__(Piece), EagerNode.__new__(EagerNode), Piece.__new__(Piece)]
+
+    monkeypatch.setattr(budget_mod, "PiecewiseGraph", Graph)
+    write = lambda node, safe: types.SimpleNamespace(node=node, padding_safe=safe)  # noqa: E731
+    variant = types.SimpleNamespace(keys=[GraphKey(16, False, True), GraphKey(64, False, True)], gm="gm")
+    rewritten = types.SimpleNamespace(piecewise=variant, signature="sig", mutations=types.SimpleNamespace(
+        writes=[write("reshape_and_cache", True), write("index_put", False), write("reshape_and_cache_1", True)]))
+    assert budget_mod.pieces_per_size(rewritten) == 2
+    assert built == [(GraphKey(64, False, True), "gm", "sig", set(), None, None,
+                      {"reshape_and_cache", "reshape_and_cache_1"})]
