@@ -26,8 +26,8 @@ LENS, ENDS = HostSource("seq_lens", Conversion.LIST), HostSource("query_start_lo
 def _signature(*extra: InputSpec) -> GraphSignature:
     """seq_lens (B), query_start_loc (Q), slot_mapping (T), block_table (B, W), then `extra`."""
     specs = (InputSpec(0, "seq_lens", Role.SEQ_LENS, (B,)), InputSpec(1, "query_start_loc", Role.QUERY_START_LOC, (Q,)),
-             InputSpec(2, "slot_mapping", Role.SLOT_MAPPING, (T,)), InputSpec(3, "block_table", Role.BLOCK_TABLE, (B, W)),
-             *extra)
+             InputSpec(2, "slot_mapping", Role.SLOT_MAPPING, (T,)),
+             InputSpec(3, "block_table", Role.BLOCK_TABLE, (B, W)), *extra)
     sources = {T: SymbolSource(2, "size", 0), B: SymbolSource(0, "size", 0), Q: SymbolSource(1, "size", 0),
                W: SymbolSource(3, "size", 1)}
     kinds = {T: SymbolKind.TOKENS, B: SymbolKind.TOKENS, Q: SymbolKind.QUERY_START_LOC, W: SymbolKind.BLOCKS}

@@ -28,8 +28,10 @@ DTYPES = [torch.int32, torch.int64, torch.int64, torch.int32, torch.float32, Non
 def _signature() -> GraphSignature:
     """seq_lens (B), query_start_loc (B + 1), slot_mapping (T), block_table (B, W, its row stride L), a KV cache
     (in place), a SymInt (T) and a batch input (T, 2)."""
-    specs = (InputSpec(0, "seq_lens", Role.SEQ_LENS, (B,)), InputSpec(1, "query_start_loc", Role.QUERY_START_LOC, (B + 1,)),
-             InputSpec(2, "slot_mapping", Role.SLOT_MAPPING, (T,)), InputSpec(3, "block_table", Role.BLOCK_TABLE, (B, W)),
+    specs = (InputSpec(0, "seq_lens", Role.SEQ_LENS, (B,)),
+             InputSpec(1, "query_start_loc", Role.QUERY_START_LOC, (B + 1,)),
+             InputSpec(2, "slot_mapping", Role.SLOT_MAPPING, (T,)),
+             InputSpec(3, "block_table", Role.BLOCK_TABLE, (B, W)),
              InputSpec(4, "kv_cache", Role.KV_CACHE, (16, 4)), InputSpec(5, "t", Role.SYMINT, None, expr=T),
              InputSpec(6, "embeds", Role.BATCH, (T, 2)))
     sources = {T: SymbolSource(2, "size", 0), B: SymbolSource(0, "size", 0), W: SymbolSource(3, "size", 1),
@@ -63,7 +65,8 @@ def _staging(write_back=WriteBack(None, (), (), ()), padded=None):
 
 def _step(lens, loc, slots, table, embeds=None, symbols=None):
     tokens = loc[-1]
-    args = [torch.tensor(lens, dtype=torch.int32), torch.tensor(loc), torch.tensor(slots), torch.tensor(table, dtype=torch.int32),
+    args = [torch.tensor(lens, dtype=torch.int32), torch.tensor(loc), torch.tensor(slots),
+            torch.tensor(table, dtype=torch.int32),
             torch.zeros(16, 4), tokens, torch.ones(tokens, 2, dtype=torch.float16) if embeds is None else embeds]
     symbols = {T: tokens, B: len(lens), W: len(table[0])} if symbols is None else symbols
     return Step(args, symbols, tokens, len(lens), False, {}, {})
@@ -289,9 +292,10 @@ def _spec(i, role, parameter=False):
 def test_a_change_is_summed_up_by_kind_in_the_order_seen():
     specs = [_spec(0, Role.KV_CACHE)] * 8
     assert change_summary(specs) == "8 KV cache inputs moved"
-    assert change_summary([_spec(1, Role.STATIC, True), _spec(2, Role.SCALAR)]) == "1 parameter moved, 1 host scalar changed"
-    assert change_summary([_spec(2, Role.SCALAR)] * 2 + [_spec(3, Role.STATIC)] * 2 + [_spec(1, Role.STATIC, True)]) == (
-        "2 host scalars changed, 2 buffers moved, 1 parameter moved")
+    assert change_summary([_spec(1, Role.STATIC, True), _spec(2, Role.SCALAR)]) == (
+        "1 parameter moved, 1 host scalar changed")
+    specs = [_spec(2, Role.SCALAR)] * 2 + [_spec(3, Role.STATIC)] * 2 + [_spec(1, Role.STATIC, True)]
+    assert change_summary(specs) == "2 host scalars changed, 2 buffers moved, 1 parameter moved"
     assert change_summary([]) == ""
 
 
