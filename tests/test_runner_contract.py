@@ -558,3 +558,31 @@ def test_kernels_the_target_refuses_every_step_leave_full_graphs_uncaptured_and_
     assert art.not_full == {"b4.decode: its kernels are refused": 2, NO_GRAPH.format(40, 1): 1}
     assert {g.name: (g.kernels_refused, g.eager_reason, g.replays) for g in art.piecewise.values()} == {
         "p4": ("p4: its kernels are refused", None, 2), "p64": ("p64: its kernels are refused", None, 1)}
+
+
+def test_inputs_aliasing_each_other_where_none_is_staged_and_written_are_replayed():
+    """Two layers sharing one KV cache (views of it: written in place, not staged) and positions a view of
+    the token ids (staged, not written): aliasing that no staged copy can break, so every step is replayed
+    (the overlap check is for a staged input aliasing one the graph writes); equal to eager."""
+    from tests.test_runtime_graphs import Caller, compiled, make_step
+
+    cfg, model, reference = _llama()
+    for m in (model, reference):
+        m.layers[1].attn.key_cache = m.layers[0].attn.key_cache[:]
+        m.layers[1].attn.value_cache = m.layers[0].attn.value_cache[:]
+    fn, artifacts = _compile(model, runtime="sim")
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([6, 10], None)])
+    art = artifacts[-1]
+    assert art.rewritten.mutations.alias_groups and art.served == {("decode", "full"): 2}, art.served
+
+    torch._dynamo.reset()
+    fn, artifacts = compiled(make_step("return logits"), runtime="sim")
+    reference, caller = make_step("return logits"), Caller(0)
+    with torch.no_grad():
+        for size in (3, 3):
+            inputs = caller.step(size)
+            inputs["positions"] = inputs["ids"][:]
+            buf = torch.zeros(1, 40, dtype=torch.int64)
+            assert_close(fn(**inputs, buf=buf), reference(**inputs, buf=buf.clone()))
+    art = artifacts[-1]
+    assert art.rewritten.mutations.alias_groups and art.served == {("decode", "full"): 2}, art.served
