@@ -21,7 +21,7 @@ from ascend_compile.lowering.phase_seconds import PhaseSeconds
 from ascend_compile.passes.kernel_call import HOST_META_KEY, Conversion, HostSource
 from ascend_compile.passes.roles import GraphSignature, InputSpec, Role, SymbolKind
 from ascend_compile.passes.workspaces import GraphKey
-from tests.test_capture_table import LOG, Plain, Tasks, _entry
+from tests.test_capture_table import LOG, PA, Plain, Tasks, _entry, _pa_graph, fake_pa
 
 SEQ_LENS = HostSource("seq_lens", Conversion.LIST)
 QSL = HostSource("query_start_loc", Conversion.ENDS)
@@ -225,7 +225,11 @@ def test_the_memory_of_its_static_inputs_and_outputs():
 
 
 class Updates(UpdateSchedule):
+    def __init__(self) -> None:
+        self.given = []
+
     def apply(self, table, runtime, host):
+        self.given.append((table, runtime))
         LOG.append(("apply", dict(host)))
         return 5
 
@@ -258,7 +262,9 @@ def test_a_replay_copies_in_launches_updates_and_ends_with_the_runtimes_after_re
     assert plan.host == {SEQ_LENS: [3, 4, 1, 1]}
     LOG.clear()
     seconds = PhaseSeconds()
-    assert entry.replay(runtime, plan, Updates(), seconds) == 5
+    updates = Updates()
+    assert entry.replay(runtime, plan, updates, seconds) == 5
+    assert len(updates.given) == 1 and updates.given[0][0] is entry.table and updates.given[0][1] is runtime
     assert LOG == [("copy_in", plan.step), ("replay", "b4.decode"), ("apply", {SEQ_LENS: [3, 4, 1, 1]}),
                    ("synchronize",)]
     assert set(seconds) == {"copy_in", "launch_and_updates", "synchronize"} and 0 < seconds.device < 5
@@ -332,3 +338,34 @@ def test_a_run_op_by_op_gives_workspace_nodes_the_artifacts_slot():
 
 def test_moved_inputs_is_an_exception():
     assert issubclass(MovedInputs, Exception) and ge.time is time
+
+
+def test_a_capture_uses_the_artifacts_workspaces_the_schedule_and_the_lifetime_given():
+    gm = _pa_graph()
+    next(n for n in gm.graph.nodes if n.name == "seq_lens_host").meta[HOST_META_KEY] = SEQ_LENS
+    roles = [Role.BATCH, Role.KV_CACHE, Role.KV_CACHE, Role.STATIC]
+    signature = GraphSignature(tuple(InputSpec(i, f"in{i}", r, None) for i, r in enumerate(roles)), S0, S0, {}, {},
+                               ((S0,),))
+    entry = GraphEntry(GraphKey(4, True), (), gm, Staging(signature))
+    slot = torch.zeros(64, dtype=torch.uint8)
+    given = []
+
+    class Schedule(UpdateSchedule):
+        def guard(self, runtime, name):
+            given.append(("guard", name))
+            return super().guard(runtime, name)
+
+    class Lifetime(WorkspaceLifetime):
+        def during_capture(self, runtime, slot_, allocate):
+            given.append(("lifetime", slot_ is slot))
+            return slot_
+
+    def workspaces(node):
+        given.append(("workspace", node.target))
+        return slot
+    runtime = Tasks({PA: fake_pa})
+    entry.capture(runtime, [torch.zeros(4), torch.zeros(1), torch.zeros(1), torch.zeros(1)], workspaces, 5, (),
+                  Schedule(), Lifetime(), (), ())
+    assert given == [("workspace", torch.ops.ascend.workspace.default), ("workspace", torch.ops.ascend.workspace.default),
+                     ("lifetime", True), ("guard", "pa_0")]  # the warm-up's environment, then the capture's
+    assert entry.table.entries["pa_0"].frozen == {"context_lens": [5, 5, 5, 5]}
