@@ -327,3 +327,22 @@ def test_live_capture_runs_the_nodes_between_pieces_skipping_writes_to_a_callers
     live.replay(type("Captured", (), {"graph": type("G", (), {"replay": lambda self: replayed.append(1)})()})())
     live.end()
     assert replayed == [1] and live.runtime.calls == ["after_piece", "after_piecewise_step"]
+
+
+def test_a_kernel_whose_attention_call_reads_a_node_gone_from_the_graph_has_no_fallback(p64):
+    """`_fallbacks`: each kernel's attention call as adapted, over the graph's own nodes (by name); a call
+    reading a node the target's form of the graph lacks gives that kernel no op to run instead, and the
+    other kernels keep theirs."""
+    _, graph, _ = p64
+    first, second = sorted(graph.fallbacks, key=lambda n: n.name)
+    assert [n.name for n in graph.fallbacks[first][1]][:1] == ["q_1"]  # the call's reads, in this graph
+    assert all(n.graph is graph.gm.graph for _, nodes in graph.fallbacks.values() for n in nodes)
+    attention = graph.variant.attention
+    op, args, kwargs = attention["out"]
+    gone = fx.Graph().placeholder("not_in_this_graph")
+    graph.variant.attention = {**attention, "out": (op, (gone, *args[1:]), kwargs)}
+    try:
+        found = graph._fallbacks()
+    finally:
+        graph.variant.attention = attention
+    assert list(found) == [second] and found[second][0][0] is attention["out_1"][0]

@@ -586,3 +586,29 @@ def test_inputs_aliasing_each_other_where_none_is_staged_and_written_are_replaye
             assert_close(fn(**inputs, buf=buf), reference(**inputs, buf=buf.clone()))
     art = artifacts[-1]
     assert art.rewritten.mutations.alias_groups and art.served == {("decode", "full"): 2}, art.served
+
+
+def test_a_step_raising_while_its_pieces_are_captured_puts_its_cache_rows_back_under_save_cache_rows(monkeypatch):
+    """The second node between pieces raising while a prefill's pieces are captured on its values (after
+    the first pieces wrote its KV rows): under `save_cache_rows` every cache is as before the step; by
+    default the step's own rows stay written (named in the error)."""
+    from ascend_compile.lowering import piecewise_live
+    from tests.test_failed_steps import caches
+
+    run = piecewise_live.LiveCapture.run
+
+    def failing(self, segment):
+        if segment.node.name.endswith("_1"):  # the second layer's attention kernel
+            raise Raised("in layer 1")
+        return run(self, segment)
+
+    monkeypatch.setattr(piecewise_live.LiveCapture, "run", failing)
+    for save in (True, False):
+        cfg, model, _ = _llama()
+        fn, _ = _compile(model, runtime="sim", save_cache_rows=save)
+        inputs = PagedBatch(cfg, seed=4).step([40], [40])
+        before = [c.clone() for c in caches(model)]
+        with torch.no_grad(), pytest.raises(Raised):
+            fn(**inputs)
+        same = [torch.equal(got, want) for got, want in zip(caches(model), before, strict=True)]
+        assert all(same) if save else not all(same), (save, same)
