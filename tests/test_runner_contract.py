@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from torch import fx
 
 from ascend_compile.lowering.graph_entry import GraphEntry
 from ascend_compile.lowering.piecewise import PiecewiseGraph
@@ -612,3 +613,26 @@ def test_a_step_raising_while_its_pieces_are_captured_puts_its_cache_rows_back_u
             fn(**inputs)
         same = [torch.equal(got, want) for got, want in zip(caches(model), before, strict=True)]
         assert all(same) if save else not all(same), (save, same)
+
+
+def test_a_graph_the_target_rewrites_is_specialized_once_per_key_and_dumped(monkeypatch, tmp_path):
+    """`Target.specialize` asked once per graph key (b4.decode, then b8.decode); a rewritten graph (here a
+    copy) dumped as `<key>/3_specialized.py` under `dump_dir`; one the target leaves as is, not."""
+    import glob
+
+    from ascend_compile.targets import Target
+
+    asked = []
+
+    def rewrite(self, gm, key, config):
+        asked.append(str(key))
+        return fx.GraphModule(gm, gm.graph) if key.bucket == 8 else gm
+
+    monkeypatch.setattr(Target, "specialize", rewrite)
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", dump_dir=str(tmp_path))
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([6, 10], None), ([1, 2, 3, 4, 5], None)] * 2)
+    assert asked == ["b4.decode", "b8.decode"]
+    dumped = glob.glob(str(tmp_path / "**" / "3_specialized.py"), recursive=True)
+    assert [p.split("/")[-2] for p in dumped] == ["b8.decode"], dumped
+    assert "def forward" in open(dumped[0]).read()
