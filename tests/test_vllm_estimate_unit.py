@@ -211,3 +211,89 @@ def test_a_graph_keeping_sizes_as_seen_has_no_figure_and_says_which(small_segmen
         assert memory.estimate(served.graph, served.config) is None
     assert [r.getMessage() for r in caplog.records if r.name == "ascend_compile"] == [
         "ascend_compile: no graph memory estimate: the graph keeps sizes ['s7', 's9'] as seen"]
+
+
+def test_the_planning_context_is_made_on_the_graphs_device_and_the_binder_given_its_example_inputs(
+        small_segments, monkeypatch):
+    """The estimate rewrites with the graph's own binder class, made with the graph's example inputs, on a
+    planning context of the graph's layers whose fakes are on the graph's device, with a block table wide
+    enough for `max_model_len` (rounded up to whole blocks)."""
+    served = Served(piecewise_sizes=(), kernel_policy="pa")
+    made, bound = [], []
+    original = memory.planning_context
+    monkeypatch.setattr(memory, "planning_context", lambda names, config, device, mode, max_blocks: made.append(
+        (list(names), config, device, max_blocks)) or original(names, config, device, mode, max_blocks))
+
+    class Binder(type(served.graph.binder)):
+        def __init__(self, get_forward_context, example_inputs=None):
+            bound.append(example_inputs)
+            super().__init__(get_forward_context, example_inputs)
+
+    monkeypatch.setattr(served.graph, "binder", Binder(v.get_forward_context, served.graph.example_inputs))
+    bound.clear()
+    assert memory.estimate(served.graph, served.config) is not None
+    assert made == [(list(served.model.attention_layers()), served.config, torch.device("cpu"), 32)]
+    assert len(bound) == 1 and bound[0] is served.graph.example_inputs
+
+
+def test_the_pieces_are_split_as_the_runner_splits_them(small_segments):
+    """`memory._piecewise_graph`: a size's piecewise graph as the runner's own for that size (its padded
+    sizes, the block table's width among them, and its segments), nothing captured. No vLLM: the example
+    Llama, whose block table width is a size of its own."""
+    import ascend_compile
+    from ascend_compile.backend import backend
+    from ascend_compile.passes.roles import SymbolKind
+    from examples.llama import LlamaConfig, PagedBatch, build
+
+    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=16)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=250, capture_sizes=(4, 8), piecewise_sizes=(32, 64), runtime="sim")
+    fn = ascend_compile.compile(build(cfg), backend=backend(config, on_compiled=artifacts.append))
+    with torch.no_grad():
+        fn(**PagedBatch(cfg, seed=2).step([20], [20]))
+    art = artifacts[-1]
+    ((key, _), served), = art.piecewise.items()
+    assert SymbolKind.BLOCKS in served.signature.symbol_kinds.values() and 16 in served.padded.values()
+    graph = memory._piecewise_graph(art.rewritten, key)
+    assert graph.padded == served.padded
+    assert [type(s).__name__ for s in graph.segments] == [type(s).__name__ for s in served.segments]
+    assert graph.pieces == [] and graph.buffers == {}
+
+
+class _AttentionOnly(torch.nn.Module):
+    """vLLM's attention alone on the step's hidden states: a graph whose one tensor input is the step's."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn = v.Attention(2, 8, 0.25, num_kv_heads=2, prefix="model.layers.0.self_attn.attn", vllm_config=config)
+
+    def forward(self, hidden):
+        return self.attn(hidden, hidden, hidden)
+
+    def attention_layers(self):
+        return {self.attn.layer_name: self.attn}
+
+
+def test_a_graph_with_one_tensor_input_is_estimated_on_its_device(small_segments, caplog):
+    """The graph's device is its tensor inputs' (here its one input's): the estimate goes on to its answer
+    (none: this graph keeps the hidden states' row count as seen, no role giving it a bucket)."""
+    config = v.VllmConfig()
+    model = _AttentionOnly(config)
+    v.bind_kv_cache(model, 64, BLOCK)
+    config.cache_config, config.model_config = NS(block_size=BLOCK), NS(dtype=torch.float32)
+    torch._dynamo.reset()
+    compile_fn = integration.backend(CompileConfig(max_model_len=MAX_LEN, capture_sizes=BUCKETS, runtime="sim",
+                                                   kernel_policy="pa", piecewise_sizes=()),
+                                     get_forward_context=v.get_forward_context)
+    compiled = torch.compile(model, backend=compile_fn, dynamic=True)
+    since = memory.handed_over()
+    with torch.no_grad(), v.set_forward_context(None, config):
+        compiled(torch.randn(3, 16))
+    (graph,) = memory.tracked(since)
+    tensors = [p for p in graph.gm.graph.find_nodes(op="placeholder")
+               if isinstance(p.meta.get("example_value"), torch.Tensor)]
+    assert len(tensors) == 1
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        assert memory.estimate(graph, config) is None
+    assert "no graph memory estimate: the graph keeps sizes" in caplog.text
