@@ -346,3 +346,25 @@ def test_a_kernel_whose_attention_call_reads_a_node_gone_from_the_graph_has_no_f
     finally:
         graph.variant.attention = attention
     assert list(found) == [second] and found[second][0][0] is attention["out_1"][0]
+
+
+def test_run_takes_a_piece_output_that_is_none_as_none(p64):
+    """A step's values of piece outputs are their narrowed views, whatever they hold: an output that is
+    None (an op returning nothing) is None, not looked up among the step's arguments."""
+    import collections
+
+    from ascend_compile.lowering.phase_seconds import PhaseSeconds
+
+    art, graph, (step, args) = p64
+    plan, use_kernels, _ = graph.plan(step, args)
+    key = tuple(step.symbols.values())
+    (returned,) = graph.output.all_input_nodes
+    views = dict(graph._views[key])
+    graph._views[key] = {**views, returned: None}
+    replays = graph.replays
+    try:
+        outputs = graph.run(art.runtime, step, plan, use_kernels, args, art.pieces.workspace(graph.key), PhaseSeconds(),
+                            collections.Counter())
+    finally:
+        graph._views[key], graph.replays = views, replays
+    assert outputs == [None]
