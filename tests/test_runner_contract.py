@@ -206,6 +206,9 @@ def test_a_moved_kv_cache_captures_the_full_graph_and_the_pieces_again(dispatch,
     assert (stats["replays"], stats["piecewise_steps"]) == (2, 2), stats
     assert caplog.text.count("moved since b4.decode was captured: re-capturing it") == 1
     assert "1 KV cache input" in caplog.text and "1 parameter" in caplog.text, caplog.text
+    if dispatch == "direct":  # the direct call named what moved, and went through dynamo
+        assert "in-place inputs moved since their graph was captured" in caplog.text
+        assert "l_self_modules_layers_modules_0_modules_attn_buffers_key_cache_" in caplog.text
 
 
 def test_verify_every_checks_the_first_replay_and_every_nth_of_full_and_piecewise_graphs():
