@@ -77,6 +77,9 @@ def test_constant_stores_are_replayed_exactly_where_dynamo_recorded_them():
                    "    __import_torch_dot__dynamo_dot_utils.object_setattr_ignore_descriptor(box, 'flag', True)\n"
                    "    return None\n")
     assert dynamo_code.unsafe_instruction(called, [], stores[:1]) is None
+    # the store utility read (as an attribute some source names) where dynamo recorded no store
+    assert dynamo_code.unsafe_instruction(called, ["G['u'].object_setattr_ignore_descriptor"], []) == (
+        "object_setattr_ignore_descriptor loaded where dynamo recorded 0 stores")
     plain = _code("def f(box):\n    return __import_torch_dot__dynamo_dot_utils.call_size(box, 0)\n")
     assert dynamo_code.unsafe_instruction(plain, [], stores) == (
         "object_setattr_ignore_descriptor not loaded where dynamo recorded 2 stores")
@@ -199,6 +202,8 @@ def test_fill_writes_the_per_call_inputs_only_and_checks_before_and_after_gather
     assert fill((1,), {"y": 4}, kept) is None and kept == [1, "state", 4]
     assert fill((9,), {}, kept) is None  # the check before gathering fails first: `k['y']` is never read
     gather = gathering.gather([before, after], namespace)
+    # named as what they do: a profile or a traceback of a direct call shows these names
+    assert (fill.__name__, gather.__name__, gathering.build(namespace).__name__) == ("fill", "gather", "build")
     assert gather((1,), {"y": 3}) == (1, module.a.weight, 3)
     assert gather((1,), {"y": 4}) is None and gather((9,), {}) is None
     assert gathering.gather([], namespace)((1,), {"y": 4}) == (1, module.a.weight, 4)
