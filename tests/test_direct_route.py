@@ -716,3 +716,50 @@ def test_a_call_failing_a_check_made_before_gathering_gathers_nothing():
     position = next(i for i, value in enumerate(route._args) if value is X)
     handle.remove()
     assert fallback(fn, y, **args)[0] == "a hook traced into the graph was removed" and route._args[position] is X
+
+
+AMBIENT = [("parameters, buffers or submodules of a module were assigned", True),
+           ("torch's global state differs from the traced call's", True),
+           ("torch function modes differ from the traced call's", True),
+           ("the default device differs from the traced call's", True),
+           ("the torch.compiler stance is no longer 'default'", True),
+           ("a functorch transform or forward-AD level is active", True),
+           ("a hook was registered on a module (or a tensor)", True)]
+
+
+@torch.no_grad()
+def test_a_route_makes_the_checks_its_step_needs_and_no_other():
+    """Each check once, in the order `Route.explain` names them, those over torch's state and the modules before
+    gathering: the bound module is no argument, the arguments the graph reads are checked by what it reads."""
+    fn, _ = armed(Linear(), X)
+    tensors = [("tensor arguments that were distinct objects are one, or a parameter or buffer", False),
+               ("a tensor argument's type, dtype, device, requires_grad, static size or stride differs", False)]
+    assert [(c.description, c.before_gather) for c in fn.dispatcher.routes[1, ()]._checks] == [
+        *AMBIENT, ("module 'self' was switched to eval mode", True),
+        ("a module's class was changed (module.__class__ = ...)", True),
+        ("argument 'scale' differs from the traced call's", False), *tensors]
+    args = dict(sub=nn.Linear(4, 4), flag=True, opts=Opts(), extra=torch.zeros(2), xs=[torch.ones(4)],
+                named={"b": torch.ones(4)})
+    fn, _ = armed(WithSub(), X, **args)
+    assert [(c.description, c.before_gather) for c in fn.dispatcher.routes[1, tuple(args)]._checks] == [
+        *AMBIENT, ("module 'self' was switched to eval mode", True),
+        ("argument 'sub' is another module than in the traced call", False),
+        ("module 'sub' was switched to eval mode", True),
+        ("a module's class was changed (module.__class__ = ...)", True),
+        ("argument 'flag' differs from the traced call's", False),
+        ("argument 'opts' is another object than in the traced call", False),
+        ("argument 'extra' is another type of tensor", False),
+        ("argument 'named' is of another type or length than in the traced call", False),
+        ("argument 'xs' is of another type or length than in the traced call", False), *tensors]
+
+
+@torch.no_grad()
+def test_several_function_modes_are_checked_each_in_its_place():
+    first, second = Mode(), Mode()
+    with first, second:
+        fn, _ = armed(Linear(), X)
+        assert passes(fn, X)
+    with second, first:
+        assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
+    with first:
+        assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
