@@ -763,3 +763,28 @@ def test_several_function_modes_are_checked_each_in_its_place():
         assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
     with first:
         assert fallback(fn, X) == ("torch function modes differ from the traced call's", "")
+
+
+class Powered(nn.Module):
+    """A step whose arguments hold no tensor: nothing for the tensor checks to check."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, n):
+        return self.lin.weight * n
+
+
+@torch.no_grad()
+def test_a_step_taking_no_tensor_makes_no_tensor_check():
+    model = Powered()
+    fn, artifacts = armed(model, 3)
+    route = fn.dispatcher.routes[1, ()]
+    assert [(c.description, c.before_gather) for c in route._checks] == [
+        *AMBIENT, ("module 'self' was switched to eval mode", True),
+        ("a module's class was changed (module.__class__ = ...)", True),
+        ("argument 'n' is of another type or length than in the traced call", False)]  # an int, read as a size
+    result, through_dynamo = call(fn, 5)
+    assert not through_dynamo and artifacts[0].graph_inputs.sources[-1] == "L['n']"
+    torch.testing.assert_close(result, model.lin.weight * 5)

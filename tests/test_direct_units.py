@@ -575,3 +575,31 @@ def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(mon
     torch.compile(_twice, backend=grab, fullgraph=True)(x, y)
     assert seen[0].refusal == "the graph's shape environment is not reachable from the backend"
     assert seen[0].shape_guards == () and seen[1].refusal is None and seen[1].shape_guards
+
+
+class _Scaling(torch.overrides.TorchFunctionMode):
+    """A mode holding a tensor: dynamo reads it through one of its own helpers."""
+
+    def __init__(self, tensor, use):
+        super().__init__()
+        self.tensor, self.use = tensor, use
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return self.use(out, self.tensor) if func is torch.Tensor.add else out
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def test_tensors_dynamo_reaches_through_its_own_helpers_are_refused():
+    with _Scaling(torch.full((2,), 3.0), lambda out, t: out * t):
+        inputs = _record(_plus_one, torch.ones(2))
+    assert inputs.sources[1] == "___get_torch_function_mode_stack_at(0).tensor"
+    assert inputs.refusal == ("the source of _get_torch_function_mode_stack_at_0_tensor "
+                              "(___get_torch_function_mode_stack_at(0).tensor) calls one of dynamo's own helpers")
+    with _Scaling(torch.zeros(1, dtype=torch.float64), lambda out, t: out.to(t.dtype)):  # read for its dtype alone
+        inputs = _record(_plus_one, torch.ones(2))
+    assert inputs.sources == ("L['x']",) and inputs.unread == ()
+    assert inputs.refusal == "dynamo wrapped a tensor from ___get_torch_function_mode_stack_at(0).tensor (one of its own helpers)"
