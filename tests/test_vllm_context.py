@@ -27,6 +27,7 @@ WHERE = "forward_context.no_compile_layers['l0'].kv_cache"
     (torch.ones(2, 4), torch.ones(2, 4), "a third entry, not read"),
     torch.ones(3, 2, 4, 1, 8),  # vLLM 0.23's [num_blocks, 2, block_size, kv_heads, head_dim]
     torch.ones(3, 1, 4, 16),  # vLLM 0.33's page
+    torch.ones(1, 1, 1, 1),  # one element is no empty cache
 ])
 def test_a_pair_of_nonempty_tensors_or_a_nonempty_4_or_5_dim_tensor_is_a_bound_cache(cache):
     assert context.has_cache(cache) is True
@@ -95,8 +96,9 @@ def test_cache_pair_splits_the_layers_own_cache_by_its_head_size():
     key, value = context.cache_pair(ctx, "l0", WHERE)
     assert torch.equal(key, cache.transpose(1, 2)[..., :4]) and torch.equal(value, cache.transpose(1, 2)[..., 4:])
     ctx.no_compile_layers["l0"] = SimpleNamespace(kv_cache=cache)  # no head size: a page cannot be split
-    with pytest.raises(ValueError, match="head_size None"):
+    with pytest.raises(ValueError) as err:
         context.cache_pair(ctx, "l0", WHERE)
+    assert str(err.value).startswith(f"{WHERE}: expected") and "head_size None" in str(err.value)
 
 
 # ---------------------------------------------------------------- step_semantics
@@ -227,3 +229,10 @@ def test_a_cache_replaced_by_a_pair_is_read_as_the_pair():
     ctx.no_compile_layers["l0"].kv_cache = pair = (torch.ones(3, 4, 1, 8), torch.zeros(3, 4, 1, 8))
     got = views(ctx)
     assert got[0] is pair[0] and got[1] is pair[1]
+
+
+def test_a_cache_that_is_neither_a_tensor_nor_a_pair_is_refused_naming_where():
+    views = CacheViews("l0", WHERE)
+    with pytest.raises(ValueError) as err:
+        views(_ctx((torch.ones(2, 4, 1, 8),)))  # one half only
+    assert str(err.value).startswith(f"{WHERE}: expected a (key, value) pair") and str(err.value).endswith("got tuple")

@@ -185,7 +185,8 @@ def test_install_leaves_the_model_to_dynamo_where_the_fast_path_is_not_armed(mon
     with caplog.at_level(logging.INFO, logger="ascend_compile"):
         model(torch.ones(3))
     assert made[0].answers == [None] and model._compiled_call_impl is compiled_call
-    assert "vLLM model calls go through dynamo's guards: vllm_fast_path is proven on torch 9.9 only" in caplog.text
+    assert [r.getMessage() for r in caplog.records] == [
+        "ascend_compile: vLLM model calls go through dynamo's guards: vllm_fast_path is proven on torch 9.9 only"]
 
 
 def test_install_outside_a_compiled_model_is_none_and_says_why(caplog):
@@ -199,6 +200,32 @@ def test_a_direct_call_counts_the_calls_dynamo_takes_and_rechecks_through_its_di
     direct = fast_path.DirectCall(Doubler(), lambda *args, **kwargs: calls.append((args, kwargs)) or "dynamo's")
     assert direct._through_dynamo((1, 2), {"x": 3}) == "dynamo's"
     assert calls == [((1, 2), {"x": 3})] and direct.dynamo_calls == 1
+    direct._through_dynamo((4,), {})
+    assert direct.dynamo_calls == 2
     direct.dispatcher.routes["layout"] = "a reason"
     direct.recheck()
     assert direct.dispatcher.routes == {}
+
+
+class Breaking(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x + 1
+
+
+def test_a_graph_after_a_graph_break_is_not_the_models_graph_and_installs_nothing():
+    torch._dynamo.reset()
+    made: list[Deferred] = []
+
+    def backend(gm, example_inputs):
+        made.append(Deferred(gm, fast_path.install))
+        return made[-1]
+
+    model = Breaking()
+    model.compile(backend=backend)
+    assert torch.equal(model(torch.ones(3)), torch.full((3,), 3.0))
+    assert len(made) == 2
+    direct = made[0].answers[0]
+    assert isinstance(direct, fast_path.DirectCall)  # the first graph is forward's own
+    assert made[1].answers == [None]  # the second is the resumed function's, not forward's
