@@ -160,13 +160,13 @@ def test_the_piecewise_sizes_buffers_and_pieces_pool_are_added(small_segments, m
     replayed = []
 
     def piece_pool(rewritten, runtime, model):  # the pieces' own replay, stood in: 10,001 bytes reserved
-        replayed.append((runtime.name, model.reserved_bytes()))
+        replayed.append((runtime.name, model.reserved_bytes(), [k.bucket for k in rewritten.piecewise.keys]))
         model.reserved_bytes = lambda: 10_001
         return True
 
     monkeypatch.setattr(memory, "_piece_pool", piece_pool)
     figure = memory.estimate(served.graph, served.config)
-    assert replayed == [("sim", 0)]  # on a fresh pool model of the runtime's
+    assert replayed == [("sim", 0, list(sizes))]  # the rewritten graph's pieces, on a fresh pool model of the runtime's
     assert figure.pool == full.pool + 10_502  # 5% more, rounded up
     assert figure.graphs == full.graphs and figure.workspaces == full.workspaces
     _serve_every_graph(served, sizes)
@@ -297,3 +297,42 @@ def test_a_graph_with_one_tensor_input_is_estimated_on_its_device(small_segments
     with caplog.at_level(logging.WARNING, logger="ascend_compile"):
         assert memory.estimate(graph, config) is None
     assert "no graph memory estimate: the graph keeps sizes" in caplog.text
+
+
+def test_the_graphs_are_replayed_in_capture_order_traced_as_the_runtime_records_kernels(small_segments, monkeypatch):
+    """The graph pool is modelled in the order `capture_all` captures: decode graphs largest first, then the
+    mixed ones; each variant traced with the runtime's own kernels (a simulator's device kernel is one
+    kernel, any other op its body's)."""
+    served = Served(piecewise_sizes=(), kernel_policy="pa", pa_max_batch=4)
+    order, kernels = [], []
+    rewrite, trace = memory.rewrite_buckets, memory.trace_allocations
+
+    def recording(gm, config, target, bind):
+        rewritten = rewrite(gm, config, target, bind=bind)
+        return _Replaced(rewritten, variant_for=lambda key: order.append(key) or rewritten.variant_for(key))
+
+    monkeypatch.setattr(memory, "rewrite_buckets", recording)
+    monkeypatch.setattr(memory, "trace_allocations", lambda gm, one_kernel: kernels.append(one_kernel) or
+                        trace(gm, one_kernel))
+    assert memory.estimate(served.graph, served.config) is not None
+    assert [(k.decode, k.bucket) for k in order] == [(True, 8), (True, 4), (False, 8), (False, 4)]
+    assert kernels and all(getattr(k, "__name__", None) == "is_kernel" for k in kernels)
+
+
+def test_on_a_runtime_without_graphs_each_kernel_auto_may_pick_is_sized(small_segments, monkeypatch):
+    """With "auto" and no graph pool, the figure is still the larger of both kernels' workspaces."""
+    served = Served(piecewise_sizes=(), kernel_policy="auto", pa_max_batch=4)
+    rewrite = memory.rewrite_buckets
+
+    def larger_for_fia(gm, config, target, bind):
+        rewritten = rewrite(gm, config, target, bind=bind)
+        if config.kernel_policy == "fia":
+            return _Replaced(rewritten, plan=NS(slots={"fia": NS(nbytes=3 * MIB_), "more": NS(nbytes=1)}))
+        return rewritten
+
+    monkeypatch.setattr(memory, "rewrite_buckets", larger_for_fia)
+    monkeypatch.setattr(memory, "pool_model", lambda runtime: None)
+    assert memory.estimate(served.graph, served.config) == memory.GraphMemoryEstimate(3 * MIB_ + 1, 0, 0, 0)
+
+
+MIB_ = 1 << 20
