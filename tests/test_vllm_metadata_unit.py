@@ -76,6 +76,8 @@ def test_the_fakes_have_one_fresh_symbolic_sequence_count_and_the_steps_dtypes()
     lens, loc, table = (provided[n][2] for n in ("vllm_seq_lens_5", "vllm_query_start_loc_5", "vllm_block_table_5"))
     (seqs,) = lens.shape
     assert isinstance(seqs, torch.SymInt) and str(seqs.node.expr).startswith("s")
+    (source, *_) = seqs.node.shape_env.var_to_sources[seqs.node.expr]  # named after its group, in guards too
+    assert source.name == "ascend_provided_seqs_5"
     assert loc.shape[0] == seqs + 1 and table.shape[0] == seqs and table.shape[1] == 6
     assert all(t.dtype == torch.int32 for t in (lens, loc, table))
 
