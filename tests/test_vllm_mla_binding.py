@@ -82,7 +82,7 @@ def test_the_backend_is_checked_first_then_sparsity_then_the_cache():
 
 
 @pytest.mark.parametrize("cache, bound", [
-    (torch.zeros(4, 16, 40), True), (torch.zeros(0, 16, 40), False), (torch.zeros(4, 16), False),
+    (torch.zeros(4, 16, 40), True), (torch.zeros(1, 1, 1), True), (torch.zeros(0, 16, 40), False), (torch.zeros(4, 16), False),
     (torch.zeros(4, 2, 16, 40), False), (None, False), ((torch.zeros(4, 16, 40),), False),
 ])
 def test_a_latent_cache_is_bound_as_one_nonempty_3_dim_tensor(cache, bound):
@@ -174,5 +174,7 @@ def test_the_metadata_an_mla_layer_needs_is_there_or_refused_naming_it():
     with pytest.raises(UnsupportedAttention) as err:
         mla._refuse_metadata("l0", SimpleNamespace(num_reqs=1))
     assert err.value.feature.endswith("without ['num_decodes', 'num_prefills', 'decode', 'prefill', 'query_start_loc']")
-    with pytest.raises(UnsupportedAttention, match=r"non-causal attention \(attn_metadata.causal=False\)"):
-        mla._refuse_metadata("l0", _metadata([1], None, causal=False))
+    with pytest.raises(UnsupportedAttention) as err:
+        mla._refuse_metadata("model.layers.5.self_attn.attn", _metadata([1], None, causal=False))
+    assert (err.value.layer, err.value.feature) == ("model.layers.5.self_attn.attn",
+                                                    "non-causal attention (attn_metadata.causal=False)")
