@@ -93,9 +93,20 @@ def test_without_piecewise_graphs_a_step_no_bucket_holds_runs_eagerly_saying_why
         assert set(shown) <= set(art.stats) and all(art.stats[k] == 0 for k in shown), art.stats
 
 
-def test_capture_all_captures_every_decode_bucket_largest_first_at_the_first_capture(caplog):
-    """`capture_all`: the first step captures the decode graphs of both buckets, 8 then 4; later steps
-    capture nothing more; a mixed step's own graph is captured when it comes."""
+def test_capture_all_captures_every_decode_bucket_largest_first_at_the_first_capture(caplog, monkeypatch):
+    """`capture_all`: the first step captures the decode graphs of both buckets, 8 then 4 (under a
+    progress bar named for it); later steps capture nothing more; a mixed step's own graph is captured
+    when it comes."""
+    from ascend_compile.lowering import runner
+
+    bars = []
+
+    def progress(items, what):
+        items = list(items)
+        bars.append((what, [str(k) for k in items]))
+        return items
+
+    monkeypatch.setattr(runner, "progress", progress)
     cfg, model, reference = _llama()
     fn, artifacts = _compile(model, runtime="sim", capture_all=True)
     batch = PagedBatch(cfg, seed=4)
@@ -106,6 +117,7 @@ def test_capture_all_captures_every_decode_bucket_largest_first_at_the_first_cap
     assert art.stats["captures"] == 2 and art.stats["replays"] == 2, art.stats
     captured = [line.split("captured ")[1].split(" in ")[0] for line in caplog.messages if "captured b" in line]
     assert captured == ["b8.decode", "b4.decode"], caplog.messages
+    assert bars == [("ascend_compile capture", ["b8.decode", "b4.decode"])]
     _steps(fn, reference, batch, [([9, 3], [2, 1])])
     assert art.stats["captures"] == 3 and sorted(str(k) for k, _ in art.graphs)[-1] == "b8.decode"
 
