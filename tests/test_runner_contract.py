@@ -652,3 +652,24 @@ def test_a_graph_the_target_rewrites_is_specialized_once_per_key_and_dumped(monk
     dumped = glob.glob(str(tmp_path / "**" / "3_specialized.py"), recursive=True)
     assert [p.split("/")[-2] for p in dumped] == ["b8.decode"], dumped
     assert "def forward" in open(dumped[0]).read()
+
+
+def test_capture_all_captures_every_decode_bucket_at_the_steps_specialized_sizes():
+    """`capture_all` with a specialized size (a caller's buffer of fixed width under `dynamic=True`): the
+    first step captures every bucket's decode graph at its width, each keyed by it."""
+    from tests.test_runtime_graphs import BUCKETS, Caller, compiled, make_step
+
+    torch._dynamo.reset()
+    body = "buf[0, :n].copy_(tokens)\nreturn logits"
+    fn, artifacts = compiled(make_step(body), dynamic=True, capture_all=True, runtime="sim")
+    reference, caller = make_step(body), Caller(0)
+    with torch.no_grad():
+        for size in (3, 3):
+            inputs = caller.step(size)
+            got, want = torch.zeros(1, 20, dtype=torch.int64), torch.zeros(1, 20, dtype=torch.int64)
+            assert_close(fn(**inputs, buf=got), reference(**inputs, buf=want))
+            assert torch.equal(got, want)
+    art = artifacts[-1]
+    (symbol,) = [str(s) for s in art.signature.specialized]
+    assert sorted((k.bucket, s) for k, s in art.graphs) == [(b, ((symbol, 20),)) for b in BUCKETS]
+    assert art.stats["captures"] == len(BUCKETS)
