@@ -178,3 +178,12 @@ def test_the_metadata_an_mla_layer_needs_is_there_or_refused_naming_it():
         mla._refuse_metadata("model.layers.5.self_attn.attn", _metadata([1], None, causal=False))
     assert (err.value.layer, err.value.feature) == ("model.layers.5.self_attn.attn",
                                                     "non-causal attention (attn_metadata.causal=False)")
+
+
+@pytest.mark.parametrize("chunked", [SimpleNamespace(seq_lens=torch.tensor([[4, 2]])),  # vLLM 0.23: host copies
+                                     SimpleNamespace(context_lens=torch.tensor([4, 2]))])
+def test_context_lengths_kept_on_the_host_are_moved_to_the_device_of_the_query_starts(chunked):
+    prefill = SimpleNamespace(query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32, device="meta"),
+                              chunked_context=chunked)
+    lens = mla.seq_lens(_metadata(None, prefill, num_prefills=2))  # "meta" stands in for the accelerator
+    assert lens.device.type == "meta" and lens.shape == (2,) and lens.dtype == torch.int32
