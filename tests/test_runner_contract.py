@@ -673,3 +673,46 @@ def test_capture_all_captures_every_decode_bucket_at_the_steps_specialized_sizes
     (symbol,) = [str(s) for s in art.signature.specialized]
     assert sorted((k.bucket, s) for k, s in art.graphs) == [(b, ((symbol, 20),)) for b in BUCKETS]
     assert art.stats["captures"] == len(BUCKETS)
+
+
+def test_capture_all_leaves_a_graph_the_target_refuses_uncaptured(monkeypatch):
+    """`capture_all` with the target refusing bucket 8's decode graph (`Target.eager_reason`): b4.decode
+    is captured, b8.decode not (its steps go to the pieces, the reason the target's)."""
+    from ascend_compile.targets import Target
+
+    monkeypatch.setattr(Target, "eager_reason", lambda self, gm, key: (
+        f"{key}: refused" if key.bucket == 8 and not key.piecewise else None))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", capture_all=True)
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([1, 2, 3, 4, 5], None)])
+    art = artifacts[-1]
+    graphs = {str(k): e for (k, _), e in art.graphs.items()}
+    assert graphs["b4.decode"].graph is not None and graphs["b8.decode"].graph is None
+    assert art.stats["captures"] == 1 and art.not_full == {"b8.decode: refused": 1}, art.stats
+
+
+def test_a_direct_call_finding_an_in_place_input_moved_raises_naming_it_and_runs_nothing():
+    """`call_direct` (no fixed positions): a KV cache at another address than at capture raises
+    `MovedInputs` naming it, the step not counted; the same call through `__call__` captures again."""
+    from ascend_compile.lowering.graph_entry import MovedInputs
+
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    art, seen = artifacts[-1], []
+    call = art._call
+    art._call = lambda args, direct, fixed=None: (seen.append(args), call(args, direct, fixed))[1]
+    _steps(fn, reference, batch, [([6, 10], None)])
+    del art._call
+    cache = next(i for i, name in art.names.items() if name.endswith("key_cache_"))
+    args = list(seen[0])
+    args[cache] = args[cache].clone()
+    steps = art.stats["steps"]
+    with torch.no_grad(), pytest.raises(MovedInputs) as moved:
+        art.call_direct(args)
+    assert moved.value.args[0] == [art.names[cache]] and art.stats["steps"] == steps
+    assert art.stats["recaptures"] == 0 and art.stats["replays"] == 2
+    with torch.no_grad():
+        art(*args)
+    assert art.stats["recaptures"] == 1 and art.stats["steps"] == steps + 1
