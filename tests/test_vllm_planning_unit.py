@@ -160,3 +160,15 @@ def test_the_planning_context_allocates_nothing_real():
     tensors = [context.no_compile_layers["a"].kv_cache, context.slot_mapping["a"], context.attn_metadata["b"].slot_mapping,
                context.attn_metadata["a"].block_table, context.attn_metadata["b"].block_tables]
     assert all(isinstance(t, FakeTensor) and t.device == torch.device("cpu") for t in tensors)
+
+
+def test_the_fakes_are_on_the_device_asked_and_each_spec_asked_of_vllms_config():
+    layers = {"a": _Layer(), "m": _Layer(mla=(8, 8), writes_cache=True)}
+    config, asked = _vllm_config(layers), []
+    for name, layer in layers.items():
+        layer.get_kv_cache_spec = lambda c, name=name: asked.append(c) or f"{name}'s spec"
+    context = planning_context.planning_context(["a", "m"], config, torch.device("meta"), FakeTensorMode(), 3)
+    tensors = [context.no_compile_layers["a"].kv_cache, context.no_compile_layers["m"].kv_cache,
+               context.slot_mapping["a"], context.attn_metadata["a"].seq_lens, context.attn_metadata["m"].decode.seq_lens]
+    assert all(t.device == torch.device("meta") for t in tensors)
+    assert asked == [config, config]
