@@ -788,3 +788,24 @@ def test_a_step_taking_no_tensor_makes_no_tensor_check():
     result, through_dynamo = call(fn, 5)
     assert not through_dynamo and artifacts[0].graph_inputs.sources[-1] == "L['n']"
     torch.testing.assert_close(result, model.lin.weight * 5)
+
+
+class _Box:
+    """A plain object a step writes a constant into."""
+
+
+class FlagsItsArgument(Linear):
+    def forward(self, x, box):
+        box.flag = True
+        return super().forward(x)
+
+
+@torch.no_grad()
+def test_a_constant_store_into_an_argument_is_read_from_the_call_positional_or_keyword():
+    box = _Box()
+    fn, _ = compiled(FlagsItsArgument())
+    assert [call(fn, X, box)[1] for _ in range(3)] == [True, True, False]
+    assert [call(fn, X, box=box)[1] for _ in range(3)] == [True, True, False]
+    box.flag = False
+    assert fallback(fn, X, box) == ("L['box'].flag is no longer True, which the step stores", "")
+    assert fallback(fn, X, box=box) == ("L['box'].flag is no longer True, which the step stores", "")
