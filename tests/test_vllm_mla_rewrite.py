@@ -244,3 +244,37 @@ def test_fused_output_quantization_is_refused(position, name):
     with pytest.raises(ValueError) as err:
         rewrite._rewrite_attention(node)
     assert str(err.value) == f"{node.name}.{name}: fused output quantization is not supported by ascend_graph"
+
+
+def test_the_cache_updates_result_stays_an_empty_tensor_of_the_latents_dtype():
+    """vLLM's update op returns `torch.empty(0)` as a dependency the graph may thread on: its users get the same."""
+    _define_ops()
+    ctx = _step()
+    for layer in ctx.no_compile_layers.values():
+        layer.kv_cache = layer.kv_cache.to(torch.bfloat16)
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    graph = fx.Graph()
+    kv_c, k_pe, k_scale = (graph.placeholder(n) for n in ("kv_c", "k_pe", "k_scale"))
+    with fake:
+        kv_c.meta["example_value"] = torch.empty(5, L, dtype=torch.bfloat16)
+        k_pe.meta["example_value"] = torch.empty(5, 1, ROPE, dtype=torch.bfloat16)
+    update = graph.call_function(getattr(torch.ops.vllm, mla.MLA_CACHE_UPDATE_OP).default,
+                                 (kv_c, k_pe, "l0", "auto", k_scale))
+    graph.output((update,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    provided = []
+
+    def provide(name, source, read, fake_value):
+        provided.append(read)
+        return add_provided_input(gm, ProvidedInput(name, source), fake_value)
+
+    slots = lambda layer, tokens: provide("slots", "slot_mapping", lambda c: c.slot_mapping[layer],  # noqa: E731
+                                          torch.empty(tokens, dtype=torch.int64))
+    assert mla.MlaRewrite(gm, ctx, fake, provide, lambda node: "l0", slots).rewrite([], [update]) == []
+    gm.recompile()
+    values = torch.randn(5, L, dtype=torch.bfloat16), torch.randn(5, 1, ROPE, dtype=torch.bfloat16)
+    expected = ctx.no_compile_layers["l0"].kv_cache.clone()
+    expected.view(-1, L + ROPE)[ctx.slot_mapping["l0"]] = torch.cat([values[0], values[1][:, 0]], dim=-1)
+    (result,) = gm(*values, torch.ones(1), *[read(ctx) for read in provided])
+    assert result.shape == (0,) and result.dtype == torch.bfloat16
+    assert torch.equal(ctx.no_compile_layers["l0"].kv_cache, expected)
