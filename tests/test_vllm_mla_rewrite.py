@@ -230,8 +230,9 @@ def test_a_quantized_latent_cache_is_refused_at_the_rewrite():
     assert err.value.layer == "l0" and err.value.feature == "quantized KV cache (cache dtype torch.uint8)"
 
 
+@pytest.mark.parametrize("keyword", [False, True])
 @pytest.mark.parametrize("position, name", [(5, "output_scale"), (6, "output_block_scale")])
-def test_fused_output_quantization_is_refused(position, name):
+def test_fused_output_quantization_is_refused(position, name, keyword):
     _define_ops()
     ctx = _step()
     fake = FakeTensorMode(shape_env=ShapeEnv())
@@ -239,7 +240,10 @@ def test_fused_output_quantization_is_refused(position, name):
     node = attentions[0]
     with gm.graph.inserting_before(node):
         scale = gm.graph.call_function(torch.ops.aten.ones.default, ([1],))
-    node.args = (*node.args[:5], *([None] * (position - 5)), scale)
+    if keyword:
+        node.kwargs = {name: scale}
+    else:
+        node.args = (*node.args[:5], *([None] * (position - 5)), scale)
     rewrite = mla.MlaRewrite(gm, ctx, fake, None, lambda n: "l0", None)
     with pytest.raises(ValueError) as err:
         rewrite._rewrite_attention(node)
