@@ -236,3 +236,10 @@ def test_a_cache_that_is_neither_a_tensor_nor_a_pair_is_refused_naming_where():
     with pytest.raises(ValueError) as err:
         views(_ctx((torch.ones(2, 4, 1, 8),)))  # one half only
     assert str(err.value).startswith(f"{WHERE}: expected a (key, value) pair") and str(err.value).endswith("got tuple")
+
+
+def test_a_cache_tensor_of_no_known_layout_is_refused_naming_where():
+    views = CacheViews("l0", WHERE)
+    with pytest.raises(ValueError) as err:
+        views(_ctx(torch.ones(4, 16, 8)))  # an MLA-style latent cache on a plain attention layer
+    assert str(err.value).startswith(f"{WHERE}: expected a (key, value) pair") and str(err.value).endswith("(4, 16, 8)")

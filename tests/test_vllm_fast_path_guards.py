@@ -163,10 +163,14 @@ def test_a_model_not_compiled_with_module_compile_is_no_answer():
         "no Module.compile'd model on the stack (the model was compiled with torch.compile(model) or a function)")
 
 
-def test_install_puts_one_direct_call_in_front_of_the_compiled_model():
+def test_install_puts_one_direct_call_in_front_of_the_compiled_model(caplog):
     model, made = _compiled(fast_path.install)
     compiled_call = model._compiled_call_impl
-    model(torch.ones(3))
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        model(torch.ones(3))
+    assert [r.getMessage() for r in caplog.records if r.name == "ascend_compile"] == [
+        "ascend_compile: Doubler: steps after this one go straight to the compiled graph (dispatch='direct'; "
+        "ASCEND_COMPILE_OPTIONS {\"dispatch\": \"dynamo\"} turns it off)"]
     direct = made[0].answers[0]
     assert isinstance(direct, fast_path.DirectCall) and model._compiled_call_impl is direct
     assert direct.compiled_call is compiled_call
