@@ -391,7 +391,7 @@ def test_under_save_cache_rows_each_step_saves_its_own_cache_rows_counted():
         assert stats["launches_outside_graph"] == 2 * launches, stats  # as many saves per step
 
 
-def test_a_full_graph_whose_checked_replay_differs_serves_no_later_step():
+def test_a_full_graph_whose_checked_replay_differs_serves_no_later_step(caplog):
     """`verify_every=1`; from the second step on the task updates are skipped (stale lengths): that
     replay differs from eager, eager's result is returned, and the graph serves no later step (its
     steps go to the pieces, the reason naming the replay and the first mismatch)."""
@@ -403,7 +403,9 @@ def test_a_full_graph_whose_checked_replay_differs_serves_no_later_step():
     _steps(fn, reference, batch, [([5, 9], None)])
     art = artifacts[-1]
     art.target.updates = RecordOnly()
-    _steps(fn, reference, batch, [([6, 10], None), ([7, 11], None)])
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([6, 10], None), ([7, 11], None)])
+    assert "ascend_compile: b4.decode: first replay differs from eager: output 0" in caplog.text  # named
     (entry,) = art.graphs.values()
     assert entry.verified["replay"] == 2 and not entry.verified["ok"] and entry.replays == 2
     reason = f"b4.decode: its replay 2 differed from eager ({entry.verified['mismatches'][0]})"
