@@ -120,7 +120,7 @@ def _rewrite(ctx, layers: list[str]):
     def slot_mapping(layer, tokens):  # one input per layer, as the binder's one per slot tensor
         slot_layers.append((layer, tokens))
         if layer not in slots:
-            slots[layer] = provide(f"slots_{layer}", "slot_mapping", lambda c: c.slot_mapping[layer],
+            slots[layer] = provide(f"slots_{layer.replace('.', '_')}", "slot_mapping", lambda c: c.slot_mapping[layer],
                                    torch.empty(tokens, dtype=torch.int64))
         return slots[layer]
 
@@ -196,7 +196,8 @@ def test_the_inputs_example_values_have_the_steps_sizes_symbolic_in_its_requests
     seqs = values["vllm_mla_seq_lens_0"].shape[0]
     assert isinstance(seqs, torch.SymInt) and seqs.node.hint == 3
     assert values["vllm_mla_query_start_loc_0"].shape[0] == seqs + 1
-    assert values["vllm_mla_block_table_0"].shape[0] == seqs and values["vllm_mla_block_table_0"].shape[1] == 3
+    table = values["vllm_mla_block_table_0"].shape
+    assert isinstance(table[0], torch.SymInt) and str(table[0].node.expr) == str(seqs.node.expr) and table[1] == 3
     assert values["vllm_mla_seq_lens_0"].dtype == torch.int32
     assert tuple(values["vllm_kv_c_cache_l0"].shape) == (BLOCKS, BLOCK_SIZE, L)
     assert values["vllm_kv_c_cache_l0"].stride() == (BLOCK_SIZE * (L + ROPE), L + ROPE, 1)  # the view's strides
@@ -211,6 +212,9 @@ def test_an_mla_group_per_metadata_object():
     assert groups == ["l0", "l1"]
     names = [name for name, _, _ in provided]
     assert "vllm_mla_seq_lens_1" in names and names.count("vllm_mla_seq_lens_0") == 1
+    values = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
+    first, second = (values[f"vllm_mla_seq_lens_{i}"].shape[0] for i in (0, 1))
+    assert str(first.node.expr) != str(second.node.expr)  # each group its own request count
     assert dict((n, s) for n, s, _ in provided)["vllm_mla_block_table_1"] == (
         "forward_context.attn_metadata['l1']: decode.block_table, then prefill.block_table")
 
@@ -218,8 +222,9 @@ def test_an_mla_group_per_metadata_object():
 def test_metadata_the_rewrite_cannot_read_is_refused_at_the_rewrite():
     ctx = _step()
     ctx.attn_metadata["l0"].causal = False
-    with pytest.raises(mla.UnsupportedAttention, match="non-causal attention"):
+    with pytest.raises(mla.UnsupportedAttention) as err:
         _rewrite(ctx, ["l0"])
+    assert (err.value.layer, err.value.feature) == ("l0", "non-causal attention (attn_metadata.causal=False)")
 
 
 def test_a_quantized_latent_cache_is_refused_at_the_rewrite():
@@ -282,3 +287,22 @@ def test_the_cache_updates_result_stays_an_empty_tensor_of_the_latents_dtype():
     (result,) = gm(*values, torch.ones(1), *[read(ctx) for read in provided])
     assert result.shape == (0,) and result.dtype == torch.bfloat16
     assert torch.equal(ctx.no_compile_layers["l0"].kv_cache, expected)
+
+
+def test_a_dotted_layer_names_inputs_are_named_without_dots_and_bad_caches_are_refused_naming_where():
+    ctx = _step()
+    name = "model.layers.0.self_attn.attn"
+    for field in ("attn_metadata", "no_compile_layers", "slot_mapping"):
+        getattr(ctx, field)[name] = getattr(ctx, field).pop("l0")
+    gm, provided, *_ = _rewrite(ctx, [name])
+    names = [n for n, _, _ in provided]
+    assert "vllm_kv_c_cache_model_layers_0_self_attn_attn" in names and "vllm_w_uv_model_layers_0_self_attn_attn" in names
+    reader = dict((n, r) for n, _, r in provided)["vllm_kv_c_cache_model_layers_0_self_attn_attn"]
+    ctx.no_compile_layers[name].kv_cache = torch.zeros(BLOCKS, L + ROPE)  # a later step's cache of another layout
+    where = f"forward_context.no_compile_layers[{name!r}].kv_cache"
+    with pytest.raises(ValueError) as err:
+        reader(ctx)
+    assert str(err.value).startswith(f"{where}: expected a [num_blocks, block_size, kv_lora_rank + rope] tensor")
+    with pytest.raises(ValueError) as err:
+        _rewrite(ctx, [name])
+    assert str(err.value).startswith(f"{where}: expected")
