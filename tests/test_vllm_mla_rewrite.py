@@ -202,6 +202,8 @@ def test_the_inputs_example_values_have_the_steps_sizes_symbolic_in_its_requests
     assert tuple(values["vllm_kv_c_cache_l0"].shape) == (BLOCKS, BLOCK_SIZE, L)
     assert values["vllm_kv_c_cache_l0"].stride() == (BLOCK_SIZE * (L + ROPE), L + ROPE, 1)  # the view's strides
     assert tuple(values["vllm_w_uv_l0"].shape) == (H, L, V)
+    assert tuple(values["vllm_k_pe_cache_l0"].shape) == (BLOCKS, BLOCK_SIZE, ROPE)
+    assert tuple(values["vllm_w_uk_t_l0"].shape) == (H, NOPE, L)
 
 
 def test_an_mla_group_per_metadata_object():
