@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+import torch._dynamo.side_effects
 import torch.autograd.forward_ad as forward_ad
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -26,6 +27,13 @@ from ascend_compile.dispatch import graph_inputs
 from ascend_compile.dispatch.route import Fallback
 from ascend_compile.lowering import served
 from ascend_compile.lowering.graph_entry import MovedInputs
+
+
+# Tests of constant stores replayed by a direct call: on torch 2.10 dynamo's record of a step's side effects is
+# not readable (no AttrMutationKind), so every store is refused and such steps stay on dynamo's path
+# (tests/test_direct_dispatch.py's side-effects contract test shows that branch on 2.10)
+stores_readable = pytest.mark.skipif(not hasattr(torch._dynamo.side_effects, "AttrMutationKind"),
+                                     reason="dynamo's record of side effects is not readable on this torch")
 
 
 class Artifact:
@@ -171,6 +179,7 @@ def _direct_messages(caplog):
             if r.name == "ascend_compile" and "dispatch='direct'" in r.getMessage()]
 
 
+@stores_readable
 @torch.no_grad()
 def test_a_step_changing_an_attribute_every_call_stays_on_dynamos_path_logged_once(caplog):
     fn, artifacts = compiled(Counting())
@@ -182,6 +191,7 @@ def test_a_step_changing_an_attribute_every_call_stays_on_dynamos_path_logged_on
         (logging.INFO, "the step changes L['self'].calls on every call: calls of this layout go through dynamo")]
 
 
+@stores_readable
 @torch.no_grad()
 def test_a_constant_store_arms_once_the_attribute_holds_it_and_is_checked_at_each_call(caplog):
     model = Flagging()
@@ -800,6 +810,7 @@ class FlagsItsArgument(Linear):
         return super().forward(x)
 
 
+@stores_readable
 @torch.no_grad()
 def test_a_constant_store_into_an_argument_is_read_from_the_call_positional_or_keyword():
     box = _Box()

@@ -23,7 +23,7 @@ from ascend_compile.dispatch.frame import frame_of
 from ascend_compile.dispatch.gathering import Gathering
 from ascend_compile.dispatch.side_effects import ConstantStore
 from ascend_compile.lowering.served import Served
-from tests.test_direct_route import Flagging, Linear, X, armed, call, compiled
+from tests.test_direct_route import Flagging, Linear, X, armed, call, compiled, stores_readable
 
 
 #: How Python calls a method of a loaded object: LOAD_METHOD until 3.11, LOAD_ATTR from 3.12.
@@ -527,6 +527,7 @@ def _stores_a_flag(box, x):
     return x + 1
 
 
+@stores_readable
 def test_a_frame_ending_in_return_const_is_a_frame_end():
     """Python 3.12 on returns a constant with RETURN_CONST: the frame's end, as RETURN_VALUE is (dynamo's
     translator as it stands at such a return, built here on any Python)."""
