@@ -414,6 +414,32 @@ def test_a_full_graph_whose_checked_replay_differs_serves_no_later_step(caplog):
     assert art.served == {("decode", "full"): 2, ("decode", "piecewise"): 1}
 
 
+@pytest.mark.parametrize("scale, ok", [(1.5, True), (2.5, False)])
+def test_a_replay_is_checked_within_the_tolerance_of_the_graphs_depth(monkeypatch, scale, ok):
+    """A four-layer graph whose first replay returns logits off by `scale` times float32's one-layer row
+    tolerance: within the tolerance of four layers (twice one layer's, `verify.row_tolerance`) the graph
+    keeps serving; past it, the replay is refused and eager's result returned."""
+    from ascend_compile.lowering.runner import CompiledArtifact
+    from ascend_compile.lowering.verify import ROW_TOLERANCE
+
+    replay = CompiledArtifact._replay
+    rtol = ROW_TOLERANCE[torch.float32][0]
+
+    def off_by_scale(self, entry, plan):
+        logits, *rest = replay(self, entry, plan)
+        return (logits * (1 + scale * rtol), *rest)
+
+    monkeypatch.setattr(CompiledArtifact, "_replay", off_by_scale)
+    cfg, model, reference = _llama(num_layers=4)
+    fn, artifacts = _compile(model, runtime="sim", verify=True)
+    inputs = PagedBatch(cfg, seed=4).step([5, 9], None)
+    with torch.no_grad():
+        want, got = reference(**inputs), fn(**inputs)
+    (entry,) = artifacts[-1].graphs.values()
+    assert entry.verified["ok"] is ok and (entry.eager_reason is None) is ok, entry.verified
+    assert_close(got, want * (1 + scale * rtol) if ok else want)
+
+
 def test_a_step_with_an_input_requiring_grad_under_grad_mode_runs_as_traced():
     """The artifact called under grad mode with weights requiring grad (as dynamo 2.10's guards let
     through): the step runs as traced, its output requiring grad, counted as an eager fallback only."""
