@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import fx
 
+from ascend_compile.passes.fx_utils import example_value
 from ascend_compile.passes.memory_estimate import pool_reserved, trace_allocations
 from ascend_compile.runtime.pool_model import (CUDA_ROUND_LARGE, LARGE_BUFFER, NPU_ROUND_LARGE, SMALL_BUFFER,
                                                caching_allocator_model, one_kernel, pool_model, sim_pool_model)
@@ -82,6 +84,26 @@ def test_the_trace_sizes_follow_the_symbols_and_only_the_outputs_outlive_the_cap
     model = sim_pool_model(1 << 30)
     trace.replay(model, {tokens: 40})
     assert model.large.stats()["allocated_bytes"] == 40 * 64 * 4  # the output, still held by the caller
+
+
+def test_a_graph_given_sizes_alone_is_traced_on_their_shape_environment():
+    """A graph whose only input is a size (a piece making a buffer of the token count's rows, as the
+    stand-in vLLM model's first piece): no input is a tensor, yet it runs on fakes, its allocation an
+    expression of the size's symbol; a graph given nothing fake has no trace."""
+    gm = _dynamo_graph(lambda x: x * 2, torch.randn(8, 64))
+    tokens = next(v for v in map(example_value, gm.graph.find_nodes(op="placeholder")) if isinstance(v, torch.Tensor))
+    size = tokens.shape[0]
+    assert isinstance(size, torch.SymInt)
+    graph = fx.Graph()
+    n = graph.placeholder("n")
+    n.meta["example_value"] = size
+    graph.output((graph.call_function(torch.zeros, ((n, 64),), {"dtype": torch.float32}),))
+    trace = trace_allocations(fx.GraphModule({}, graph))
+    assert trace is not None and len(trace.events) == 1 and trace.outputs == ((0,),)
+    kind, _, nbytes = trace.events[0]
+    assert kind == "alloc" and nbytes == 256 * size.node.expr
+    del n.meta["example_value"]
+    assert trace_allocations(fx.GraphModule({}, graph)) is None
 
 
 def _no_fake_kernel(*args):

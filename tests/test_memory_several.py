@@ -219,12 +219,13 @@ def test_three_models_on_one_runtime_share_its_graph_budget_each_given_what_the_
     assert first.graphs + second.graphs + third.graphs <= 30
 
 
-def test_the_pieces_pool_figure_is_what_the_simulators_captures_of_every_size_reserve():
-    """The figure's pieces pool (`memory._piece_pool`): the largest size's pieces traced one by one, each
-    piece's outputs held until the last piece reading them is captured, on a pool of their own. On the
-    simulator (segments of 4 KiB, so each held block shows) it is what the captures of the three sizes'
-    pieces reserve, to the byte: the smaller sizes reuse what the largest reserved. No vLLM."""
-    from ascend_compile.runtime.pool_model import pool_model
+@pytest.mark.parametrize("order, exact", [((20, 40, 100), True), ((100, 20, 40), False)])
+def test_the_pieces_pool_figure_bounds_what_the_simulators_captures_of_every_size_reserve_in_any_order(order, exact):
+    """The figure's pieces pool (`memory._piece_pool`): the pieces traced, each piece's outputs held until
+    the last piece reading them is captured, every size replayed smallest first on a pool of their own.
+    On the simulator (segments of 4 KiB, so each held block shows), the sizes captured smallest first
+    reserve the figure to the byte; the largest first, less (the smaller sizes fit in what it freed;
+    every other order of the three was measured between the two). No vLLM."""
     from ascend_compile.runtime.sim import SimRuntime
     from ascend_compile.targets import Target
 
@@ -237,11 +238,10 @@ def test_the_pieces_pool_figure_is_what_the_simulators_captures_of_every_size_re
                                                             target=lambda device, config: Target(sim)))
     batch = PagedBatch(cfg, seed=2)
     with torch.no_grad():
-        for lens, qlens in (([100], [100]), ([20], [20]), ([40, 10], [40, 10])):  # p128 first, as serving may
-            fn(**batch.step(lens, qlens))
+        for tokens in order:
+            fn(**batch.step([tokens], [tokens]))
     art = artifacts[-1]
     assert sorted(str(k) for k, _ in art.piecewise) == ["p128", "p32", "p64"] and art.stats["captures"] == 0
-    model = pool_model(sim)
-    assert memory._piece_pool(art.rewritten, sim, model)
-    assert model.large.stats()["allocated_bytes"] == 0  # every held output let go at the end
-    assert model.reserved_bytes() == art.memory_report()["pool"]["graph"]["reserved_bytes"] > 32 * (1 << 12)
+    reserved = art.memory_report()["pool"]["graph"]["reserved_bytes"]
+    figure = memory._piece_pool(art.rewritten, sim)
+    assert (reserved == figure) if exact else (32 * (1 << 12) < reserved < figure), (reserved, figure)

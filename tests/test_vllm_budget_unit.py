@@ -447,13 +447,14 @@ class _Trace:
 def _pieces(monkeypatch, events, traces):
     """A piecewise graph of pieces P0, an eager node E1, pieces P2 and P3, as `_piece_pool` reads it:
     P0 makes `a`, its view `v` (one storage: id 0) and `t` (id 1), and a temporary (id 2); E1 reads `t`,
-    P2 reads `v`, P3 reads `a` and makes the graph's output `o`."""
+    P2 reads `v`, P3 reads `a` and makes the graph's output `o`. Each size's pool model (a fresh one per
+    size) logs its releases, and reserves 1,000 bytes per replay it saw plus its size's token count."""
     from ascend_compile.passes import split_pieces
 
     a, v, t, x, o = "a", "v", "t", "x", "o"
     segments = [split_pieces.Piece([a, v, t], [], [a, v, t]), NS(node="E1"), split_pieces.Piece([x], [v], []),
                 split_pieces.Piece([o], [a], [o])]
-    graph = NS(segments=segments, padded={"s0": 64}, gm="gm", last_uses=lambda: {a: 3, v: 2, t: 1, o: 4})
+    graph = NS(segments=segments, gm="gm", last_uses=lambda: {a: 3, v: 2, t: 1, o: 4})
     keys = []
     monkeypatch.setattr(memory, "_piecewise_graph", lambda rewritten, key: keys.append(key) or graph)
     monkeypatch.setattr(split_pieces, "piece_module", lambda gm, piece: (gm, segments.index(piece)))
@@ -464,36 +465,52 @@ def _pieces(monkeypatch, events, traces):
         return traces[module[1]]
 
     monkeypatch.setattr(memory, "trace_allocations", trace_allocations)
-    model = NS(release=lambda handle: events.append(("release", handle)))
-    return model, keys, kernels
+    models = []
+
+    def pool_model(runtime):
+        model = NS(release=lambda handle: events.append(("release", handle)), runtime=runtime)
+        model.reserved_bytes = lambda: 1000 * sum(e[0] == "replay" for e in events)
+        models.append(model)
+        return model
+
+    monkeypatch.setattr(memory, "pool_model", pool_model)
+    padded = lambda bucket, max_blocks: {"s0": bucket, "blocks": max_blocks}  # noqa: E731
+    rewritten = NS(piecewise=NS(keys=[NS(bucket=64), NS(bucket=16)]), max_blocks=7,
+                   signature=NS(padded_symbols=padded))
+    return rewritten, keys, kernels, models
 
 
-def test_each_pieces_outputs_are_held_until_their_last_reader_is_captured(monkeypatch):
+def test_every_sizes_pieces_are_replayed_smallest_first_outputs_held_until_their_last_reader(monkeypatch):
+    """The sizes' pieces replayed smallest first, on one pool model of the runtime's, at each size's padded
+    values; the pieces traced once, from the largest size's split, as the runtime records kernels; a
+    piece's outputs held until its last reader is captured, what is still held let go after the size's
+    last piece; the figure what the model reserves after them all."""
     events = []
     traces = {0: _Trace("P0", {0: "h0", 1: "h1", 2: "h2"}, ((0,), (0,), (1,)), events),
               2: _Trace("P2", {0: "h4"}, (), events), 3: _Trace("P3", {0: "h3"}, ((0,),), events)}
-    model, keys, kernels = _pieces(monkeypatch, events, traces)
+    rewritten, keys, kernels, models = _pieces(monkeypatch, events, traces)
     runtime = NS(device_kernels=NS(is_kernel=lambda op: False))
-    rewritten = NS(piecewise=NS(keys=["p16", "p32", "p64"]))
-    assert memory._piece_pool(rewritten, runtime, model) is True
-    assert keys == ["p64"]  # the largest size's pieces
-    assert kernels == [runtime.device_kernels.is_kernel] * 3  # traced as the runtime records kernels
-    values = {"s0": 64}
-    assert events == [
-        ("replay", "P0", values), ("release", "h2"),  # a temporary: let go with the capture
+    assert memory._piece_pool(rewritten, runtime) == 6000
+    assert keys == [rewritten.piecewise.keys[-1]]
+    assert kernels == [runtime.device_kernels.is_kernel] * 3  # each piece traced once, as the runtime records kernels
+    assert [m.runtime for m in models] == [runtime]
+    one_size = [
+        ("replay", "P0"), ("release", "h2"),  # a temporary: let go with the capture
         ("release", "h1"),  # `t`: read by E1 only, let go before P2 is captured
-        ("replay", "P2", values), ("release", "h4"),
+        ("replay", "P2"), ("release", "h4"),
         # `a` and its view `v` (one storage): held while P3, `a`'s reader, is captured, though `v` is read by P2
-        ("replay", "P3", values),
-        ("release", "h0"), ("release", "h3")]  # what is still held, let go at the end
+        ("replay", "P3"),
+        ("release", "h0"), ("release", "h3")]  # what is still held, let go after the size's last piece
+    assert [e[:2] for e in events] == one_size + one_size
+    assert [e[2] for e in events if e[0] == "replay"] == [{"s0": 16, "blocks": 7}] * 3 + [{"s0": 64, "blocks": 7}] * 3
 
 
-def test_a_piece_whose_allocations_cannot_be_traced_stops_the_replay(monkeypatch):
+def test_a_piece_whose_allocations_cannot_be_traced_gives_no_pool(monkeypatch):
     events = []
     traces = {0: _Trace("P0", {0: "h0"}, ((0,), (0,), ()), events), 2: None, 3: _Trace("P3", {}, ((),), events)}
-    model, _, kernels = _pieces(monkeypatch, events, traces)
-    assert memory._piece_pool(NS(piecewise=NS(keys=["p8"])), NS(), model) is False
-    assert len(kernels) == 2 and [e[:2] for e in events] == [("replay", "P0")]
+    rewritten, _, kernels, models = _pieces(monkeypatch, events, traces)
+    assert memory._piece_pool(rewritten, NS()) is None
+    assert len(kernels) == 2 and events == [] and models == []  # traced up to the piece that fails, nothing replayed
 
 
 def test_the_pieces_buffers_are_one_per_value_read_from_outside_the_pieces_at_every_size(monkeypatch):

@@ -159,14 +159,13 @@ def test_the_piecewise_sizes_buffers_and_pieces_pool_are_added(small_segments, m
                            served.config)
     replayed = []
 
-    def piece_pool(rewritten, runtime, model):  # the pieces' own replay, stood in: 10,001 bytes reserved
-        replayed.append((runtime.name, model.reserved_bytes(), [k.bucket for k in rewritten.piecewise.keys]))
-        model.reserved_bytes = lambda: 10_001
-        return True
+    def piece_pool(rewritten, runtime):  # the pieces' own replay, stood in: 10,001 bytes reserved
+        replayed.append((runtime.name, [k.bucket for k in rewritten.piecewise.keys]))
+        return 10_001
 
     monkeypatch.setattr(memory, "_piece_pool", piece_pool)
     figure = memory.estimate(served.graph, served.config)
-    assert replayed == [("sim", 0, list(sizes))]  # the rewritten graph's pieces, on a fresh pool model of the runtime's
+    assert replayed == [("sim", list(sizes))]  # the rewritten graph's pieces, on the runtime's pool model
     assert figure.pool == full.pool + 10_502  # 5% more, rounded up
     assert figure.graphs == full.graphs and figure.workspaces == full.workspaces
     _serve_every_graph(served, sizes)
@@ -174,9 +173,26 @@ def test_the_piecewise_sizes_buffers_and_pieces_pool_are_added(small_segments, m
     assert served.measured()["buffers"] == figure.buffers > full.buffers  # every size's buffers too
 
 
+def test_the_pieces_pool_is_traced_piece_by_piece_and_bounds_what_their_captures_reserve(small_segments):
+    """The pieces' pool traced by the estimate itself (no stand-in): the stand-in model's first piece reads
+    only the token count (its inputs hold no tensor), and is traced all the same; the figure with piecewise
+    sizes exceeds the full graphs' alone and bounds the pool serving every graph and size reserves."""
+    sizes = (16, 64)
+    served = Served(capture_all=True, piecewise_sizes=sizes, kernel_policy="pa", pa_max_batch=4)
+    full = memory.estimate(Served(capture_all=True, piecewise_sizes=(), kernel_policy="pa", pa_max_batch=4).graph,
+                           served.config)
+    figure = memory.estimate(served.graph, served.config)
+    assert figure is not None and figure.pool > full.pool and figure.buffers > full.buffers
+    _serve_every_graph(served, sizes)
+    assert served.artifacts[0].stats["piecewise_captures"] == len(sizes)
+    parts = served.measured()
+    assert parts["workspaces"] == figure.workspaces and parts["buffers"] == figure.buffers
+    assert 0.8 * figure.pool <= parts["pool"] <= figure.pool, (parts, figure)
+
+
 def test_pieces_whose_allocations_cannot_be_traced_give_no_figure(small_segments, monkeypatch):
     served = Served(piecewise_sizes=(16, 64), kernel_policy="pa")
-    monkeypatch.setattr(memory, "_piece_pool", lambda rewritten, runtime, model: False)
+    monkeypatch.setattr(memory, "_piece_pool", lambda rewritten, runtime: None)
     assert memory.estimate(served.graph, served.config) is None
 
 

@@ -131,12 +131,10 @@ def trace_allocations(gm: fx.GraphModule, one_kernel: Callable[[Any], bool] = la
                       ) -> AllocationTrace | None:
     """`gm`'s allocation trace (see the module docstring), or None where its fake run fails;
     `one_kernel(op)`: whether the runtime records `op` as one kernel (else its body's ops)."""
-    from torch._guards import detect_fake_mode
-
     placeholders = gm.graph.find_nodes(op="placeholder")
     # an input without a fake value is a host list the runner passes (a kernel's lengths): any will do
     inputs = [[] if example_value(n) is None else example_value(n) for n in placeholders]
-    fake_mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    fake_mode = _fake_mode(inputs)
     if fake_mode is None:
         log.info("ascend_compile: no graph memory estimate: the graph's inputs carry no fake values")
         return None
@@ -146,6 +144,20 @@ def trace_allocations(gm: fx.GraphModule, one_kernel: Callable[[Any], bool] = la
         log.warning("ascend_compile: no graph memory estimate: the graph does not run on fake tensors (%s: %s)",
                     type(err).__name__, err)
         return None
+
+
+def _fake_mode(inputs: Sequence[Any]) -> Any:
+    """The fake mode to run a graph on its example `inputs` in: their tensors', or, for a graph given
+    sizes alone (a piece making a buffer of the token count's rows), a new one on their symbols' shape
+    environment; None where no input is fake."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    sizes = [v for v in inputs if isinstance(v, torch.SymInt)]
+    if fake_mode is None and sizes:
+        return FakeTensorMode(shape_env=sizes[0].node.shape_env)
+    return fake_mode
 
 
 def _trace(gm: fx.GraphModule, placeholders: Sequence[fx.Node], inputs: Sequence[Any], fake_mode: Any,

@@ -22,8 +22,9 @@ buckets and the workspace plan. From that:
   `capture_all` does, then mixed ones) over a model of the runtime's pool allocator
   (`runtime/pool_model.py`);
 - the piecewise graphs (`lowering/piecewise.py`, sizes up to vLLM's `max_num_batched_tokens`):
-  the largest size's pieces traced one by one, each output held until its last reader is captured,
-  on a pool model of their own (added: see `_piece_pool`), and every size's static buffers.
+  the pieces traced one by one, each output held until its last reader is captured, every size's
+  replayed smallest first on a pool model of their own (added: see `_piece_pool`), and every size's
+  static buffers.
 
 It covers every graph the compile can capture (each bucket's decode graph and, where its decode
 kernels include one of the target's `mixed_graph_kernels`, its mixed graph: PA on every target, FIA and
@@ -203,40 +204,46 @@ def _piecewise_graph(rewritten: Any, key: Any) -> Any:
                           None, None, safe)
 
 
-def _piece_pool(rewritten: Any, runtime: Any, model: Any) -> bool:
-    """Replay the largest piecewise size's pieces onto `model` (a fresh pool model), as they are
-    captured: each piece's allocations traced, its outputs held until the last piece reading them
-    is captured (`PiecewiseGraph._release`); False where a piece's allocations cannot be traced.
-    Every smaller size reuses what the largest reserved. The figure adds this to the full graphs'
-    pool: pieces are captured when a step first needs them, after whichever full graphs serving has
-    captured by then, and how much of their freed blocks a caching allocator hands the pieces depends
-    on that history (measured: up to 3% more pool than the pieces captured after every full graph in
-    one model); on a pool of their own they need at most fresh segments."""
+def _piece_pool(rewritten: Any, runtime: Any) -> int | None:
+    """The pool the pieces of every piecewise size reserve on a pool model of their own, the sizes'
+    pieces replayed as they are captured, smallest size first: each piece's allocations traced (once:
+    the split is the same at every size), its outputs held until the last piece reading them is
+    captured (`PiecewiseGraph._release`), all let go when the size's last piece is. None where a
+    piece's allocations cannot be traced. A size's pieces are captured when a step first needs them,
+    in whatever order serving meets the sizes, and a larger size's blocks fit in only some of what a
+    smaller one freed: the smallest first reserves the most (measured on the simulator, every order
+    of three sizes: largest first reserves what the largest alone does, smallest first up to 12.5%
+    more). The figure adds it to the full graphs' pool: how much of their freed blocks a caching
+    allocator hands the pieces depends on which full graphs serving captured first; on a pool of
+    their own the pieces need at most fresh segments."""
     from ...passes.split_pieces import Piece, piece_module
 
     graph = _piecewise_graph(rewritten, rewritten.piecewise.keys[-1])
-    values = graph.padded
-    last_use = graph.last_uses()
-    held: dict[Any, int] = {}  # a pool handle -> the last segment reading what it holds
+    traces = {}
     for index, segment in enumerate(graph.segments):
-        if not isinstance(segment, Piece):
-            continue
-        for handle in [h for h, last in held.items() if last < index]:
-            model.release(handle)
-            del held[handle]
-        trace = trace_allocations(piece_module(graph.gm, segment), one_kernel(runtime))
-        if trace is None:
-            return False
-        handles = trace.replay_held(model, values)
-        for node, ids in zip(segment.outputs, trace.outputs):
-            for ident in ids:
-                held[handles[ident]] = max(held.get(handles[ident], -1), last_use.get(node, -1))
-        for ident, handle in handles.items():  # held by no output: released with the capture
-            if handle not in held:
+        if isinstance(segment, Piece):
+            traces[index] = trace = trace_allocations(piece_module(graph.gm, segment), one_kernel(runtime))
+            if trace is None:
+                return None
+    last_use = graph.last_uses()
+    model = pool_model(runtime)
+    for key in sorted(rewritten.piecewise.keys, key=lambda k: k.bucket):
+        values = rewritten.signature.padded_symbols(key.bucket, rewritten.max_blocks)
+        held: dict[Any, int] = {}  # a pool handle -> the last segment reading what it holds
+        for index, trace in traces.items():
+            for handle in [h for h, last in held.items() if last < index]:
                 model.release(handle)
-    for handle in held:
-        model.release(handle)
-    return True
+                del held[handle]
+            handles = trace.replay_held(model, values)
+            for node, ids in zip(graph.segments[index].outputs, trace.outputs):
+                for ident in ids:
+                    held[handles[ident]] = max(held.get(handles[ident], -1), last_use.get(node, -1))
+            for ident, handle in handles.items():  # held by no output: released with the capture
+                if handle not in held:
+                    model.release(handle)
+        for handle in held:
+            model.release(handle)
+    return model.reserved_bytes()
 
 
 def _piece_buffers(rewritten: Any) -> int:
@@ -296,10 +303,10 @@ def estimate(graph: Any, vllm_config: Any) -> GraphMemoryEstimate | None:
         captures = [(traces[rewritten.variant_for(key).name], values[key]) for key in keys]
         pool = pool_reserved(model, captures)
         if rewritten.piecewise is not None:  # on a pool of their own, added (see `_piece_pool`)
-            pieces = pool_model(runtime)
-            if not _piece_pool(rewritten, runtime, pieces):
+            pieces = _piece_pool(rewritten, runtime)
+            if pieces is None:
                 return None
-            pool += math.ceil(pieces.reserved_bytes() * PIECES_MARGIN)
+            pool += math.ceil(pieces * PIECES_MARGIN)
         placeholders = next(iter(rewritten.variants.values())).gm.graph.find_nodes(op="placeholder")
         itemsize = {spec.index: example_value(placeholders[spec.index]).dtype.itemsize
                     for spec in signature.inputs if spec.copied}
