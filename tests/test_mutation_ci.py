@@ -143,3 +143,31 @@ def test_the_recorded_runs_are_complete_runs_of_listed_modules():
     assert set(runs) <= set(modules)
     for module, run in runs.items():
         assert run["killed"] + run["equivalent"] == run["mutants"] and run["survived"] == 0, module
+
+
+def test_survivors_are_run_again_only_against_tests_that_only_gained_lines(tmp_path):
+    """`--again` (`sync_tests`): the group's tests and what they import copied into the run's tree and
+    mutmut's copy of it; refused where the mutated module changed since the run, or a test lost or
+    changed a line (a killed verdict may no longer stand)."""
+    import pytest
+
+    modules = {"ascend_compile/m.py": ("tests/test_m.py",)}
+    files = {"ascend_compile/m.py": "x = 1\n", "tests/test_m.py": "from tests import fake_m\ndef test(): pass\n",
+             "tests/fake_m.py": "A = 1\n"}
+    root, workdir = tmp_path / "root", tmp_path / "run"
+    _tree(root, files)
+    _tree(workdir, files)
+    (root / "tests/test_m.py").write_text(files["tests/test_m.py"] + "def test_more(): assert True\n")
+    args = (workdir, list(modules), modules["ascend_compile/m.py"], root)
+    assert mutation_ci.sync_tests(*args) == ["tests/fake_m.py", "tests/test_m.py"]
+    for base in (workdir, workdir / "mutants"):
+        assert (base / "tests/test_m.py").read_text().endswith("def test_more(): assert True\n")
+        assert (base / "tests/fake_m.py").read_text() == "A = 1\n"
+    for path, text in (("tests/test_m.py", "from tests import fake_m\n"), ("tests/fake_m.py", "A = 2\n"),
+                       ("ascend_compile/m.py", "x = 1\n# more\n")):
+        before = (root / path).read_text()
+        (root / path).write_text(text)
+        with pytest.raises(SystemExit, match=path):
+            mutation_ci.sync_tests(*args)
+        (root / path).write_text(before)
+    assert mutation_ci.only_added("a\nb\n", "a\nc\nb\n") and not mutation_ci.only_added("a\nb\n", "a\nc\n")

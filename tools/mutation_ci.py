@@ -2,7 +2,7 @@
 either killed by a test or listed as equivalent, with its reason, in `tools/mutation/equivalents/` (a file per module).
 
     python tools/mutation_ci.py [--modules PATH ...] [--changed-since BASE] [--max-children N]
-                                [--workdir DIR] [--json FILE] [--no-run] [--stale] [--record]
+                                [--workdir DIR] [--json FILE] [--no-run] [--stale] [--again] [--record]
 
 Why a driver and not a bare `mutmut run`: mutmut's stats phase runs every test it is given once, and its
 test selection is one setting for the whole run; the suite takes 15 minutes on two cores. Here each
@@ -32,11 +32,17 @@ test files as mutmut ran them, the `tests/` modules those import, its equivalent
 `--stale` mutates only the recorded modules whose digest changed since: what CI runs (`.ci/run`), so a
 change pays for the modules it touches and nothing else, and a landing whose every touched module was run
 and recorded pays nothing. Modules never run to completion are named, not run.
+
+`--again` runs only the survivors of the last run in `--workdir` again, after copying in the tests as they
+are now (mutmut's own rerun of named mutants): for tests written to kill them. It is refused where a
+mutated module changed, or a test lost or changed a line, since the run (`sync_tests`): then a killed
+verdict may no longer stand, and only a fresh run decides it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import fnmatch
 import hashlib
 import json
@@ -284,6 +290,46 @@ def run_group(workdir: Path, modules: Sequence[str], tests: Sequence[str], max_c
     return results(workdir, modules)
 
 
+def only_added(before: str, after: str) -> bool:
+    """Whether `after` is `before` with lines added and none removed or changed."""
+    matcher = difflib.SequenceMatcher(a=before.splitlines(), b=after.splitlines(), autojunk=False)
+    return all(tag in ("equal", "insert") for tag, *_ in matcher.get_opcodes())
+
+
+def sync_tests(workdir: Path, modules: Sequence[str], tests: Sequence[str], root: Path = ROOT) -> list[str]:
+    """Copy the group's test files and the `tests/` modules they import from `root` into the group's last
+    run in `workdir` (and mutmut's copy of the tree in it, where the tests run); the paths copied.
+    Refused (`SystemExit`) where a mutated module changed since the run, or a test lost or changed a
+    line: the run's killed verdicts then no longer stand, and only a fresh run decides them."""
+    for module in modules:
+        if (workdir / module).read_bytes() != (root / module).read_bytes():
+            raise SystemExit(f"mutation: {module} changed since the run in {workdir}: run it afresh")
+    paths = sorted({p for m in modules for p in sources(m, tests, root) if p.startswith("tests/")})
+    for path in paths:
+        old, new = workdir / path, (root / path).read_text()
+        if old.exists() and not only_added(old.read_text(), new):
+            raise SystemExit(f"mutation: {path} lost or changed a line since the run in {workdir}: run afresh")
+    for path in paths:
+        for base in (workdir, workdir / "mutants"):
+            (base / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / path, base / path)
+    return paths
+
+
+def retest_survivors(workdir: Path, modules: Sequence[str], tests: Sequence[str], max_children: int) -> list[Mutant]:
+    """The group's last run in `workdir`, its survivors run again against the tests as they are now
+    (`sync_tests`; mutmut finds what new tests reach itself): the mutants killed stand on the run's
+    tests, which the tests now hold unchanged, so each verdict is what a fresh run would give."""
+    sync_tests(workdir, modules, tests)
+    survivors = [m.name for m in results(workdir, modules) if m.status in SURVIVING]
+    print(f"mutation: {len(survivors)} survivors of {', '.join(modules)} run again in {workdir}", flush=True)
+    if survivors:
+        run = _mutmut(workdir, "run", "--max-children", str(max_children), *survivors, capture=False)
+        if run.returncode != 0:
+            raise SystemExit(f"mutation: mutmut run failed (exit {run.returncode}) in {workdir}")
+    return results(workdir, modules)
+
+
 def skeleton(mutant: Mutant) -> str:
     """An equivalents entry for `mutant`, its reason to be written."""
     occurrence = f"occurrence = {mutant.occurrence}\n" if mutant.occurrence > 1 else ""
@@ -331,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-run", action="store_true", help="report the last run in --workdir, run nothing")
     parser.add_argument("--stale", action="store_true",
                         help="only modules whose last complete run (tools/mutation/runs.toml) no longer stands")
+    parser.add_argument("--again", action="store_true",
+                        help="run the survivors of the last run in --workdir again, with the tests as they are now")
     parser.add_argument("--record", action="store_true",
                         help="record each module run here with every survivor killed or listed in runs.toml")
     args = parser.parse_args(argv)
@@ -348,7 +396,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for i, (tests, modules) in enumerate(groups(chosen)):
         workdir = args.workdir / f"group{i}"
         workdirs.update({m: workdir for m in modules})
-        mutants += results(workdir, modules) if args.no_run else run_group(workdir, modules, tests, args.max_children)
+        if args.no_run:
+            mutants += results(workdir, modules)
+        elif args.again:
+            mutants += retest_survivors(workdir, modules, tests, args.max_children)
+        else:
+            mutants += run_group(workdir, modules, tests, args.max_children)
     table, unlisted, undecided = report(mutants, load_equivalents(), workdirs)
     if args.json:
         args.json.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
