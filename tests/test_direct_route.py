@@ -820,3 +820,85 @@ def test_a_constant_store_into_an_argument_is_read_from_the_call_positional_or_k
     box.flag = False
     assert fallback(fn, X, box) == ("L['box'].flag is no longer True, which the step stores", "")
     assert fallback(fn, X, box=box) == ("L['box'].flag is no longer True, which the step stores", "")
+
+
+class StoresNone(nn.Module):
+    """A step storing None into an attribute (a cache it clears)."""
+
+    def forward(self, x):
+        self.cached = None
+        return x + 1
+
+
+@stores_readable
+@torch.no_grad()
+def test_a_stored_none_is_told_from_the_attribute_deleted():
+    """The store's check reads a deleted attribute as missing, not as None (which the step stores)."""
+    model = StoresNone()
+    fn, _ = compiled(model)
+    assert [call(fn, X)[1] for _ in range(3)] == [True, True, False]
+    del model.cached
+    assert fallback(fn, X) == ("L['self'].cached is no longer None, which the step stores", "")
+    model.cached = None
+    assert passes(fn, X)
+
+
+@torch.no_grad()
+def test_a_layout_armed_under_a_default_device_is_served_directly_under_it():
+    """`torch.set_default_device`: the default device at arming is the one each call is checked against."""
+    model = Linear()
+    torch.set_default_device("cpu")
+    try:
+        fn, _ = armed(model, X)
+        assert passes(fn, X)
+    finally:
+        torch.set_default_device(None)
+    assert fallback(fn, X)[0] in ("torch function modes differ from the traced call's",
+                                  "the default device differs from the traced call's")
+
+
+class Summing(nn.Module):
+    def forward(self, x, y, z):
+        return x + y * 2 + z * 3
+
+
+@torch.no_grad()
+def test_one_tensor_passed_under_three_names_is_checked_one_object_under_each():
+    fn, _ = armed(Summing(), X, X, X)
+    assert passes(fn, X, X, X)
+    assert fallback(fn, X, X, X.clone())[0] == "tensor arguments that were one object are not"
+
+
+class Wide(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+@torch.no_grad()
+def test_a_tensor_whose_stride_follows_a_dynamic_size_is_served_at_every_size():
+    """(2, T) tensors, T dynamic: the outer stride is T, dynamic as the size is, and not checked as static."""
+    fn, artifacts = compiled(Wide())
+    went = [call(fn, torch.randn(2, t))[1] for t in (3, 5, 6, 7, 9)]
+    assert went == [True, False, False, False, False] and len(artifacts) == 1  # traced dynamic: one graph
+
+
+class ReadsDtypes(nn.Module):
+    """Three tensors read for their dtype alone (dynamo wraps them without passing them to the graph): an
+    attribute that is not a buffer, a positional argument and a keyword argument, each of its own dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.like = torch.empty(2, dtype=torch.float64)
+
+    def forward(self, x, first, second=None):
+        return x.to(self.like.dtype) + x.to(first.dtype).double() + x.to(second.dtype).double()
+
+
+@torch.no_grad()
+def test_tensors_read_for_their_dtype_are_checked_each_as_itself_wherever_the_call_holds_it():
+    half, ints = torch.empty(1, dtype=torch.float16), torch.empty(1, dtype=torch.int32)
+    fn, _ = armed(ReadsDtypes(), X, half, second=ints)
+    assert passes(fn, X, half.clone(), second=ints.clone())
+    kind, detail = fallback(fn, X, half, second=ints.long())
+    assert kind == "a tensor argument's type, dtype, device, requires_grad, static size or stride differs"
+    assert "second" in detail and "dtype mismatch" in detail, detail
