@@ -902,3 +902,54 @@ def test_tensors_read_for_their_dtype_are_checked_each_as_itself_wherever_the_ca
     kind, detail = fallback(fn, X, half, second=ints.long())
     assert kind == "a tensor argument's type, dtype, device, requires_grad, static size or stride differs"
     assert "second" in detail and "dtype mismatch" in detail, detail
+
+
+class SquareRows(nn.Module):
+    def forward(self, x):
+        return x.view(int(x.shape[0] ** 0.5), -1) * 2
+
+
+@torch.no_grad()
+def test_shape_guards_written_with_math_and_torch_are_checked_on_each_direct_call():
+    """Dynamo's guards for `int(size ** 0.5)` rows read `math.trunc` and `torch.sym_float` (sympy's printer):
+    each direct call checks them, and a size failing one (10 is no multiple of 3) falls back naming it."""
+    fn, _ = compiled(SquareRows())
+    assert [call(fn, torch.randn(t))[1] for t in (16, 36, 64)] == [True, False, False]
+    kind, _ = fallback(fn, torch.randn(10))
+    assert kind.startswith("dynamo's shape guard (L['x'].size()[0] % (math.trunc(torch.sym_float("), kind
+
+
+class Loaded(nn.Module):
+    """A weight of a Parameter class with methods only (vLLM's parameter classes)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.test_direct_units import _Loader
+
+        self.weight = _Loader(torch.randn(4, 4), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class Wrapped(nn.Module):
+    """A buffer of a tensor subclass, gathered once with the module's state."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.test_direct_units import _Wrapper
+
+        self.register_buffer("w", torch.ones(4).as_subclass(_Wrapper))
+
+    def forward(self, x):
+        return x + self.w
+
+
+@torch.no_grad()
+def test_a_parameter_class_gathered_once_is_served_directly_and_a_subclass_buffer_is_not():
+    """A Parameter class gathered once is served directly; a buffer of another tensor subclass reaches the
+    graph through dynamo's own wrapping, which keeps the layout on dynamo's path before `_plain` is asked."""
+    armed(Loaded(), X)
+    fn, _ = compiled(Wrapped())
+    assert [call(fn, X)[1] for _ in range(3)] == [True] * 3
+    assert fn.dispatcher.routes[1, ()].startswith("dynamo's code for Wrapped.forward does more than call the graph")
