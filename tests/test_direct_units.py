@@ -184,6 +184,11 @@ def test_the_gathering_concatenates_where_that_copies_less_and_unpacks_elsewhere
     # at the bound (copied == 3 * inputs): unpacking
     bound = _gathering(["L['x']", W, "L['y']", B, "L['x']", BUF])[0]
     assert bound._lines() == ["    A = (a[0], *T0, k['y'], *T1, a[0], *T2,)"]
+    # 1+1+1+1+1 (n = 5): the later prefixes copy 2+3+4+5 = 14 < 15 (the first prefix copies nothing)
+    assert _gathering(["L['x']", W, "L['y']", B, "L['x']"])[0]._lines() == ["    A = (a[0],) + T0 + (k['y'],) + T1 + (a[0],)"]
+    # 2+1+1+1+1 (n = 6): 3+4+5+6 = 18, exactly 3 * 6: unpacking
+    assert _gathering(["L['x']", "L['y']", W, "L['x']", B, "L['y']"])[0]._lines() == [
+        "    A = (a[0], k['y'], *T0, a[0], *T1, k['y'],)"]
     assert _gathering(["L['x']", "L['y']"])[0]._lines() == ["    A = (a[0], k['y'],)"]
     assert _gathering([W, B])[0]._lines() == ["    A = T0"]
     for gathering, namespace in (_gathering(["L['x']", W, B, BUF] * 3), _gathering([W, "L['x']", B, "L['y']"])):
@@ -365,6 +370,10 @@ def test_a_route_fills_its_list_unless_another_call_holds_it_and_says_why_it_fal
                         lambda outs: outs, torch_function_disabled=True)
     assert plain.used is False and plain((4,), {}) == 4 and art.calls[-1] == ([4, sentinel], False)
     assert plain.used is True and art.fixed == frozenset()
+    by_keyword = Gathering(("k['y']", "S"), (1,), (0,), ("self",))  # no list to fill: gathered afresh each call
+    keyword = route.Route(art, by_keyword.gather([], namespace), by_keyword.build(namespace), [], namespace,
+                          lambda outs: outs)
+    assert keyword((), {"y": 6}) == 6 and art.calls[-1][0] == [6, sentinel]
     disabled = route.Route(art, gathering.gather([check], namespace), gathering.build(namespace), [check], namespace,
                            lambda outs: outs, True, frozenset({1}))
     assert disabled((2,), {}) == 2 and art.fixed == frozenset({1}) and art.calls[-1] == ([2, sentinel], False)
@@ -413,6 +422,8 @@ def test_tensor_subclasses_are_refused_but_a_parameter_class_gathered_once():
         checks._plain([plain, loader], ["d", "e"], (0,))
     with pytest.raises(checks.Unarmable, match="^w is a _Wrapper, a tensor subclass$"):
         checks._plain([torch.ones(1).as_subclass(_Wrapper)], ["w"], (0,))
+    with pytest.raises(checks.Unarmable, match="^w is a _Wrapper, a tensor subclass$"):  # after an excepted one
+        checks._plain([loader, torch.ones(1).as_subclass(_Wrapper)], ["e", "w"], (0,))
     from torch.testing._internal.two_tensor import TwoTensor
     wrapped = nn.Parameter(TwoTensor(torch.ones(1), torch.ones(1)), requires_grad=False)
     with pytest.raises(checks.Unarmable, match="^t is a .*, a tensor subclass$"):
