@@ -953,3 +953,79 @@ def test_a_parameter_class_gathered_once_is_served_directly_and_a_subclass_buffe
     fn, _ = compiled(Wrapped())
     assert [call(fn, X)[1] for _ in range(3)] == [True] * 3
     assert fn.dispatcher.routes[1, ()].startswith("dynamo's code for Wrapped.forward does more than call the graph")
+
+
+_GLOBAL_SCALE = torch.full((4,), 3.0)
+
+
+class GlobalScaled(nn.Module):
+    """A step reading a module-level tensor (dynamo's source `G['_GLOBAL_SCALE']`)."""
+
+    def forward(self, x):
+        return x * _GLOBAL_SCALE
+
+
+@torch.no_grad()
+def test_a_tensor_read_from_the_modules_globals_is_gathered_from_them_on_each_direct_call(caplog):
+    global _GLOBAL_SCALE
+    with caplog.at_level(logging.DEBUG, logger="ascend_compile"):
+        fn, artifacts = armed(GlobalScaled(), X)
+    assert (logging.DEBUG, "GlobalScaled.forward: 0 inputs gathered once, 4 per call, 12 checks") in _direct_messages(caplog)
+    saved, _GLOBAL_SCALE = _GLOBAL_SCALE, torch.full((4,), 5.0)
+    try:
+        result, went = call(fn, X)  # the global rebound: another object, checked and gathered as it is now
+        assert torch.equal(result, X * 5) and not went
+    finally:
+        _GLOBAL_SCALE = saved
+
+
+@torch.no_grad()
+def test_a_direct_call_made_inside_another_is_gathered_afresh_and_served_directly():
+    """The route's list is held by the outer call while its graph runs: a call made then (another
+    thread, or a hook inside the step) gathers its own arguments and is served directly too."""
+    model = Linear()
+    fn, artifacts = armed(model, X)
+    art, inner = artifacts[-1], []
+    outer_call = art.call_direct
+
+    def call_direct(args, fixed=None):
+        if not inner:
+            inner.append(None)
+            inner[0] = fn(X + 1)
+        return outer_call(args, fixed)
+
+    art.call_direct = call_direct
+    outer, went = call(fn, X)
+    assert not went and len(art.direct) == 3  # the arming call's, then the inner call's, then the outer's
+    assert torch.equal(outer, model(X)) and torch.equal(inner[0], model(X + 1))
+
+
+_MATMULS = (torch.matmul, torch.Tensor.__matmul__, torch.Tensor.matmul)
+
+
+class _Dispatching(nn.Parameter):
+    """A Parameter class with a `__torch_function__` of its own (vLLM's parameter classes): dynamo inlines it
+    and runs the graph with subclass dispatch disabled."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out * 2 if func in _MATMULS else out  # seen: the product doubled
+
+
+class DispatchingWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = _Dispatching(torch.randn(4, 4), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+@torch.no_grad()
+def test_a_graph_dynamo_runs_with_subclass_dispatch_off_runs_so_when_called_directly():
+    model = DispatchingWeight()
+    fn, _ = armed(model, X)
+    result, went = call(fn, X)
+    assert not went and torch.equal(result, model(X))  # traced through the class's dispatch, run without it

@@ -138,6 +138,7 @@ def test_the_cache_entry_is_the_one_calling_the_artifact():
     assert entry.torch_function_disabled is False and type(entry.guard_manager).__name__ == "GuardManagerWrapper"
     assert dynamo_code.unsafe_instruction(entry.code, artifacts[0].graph_inputs.sources, []) is None
     assert dynamo_code.cache_entry(code, globals_, object()) is None
+    assert dynamo_code.cache_entry(code, globals_, None) is None  # no artifact: no entry, not the first one
     names = [n for n in dynamo_code._global_names(entry.code) if n.startswith("__compiled_fn")]
     assert dynamo_code.cache_entry(code, {k: v for k, v in globals_.items() if k not in names}, artifacts[0]) is None
 

@@ -87,12 +87,13 @@ def _called(compiled: Any) -> tuple[Any, bool]:
 
 
 def cache_entry(code: types.CodeType, globals_: dict[str, Any], artifact: Any) -> CacheEntry | None:
-    """Dynamo's cache entry for `code` whose graph is `artifact`, or None."""
+    """Dynamo's cache entry for `code` whose graph is `artifact`, or None (always, for no artifact)."""
     for entry in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code):
         for name in _global_names(entry.code):
-            compiled = globals_.get(name) if name.startswith("__compiled_fn") else None
-            called, disabled = _called(compiled)
-            if called is artifact:
+            if not name.startswith("__compiled_fn"):
+                continue
+            called, disabled = _called(globals_.get(name))
+            if called is not None and called is artifact:
                 return CacheEntry(entry.code, entry.guard_manager, disabled)
     return None
 
