@@ -571,7 +571,16 @@ def test_a_graph_not_compiled_by_dynamo_is_refused_saying_what_is_missing():
     assert graph_inputs.record(constant).refusal == "dynamo's record of the tensors it wrapped is not readable"
 
 
-def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(monkeypatch):
+def _scaled_by_count(x, n):
+    return x * n
+
+
+@pytest.mark.parametrize("fn, args, dims, symbolic", [
+    (_twice, (torch.ones(4), torch.ones(4)), True, True),  # dynamic sizes of tensors
+    (_twice, (torch.ones(4), torch.ones(4)), False, False),  # static: no shape environment needed
+    (_scaled_by_count, (torch.tensor(2.0), 5), False, True),  # a 0-dim tensor and a symbolic int only
+])
+def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(monkeypatch, fn, args, dims, symbolic):
     seen = []
 
     def grab(gm, example_inputs):
@@ -582,12 +591,24 @@ def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(mon
         return gm.forward
 
     torch._dynamo.reset()
-    x, y = torch.ones(4), torch.ones(4)
-    torch._dynamo.mark_dynamic(x, 0)
-    torch._dynamo.mark_dynamic(y, 0)
-    torch.compile(_twice, backend=grab, fullgraph=True)(x, y)
-    assert seen[0].refusal == "the graph's shape environment is not reachable from the backend"
-    assert seen[0].shape_guards == () and seen[1].refusal is None and seen[1].shape_guards
+    for arg in args:
+        if dims and isinstance(arg, torch.Tensor):
+            torch._dynamo.mark_dynamic(arg, 0)
+    torch.compile(fn, backend=grab, fullgraph=True, dynamic=None if dims else symbolic)(*args)
+    refused = "the graph's shape environment is not reachable from the backend"
+    assert seen[0].refusal == (refused if symbolic else None) and seen[1].refusal is None
+    assert seen[0].shape_guards == () and bool(seen[1].shape_guards) is dims
+
+
+def _prefix_of(x, like):
+    return x[: like.shape[0]] * 2
+
+
+def test_the_shape_guards_cover_the_sizes_of_a_tensor_read_for_its_size_alone():
+    """`like` is wrapped for its size, never passed: its guard (`A[3]`, after the three placeholders) is kept."""
+    inputs = _record(_prefix_of, torch.ones(8), torch.ones(3), dynamic=True)
+    assert inputs.unread == (("L['like']", (None,), (1,)),) and len(inputs.sources) == 3
+    assert "A[3].size()[0] == A[0]" in inputs.shape_guards and "A[0] <= A[1]" in inputs.shape_guards
 
 
 class _Scaling(torch.overrides.TorchFunctionMode):
