@@ -1023,6 +1023,9 @@ class DispatchingWeight(nn.Module):
         return x @ self.weight
 
 
+# torch 2.10's dynamo runs such a graph with the class's dispatch on (no `_tf_disabled_wrapper`): the stand-in
+# artifact's graph then dispatches through the class again, through dynamo and directly alike
+@pytest.mark.skipif(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 13), reason="dynamo runs it with dispatch on")
 @torch.no_grad()
 def test_a_graph_dynamo_runs_with_subclass_dispatch_off_runs_so_when_called_directly():
     model = DispatchingWeight()

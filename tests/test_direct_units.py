@@ -571,16 +571,7 @@ def test_a_graph_not_compiled_by_dynamo_is_refused_saying_what_is_missing():
     assert graph_inputs.record(constant).refusal == "dynamo's record of the tensors it wrapped is not readable"
 
 
-def _scaled_by_count(x, n):
-    return x * n
-
-
-@pytest.mark.parametrize("fn, args, dims, symbolic", [
-    (_twice, (torch.ones(4), torch.ones(4)), True, True),  # dynamic sizes of tensors
-    (_twice, (torch.ones(4), torch.ones(4)), False, False),  # static: no shape environment needed
-    (_scaled_by_count, (torch.tensor(2.0), 5), False, True),  # a 0-dim tensor and a symbolic int only
-])
-def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(monkeypatch, fn, args, dims, symbolic):
+def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(monkeypatch):
     seen = []
 
     def grab(gm, example_inputs):
@@ -591,13 +582,34 @@ def test_a_symbolic_graph_whose_shape_environment_is_out_of_reach_is_refused(mon
         return gm.forward
 
     torch._dynamo.reset()
-    for arg in args:
-        if dims and isinstance(arg, torch.Tensor):
-            torch._dynamo.mark_dynamic(arg, 0)
-    torch.compile(fn, backend=grab, fullgraph=True, dynamic=None if dims else symbolic)(*args)
-    refused = "the graph's shape environment is not reachable from the backend"
-    assert seen[0].refusal == (refused if symbolic else None) and seen[1].refusal is None
-    assert seen[0].shape_guards == () and bool(seen[1].shape_guards) is dims
+    x, y = torch.ones(4), torch.ones(4)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(y, 0)
+    torch.compile(_twice, backend=grab, fullgraph=True)(x, y)
+    assert seen[0].refusal == "the graph's shape environment is not reachable from the backend"
+    assert seen[0].shape_guards == () and seen[1].refusal is None and seen[1].shape_guards
+
+
+def _scaled_by_count(x, n):
+    return x * n
+
+
+@pytest.mark.parametrize("fn, args, symbolic", [
+    (_twice, (torch.ones(4), torch.ones(4)), False),  # static: no shape environment needed
+    (_scaled_by_count, (torch.tensor(2.0), 5), True),  # a 0-dim tensor and a symbolic int only
+])
+def test_only_a_symbolic_graph_needs_its_shape_environment(monkeypatch, fn, args, symbolic):
+    seen = []
+
+    def grab(gm, example_inputs):
+        with monkeypatch.context() as patched:
+            patched.setattr(torch._guards.TracingContext, "try_get", staticmethod(lambda: None))
+            seen.append(graph_inputs.record(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab, fullgraph=True, dynamic=symbolic)(*args)
+    assert seen[0].refusal == ("the graph's shape environment is not reachable from the backend" if symbolic else None)
 
 
 def _prefix_of(x, like):
