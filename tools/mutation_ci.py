@@ -317,11 +317,12 @@ def sync_tests(workdir: Path, modules: Sequence[str], tests: Sequence[str], root
 
 
 def retest_survivors(workdir: Path, modules: Sequence[str], tests: Sequence[str], max_children: int) -> list[Mutant]:
-    """The group's last run in `workdir`, its survivors run again against the tests as they are now
+    """The group's last run in `workdir`, its unlisted survivors run again against the tests as they are now
     (`sync_tests`; mutmut finds what new tests reach itself): the mutants killed stand on the run's
     tests, which the tests now hold unchanged, so each verdict is what a fresh run would give."""
     sync_tests(workdir, modules, tests)
-    survivors = [m.name for m in results(workdir, modules) if m.status in SURVIVING]
+    listed = load_equivalents()
+    survivors = [m.name for m in results(workdir, modules) if m.status in SURVIVING and m.key() not in listed]
     print(f"mutation: {len(survivors)} survivors of {', '.join(modules)} run again in {workdir}", flush=True)
     if survivors:
         run = _mutmut(workdir, "run", "--max-children", str(max_children), *survivors, capture=False)
