@@ -248,3 +248,17 @@ def test_a_new_record_starts_empty():
     assert (failures.graphs, failures.captured, failures.streams_out) == ({}, set(), None)
     failures.begin("anything")
     assert cf.log.name == "ascend_compile"
+
+
+def test_the_ranks_flag_is_made_on_the_artifacts_device_not_the_default_one(ranks, monkeypatch):
+    """The flag each rank all-reduces lives on the artifact's device (the backend's collectives run there),
+    whatever `torch.set_default_device` says: here the default is the meta device, the artifact's the CPU."""
+    devices = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: devices.append(tensor.device))
+    torch.set_default_device("meta")
+    try:
+        assert agreed_failure(STOOD, ["pg:tp"], torch.device("cpu")) == STOOD
+        assert _failures().settle("b4.decode", TP, None) is None
+    finally:
+        torch.set_default_device(None)
+    assert devices == [torch.device("cpu")] * 2
