@@ -194,6 +194,12 @@ def test_a_cache_of_one_dimension_is_saved_whole():
     flat.zero_()
     undo.restore()
     assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    # after an input saved whole, and before a cache saved by rows: each counted, the later cache still read
+    cache, other = torch.arange(float(NB * BS)).reshape(NB, BS), torch.ones(2)
+    plan = UndoPlan(rows=((0, 1), (3, 1)), whole=(2,))
+    undo = plan.save([flat, torch.tensor([2]), other, cache], rows_wanted=True)
+    assert [t is other for t, _ in undo.whole] == [True, False] and len(undo.rows) == 1
+    assert undo.launches == 1 + 1 + 2 + 1  # the input, the flat cache, the slots clamped and cast, the gather
 
 
 def test_two_dimensional_caches_are_saved_by_rows():
@@ -268,6 +274,10 @@ def test_halves_refuses_what_is_not_one_allocation_of_one_layout():
     assert _halves(key, cache[:, 1, :, :, :2]) is None  # another shape
     wide = torch.randn(NB, 2, BS, H, 2 * D)
     assert _halves(key, wide[:, 1, :, :, :D]) is None  # another allocation, same shape
+    assert _halves(key, torch.randn(NB, 2, BS, H, D)[:, 1]) is None  # another allocation, same layout, further on
+    interleaved = torch.randn(NB, BS, H, 2)  # the two halves one element apart
+    pair = _halves(interleaved[..., 0], interleaved[..., 1])
+    assert pair is not None and torch.equal(pair, interleaved.movedim(-1, 2))
     other_strides = torch.randn(NB, 2, BS, D, H).transpose(-1, -2)
     assert _halves(other_strides[:, 0], other_strides[:, 1]) is not None
     assert _halves(key, other_strides[:, 1]) is None  # other strides

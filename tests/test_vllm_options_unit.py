@@ -430,6 +430,7 @@ def test_the_drafter_is_compiled_before_the_first_forward_once_and_only_under_ou
     drafter.ensure_drafter_compiled(NS(drafter=NS(model=other), vllm_config=_gpu_config(backend="inductor")))
     drafter.ensure_drafter_compiled(NS(drafter=None, vllm_config=_gpu_config()))
     assert other.compiled_with == [] and len(drafter_backends) == 1
+    assert drafter_backends[0][0] is runner.vllm_config  # the drafter's backend is configured from the runner's
 
 
 def _gpu_runner_cls():
@@ -465,6 +466,13 @@ def test_both_ways_to_the_first_forward_compile_the_drafter_first_once_per_class
     assert runner._dummy_run(1, k=2) == "dummy" and runner.execute_model(3) == "executed"
     assert calls == [("ensure", runner), ("_dummy_run", (1,), {"k": 2}), ("ensure", runner),
                      ("execute_model", (3,), {})]
+    # a subclass overriding one of them (vLLM-Ascend's runner overrides `execute_model`): that one is wrapped
+    # too, the inherited one left as it is
+    sub = type("NPURunner", (cls,), {"execute_model": lambda self: calls.append("sub") or "sub"})
+    drafter.wrap_runner(sub)
+    calls.clear()
+    assert sub._dummy_run is dummy and sub().execute_model() == "sub"
+    assert [c[0] if isinstance(c, tuple) else c for c in calls] == ["ensure", "sub"]
 
 
 def test_install_wraps_vllms_gpu_runner_when_there_is_a_drafter(monkeypatch, plugin_logs):
