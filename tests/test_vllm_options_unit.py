@@ -162,6 +162,7 @@ def test_a_model_tag_names_the_model_even_without_a_drafter(environment):
     assert options.options_for(config, "encoder") == {
         **options.DEFAULTS, "model_name": "encoder", "workspace_group": f"vllm-speculative-{id(None):x}"}
     assert options.TARGET_TAG == "backbone"
+    assert options._speculative(NS(), "encoder")["workspace_group"] == f"vllm-speculative-{id(None):x}"  # no such field
 
 
 def test_the_current_vllm_config_is_none_without_vllm():
@@ -340,6 +341,10 @@ def test_the_loaded_model_and_its_drafter_are_compiled_with_the_runners_backend(
     assert plugin_logs.messages == [
         f"ascend_compile: ascend_graph in use for vLLM-Ascend's _Runner: the model is compiled with it (options "
         f"{options.options_for(config)})"]
+    plugin_logs.clear()
+    config.model_config.max_model_len = 4096  # the options logged are the runner's config's
+    ascend_plugin.compile_loaded(_Runner(config, _Model()))
+    assert "'max_model_len': 4096" in plugin_logs.messages[-1]
 
 
 def test_with_vllm_ascends_own_graphs_nothing_is_compiled_and_a_warning_says_why(backends, plugin_logs):
