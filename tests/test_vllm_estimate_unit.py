@@ -352,3 +352,12 @@ def test_on_a_runtime_without_graphs_each_kernel_auto_may_pick_is_sized(small_se
 
 
 MIB_ = 1 << 20
+
+
+def test_one_piecewise_size_alone_has_its_pieces_traced(small_segments):
+    """The user's `piecewise_sizes` of one size: its pieces are traced and added, as with several."""
+    served = Served(capture_all=True, piecewise_sizes=(64,), kernel_policy="pa", pa_max_batch=4)
+    full = memory.estimate(Served(capture_all=True, piecewise_sizes=(), kernel_policy="pa", pa_max_batch=4).graph,
+                           served.config)
+    figure = memory.estimate(served.graph, served.config)
+    assert figure is not None and figure.pool > full.pool
