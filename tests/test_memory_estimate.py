@@ -256,3 +256,43 @@ def test_a_graph_returning_one_value_not_a_tuple():
         x.meta["val"] = mode.from_tensor(torch.randn(4, 16))
     trace = trace_allocations(gm)
     assert trace is not None and trace.outputs == ((1,),)
+
+
+def test_a_graph_given_sizes_alone_adds_no_guard_to_their_shape_environment():
+    """A graph given only the token count, whose op body branches on it: the fake mode made for it is
+    over the size's own shape environment, so the guard the branch would add is suppressed there."""
+    gm = _dynamo_graph(lambda x: x * 2, torch.randn(8, 64))
+    tokens = next(v for v in map(example_value, gm.graph.find_nodes(op="placeholder")) if isinstance(v, torch.Tensor))
+    size, shape_env = tokens.shape[0], tokens.fake_mode.shape_env
+    graph = fx.Graph()
+    n = graph.placeholder("n")
+    n.meta["example_value"] = size
+    buffer = graph.call_function(torch.zeros, ((n, 64),), {"dtype": torch.float32})
+    graph.output((graph.call_function(torch.ops.memtest.branchy, (buffer,)),))
+    before = [str(g.expr) for g in shape_env.guards]
+    trace = trace_allocations(fx.GraphModule({}, graph), lambda op: "memtest" not in str(op))
+    assert trace is not None
+    assert [str(g.expr) for g in shape_env.guards] == before
+
+
+class _Positional(torch.nn.Module):
+    """A submodule called with a positional argument (as `split_module`'s pieces are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.Softmax(dim=1)
+
+    def forward(self, x):
+        return self.act(x) * 2
+
+
+def test_a_submodule_is_run_with_its_positional_arguments():
+    """A call_module node's positional arguments reach the submodule: its output's block is sized by them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gm = torch.fx.symbolic_trace(_Positional())
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x.meta["val"] = mode.from_tensor(torch.randn(5, 16))
+    trace = trace_allocations(gm)
+    assert trace is not None
+    assert trace.events == (("alloc", 0, 5 * 16 * 4), ("alloc", 1, 5 * 16 * 4), ("free", 0, None))
