@@ -171,3 +171,15 @@ def test_survivors_are_run_again_only_against_tests_that_only_gained_lines(tmp_p
             mutation_ci.sync_tests(*args)
         (root / path).write_text(before)
     assert mutation_ci.only_added("a\nb\n", "a\nc\nb\n") and not mutation_ci.only_added("a\nb\n", "a\nc\n")
+
+
+def test_a_module_mutmut_makes_no_mutant_of_is_a_complete_run(tmp_path, capsys):
+    """A module of the run with no mutant (module-level code only, as `integrations/vllm/__init__.py`) has
+    its row, all zeros, and is recorded as run: nothing of it is left undecided."""
+    killed = mutation_ci.Mutant("pkg.passes.m.x_top__mutmut_1", "pkg/passes/m.py", "top", "killed")
+    workdirs = {"pkg/passes/m.py": tmp_path, "pkg/passes/__init__.py": tmp_path}
+    table, unlisted, undecided = mutation_ci.report([killed], {}, workdirs)
+    assert table["pkg/passes/__init__.py"] == {"mutants": 0, "killed": 0, "equivalent": 0, "survived": 0}
+    assert table["pkg/passes/m.py"] == {"mutants": 1, "killed": 1, "equivalent": 0, "survived": 0}
+    assert not unlisted and not undecided
+    assert "pkg/passes/__init__.py" in capsys.readouterr().out

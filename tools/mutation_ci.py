@@ -340,11 +340,12 @@ def skeleton(mutant: Mutant) -> str:
 
 def report(mutants: Sequence[Mutant], equivalents: dict[tuple[str, str, str, str, int], str],
            workdirs: dict[str, Path]) -> tuple[dict[str, dict[str, int]], list[Mutant], list[Mutant]]:
-    """Per module: mutants, killed, equivalent, unlisted survivors; and the unlisted and the undecided."""
-    table: dict[str, dict[str, int]] = {}
+    """Per module of the run (`workdirs`' keys; a module mutmut made no mutant of has a row of zeros):
+    mutants, killed, equivalent, unlisted survivors; and the unlisted and the undecided."""
+    table = {m: {"mutants": 0, "killed": 0, "equivalent": 0, "survived": 0} for m in workdirs}
     unlisted, undecided = [], []
     for m in mutants:
-        row = table.setdefault(m.module, {"mutants": 0, "killed": 0, "equivalent": 0, "survived": 0})
+        row = table[m.module]
         row["mutants"] += 1
         if m.status in DETECTED:
             row["killed"] += 1
