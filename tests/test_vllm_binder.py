@@ -6,6 +6,7 @@ of its provided inputs (one pass, the host copies merged). vLLM's ops are the st
 (`tests/vllm_standin.py`); the rewrite itself, compiled: `tests/test_vllm.py`."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -234,3 +235,117 @@ def test_by_default_the_forward_context_is_vllms(monkeypatch):
     binder = ForwardContextBinder()
     assert binder.get_forward_context is binder_module._default_forward_context
     assert binder.current_context() is ctx and binder.example_inputs == [] and binder.group_layers == []
+
+
+def test_metadata_without_any_host_copy_has_no_longest_sequence():
+    """Metadata with neither `max_seq_len` nor `seq_lens_list` (FLASH_ATTN's without the host field): no
+    host copy, None (the runner then checks the device lengths), never an AttributeError."""
+    binder = _binder(SimpleNamespace(attn_metadata={"a": SimpleNamespace(), "b": SimpleNamespace(max_seq_len=9)}))
+    binder.group_layers = ["a"]
+    assert binder.longest_sequence() is None
+    binder.group_layers = ["a", "b"]
+    assert binder.longest_sequence() == 9
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+@pytest.mark.parametrize("position, name", [(5, "output_scale"), (6, "output_block_scale")])
+def test_fused_output_quantization_is_refused_naming_the_argument(position, name, keyword):
+    """vLLM's `unified_attention_with_output(query, key, value, output, layer_name, output_scale,
+    output_block_scale)`: a fused quantization scale, by position or keyword, is refused naming the node
+    and the argument, before anything of the step is read."""
+    gm, _, (node,) = _graph(("l0",))
+    with gm.graph.inserting_before(node):
+        scale = gm.graph.call_function(torch.ops.aten.ones.default, ([1],))
+    if keyword:
+        node.kwargs = {name: scale}
+    else:
+        node.args = (*node.args[:5], *([None] * (position - 5)), scale)
+    with pytest.raises(ValueError) as err:
+        _binder(None)._rewrite_attention(gm, node, None, None, None, None)
+    assert str(err.value) == f"{node.name}.{name}: fused output quantization is not supported by ascend_graph"
+
+
+# ---------------------------------------------------------------- the rewrite of a traced stand-in model
+
+
+def _rewritten(backend: str = "FLASH_ATTN", before_binding=lambda model: None):
+    """The stand-in model traced by dynamo at a two-request decode step, then rewritten by the binder in
+    that step's forward context (`before_binding(model)` runs between the two): the model, the graph,
+    the provider, the step's metadata and config."""
+    config = v.VllmConfig()
+    model = v.StandInModel(config, backend=backend, seed=3, head_size=8)
+    v.bind_kv_cache(model, 16, 16)
+    step = v.Step([9, 20], [1, 1], torch.arange(8, dtype=torch.int32).view(2, 4), 16)
+    metadata, slots = v.build_metadata(model, step)
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm
+
+    torch._dynamo.reset()
+    ids, positions = torch.tensor([3, 5]), torch.tensor(step.positions())
+    with torch.no_grad(), v.set_forward_context(metadata, config, slot_mapping=slots):
+        torch.compile(model, backend=grab, dynamic=True)(ids, positions)
+        ((gm, example_inputs),) = graphs
+        before_binding(model)
+        provider = ForwardContextBinder(v.get_forward_context, example_inputs)(gm)
+    return model, gm, provider, (metadata, config, slots)
+
+
+def _calls(gm, op):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+
+
+def test_each_rewritten_attention_says_what_it_was_adapted_from():
+    """The `ascend.attention` node made for each vLLM attention op names that op's node and layer, for the
+    npu checks' refusals (`passes/npu_checks.py`) and the dump."""
+    model, gm, _, _ = _rewritten()
+    attentions = _calls(gm, torch.ops.ascend.attention.default)
+    assert len(attentions) == len(model.attention_layers()) == 2
+    adapted = [n.meta["ascend_adapted_from"] for n in attentions]
+    for text, layer in zip(adapted, model.attention_layers()):
+        assert re.fullmatch(rf"vllm\.unified_attention_with_output \(\w+, layer {layer!r}\)", text), text
+
+
+def test_a_backend_that_does_not_say_writes_the_cache_in_its_forward(monkeypatch):
+    """`forward_includes_kv_cache_update` absent (vLLM's backends before it existed): the backend's forward
+    writes the cache (vLLM-Ascend's), so the rewrite writes it right before each attention."""
+    _, gm, _, _ = _rewritten("ASCEND", lambda model: monkeypatch.delattr(v.AttentionBackend,
+                                                                          "forward_includes_kv_cache_update"))
+    writes, attentions = (_calls(gm, op) for op in (torch.ops.ascend.reshape_and_cache.default,
+                                                    torch.ops.ascend.attention.default))
+    assert len(writes) == len(attentions) == 2
+    assert all(a.prev.target is torch.ops.ascend.reshape_and_cache.default for a in attentions)
+
+
+def test_vllm_033s_page_layout_is_split_by_the_layers_head_size_and_named_in_refusals():
+    """vLLM 0.33's `[num_blocks, kv_heads, block_size, 2 * head_size]` page: the key and value caches
+    bound are its halves by the layer's head size, each provided input saying where it is read from; a
+    layout none of the three is refused naming where the cache was read, at compile and at a step."""
+    def pages(model):
+        for layer in model.attention_layers().values():
+            layer.kv_cache = torch.zeros(16, layer.num_kv_heads, 16, 2 * layer.head_size)
+
+    model, gm, provider, (metadata, config, slots) = _rewritten(before_binding=pages)
+    name, layer = next(iter(model.attention_layers().items()))
+    where = f"forward_context.no_compile_layers[{name!r}].kv_cache"
+    sources = {p.name: p.source for p in provider.inputs}
+    key_input, value_input = (f"vllm_{half}_cache_{name.replace('.', '_')}" for half in ("key", "value"))
+    assert sources[key_input] == f"{where} (key)" and sources[value_input] == f"{where} (value)"
+    names = [p.name for p in provider.inputs]
+    with torch.no_grad(), v.set_forward_context(metadata, config, slot_mapping=slots):
+        values = dict(zip(names, provider.read([])))
+        assert values[key_input].shape == (16, 16, layer.num_kv_heads, layer.head_size)
+        assert values[key_input].data_ptr() == layer.kv_cache.data_ptr()
+        assert values[value_input].data_ptr() == layer.kv_cache.data_ptr() + layer.head_size * 4
+        layer.kv_cache = torch.zeros(3, 4)
+        with pytest.raises(ValueError, match=re.escape(f"{where}: expected a (key, value) pair")):
+            provider.read([])
+
+    def unknown(model):
+        for layer in model.attention_layers().values():
+            layer.kv_cache = torch.zeros(16, 16, 3)
+
+    with pytest.raises(ValueError, match=re.escape(f"{where}: expected a (key, value) pair")):
+        _rewritten(before_binding=unknown)

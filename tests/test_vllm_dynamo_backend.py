@@ -116,3 +116,11 @@ def test_vllm_backend_is_made_at_lookup_from_the_current_config(monkeypatch):
         dynamo_backend.other_backend  # noqa: B018
     assert str(err.value) == ("module 'ascend_compile.integrations.vllm.dynamo_backend' has no attribute "
                               "'other_backend'")
+
+
+def test_a_static_placeholder_after_a_callers_tensor_is_marked_too():
+    """The caller's own tensors (vLLM's input ids first) may come before the model's: every static
+    placeholder is marked, wherever it stands."""
+    caller, weight = torch.zeros(7), torch.zeros(2, 3)
+    dynamo_backend.model_state_static(_marked_graph([False, True]), [caller, weight])
+    assert weight._dynamo_static_indices == {0, 1} and not hasattr(caller, "_dynamo_static_indices")
