@@ -6,6 +6,7 @@ of its provided inputs (one pass, the host copies merged). vLLM's ops are the st
 (`tests/vllm_standin.py`); the rewrite itself, compiled: `tests/test_vllm.py`."""
 from __future__ import annotations
 
+import copy
 import re
 from types import SimpleNamespace
 
@@ -268,12 +269,14 @@ def test_fused_output_quantization_is_refused_naming_the_argument(position, name
 # ---------------------------------------------------------------- the rewrite of a traced stand-in model
 
 
-def _rewritten(backend: str = "FLASH_ATTN", before_binding=lambda model: None):
+def _rewritten(backend: str = "FLASH_ATTN", before_binding=lambda model, ctx: None, attention_options=None,
+               edit=lambda gm, ctx: None):
     """The stand-in model traced by dynamo at a two-request decode step, then rewritten by the binder in
-    that step's forward context (`before_binding(model)` runs between the two): the model, the graph,
-    the provider, the step's metadata and config."""
+    that step's forward context (`before_binding(model, ctx)` and `edit(gm, ctx)` run between the two):
+    the model, the graph,
+    the provider, the step's metadata and config; the binder is `_rewritten.binder`."""
     config = v.VllmConfig()
-    model = v.StandInModel(config, backend=backend, seed=3, head_size=8)
+    model = v.StandInModel(config, backend=backend, seed=3, head_size=8, attention_options=attention_options)
     v.bind_kv_cache(model, 16, 16)
     step = v.Step([9, 20], [1, 1], torch.arange(8, dtype=torch.int32).view(2, 4), 16)
     metadata, slots = v.build_metadata(model, step)
@@ -288,8 +291,10 @@ def _rewritten(backend: str = "FLASH_ATTN", before_binding=lambda model: None):
     with torch.no_grad(), v.set_forward_context(metadata, config, slot_mapping=slots):
         torch.compile(model, backend=grab, dynamic=True)(ids, positions)
         ((gm, example_inputs),) = graphs
-        before_binding(model)
-        provider = ForwardContextBinder(v.get_forward_context, example_inputs)(gm)
+        before_binding(model, v.get_forward_context())
+        edit(gm, v.get_forward_context())
+        _rewritten.binder = ForwardContextBinder(v.get_forward_context, example_inputs)
+        provider = _rewritten.binder(gm)
     return model, gm, provider, (metadata, config, slots)
 
 
@@ -311,8 +316,8 @@ def test_each_rewritten_attention_says_what_it_was_adapted_from():
 def test_a_backend_that_does_not_say_writes_the_cache_in_its_forward(monkeypatch):
     """`forward_includes_kv_cache_update` absent (vLLM's backends before it existed): the backend's forward
     writes the cache (vLLM-Ascend's), so the rewrite writes it right before each attention."""
-    _, gm, _, _ = _rewritten("ASCEND", lambda model: monkeypatch.delattr(v.AttentionBackend,
-                                                                          "forward_includes_kv_cache_update"))
+    _, gm, _, _ = _rewritten("ASCEND", lambda model, ctx: monkeypatch.delattr(v.AttentionBackend,
+                                                                               "forward_includes_kv_cache_update"))
     writes, attentions = (_calls(gm, op) for op in (torch.ops.ascend.reshape_and_cache.default,
                                                     torch.ops.ascend.attention.default))
     assert len(writes) == len(attentions) == 2
@@ -323,7 +328,7 @@ def test_vllm_033s_page_layout_is_split_by_the_layers_head_size_and_named_in_ref
     """vLLM 0.33's `[num_blocks, kv_heads, block_size, 2 * head_size]` page: the key and value caches
     bound are its halves by the layer's head size, each provided input saying where it is read from; a
     layout none of the three is refused naming where the cache was read, at compile and at a step."""
-    def pages(model):
+    def pages(model, ctx):
         for layer in model.attention_layers().values():
             layer.kv_cache = torch.zeros(16, layer.num_kv_heads, 16, 2 * layer.head_size)
 
@@ -343,9 +348,133 @@ def test_vllm_033s_page_layout_is_split_by_the_layers_head_size_and_named_in_ref
         with pytest.raises(ValueError, match=re.escape(f"{where}: expected a (key, value) pair")):
             provider.read([])
 
-    def unknown(model):
+    def unknown(model, ctx):
         for layer in model.attention_layers().values():
             layer.kv_cache = torch.zeros(16, 16, 3)
 
     with pytest.raises(ValueError, match=re.escape(f"{where}: expected a (key, value) pair")):
         _rewritten(before_binding=unknown)
+
+
+def _provided(provider, prefix: str) -> list[str]:
+    return [p.name for p in provider.inputs if p.name.startswith(prefix)]
+
+
+def test_layers_sharing_one_metadata_object_are_one_group_and_each_other_object_its_own():
+    """vLLM hands every layer of a KV-cache group the same metadata object: one group, its inputs bound
+    once; a layer with another object (another group: a sliding-window layer's) has its own inputs, read
+    from its own metadata, never the first group's."""
+    model, gm, provider, _ = _rewritten()
+    layers = list(model.attention_layers())
+    assert _rewritten.binder.group_layers == layers[:1] and _provided(provider, "vllm_seq_lens") == ["vllm_seq_lens_0"]
+
+    def two_groups(model, ctx):
+        ctx.attn_metadata[layers[1]] = copy.copy(ctx.attn_metadata[layers[1]])
+
+    model, gm, provider, _ = _rewritten(before_binding=two_groups)
+    assert _rewritten.binder.group_layers == layers
+    assert _provided(provider, "vllm_seq_lens") == ["vllm_seq_lens_0", "vllm_seq_lens_1"]
+    second = [a for a in _calls(gm, torch.ops.ascend.attention.default)][1]
+    assert second.args[4].name == "vllm_seq_lens_1"
+
+
+def test_a_slot_mapping_shared_by_layers_is_one_input_and_each_other_tensor_its_own():
+    """FLASH_ATTN's `forward_context.slot_mapping[layer]`: one input per distinct tensor."""
+    model, _, provider, _ = _rewritten()
+    assert _provided(provider, "vllm_slot_mapping") == ["vllm_slot_mapping_0"]
+    layers = list(model.attention_layers())
+
+    def own_slots(model, ctx):
+        ctx.slot_mapping[layers[1]] = ctx.slot_mapping[layers[1]].clone()
+
+    _, _, provider, _ = _rewritten(before_binding=own_slots)
+    assert _provided(provider, "vllm_slot_mapping") == ["vllm_slot_mapping_0", "vllm_slot_mapping_1"]
+
+
+def test_a_layers_sinks_are_an_input_named_for_the_layer_and_where_they_are_read():
+    model, _, provider, _ = _rewritten(attention_options={1: {"sinks": torch.tensor([3.0, 6.0, 4.0, 5.0])}})
+    layer = list(model.attention_layers())[1]
+    sources = {p.name: p.source for p in provider.inputs if p.name.startswith("vllm_sinks")}
+    assert sources == {f"vllm_sinks_{layer.replace('.', '_')}": f"forward_context.no_compile_layers[{layer!r}].impl.sinks"}
+
+
+@pytest.mark.parametrize("hoisted", [False, True])
+def test_mla_layers_are_rewritten_through_the_binder_as_the_dense_reference(hoisted):
+    """A graph of vLLM's MLA ops (`tests/test_vllm_mla_rewrite.py`'s, two layers sharing one metadata
+    object; their layer names constants or hoisted graph inputs): the binder hands them to `MlaRewrite`
+    with the step's context, fake mode, its providers, layer names and slot inputs; the rewritten graph,
+    fed what the provider reads, writes each cache and attends as the dense reference does, and the one
+    metadata group is the binder's."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM's own MLA ops: tests/test_vllm_mla_real.py")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from tests import test_vllm_mla_rewrite as m
+    m._define_ops()
+    ctx = m._step()
+    gm, attentions, updates = m._graph(["l0", "l1"], FakeTensorMode(shape_env=ShapeEnv()))
+    names = []
+    if hoisted:  # vLLM's LayerName on torch >= 2.11: a graph input, its example input holding the name
+        with gm.graph.inserting_before(next(n for n in gm.graph.nodes if n.op != "placeholder")):
+            inputs = {layer: gm.graph.placeholder(f"L_{layer}") for layer in ("l0", "l1")}
+        for node in updates:
+            node.args = (*node.args[:2], inputs[node.args[2]], *node.args[3:])
+        for node in attentions:
+            node.args = (*node.args[:4], inputs[node.args[4]], *node.args[5:])
+        names = ["l0", "l1"]
+    binder = ForwardContextBinder(lambda: ctx, [None] * 4 + names)
+    provider = binder(gm)
+    assert binder.group_layers == ["l0"]
+    torch.manual_seed(1)
+    q, kv_c, k_pe = torch.randn(5, m.H, m.NOPE + m.ROPE), torch.randn(5, m.L), torch.randn(5, 1, m.ROPE)
+    expected = {layer: m._reference(ctx, layer, q, kv_c, k_pe) for layer in ("l0", "l1")}
+    outputs = gm(q, kv_c, k_pe, torch.ones(1), *names, *provider.read([]))
+    for layer, output in zip(("l0", "l1"), outputs):
+        cache, attention = expected[layer]
+        torch.testing.assert_close(ctx.no_compile_layers[layer].kv_cache, cache)
+        torch.testing.assert_close(output, attention, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "ASCEND"])
+def test_the_rewrite_leaves_no_placeholder_result_and_a_host_reader_only_where_there_are_host_copies(backend):
+    """The cache-update op's result (vLLM's ordering token for its attention op) is stood in for while
+    the attention ops are rewritten, then erased: no allocation is left in the graph. vLLM-Ascend's
+    metadata keeps host copies of its lengths (the provider's `host`); FLASH_ATTN's does not (None)."""
+    _, gm, provider, _ = _rewritten(backend)
+    assert not _calls(gm, torch.ops.aten.empty.memory_format)
+    assert (provider.host is None) == (backend == "FLASH_ATTN")
+
+
+def test_a_graph_of_mla_and_other_attention_layers_binds_each_kinds_groups():
+    """A graph with both kinds of layer (the stand-in's two, then one MLA layer of
+    `tests/test_vllm_mla_rewrite.py`, its own metadata object): the binder's groups are the other
+    layers' group and then MLA's, both rewritten."""
+    from tests import test_vllm_mla_rewrite as m
+    from ascend_compile.passes.providers import fake_mode_of
+
+    def add_mla_layer(gm, ctx):
+        m._define_ops()
+        mla_step = m._step()
+        for where in ("no_compile_layers", "attn_metadata", "slot_mapping"):
+            getattr(ctx, where)["l0"] = getattr(mla_step, where)["l0"]
+        graph, fake = gm.graph, fake_mode_of(gm)
+        shapes = {"q": (5, m.H, m.NOPE + m.ROPE), "kv_c": (5, m.L), "k_pe": (5, 1, m.ROPE), "k_scale": (1,)}
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+            inputs = {name: graph.placeholder(f"mla_{name}") for name in shapes}
+        for name, shape in shapes.items():
+            with fake:
+                inputs[name].meta["example_value"] = torch.empty(shape)
+        with graph.inserting_before(graph.find_nodes(op="output")[0]):
+            graph.call_function(getattr(torch.ops.vllm, m.mla.MLA_CACHE_UPDATE_OP).default,
+                                (inputs["kv_c"], inputs["k_pe"], "l0", "auto", inputs["k_scale"]))
+            output = graph.call_function(torch.ops.aten.empty.memory_format, ([5, m.H * m.V],))
+            output.meta["example_value"] = fake.from_tensor(torch.empty(5, m.H * m.V))
+            graph.call_function(getattr(torch.ops.vllm, m.mla.MLA_ATTENTION_OP).default,
+                                (inputs["q"], inputs["kv_c"], inputs["k_pe"], output, "l0"))
+
+    model, gm, _, _ = _rewritten(edit=add_mla_layer)
+    assert _rewritten.binder.group_layers == [next(iter(model.attention_layers())), "l0"]
+    assert len(_calls(gm, torch.ops.ascend.attention.default)) == 2
+    assert len(_calls(gm, torch.ops.ascend.mla_attention.default)) == 1
