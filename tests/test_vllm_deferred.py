@@ -211,3 +211,26 @@ def test_each_new_capture_logs_the_graphs_memory_beside_what_was_reserved(made):
     artifact.stats["piecewise_captures"] = 2
     graph(torch.ones(2))
     assert logs == [(artifact, 12345), (artifact, 12345)] and graph.captures == 3
+
+
+def test_a_step_is_reported_once_with_its_arguments_and_result(made):
+    """What dynamo called is reported (`served.report`) with the step's own arguments and result, once:
+    not the artifact's call inside it."""
+    make, binder, *_ = made
+    binder.ready = None
+    graph = make()
+    x = torch.ones(2)
+    with served.probe() as calls:
+        result = graph(x)
+    assert [(c.artifact, c.result) for c in calls] == [(graph, result)]
+    assert len(calls[0].args) == 1 and calls[0].args[0] is x
+
+
+def test_without_being_asked_the_direct_path_is_not_put_in_front(made):
+    """`direct` defaults to off: the direct dispatcher is vLLM's option to ask for."""
+    make, binder, compiles, installs, *_ = made
+    binder.ready = None
+    graph = DeferredCompile(_graph(), [torch.zeros(2)], CompileConfig(max_model_len=64), binder, "target", None,
+                            "recorded inputs")
+    graph(torch.ones(2))
+    assert graph.compiled is not None and installs == []
