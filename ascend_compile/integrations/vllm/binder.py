@@ -200,7 +200,7 @@ class ForwardContextBinder:
 
         def cache_inputs(layer: str) -> tuple[fx.Node, fx.Node]:
             if layer not in caches:
-                caches[layer] = self._bind_cache(len(caches), layer, ctx.no_compile_layers[layer], fake_mode, provide)
+                caches[layer] = self._bind_cache(layer, ctx.no_compile_layers[layer], fake_mode, provide)
             return caches[layer]
 
         def sinks_input(layer: str, attn_layer: Any) -> fx.Node:
@@ -224,12 +224,10 @@ class ForwardContextBinder:
             with graph.inserting_before(node):
                 graph.call_function(torch.ops.ascend.reshape_and_cache.default,
                                     (key, value, key_cache, value_cache, slot_mapping))
-                dummy = graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
-                                            {"dtype": example_value(key).dtype, "device": example_value(key).device})
-            node.replace_all_uses_with(dummy)
-            graph.erase_node(node)
         for node in attention:
             self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs, sinks_input)
+        for node in updates:  # its result was only vLLM's ordering token (`kv_cache_dummy_dep`) to the attention
+            graph.erase_node(node)
         self.group_layers += MlaRewrite(gm, ctx, fake_mode, provide, functools.partial(self.layer_name, gm),
                                         slot_input).rewrite(mla_attention, mla_updates)
         for node in reversed(list(graph.nodes)):
@@ -277,7 +275,7 @@ class ForwardContextBinder:
                        lambda c: c.slot_mapping[layer], fake_like(fake_mode, real, (tokens,)))
 
     @staticmethod
-    def _bind_cache(index: int, layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
+    def _bind_cache(layer: str, attn_layer: Any, fake_mode: Any, provide: Callable
                     ) -> tuple[fx.Node, fx.Node]:
         """A layer's key and value caches, `[num_blocks, block_size, kv_heads, head_dim]` each: vLLM 0.23's
         `[num_blocks, 2, ...]` cache unbound on dim 1, vLLM 0.33's page split (`context.split_cache`),
