@@ -4,6 +4,8 @@ attention ops compiled as any graph, the model's own tensors marked static as `m
 at lookup from the config current then. vLLM graphs through the backend: `tests/test_vllm.py`."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import fx
@@ -124,3 +126,91 @@ def test_a_static_placeholder_after_a_callers_tensor_is_marked_too():
     caller, weight = torch.zeros(7), torch.zeros(2, 3)
     dynamo_backend.model_state_static(_marked_graph([False, True]), [caller, weight])
     assert weight._dynamo_static_indices == {0, 1} and not hasattr(caller, "_dynamo_static_indices")
+
+
+def test_the_refusal_of_a_config_with_options_is_exactly_this():
+    with pytest.raises(ValueError) as err:
+        dynamo_backend.backend(CompileConfig(), get_forward_context=lambda: None, max_model_len=64)
+    assert str(err.value) == "backend: pass either a CompileConfig or options, not both"
+
+
+class _Recorded:
+    def __init__(self) -> None:
+        self.asked = 0
+
+    @property
+    def shape_guards(self) -> str:
+        self.asked += 1
+        return "guards"
+
+
+@pytest.fixture()
+def vllm_path(monkeypatch):
+    """The backend's vLLM branch with its collaborators recorded: which graphs take it (`attention`,
+    `mla`: what `vllm_graph_nodes` and `mla_graph_nodes` find), what it refuses and what it hands on."""
+    seen = {"refused": [], "calls": [], "deferred": [], "attention": [], "mla": ([], [])}
+    recorded = _Recorded()
+
+    class Binder:
+        context = None
+
+        def __init__(self, get_forward_context, example_inputs):
+            seen["calls"].append(("binder", get_forward_context, example_inputs))
+
+        def current_context(self):
+            return Binder.context
+
+        def refuse_unsupported(self, gm, ctx):
+            seen["refused"].append((gm, ctx))
+
+    monkeypatch.setattr(dynamo_backend, "ForwardContextBinder", Binder)
+    monkeypatch.setattr(dynamo_backend, "vllm_graph_nodes", lambda gm: (seen["attention"], []))
+    monkeypatch.setattr(dynamo_backend, "mla_graph_nodes", lambda gm: seen["mla"])
+    monkeypatch.setattr(dynamo_backend, "compile_graph", lambda *args: seen["calls"].append(("compile_graph",)))
+    monkeypatch.setattr(dynamo_backend, "model_state_static", lambda gm, ex: seen["calls"].append(("static",)))
+    monkeypatch.setattr(dynamo_backend, "retrace_general",
+                        lambda gm, settings: seen["calls"].append(("retrace", settings)))
+    monkeypatch.setattr(dynamo_backend.graph_inputs, "record", lambda gm: recorded)
+    monkeypatch.setattr(dynamo_backend, "DeferredCompile",
+                        lambda *args, **kwargs: seen["deferred"].append((args, kwargs)) or "deferred")
+    seen["binder"], seen["recorded"] = Binder, recorded
+    return seen
+
+
+def test_a_vllm_graph_is_deferred_with_its_binder_and_never_retraced_static(vllm_path):
+    seen = vllm_path
+    seen["attention"].append("attention node")
+    given = CompileConfig(max_model_len=96, retrace_static=True)
+    get = object()
+    gm, examples = fx.symbolic_trace(lambda x: x + 1), [torch.ones(1)]
+    assert dynamo_backend.backend(given, get_forward_context=get, target="target")(gm, examples) == "deferred"
+    assert [c[0] for c in seen["calls"]] == ["binder", "static", "retrace"]
+    assert seen["calls"][0][1:] == (get, examples) and seen["calls"][2][1] is dynamo_backend.SHARED_TOKEN_SETTINGS
+    (args, kwargs), = seen["deferred"]
+    assert args[0] is gm and args[1] is examples and args[4] == "target" and args[6] is seen["recorded"]
+    assert args[2] == dataclasses.replace(given, retrace_static=False)  # retraced at dynamo's call, if at all
+    assert kwargs == {"direct": True} and seen["recorded"].asked == 1  # guards made under dynamo's settings
+    assert seen["refused"] == []  # no forward context yet: nothing to refuse by
+
+
+def test_an_mla_graph_takes_the_vllm_path_too(vllm_path):
+    """MLA attention alone (no MLA cache update: a model whose cache is written elsewhere) is vLLM's too."""
+    vllm_path["mla"] = (["mla attention"], [])
+    dynamo_backend.backend(CompileConfig(), get_forward_context=lambda: None)(fx.symbolic_trace(lambda x: x), [])
+    assert len(vllm_path["deferred"]) == 1 and ("compile_graph",) not in vllm_path["calls"]
+
+
+def test_with_a_forward_context_the_graphs_layers_are_refused_now(vllm_path):
+    vllm_path["attention"].append("attention node")
+    vllm_path["binder"].context = ctx = object()
+    gm = fx.symbolic_trace(lambda x: x)
+    dynamo_backend.backend(CompileConfig(), get_forward_context=lambda: ctx)(gm, [])
+    assert vllm_path["refused"] == [(gm, ctx)]
+
+
+def test_dynamo_dispatch_makes_no_shape_guards_and_no_direct_path(vllm_path):
+    vllm_path["attention"].append("attention node")
+    dynamo_backend.backend(CompileConfig(), get_forward_context=lambda: None, dispatch="dynamo")(
+        fx.symbolic_trace(lambda x: x), [])
+    (_, kwargs), = vllm_path["deferred"]
+    assert kwargs == {"direct": False} and vllm_path["recorded"].asked == 0
