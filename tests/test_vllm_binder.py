@@ -478,3 +478,19 @@ def test_a_graph_of_mla_and_other_attention_layers_binds_each_kinds_groups():
     assert _rewritten.binder.group_layers == [next(iter(model.attention_layers())), "l0"]
     assert len(_calls(gm, torch.ops.ascend.attention.default)) == 2
     assert len(_calls(gm, torch.ops.ascend.mla_attention.default)) == 1
+
+
+def test_a_layer_without_a_head_size_binds_its_key_value_pair():
+    """vLLM-Ascend's layers hand a `(key, value)` pair, which needs no head size to split: a layer object
+    without `head_size` binds as one with it."""
+    def pairs_without_head_size(model, ctx):
+        for layer in model.attention_layers().values():
+            layer.kv_cache = (torch.zeros(16, 16, layer.num_kv_heads, 8), torch.ones(16, 16, layer.num_kv_heads, 8))
+            del layer.head_size
+
+    model, gm, provider, (metadata, config, slots) = _rewritten("ASCEND", before_binding=pairs_without_head_size)
+    name, layer = next(iter(model.attention_layers().items()))
+    names = [p.name for p in provider.inputs]
+    with torch.no_grad(), v.set_forward_context(metadata, config, slot_mapping=slots):
+        values = dict(zip(names, provider.read([])))
+    assert values[f"vllm_value_cache_{name.replace('.', '_')}"] is layer.kv_cache[1]
