@@ -166,6 +166,9 @@ def test_a_configured_kv_transfer_connector_is_refused_naming_the_first_layer(mo
     with pytest.raises(UnsupportedAttention) as err:
         binder.refuse_unsupported(gm, ctx)
     assert err.value.layer == "l0" and err.value.feature.startswith("a KV-transfer connector (kv_transfer_config")
+    assert err.value.feature == ("a KV-transfer connector (kv_transfer_config: its per-layer wait_for_layer_load / "
+                                 "save_kv_layer hooks run in Python around vLLM's attention op, which a captured "
+                                 "graph replaces)")
 
 
 def test_each_layer_of_the_graph_is_checked():
@@ -478,6 +481,7 @@ def test_a_graph_of_mla_and_other_attention_layers_binds_each_kinds_groups():
     assert _rewritten.binder.group_layers == [next(iter(model.attention_layers())), "l0"]
     assert len(_calls(gm, torch.ops.ascend.attention.default)) == 2
     assert len(_calls(gm, torch.ops.ascend.mla_attention.default)) == 1
+    assert not [n for n in _calls(gm, torch.ops.aten.empty.memory_format) if not n.users]  # MLA's token erased
 
 
 def test_a_layer_without_a_head_size_binds_its_key_value_pair():
@@ -494,3 +498,54 @@ def test_a_layer_without_a_head_size_binds_its_key_value_pair():
     with torch.no_grad(), v.set_forward_context(metadata, config, slot_mapping=slots):
         values = dict(zip(names, provider.read([])))
     assert values[f"vllm_value_cache_{name.replace('.', '_')}"] is layer.kv_cache[1]
+
+
+def test_a_cache_updates_result_still_read_is_an_empty_tensor_of_the_keys_dtype():
+    """vLLM's cache update returns `torch.empty(0)` (the key's dtype) as the attention op's ordering token;
+    where the graph reads it past the attention (here: returns it), the rewrite keeps such a tensor there."""
+    def return_the_first_update(gm, ctx):
+        update = binder_module.vllm_graph_nodes(gm)[1][0]
+        output = gm.graph.find_nodes(op="output")[0]
+        output.args = ((*output.args[0], update),)
+        return_the_first_update.key = update.args[0]
+
+    _, gm, _, _ = _rewritten(edit=return_the_first_update)
+    assert binder_module.vllm_graph_nodes(gm) == ([], [])
+    token = gm.graph.find_nodes(op="output")[0].args[0][-1]
+    assert token.target is torch.ops.aten.new_empty.default and token.args == (return_the_first_update.key, [0])
+    assert token.meta["example_value"].shape == (0,)
+    assert token.meta["example_value"].dtype == return_the_first_update.key.meta["example_value"].dtype
+
+
+def test_layer_names_given_by_keyword_are_read():
+    """vLLM's ops called with `layer_name=` by keyword (the cache update's third argument, the attention's
+    fifth): each rewritten attention names its own layer."""
+    def by_keyword(gm, ctx):
+        attention, updates = binder_module.vllm_graph_nodes(gm)
+        assert len(attention) == len(updates) == 2
+        for position, nodes in ((4, attention), (2, updates)):
+            for node in nodes:
+                node.kwargs = {**node.kwargs, "layer_name": node.args[position]}
+                node.args = node.args[:position]
+
+    model, gm, _, _ = _rewritten(edit=by_keyword)
+    adapted = [n.meta["ascend_adapted_from"] for n in _calls(gm, torch.ops.ascend.attention.default)]
+    assert [text.split("layer ")[1] for text in adapted] == [f"{layer!r})" for layer in model.attention_layers()]
+    assert len(_calls(gm, torch.ops.ascend.reshape_and_cache.default)) == 2
+
+
+def test_the_layer_names_are_the_mla_attention_nodes_not_their_cache_updates():
+    """An MLA graph whose attention ops come without their cache updates (the cache written elsewhere):
+    its layers are still the graph's, checked and refused as MLA layers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from tests import test_vllm_mla_rewrite as m
+    m._define_ops()
+    ctx = m._step()
+    gm, _, updates = m._graph(["l0", "l1"], FakeTensorMode(shape_env=ShapeEnv()))
+    for node in updates:
+        gm.graph.erase_node(node)
+    binder = ForwardContextBinder(lambda: ctx, [None] * 4)
+    assert binder.layer_names(gm) == ["l0", "l1"]
+    binder.refuse_unsupported(gm, ctx)  # MLA layers, checked by MLA's rules: nothing refused

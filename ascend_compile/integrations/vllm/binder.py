@@ -226,7 +226,11 @@ class ForwardContextBinder:
                                     (key, value, key_cache, value_cache, slot_mapping))
         for node in attention:
             self._rewrite_attention(gm, node, ctx, metadata_inputs, cache_inputs, sinks_input)
-        for node in updates:  # its result was only vLLM's ordering token (`kv_cache_dummy_dep`) to the attention
+        for node in updates:  # its result, vLLM's ordering token (`kv_cache_dummy_dep`), kept where still read
+            if node.users:  # past the attention just rewritten (a graph output): `torch.empty(0)` as vLLM's
+                with graph.inserting_before(node):
+                    token = graph.call_function(torch.ops.aten.new_empty.default, (node.args[0], [0]))
+                node.replace_all_uses_with(token)
             graph.erase_node(node)
         self.group_layers += MlaRewrite(gm, ctx, fake_mode, provide, functools.partial(self.layer_name, gm),
                                         slot_input).rewrite(mla_attention, mla_updates)
