@@ -744,3 +744,42 @@ def test_a_direct_call_finding_an_in_place_input_moved_raises_naming_it_and_runs
     with torch.no_grad():
         art(*args)
     assert art.stats["recaptures"] == 1 and art.stats["steps"] == steps + 1
+
+
+def test_a_piecewise_graph_whose_checked_step_differs_serves_no_later_step(caplog):
+    """`verify_every=1` on pieces: the p64 graph's first step is right; from the second its last piece's
+    replay does nothing, so that step differs from eager (eager's result is returned, the warning names the
+    graph), and the graph serves no later step, the reason naming the step and the first mismatch."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", verify=True, verify_every=1)
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([40], [40])])
+    art = artifacts[-1]
+    (graph,) = art.piecewise.values()
+    assert graph.verified["ok"] and graph.eager_reason is None
+    graph.pieces[-1].graph.replay = lambda: None
+    with caplog.at_level(logging.WARNING, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([41], [40]), ([42], [40])])
+    assert "ascend_compile: p64: first replay differs from eager: output 0" in caplog.text
+    assert graph.verified["replay"] == 2 and not graph.verified["ok"] and graph.replays == 2
+    reason = f"p64: its step 2 differed from eager ({graph.verified['mismatches'][0]})"
+    assert graph.eager_reason == reason and art.not_full[f"{NO_GRAPH.format(40, 1)}; {reason}"] == 1
+    assert art.served == {("prefill", "piecewise"): 2, ("prefill", "eager"): 1}
+
+
+def test_a_piecewise_step_runs_the_attention_kernels_between_its_pieces():
+    """Where the step's plan lets them (no refusal of the target's), the attention between pieces runs
+    the kernels the graph chose (FIA, one call per layer a step, through the runtime's binding), not the
+    layers' own attention ops kept to run instead."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([40], [40])])
+    art = artifacts[-1]
+    (graph,) = art.piecewise.values()
+    assert graph.fallbacks  # the layers' attention ops, there to run instead
+    asked, kernel = [], art.runtime.kernel
+    art.runtime.kernel = lambda op: asked.append(op) or kernel(op)
+    _steps(fn, reference, batch, [([41], [40])])
+    assert art.stats["piecewise_steps"] == 2
+    assert asked.count(torch.ops.ascend.fused_infer_attention.default) == cfg.num_layers, asked
