@@ -6,6 +6,7 @@ example Llama on the simulator: each test compiles in about a second."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -178,6 +179,9 @@ def test_a_piecewise_step_that_raises_names_its_pieces(monkeypatch, caplog):
     key = f"p{next(s for s in art.config.piecewise_sizes if s >= 300)}"  # not kept: its capture raised
     assert key != name and [str(k) for k, _ in art.piecewise] == [name] and err.value.__notes__[0].startswith(f"ascend_compile: {key}: "), err.value.__notes__
     assert f"ascend_compile: {key}: the step raised Raised while captured; " in caplog.text
+    assert re.fullmatch(rf"ascend_compile: {key}: it may have written 4 KV caches at its own slots \d+\.\.\d+ \(300 "
+                        r"slots\), for its 1 sequences \(query tokens 300\), and no other row; run the same step "
+                        r"again to write them anew", err.value.__notes__[0]), err.value.__notes__
     assert art.stats["failed_steps"] == 2, art.stats
     monkeypatch.setattr(PiecewiseGraph, "capture", lambda *a, **k: (_ for _ in ()).throw(RaisedWithoutNotes()))
     with torch.no_grad(), pytest.raises(RaisedWithoutNotes):
