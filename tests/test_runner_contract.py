@@ -182,6 +182,8 @@ def test_a_piecewise_step_that_raises_names_its_pieces(monkeypatch, caplog):
     assert re.fullmatch(rf"ascend_compile: {key}: it may have written 4 KV caches at its own slots \d+\.\.\d+ \(300 "
                         r"slots\), for its 1 sequences \(query tokens 300\), and no other row; run the same step "
                         r"again to write them anew", err.value.__notes__[0]), err.value.__notes__
+    written = err.value.__notes__[0].removeprefix(f"ascend_compile: {key}: ")
+    assert caplog.messages[-1] == f"ascend_compile: {key}: the step raised Raised while captured; {written}"
     assert art.stats["failed_steps"] == 2, art.stats
     monkeypatch.setattr(PiecewiseGraph, "capture", lambda *a, **k: (_ for _ in ()).throw(RaisedWithoutNotes()))
     with torch.no_grad(), pytest.raises(RaisedWithoutNotes):
@@ -787,3 +789,17 @@ def test_a_piecewise_step_runs_the_attention_kernels_between_its_pieces():
     _steps(fn, reference, batch, [([41], [40])])
     assert art.stats["piecewise_steps"] == 2
     assert asked.count(torch.ops.ascend.fused_infer_attention.default) == cfg.num_layers, asked
+
+
+def test_each_piecewise_step_copies_in_once_and_replays_each_piece_once():
+    """The host work of a piecewise step, counted (`PiecewiseServer.launches`): one copy-in (only the first
+    piece reads values made outside the pieces), each piece replayed once and each eager node run once, the
+    same at each step of the graph, its capture's step included."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([40], [40]), ([50], [50]), ([60], [60])])
+    art = artifacts[-1]
+    (graph,) = art.piecewise.values()
+    eager = len(graph.segments) - len(graph.pieces)
+    assert dict(art.pieces.launches) == {"copies": 3, "replays": 3 * len(graph.pieces), "eager_ops": 3 * eager}
