@@ -803,3 +803,48 @@ def test_each_piecewise_step_copies_in_once_and_replays_each_piece_once():
     (graph,) = art.piecewise.values()
     eager = len(graph.segments) - len(graph.pieces)
     assert dict(art.pieces.launches) == {"copies": 3, "replays": 3 * len(graph.pieces), "eager_ops": 3 * eager}
+
+
+def test_a_piecewise_capture_asks_the_target_for_its_graph_once_per_size_and_its_guards_of_that_graph(monkeypatch):
+    """What `_capture` hands on: the target's piecewise form of the variant, made once per piecewise size
+    (kept for a later capture of the same size), its step guard and refusal asked of that form and size
+    with the artifact's config, the pieces padded to the size and the graph's block-table width, the
+    capture begun under the graph's name (the device's stream budget counts it)."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])  # a full graph first: the artifact exists, no pieces yet
+    art = artifacts[-1]
+    calls, target, signature, failures = [], art.target, art.signature, art.failures
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(target, name)
+
+        def piecewise_graph(self, gm, key, config):
+            made = target.piecewise_graph(gm, key, config)
+            calls.append(("piecewise_graph", gm, key, config, made))
+            return made
+
+        def step_guard(self, gm, key, config):
+            calls.append(("step_guard", gm, key, config))
+            return target.step_guard(gm, key, config)
+
+        def eager_reason(self, gm, key):
+            calls.append(("eager_reason", gm, key))
+            return target.eager_reason(gm, key)
+
+    padded, begin = type(signature).padded_symbols, type(failures).begin
+    art.target = Spy()
+    monkeypatch.setattr(type(signature), "padded_symbols", lambda self, bucket, blocks, symbols: calls.append(
+        ("padded", bucket, blocks)) or padded(self, bucket, blocks, symbols))
+    monkeypatch.setattr(type(failures), "begin", lambda self, name: calls.append(("begin", name)) or begin(self, name))
+    _steps(fn, reference, batch, [([40], [40])])
+    art.pieces.graphs.clear()  # captured again (as after moved inputs): the same size's form is kept
+    _steps(fn, reference, batch, [([50], [50])])
+    (_, variant, key, config, made), = [c for c in calls if c[0] == "piecewise_graph"]
+    assert variant is art.rewritten.piecewise.gm and str(key) == "p64" and config is art.config
+    assert [c for c in calls if c[0] == "step_guard"] == [("step_guard", made, key, art.config)] * 2
+    assert [c for c in calls if c[0] == "eager_reason"] == [("eager_reason", made, key)] * 2
+    assert [c for c in calls if c[0] == "padded"] == [("padded", 64, art.rewritten.max_blocks)] * 2
+    assert [c for c in calls if c[0] == "begin"] == [("begin", "p64")] * 2
