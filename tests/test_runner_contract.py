@@ -839,6 +839,8 @@ def test_a_piecewise_capture_asks_the_target_for_its_graph_once_per_size_and_its
     monkeypatch.setattr(type(signature), "padded_symbols", lambda self, bucket, blocks, symbols: calls.append(
         ("padded", bucket, blocks)) or padded(self, bucket, blocks, symbols))
     monkeypatch.setattr(type(failures), "begin", lambda self, name: calls.append(("begin", name)) or begin(self, name))
+    from ascend_compile.lowering import capture_failures
+    monkeypatch.setattr(capture_failures, "collective_groups", lambda gm: calls.append(("groups of", gm)) or [])
     _steps(fn, reference, batch, [([40], [40])])
     art.pieces.graphs.clear()  # captured again (as after moved inputs): the same size's form is kept
     _steps(fn, reference, batch, [([50], [50])])
@@ -848,3 +850,5 @@ def test_a_piecewise_capture_asks_the_target_for_its_graph_once_per_size_and_its
     assert [c for c in calls if c[0] == "eager_reason"] == [("eager_reason", made, key)] * 2
     assert [c for c in calls if c[0] == "padded"] == [("padded", 64, art.rewritten.max_blocks)] * 2
     assert [c for c in calls if c[0] == "begin"] == [("begin", "p64")] * 2
+    groups_of = [c[1] for c in calls if c[0] == "groups of"]  # settled (and run live) on that form's collectives
+    assert len(groups_of) >= 2 and all(gm is made for gm in groups_of)
