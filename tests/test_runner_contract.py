@@ -791,17 +791,20 @@ def test_a_piecewise_step_runs_the_attention_kernels_between_its_pieces():
     assert asked.count(torch.ops.ascend.fused_infer_attention.default) == cfg.num_layers, asked
 
 
-def test_each_piecewise_step_copies_in_once_and_replays_each_piece_once():
+def test_each_piecewise_step_copies_in_once_and_replays_each_piece_once(caplog):
     """The host work of a piecewise step, counted (`PiecewiseServer.launches`): one copy-in (only the first
     piece reads values made outside the pieces), each piece replayed once and each eager node run once, the
     same at each step of the graph, its capture's step included."""
     cfg, model, reference = _llama()
     fn, artifacts = _compile(model, runtime="sim")
     batch = PagedBatch(cfg, seed=4)
-    _steps(fn, reference, batch, [([40], [40]), ([50], [50]), ([60], [60])])
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([40], [40]), ([50], [50]), ([60], [60])])
     art = artifacts[-1]
     (graph,) = art.piecewise.values()
     eager = len(graph.segments) - len(graph.pieces)
+    assert (f"ascend_compile: captured p64: {len(graph.pieces)} pieces around {eager} eager nodes in "
+            f"{graph.capture_seconds:.3f} s") in caplog.messages
     assert dict(art.pieces.launches) == {"copies": 3, "replays": 3 * len(graph.pieces), "eager_ops": 3 * eager}
 
 
