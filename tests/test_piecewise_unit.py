@@ -368,3 +368,125 @@ def test_run_takes_a_piece_output_that_is_none_as_none(p64):
     finally:
         graph._views[key], graph.replays = views, replays
     assert outputs == [None]
+
+
+# -- `capture`, seen from outside: what it holds weakly, what it runs live, what it checks each step ------
+
+
+@torch.no_grad()
+def test_capture_holds_each_piece_output_weakly_from_the_first_piece_no_later_segment_reads(monkeypatch):
+    """`_release`'s contract: before each piece is captured, exactly the piece outputs that no segment
+    from that piece on reads are held as weak aliases (the graph pool may give their memory to that
+    piece); after the capture every one is (the graph's outputs are read right after the step), each
+    aliased once. Each captured piece names the split piece it was made from."""
+    from ascend_compile.lowering.piecewise import PiecewiseGraph
+    from ascend_compile.runtime.sim import SimRuntime
+    from tests.test_failed_steps import assert_close
+
+    seen, aliased = [], []
+    capture_piece, weak_alias = PiecewiseGraph._capture_piece, SimRuntime.weak_alias
+
+    def recording(self, runtime, piece, *rest):
+        seen.append((self.segments.index(piece), {n: i in c.released for n, (c, i) in self.produced.items()}))
+        return capture_piece(self, runtime, piece, *rest)
+
+    monkeypatch.setattr(PiecewiseGraph, "_capture_piece", recording)
+    monkeypatch.setattr(SimRuntime, "weak_alias", lambda self, t: aliased.append(t) or weak_alias(self, t))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    inputs = PagedBatch(cfg, seed=4).step([40], [40])
+    assert_close(fn(**inputs), reference(**inputs))
+    (graph,) = artifacts[-1].piecewise.values()
+    last_use = graph.last_uses()
+    assert [index for index, _ in seen] == [i for i, s in enumerate(graph.segments) if isinstance(s, Piece)]
+    assert [c.piece for c in graph.pieces] == [s for s in graph.segments if isinstance(s, Piece)]
+    for index, released in seen:
+        assert released == {node: last_use[node] < index for node in released}, index
+    assert any(any(released.values()) for _, released in seen)  # some output is given up before the last piece
+    assert all(c.released == set(range(len(c.outputs))) for c in graph.pieces)
+    outputs = sorted((c.outputs[i].data_ptr(), tuple(c.outputs[i].shape)) for c, i in graph.produced.values())
+    assert sorted((t.data_ptr(), tuple(t.shape)) for t in aliased
+                  if (t.data_ptr(), tuple(t.shape)) in outputs) == outputs
+
+
+@torch.no_grad()
+def test_a_step_that_cannot_run_live_is_not_run_during_the_capture_and_still_equals_eager(monkeypatch):
+    """A capture runs its step live (each piece's buffers filled, the piece replayed once, the nodes
+    between run, the step's end told to the runtime), unless the live run is refused (here as for a
+    graph holding functional collectives, which a rank must not run alone mid-capture): then nothing
+    of the step runs during the capture, and the step, served by the pieces after it, equals eager."""
+    import collections
+
+    from ascend_compile.lowering import piecewise_live
+    from tests.test_failed_steps import assert_close
+
+    calls = collections.Counter()
+    for name in ("copy_in", "replay", "run", "end"):
+        method = getattr(piecewise_live.LiveCapture, name)
+        monkeypatch.setattr(piecewise_live.LiveCapture, name,
+                            lambda self, *a, _n=name, _m=method: calls.update([_n]) or _m(self, *a))
+    for refused in (False, True):
+        if refused:
+            monkeypatch.setattr(piecewise_live, "collective_groups", lambda gm: {"tp": [0, 1]})
+        calls.clear()
+        cfg, model, reference = _llama()
+        fn, artifacts = _compile(model, runtime="sim")
+        inputs = PagedBatch(cfg, seed=4).step([40], [40])
+        assert_close(fn(**inputs), reference(**inputs))
+        (graph,) = artifacts[-1].piecewise.values()
+        eager = len(graph.segments) - len(graph.pieces)
+        expected = {} if refused else {"copy_in": 3, "replay": 3, "run": eager, "end": 1}
+        assert dict(calls) == expected and graph.replays == 1, (refused, calls)
+
+
+def test_a_host_scalar_changing_between_piecewise_steps_captures_the_pieces_again():
+    """The pieces bake a host scalar's value (a temperature) in: one of another value is seen at the
+    next step (`CapturedInputs`' scalars) and the pieces captured again (tests/test_piecewise.py)."""
+    from tests.test_piecewise import test_a_host_scalar_changing_between_piecewise_steps_and_three_outputs as case
+
+    case(dynamic=False)
+
+
+@torch.no_grad()
+def test_a_parameter_argument_swapped_between_piecewise_steps_under_frozen_parameters():
+    """Under `frozen_parameters` a parameter's address is not checked, its object is: a parameter
+    passed as an argument and swapped for another between steps served by pieces is seen, and the
+    pieces captured again, never replayed on the old one's memory."""
+    from torch import nn
+
+    from examples.llama import build
+    from tests.test_direct_soundness import CFG, Headed
+    from tests.test_failed_steps import assert_close
+
+    model, reference = Headed(build(CFG)), Headed(build(CFG))
+    reference.load_state_dict(model.state_dict())
+    heads = [nn.Parameter(torch.randn(CFG.vocab_size, 8, generator=torch.Generator().manual_seed(i)))
+             for i in range(2)]
+    fn, artifacts = _compile(model, runtime="sim", frozen_parameters=True)
+    batch = PagedBatch(CFG, seed=1)
+    for head in (heads[0], heads[0], heads[1], heads[1], heads[0]):
+        step = dict(batch.step([40, 30], [20, 15]), head=head)  # 35 tokens: above the largest bucket
+        assert_close(fn(**step), reference(**step))
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) == 5, [a.stats for a in artifacts]
+
+
+def test_piece_copies_pad_each_copied_input_past_the_steps_rows_by_its_role(p64):
+    """The 50-token step on p64: the first piece's buffers take the step's rows, and past them the
+    padding of each input's role (the slot mapping's -1, which the pieces' cache-write views skip; 0
+    for ids and positions), whatever an earlier, longer step left there."""
+    _, graph, (step, _) = p64
+    first = graph.pieces[0]
+    saved = [b.clone() for _, b in first.copied]
+    try:
+        for _, buffer in first.copied:
+            buffer.fill_(7)
+        dests, padding = graph.piece_copies(first, step.symbols)
+        assert [tuple(d.shape) for d in dests] == [(50,)] * 3
+        for dest, constant in padding:
+            dest.copy_(constant)
+        for node, buffer in first.copied:
+            pad = -1 if node.name == "l_slot_mapping_" else 0
+            assert buffer[:50].eq(7).all() and buffer[50:].eq(pad).all(), node.name
+    finally:
+        for (_, buffer), old in zip(first.copied, saved, strict=True):
+            buffer.copy_(old)
