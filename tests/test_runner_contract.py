@@ -855,3 +855,15 @@ def test_a_piecewise_capture_asks_the_target_for_its_graph_once_per_size_and_its
     assert [c for c in calls if c[0] == "begin"] == [("begin", "p64")] * 2
     groups_of = [c[1] for c in calls if c[0] == "groups of"]  # settled (and run live) on that form's collectives
     assert len(groups_of) >= 2 and all(gm is made for gm in groups_of)
+
+
+def test_a_step_run_eagerly_is_logged_as_one_line_saying_why(caplog):
+    """The fallback's log line is exactly `ascend_compile: <why>: running eagerly` (one line per reason,
+    what a user greps for), once however many steps it serves."""
+    cfg, model, reference = _llama()
+    fn, _ = _compile(model, runtime="sim", piecewise_sizes=[])
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, PagedBatch(cfg, seed=4), [([40], [40]), ([41], [40])])
+    reason = f"{NO_GRAPH.format(40, 1)}; not piecewise: piecewise_sizes is empty"
+    lines = [r.getMessage() for r in caplog.records if "running eagerly" in r.getMessage()]
+    assert lines == [f"ascend_compile: {reason}: running eagerly"]
