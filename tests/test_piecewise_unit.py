@@ -490,3 +490,55 @@ def test_piece_copies_pad_each_copied_input_past_the_steps_rows_by_its_role(p64)
     finally:
         for (_, buffer), old in zip(first.copied, saved, strict=True):
             buffer.copy_(old)
+
+
+def test_a_value_found_from_the_query_start_loc_runs_between_pieces_and_is_copied_into_the_next():
+    """Each token's sequence, found from `query_start_loc` (a `searchsorted` over the starts) on steps
+    above the buckets: a node reading an input sized by the sequence count runs between the pieces, on
+    the step's own tensors (no piece copies `query_start_loc`), and its token-sized result is copied
+    into the piece reading it, its real rows only; every output equal to eager."""
+    from tests.test_audit_survivors import per_sequence_steps
+
+    body = ("starts = query_start_loc.to(torch.int64)\n"
+            "seq = torch.searchsorted(starts, torch.arange(n, dtype=torch.int64), right=True) - 1\n"
+            "return logits + seq[:, None].to(logits.dtype)")  # each token's sequence
+    steps = [([40, 30, 20], [20, 15, 10]), ([50, 9], [30, 2]), ([40, 31, 21], [20, 15, 10])]
+    artifacts = per_sequence_steps(body, steps)
+    assert sum(a.stats["piecewise_steps"] for a in artifacts) == 3, [a.stats for a in artifacts]
+    copied = [n.name for a in artifacts for g in a.piecewise.values() for c in g.pieces for n, _ in c.copied]
+    assert "searchsorted" in copied and not any("query_start_loc" in name for name in copied), copied
+
+
+def test_piece_copies_give_each_copied_value_its_region_in_order_padding_only_the_signatures_inputs(p64):
+    """A piece's copy-in: one region per copied value, in order. An eager node's result, and a value at
+    a placeholder past the signature's inputs (the host lists' come there), is copied as it is, unpadded;
+    the signature's inputs after it still get their regions and their role's padding."""
+    import types
+
+    _, graph, (step, _) = p64
+    first = graph.pieces[0]
+    eager = next(s.node for s in graph.segments if isinstance(s, EagerNode))
+    past = next(n for n, i in graph.index.items() if i == len(graph.signature.inputs))
+    made, listed = torch.zeros(64), torch.zeros(2, dtype=torch.int64)
+    piece = types.SimpleNamespace(copied=[(eager, made), (past, listed), *first.copied])
+    dests, padding = graph.piece_copies(piece, step.symbols)
+    assert [(d.data_ptr(), tuple(d.shape)) for d in dests] == \
+        [(made.data_ptr(), (64,)), (listed.data_ptr(), (2,))] + [(b.data_ptr(), (50,)) for _, b in first.copied]
+    assert len(padding) == 3 and all(tuple(d.shape) == (14,) for d, _ in padding)
+
+
+def test_last_uses_count_what_an_attention_fallback_reads(p64):
+    """A value the attention op run instead of a kernel reads (`fallbacks`) is in use until that kernel's
+    segment, though no node reads it there: it must stay allocated for a step the kernel is refused."""
+    _, graph, _ = p64
+    where = {n: i for i, s in enumerate(graph.segments) for n in (s.nodes if isinstance(s, Piece) else [s.node])}
+    uses = graph.last_uses()
+    kernel = max(graph.fallbacks, key=where.__getitem__)
+    early = next(n for n in graph.produced if uses[n] < where[kernel])
+    saved = graph.fallbacks
+    call, nodes = saved[kernel]
+    graph.fallbacks = {**saved, kernel: (call, [*nodes, early])}
+    try:
+        assert graph.last_uses()[early] == where[kernel] and uses[early] < where[kernel]
+    finally:
+        graph.fallbacks = saved
