@@ -542,3 +542,10 @@ def test_last_uses_count_what_an_attention_fallback_reads(p64):
         assert graph.last_uses()[early] == where[kernel] and uses[early] < where[kernel]
     finally:
         graph.fallbacks = saved
+
+
+def test_narrow_leaves_a_sequence_with_no_sequence_example_and_a_value_with_one_as_they_are():
+    padded = torch.zeros(8, 3)
+    pair = (padded, [padded])
+    assert _narrow(pair, None, {}) is pair and _narrow(pair, torch.empty(2, 3), {}) is pair
+    assert _narrow(7, (torch.empty(2),), {}) == 7

@@ -867,3 +867,30 @@ def test_a_step_run_eagerly_is_logged_as_one_line_saying_why(caplog):
     reason = f"{NO_GRAPH.format(40, 1)}; not piecewise: piecewise_sizes is empty"
     lines = [r.getMessage() for r in caplog.records if "running eagerly" in r.getMessage()]
     assert lines == [f"ascend_compile: {reason}: running eagerly"]
+
+
+def test_a_capture_is_logged_as_one_line_with_its_seconds_and_update_entries(caplog):
+    """`ascend_compile: captured <graph> in <s> s (<n> update entries)`: one exact line per capture."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([6, 10], None)])
+    (entry,) = [e for e in artifacts[-1].graphs.values() if e.graph is not None]
+    lines = [r.getMessage() for r in caplog.records if "captured b" in r.getMessage()]
+    assert lines == [f"ascend_compile: captured {entry.name} in {entry.capture_seconds:.3f} s "
+                     f"({len(entry.table.entries)} update entries)"] and entry.table.entries
+
+
+def test_on_a_runtime_without_graphs_a_steps_outputs_are_its_eager_runs_own_not_copied(monkeypatch):
+    """runtime="eager": each step runs the graph eagerly; its outputs are that run's own tensors (cut to
+    the step), never cloned: a clone would be a copy per step no device needs."""
+    cfg, model, reference = _llama()
+    fn, _ = _compile(model, runtime="eager")
+    made = []
+    run_eager = GraphEntry.run_eager
+    monkeypatch.setattr(GraphEntry, "run_eager", lambda self, *args: made.append(run_eager(self, *args)) or made[-1])
+    inputs = PagedBatch(cfg, seed=4).step([5, 9], None)
+    with torch.no_grad():
+        got = fn(**inputs)
+        assert_close(got, reference(**inputs))
+    assert len(made) == 1 and got.data_ptr() == made[0][0].data_ptr()
