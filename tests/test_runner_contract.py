@@ -894,3 +894,63 @@ def test_on_a_runtime_without_graphs_a_steps_outputs_are_its_eager_runs_own_not_
         got = fn(**inputs)
         assert_close(got, reference(**inputs))
     assert len(made) == 1 and got.data_ptr() == made[0][0].data_ptr()
+
+
+def test_a_pa_decode_graph_is_captured_at_the_kv_length_its_block_table_and_max_model_len_allow(monkeypatch):
+    """On the device, the decode graph PA serves (bucket 4 under `pa_max_batch=4`) is captured with every
+    sequence at one KV length (`inputs.capture_seq_len`: at most 6144, what the block table holds,
+    `max_model_len`; here 1000 tokens, below the 8 blocks of 128 the table holds), never at the padding's
+    lengths; the FIA graph (bucket 8) at the padding's (None). Each step equals eager."""
+    import ascend_compile
+    from ascend_compile.backend import backend
+    from ascend_compile.config import CompileConfig
+    from examples.llama import LlamaConfig, build
+    from tests import fake_torch_npu
+
+    fake_torch_npu.install(monkeypatch)
+    seen = {}
+    capture = GraphEntry.capture
+
+    def recording(self, runtime, args, workspaces, seq_len, *rest):
+        seen[self.key.bucket] = seq_len
+        return capture(self, runtime, args, workspaces, seq_len, *rest)
+
+    monkeypatch.setattr(GraphEntry, "capture", recording)
+    cfg = LlamaConfig(num_layers=2, num_blocks=128, block_size=128, dtype=torch.bfloat16)
+    model, reference = build(cfg), build(cfg)
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=1000, capture_sizes=(4, 8), piecewise_sizes=(16,), runtime="npu",
+                           pa_max_batch=4)
+    fn = ascend_compile.compile(model, backend=backend(config))
+    batch = PagedBatch(cfg, seed=3)
+    with torch.no_grad():
+        for lens in ([10, 20, 30], [7] * 6):
+            inputs = batch.step(lens)
+            torch.testing.assert_close(fn(**inputs), reference(**inputs), atol=2e-2, rtol=2e-2)
+    assert seen == {4: 1000, 8: None}
+
+
+def test_each_full_graph_is_settled_with_its_own_name_and_module(monkeypatch):
+    """After each capture the artifact settles it (`CaptureFailures.settle`) with the graph's name and
+    its own module, whose collectives name the ranks that must agree that the capture stood."""
+    from ascend_compile.lowering.capture_failures import CaptureFailures
+
+    settled = []
+    settle = CaptureFailures.settle
+    monkeypatch.setattr(CaptureFailures, "settle",
+                        lambda self, name, gm, error: settled.append((name, gm)) or settle(self, name, gm, error))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[])
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None), ([6, 10, 3, 4, 5], None)])
+    entries = [e for e in artifacts[-1].graphs.values() if e.graph is not None]
+    assert len(entries) == 2 and settled == [(e.name, e.gm) for e in entries]
+
+
+def test_the_capture_failure_contracts_hold_at_the_artifact(caplog):
+    """tests/test_capture_failures.py and tests/test_runtime_graphs.py's cases where the runner's
+    capture names the graph to the device's budget (`begin`) and to the error of a graph keeping
+    sizes as seen (its name, bucket and sizes), run here, beside the runner's other contracts."""
+    from tests import test_capture_failures, test_runtime_graphs
+
+    test_capture_failures.test_a_graph_captured_before_the_streams_ran_out_is_captured_again_when_its_inputs_move(caplog)
+    test_runtime_graphs.test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error()
