@@ -954,3 +954,51 @@ def test_the_capture_failure_contracts_hold_at_the_artifact(caplog):
 
     test_capture_failures.test_a_graph_captured_before_the_streams_ran_out_is_captured_again_when_its_inputs_move(caplog)
     test_runtime_graphs.test_token_dims_the_general_trace_keeps_apart_are_a_clear_capture_error()
+
+
+def test_a_step_the_pieces_refuse_runs_eagerly_counted_and_logged_with_the_refusal(caplog):
+    """A 40-token prefill is served on the p64 pieces (its line logged exactly); then the pieces' plan
+    refuses the next step (the target refuses its lengths and a kernel has no attention op to run
+    instead): that step runs eagerly, equal to eager, counted as such under the reason with the
+    refusal, logged once."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    with caplog.at_level(logging.INFO, logger="ascend_compile"):
+        _steps(fn, reference, batch, [([40], [40])])
+        art = artifacts[-1]
+        (graph,) = art.piecewise.values()
+        graph.step_guard, graph.unbacked = (lambda host, args: "too many query tokens"), "fia_1"
+        _steps(fn, reference, batch, [([50], [50])])
+    refused = f"{NO_GRAPH.format(50, 1)}; too many query tokens, and fia_1 has no attention op to run instead"
+    assert art.not_full == {NO_GRAPH.format(40, 1): 1, refused: 1}
+    assert art.served == {("prefill", "piecewise"): 1, ("prefill", "eager"): 1} and art.stats["eager_fallbacks"] == 1
+    lines = [r.getMessage() for r in caplog.records if "no graph for" in r.getMessage()]
+    assert lines == [f"ascend_compile: {NO_GRAPH.format(40, 1)}: serving it piecewise (p64)",
+                     f"ascend_compile: {refused}: running eagerly"]
+
+
+def test_a_buckets_graph_is_specialised_by_the_target_once_for_all_its_captures(monkeypatch):
+    """A bucket captured at two values of a specialized size (a fixed-size buffer under dynamic=True)
+    holds two graphs of one specialised module: the target specialises each key once."""
+    from ascend_compile.targets import Target
+    from tests.test_runtime_graphs import Caller, compiled, make_step
+
+    keys = []
+    specialize = Target.specialize
+    monkeypatch.setattr(Target, "specialize", lambda self, gm, key, config: keys.append(key) or specialize(self, gm, key, config))
+    torch._dynamo.reset()
+    body = "buf[0, :n].copy_(tokens)\nreturn logits"
+    fn, artifacts = compiled(make_step(body), dynamic=True, max_specializations=2)
+    reference, caller = make_step(body), Caller(0)
+    with torch.no_grad():
+        for width in (20, 30, 20):
+            inputs = caller.step(3)
+            a, b = torch.zeros(1, width, dtype=torch.int64), torch.zeros(1, width, dtype=torch.int64)
+            fn(**inputs, buf=a)
+            reference(**inputs, buf=b)
+            assert torch.equal(a, b)
+    art = artifacts[-1]
+    graphs = [g for g in art.graphs.values() if g.graph is not None]
+    assert len(graphs) == 2 and graphs[0].gm is graphs[1].gm
+    assert [k for k in keys if k == graphs[0].key] == [graphs[0].key]
