@@ -549,3 +549,44 @@ def test_narrow_leaves_a_sequence_with_no_sequence_example_and_a_value_with_one_
     pair = (padded, [padded])
     assert _narrow(pair, None, {}) is pair and _narrow(pair, torch.empty(2, 3), {}) is pair
     assert _narrow(7, (torch.empty(2),), {}) == 7
+    s0 = sympy.Symbol("s0")
+    s = ShapeEnv().create_symintnode(s0, hint=5)
+    assert _narrow((64, [64]), (s + 1, [s * 2]), {s0: 6}) == (7, [12])  # each element at the step's sizes
+
+
+@torch.no_grad()
+def test_a_step_whose_kernels_are_refused_runs_the_layers_attention_ops_as_the_model_called_them(monkeypatch):
+    """On pieces, a step whose lengths the target refuses the kernels (here every step after the
+    capture's) runs each layer's attention op in their place, with the model's own arguments, keywords
+    included (a sliding layer's `window=`), and the other nodes between pieces as they are; every step
+    equal to eager."""
+    from ascend_compile.runtime.sim import SimRuntime
+    from examples.llama import LlamaConfig, build
+    from tests.test_failed_steps import assert_close
+
+    cfg = LlamaConfig(num_layers=2, num_blocks=512, block_size=16, sliding_window=8, layer_types=("sliding", "full"))
+    model, reference = build(cfg), build(cfg)
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    inputs = batch.step([40], [40])
+    assert_close(fn(**inputs), reference(**inputs))
+    (graph,) = artifacts[-1].piecewise.values()
+    graph.step_guard = lambda host, args: "these lengths are refused"
+    ran = []
+    kernel = SimRuntime.kernel
+    monkeypatch.setattr(SimRuntime, "kernel", lambda self, target: ran.append(str(target)) or kernel(self, target))
+    for lens in ([50], [45]):
+        inputs = batch.step(lens, lens)
+        assert_close(fn(**inputs), reference(**inputs))
+    assert dict(graph.refusals) == {"these lengths are refused": 2} and graph.replays == 3
+    assert not [t for t in ran if "fused_infer_attention" in t], ran  # the kernels the target refused: never run
+    assert [call[2].get("window") for call, _ in graph.fallbacks.values()] == [8, None]  # the layers' own
+
+
+def test_run_eager_gives_a_method_its_keyword_arguments(p64):
+    art, graph, _ = p64
+    g = fx.Graph()
+    x = g.placeholder("x")
+    method = g.call_method("to", (x,), {"dtype": torch.float64})
+    got = graph.run_eager(art.runtime, method, {x: torch.ones(2, dtype=torch.int32)}.get, None, True)
+    assert got.dtype == torch.float64 and torch.equal(got, torch.ones(2, dtype=torch.float64))

@@ -1002,3 +1002,11 @@ def test_a_buckets_graph_is_specialised_by_the_target_once_for_all_its_captures(
     graphs = [g for g in art.graphs.values() if g.graph is not None]
     assert len(graphs) == 2 and graphs[0].gm is graphs[1].gm
     assert [k for k in keys if k == graphs[0].key] == [graphs[0].key]
+
+
+def test_a_target_specialising_by_the_config_gets_the_artifacts():
+    """The CUDA target specialises each bucket's graph by the artifact's config (its split count, its
+    inner compiler): tests/test_triton_kernels.py's CUDA path on a CPU stand-in, run here."""
+    from tests import test_triton_kernels
+
+    test_triton_kernels.test_backend_rewrites_to_device_lengths_for_the_cuda_runtime()
