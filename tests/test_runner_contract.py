@@ -1010,3 +1010,58 @@ def test_a_target_specialising_by_the_config_gets_the_artifacts():
     from tests import test_triton_kernels
 
     test_triton_kernels.test_backend_rewrites_to_device_lengths_for_the_cuda_runtime()
+
+
+def test_a_full_graph_step_that_raises_is_noted_with_what_it_may_have_written(monkeypatch, caplog):
+    """A replay raising: the error's note and the warning say which rows the step may have written (its
+    slots, its sequences) and how to write them anew, the same words in both."""
+    cfg, model, reference = _llama()
+    fn, _ = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    monkeypatch.setattr(GraphEntry, "replay", lambda *a, **k: (_ for _ in ()).throw(Raised("injected")))
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ascend_compile"), pytest.raises(Raised) as err:
+        fn(**batch.step([6, 10], None))
+    (note,) = err.value.__notes__
+    assert re.fullmatch(r"ascend_compile: b4\.decode: it may have written 4 KV caches at its own slots \d+\.\.\d+ "
+                        r"\(2 slots\), for its 2 sequences \(query tokens 1, 1\), and no other row; run the same step "
+                        r"again to write them anew", note), note
+    assert caplog.messages[-1] == f"ascend_compile: b4.decode: the step raised Raised; {note.split(': ', 2)[2]}"
+
+
+def test_the_plan_is_written_at_each_capture_not_at_each_step(monkeypatch, tmp_path):
+    """plan.json says what each capture decided: written when a graph is captured (or found never to
+    be), never by a step replaying a graph already captured (no per-step host work)."""
+    from ascend_compile.lowering.runner import CompiledArtifact
+
+    writes = []
+    write_plan = CompiledArtifact.write_plan
+    monkeypatch.setattr(CompiledArtifact, "write_plan", lambda self: writes.append(1) or write_plan(self))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", dump_dir=str(tmp_path), piecewise_sizes=[])
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    after_capture = len(writes)
+    _steps(fn, reference, batch, [([6, 10], None), ([7, 11, 3], None), ([8, 12], None)])
+    assert after_capture >= 1 and len(writes) == after_capture and artifacts[-1].stats["replays"] == 4
+
+
+def test_capture_all_captures_every_decode_bucket_once_at_the_first_capture_only(monkeypatch):
+    """`capture_all`: the first capture captures every bucket's decode graph; a later new graph (a new
+    value of a specialized size) captures only itself, not every bucket again."""
+    from tests.test_runtime_graphs import Caller, compiled, make_step
+
+    torch._dynamo.reset()
+    body = "buf[0, :n].copy_(tokens)\nreturn logits"
+    fn, artifacts = compiled(make_step(body), dynamic=True, max_specializations=2, capture_all=True)
+    reference, caller = make_step(body), Caller(0)
+    with torch.no_grad():
+        for width in (20, 30):
+            inputs = caller.step(3)
+            a, b = torch.zeros(1, width, dtype=torch.int64), torch.zeros(1, width, dtype=torch.int64)
+            fn(**inputs, buf=a)
+            reference(**inputs, buf=b)
+            assert torch.equal(a, b)
+    art = artifacts[-1]
+    decode = [k for k in art.rewritten.choices if k.decode]
+    assert len(decode) >= 2 and art.stats["captures"] == len(decode) + 1, (decode, art.stats)
