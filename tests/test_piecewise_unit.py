@@ -590,3 +590,65 @@ def test_run_eager_gives_a_method_its_keyword_arguments(p64):
     method = g.call_method("to", (x,), {"dtype": torch.float64})
     got = graph.run_eager(art.runtime, method, {x: torch.ones(2, dtype=torch.int32)}.get, None, True)
     assert got.dtype == torch.float64 and torch.equal(got, torch.ones(2, dtype=torch.float64))
+
+
+def test_a_kernel_with_no_attention_op_to_run_instead_makes_a_refused_graph_serve_nothing(p64):
+    """A piecewise graph whose kernel has no attention op behind it (`unbacked`, the first such kernel
+    named), where the target refuses the kernels every step: its reason says so, and it serves no step;
+    with every kernel backed, none is named and the graph serves."""
+    from ascend_compile.lowering.piecewise import PiecewiseGraph
+
+    art, graph, _ = p64
+    attention = graph.variant.attention
+    make = lambda refused: PiecewiseGraph(graph.key, graph.specialization, graph.variant, graph.gm,  # noqa: E731
+                                          graph.signature, graph.padded, set(), None, refused)
+    backed = make("the kernels are refused")
+    assert backed.unbacked is None and backed.eager_reason is None
+    graph.variant.attention = {}
+    try:
+        bare, served = make("the kernels are refused"), make(None)
+    finally:
+        graph.variant.attention = attention
+    first = next(n.name for n in graph.gm.graph.nodes if n in graph.fallbacks)
+    assert bare.unbacked == first and served.unbacked == first and served.eager_reason is None
+    assert bare.eager_reason == f"{graph.key}: the kernels are refused, and {first} has no attention op to run instead"
+
+
+def test_a_graph_traced_at_a_static_token_count_that_is_a_piecewise_size_is_served_on_its_pieces(monkeypatch):
+    """`dynamic=False`: a first step of 16 tokens traces a graph whose token count is static (no free
+    symbols); with an op no graph can capture in each layer (tests/test_uncapturable.py) and no bucket
+    of 16 tokens, it is served on the pieces of its own size, equal to eager."""
+    from ascend_compile.backend import backend
+    from ascend_compile.config import CompileConfig
+    from examples import llama
+    from tests import test_uncapturable as uncapturable
+    from tests.test_failed_steps import assert_close
+
+    monkeypatch.setattr(llama.Attention, "attend", uncapturable._attend)
+    cfg = llama.LlamaConfig(num_layers=2, num_blocks=128, block_size=128)
+    model, reference = llama.build(cfg), llama.build(cfg)
+    artifacts = []
+    torch._dynamo.reset()
+    config = CompileConfig(max_model_len=512, capture_sizes=(4, 8), piecewise_sizes=(16, 64))
+    fn = torch.compile(model, backend=backend(config, on_compiled=artifacts.append), dynamic=False)
+    inputs = llama.PagedBatch(cfg, seed=4).step([16], [16])
+    try:
+        with torch.no_grad():
+            uncapturable._CALLER[0] = "compiled"
+            got = fn(**inputs)
+            uncapturable._CALLER[0] = "eager"
+            assert_close(got, reference(**inputs))
+    finally:
+        uncapturable._CALLER[0] = "compiled"
+    art = artifacts[-1]
+    assert isinstance(art.signature.tokens, int) and art.stats["piecewise_steps"] == 1, art.stats
+    assert [str(k) for k, _ in art.piecewise] == ["p16"]
+
+
+def test_the_mla_attention_run_between_pieces_reads_what_its_op_reads(monkeypatch, caplog):
+    """tests/test_piecewise.py's MLA prefill chunks on npu, run here: the layers' MLA attention op, run
+    between the pieces where the target refuses the kernel, reads values the kernel does not (kept as
+    the pieces' outputs), and the kernel runs only on the steps it takes."""
+    from tests import test_piecewise
+
+    test_piecewise.test_mla_prefill_chunks_on_npu_are_served_piecewise(monkeypatch, caplog)
