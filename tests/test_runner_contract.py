@@ -1065,3 +1065,13 @@ def test_capture_all_captures_every_decode_bucket_once_at_the_first_capture_only
     art = artifacts[-1]
     decode = [k for k in art.rewritten.choices if k.decode]
     assert len(decode) >= 2 and art.stats["captures"] == len(decode) + 1, (decode, art.stats)
+
+
+def test_the_ranks_agree_on_a_capture_on_the_artifacts_own_device():
+    """The capture failures' agreement between ranks (a flag all-reduced per collective group) is made
+    on the artifact's runtime's device, where its process groups communicate, not the default one."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None)])
+    art = artifacts[-1]
+    assert art.failures.device == art.runtime.device and art.failures.device is not None
