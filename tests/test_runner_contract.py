@@ -1075,3 +1075,42 @@ def test_the_ranks_agree_on_a_capture_on_the_artifacts_own_device():
     _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None)])
     art = artifacts[-1]
     assert art.failures.device == art.runtime.device and art.failures.device is not None
+
+
+def test_lengths_a_provider_keeps_host_copies_of_are_counted_as_copies_not_conversions(monkeypatch):
+    """A runtime keeping host copies of a step's lengths (vLLM-Ascend's `seq_lens_list`, through the
+    prologue's provider, `passes/providers.py`): the runner takes them instead of reading the tensors,
+    and counts each as a host copy, none as a conversion, step after step; the steps equal eager."""
+    import dataclasses
+
+    from ascend_compile.passes.providers import Provider
+    from ascend_compile.passes.roles import Role
+
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    art = artifacts[-1]
+    (seq_lens,), (starts,) = art.signature.by_role(Role.SEQ_LENS), art.signature.by_role(Role.QUERY_START_LOC)
+    host = lambda args: {seq_lens.name: args[seq_lens.index].tolist(), starts.name: args[starts.index].tolist()}  # noqa: E731
+    prologue = art.rewritten.prologue
+    monkeypatch.setattr(art.rewritten, "prologue", dataclasses.replace(prologue, provider=Provider((), lambda a: [], host)))
+    before = dict(art.stats)
+    _steps(fn, reference, batch, [([6, 10], None), ([7, 11, 3], None), ([40], [40])])
+    assert art.stats["steps"] - before["steps"] == 3
+    assert art.stats["host_copies"] - before["host_copies"] == 6 and art.stats["host_conversions"] == before["host_conversions"]
+
+
+def test_under_grad_mode_steps_whose_inputs_need_no_grad_are_replayed():
+    """Grad mode on (no `torch.no_grad()`), a model whose parameters need no grad: no input of the
+    graph requires grad (its sizes are plain ints), so each step is replayed, not run with autograd."""
+    cfg, model, reference = _llama()
+    model.requires_grad_(False)
+    reference.requires_grad_(False)
+    fn, artifacts = _compile(model, runtime="sim")
+    batch = PagedBatch(cfg, seed=4)
+    for lens in ([5, 9], [6, 10], [7, 11]):
+        inputs = batch.step(lens, None)
+        assert_close(fn(**inputs), reference(**inputs))
+    art = artifacts[-1]
+    assert art.stats["eager_fallbacks"] == 0 and art.stats["replays"] == 3, art.stats
