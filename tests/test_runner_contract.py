@@ -1114,3 +1114,53 @@ def test_under_grad_mode_steps_whose_inputs_need_no_grad_are_replayed():
         assert_close(fn(**inputs), reference(**inputs))
     art = artifacts[-1]
     assert art.stats["eager_fallbacks"] == 0 and art.stats["replays"] == 3, art.stats
+
+
+def test_a_step_with_more_sequences_than_tokens_takes_a_bucket_holding_its_sequences():
+    """Five sequences, one with no query token (four tokens): bucket 4 holds the tokens, not the
+    sequences; the step is served by bucket 8's graph, equal to eager."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[])
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([9, 9, 9, 9, 9], [1, 1, 1, 1, 0])])
+    art = artifacts[-1]
+    assert [e.key.bucket for e in art.graphs.values() if e.graph is not None] == [8] and art.stats["replays"] == 1
+
+
+def test_a_full_graph_refusing_a_step_with_no_pieces_runs_it_eagerly_on_the_callers_arguments(monkeypatch):
+    """A bucket's graph whose guard refuses the step, no piecewise graphs: the step runs as traced on
+    the caller's own arguments, equal to eager, counted under the refusal."""
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim", piecewise_sizes=[])
+    batch = PagedBatch(cfg, seed=4)
+    _steps(fn, reference, batch, [([5, 9], None)])
+    art = artifacts[-1]
+    (entry,) = art.graphs.values()
+    monkeypatch.setattr(entry, "step_guard", lambda host, args: "b4: these lengths are refused")
+    _steps(fn, reference, batch, [([6, 10], None)])
+    assert art.not_full == {"b4: these lengths are refused; not piecewise: piecewise_sizes is empty": 1}
+    assert art.served == {("decode", "full"): 1, ("decode", "eager"): 1}
+
+
+def test_a_direct_call_a_full_graph_does_not_serve_goes_to_the_pieces_as_direct(monkeypatch):
+    """A step the direct dispatcher calls (`call_direct`) that its bucket's graph does not serve (the
+    graph never to be captured, or its guard refusing the step) is handed on as a direct call, so that
+    moved inputs raise `MovedInputs` there instead of a capture."""
+    from ascend_compile.lowering.runner import CompiledArtifact
+
+    calls, handed = [], []
+    call, not_full = CompiledArtifact._call, CompiledArtifact._not_full
+    monkeypatch.setattr(CompiledArtifact, "_call", lambda self, args, *rest, **kw: calls.append(args) or call(self, args, *rest, **kw))
+    monkeypatch.setattr(CompiledArtifact, "_not_full",
+                        lambda self, args, caller_args, step, direct, why: handed.append((direct, why)) or
+                        not_full(self, args, caller_args, step, direct, why))
+    cfg, model, reference = _llama()
+    fn, artifacts = _compile(model, runtime="sim")
+    _steps(fn, reference, PagedBatch(cfg, seed=4), [([5, 9], None)])
+    art = artifacts[-1]
+    (entry,) = art.graphs.values()
+    with torch.no_grad():
+        monkeypatch.setattr(entry, "step_guard", lambda host, args: "refused")
+        art.call_direct(calls[0])
+        monkeypatch.setattr(entry, "eager_reason", "never captured")
+        art.call_direct(calls[0])
+    assert handed == [(True, "refused"), (True, "never captured")]
