@@ -597,6 +597,7 @@ def test_a_kernel_with_no_attention_op_to_run_instead_makes_a_refused_graph_serv
     named), where the target refuses the kernels every step: its reason says so, and it serves no step;
     with every kernel backed, none is named and the graph serves."""
     from ascend_compile.lowering.piecewise import PiecewiseGraph
+    from ascend_compile.passes.kernel_call import KernelCall
 
     art, graph, _ = p64
     attention = graph.variant.attention
@@ -604,12 +605,16 @@ def test_a_kernel_with_no_attention_op_to_run_instead_makes_a_refused_graph_serv
                                           graph.signature, graph.padded, set(), None, refused)
     backed = make("the kernels are refused")
     assert backed.unbacked is None and backed.eager_reason is None
+    first_node, second_node = [n for n in graph.gm.graph.nodes if n in graph.fallbacks]
     graph.variant.attention = {}
     try:
         bare, served = make("the kernels are refused"), make(None)
+        graph.variant.attention = {k: v for k, v in attention.items() if k != KernelCall.of(first_node).meta.attention}
+        partial = make("the kernels are refused")  # the first kernel alone unbacked: the second keeps its op
     finally:
         graph.variant.attention = attention
-    first = next(n.name for n in graph.gm.graph.nodes if n in graph.fallbacks)
+    first = first_node.name
+    assert partial.unbacked == first and list(partial.fallbacks) == [second_node]
     assert bare.unbacked == first and served.unbacked == first and served.eager_reason is None
     assert bare.eager_reason == f"{graph.key}: the kernels are refused, and {first} has no attention op to run instead"
 
