@@ -1164,3 +1164,26 @@ def test_a_direct_call_a_full_graph_does_not_serve_goes_to_the_pieces_as_direct(
         monkeypatch.setattr(entry, "eager_reason", "never captured")
         art.call_direct(calls[0])
     assert handed == [(True, "refused"), (True, "never captured")]
+
+
+def test_a_graph_captured_again_for_moved_caches_keeps_its_specialized_sizes():
+    """A bucket's graph at a specialized size (a fixed-size buffer under dynamic=True) whose KV caches
+    move (new tensors, the same contents): captured again at the same specialized size, equal to eager."""
+    from tests.test_runtime_graphs import Caller, compiled, make_step
+
+    torch._dynamo.reset()
+    body = "buf[0, :n].copy_(tokens)\nreturn logits"
+    module, reference = make_step(body), make_step(body)
+    fn, artifacts = compiled(module, dynamic=True)
+    caller = Caller(0)
+    with torch.no_grad():
+        for step in range(3):
+            if step == 2:  # the caches move: new tensors holding what the old ones held
+                module.key_cache, module.value_cache = module.key_cache.clone(), module.value_cache.clone()
+            inputs = caller.step(3)
+            a, b = torch.zeros(1, 20, dtype=torch.int64), torch.zeros(1, 20, dtype=torch.int64)
+            torch.testing.assert_close(fn(**inputs, buf=a), reference(**inputs, buf=b))
+            assert torch.equal(a, b)
+    art = artifacts[-1]
+    assert art.stats["recaptures"] == 1, art.stats
+    assert [dict(g.specialization) for g in art.graphs.values() if g.graph is not None] == [{str(s): 20 for s in art.signature.specialized}]
